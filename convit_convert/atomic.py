@@ -1,0 +1,59 @@
+"""Write-then-rename, so a failed or interrupted write never leaves a partial file behind."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from .errors import CmhsaError
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def check_writable(path: Path) -> None:
+    """Fail early, before any expensive work, if ``path`` cannot be written."""
+    folder = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        raise CmhsaError("output path is a directory", path)
+    if not folder.is_dir():
+        raise CmhsaError("output folder does not exist", path)
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise CmhsaError("output folder is not writable", path)
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | Path) -> Iterator[Path]:
+    """Yield a temp path in ``path``'s folder; rename it onto ``path`` only if the block succeeds."""
+    path = Path(path)
+    check_writable(path)
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as e:
+        raise CmhsaError(f"cannot create a file in the output folder ({e.strerror})", path) from None
+    os.close(fd)
+    try:
+        yield Path(tmp)
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give what open() would have given
+        os.replace(tmp, path)
+    except OSError as e:
+        raise CmhsaError(f"cannot write ({e.strerror})", path) from None
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+
+
+def atomic_write(path: str | Path, write: Callable[[Path], None]) -> None:
+    """Call ``write(tmp_path)``, then move the result onto ``path``."""
+    with atomic_path(path) as tmp:
+        write(tmp)
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
