@@ -129,8 +129,11 @@ def read_tensors(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, s
     (read with ``weights_only=True``; never an unsafe fallback). Raises CmhsaError."""
     path = Path(path)
     _check_file(path)
-    with open(path, "rb") as f:
-        head = f.read(9)
+    try:
+        with open(path, "rb") as f:
+            head = f.read(9)
+    except OSError as e:
+        raise CmhsaError(f"cannot read ({e.strerror})", path) from None
     if path.suffix == ".onnx":
         raise CmhsaError("ONNX input is not supported yet; give a .safetensors or .pt state dict", path)
     if head.startswith(b"PK") or path.suffix in (".pt", ".pth", ".bin"):

@@ -129,6 +129,7 @@ def convert(
     input: Annotated[
         Path,
         typer.Argument(
+            readable=False,
             help="Conv-phase checkpoint: cmhsa .safetensors, or a bare state dict (.safetensors/.pt/.pth) with --img-size and --patch-size.",
             show_default=False,
         ),
@@ -136,7 +137,11 @@ def convert(
     output: Annotated[
         Path,
         typer.Option(
-            "--output", "-o", help="Attention checkpoint to write (.safetensors).", show_default=False
+            "--output",
+            "-o",
+            help="Attention checkpoint to write (.safetensors).",
+            show_default=False,
+            readable=False,
         ),
     ],
     heads: Annotated[
@@ -169,7 +174,7 @@ def convert(
         bool, typer.Option("--verify/--no-verify", help="Check the result numerically before writing it.")
     ] = True,
     report: Annotated[
-        Path | None, typer.Option(help="Report path (default: OUTPUT's stem + .report.json).")
+        Path | None, typer.Option(readable=False, help="Report path (default: OUTPUT's stem + .report.json).")
     ] = None,
     img_size: Annotated[str | None, typer.Option(help="Bare state dicts only: image size, H or HxW.")] = None,
     patch_size: Annotated[int | None, typer.Option(help="Bare state dicts only: patch size P.")] = None,
@@ -299,13 +304,13 @@ def _default_report(output: Path) -> Path:
 @app.command("verify")
 @handles_errors
 def verify_cmd(
-    conv: Annotated[Path, typer.Argument(help="Conv-phase checkpoint.", show_default=False)],
-    attn: Annotated[Path, typer.Argument(help="Attention checkpoint.", show_default=False)],
+    conv: Annotated[Path, typer.Argument(readable=False, help="Conv-phase checkpoint.", show_default=False)],
+    attn: Annotated[Path, typer.Argument(readable=False, help="Attention checkpoint.", show_default=False)],
     tol: Annotated[float, typer.Option(help="Largest relative error accepted.")] = 1e-5,
     dtype: Annotated[str, typer.Option(help="float32 or float64.")] = "float32",
     batch: Annotated[int, typer.Option(help="Random images per check.")] = 4,
     seed: Annotated[int, typer.Option(help="Seed for the random images.")] = 0,
-    report: Annotated[Path | None, typer.Option(help="Write a JSON report here.")] = None,
+    report: Annotated[Path | None, typer.Option(readable=False, help="Write a JSON report here.")] = None,
     device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N.")] = "auto",
 ) -> None:
     """Check numerically that ATTN computes what CONV computes. Exit 0 pass, 1 outside tol, 2 bad input."""
@@ -371,7 +376,7 @@ def verify_cmd(
 @app.command()
 @handles_errors
 def inspect(
-    ckpt: Annotated[Path, typer.Argument(help="A cmhsa checkpoint.", show_default=False)],
+    ckpt: Annotated[Path, typer.Argument(readable=False, help="A cmhsa checkpoint.", show_default=False)],
     img_size: Annotated[str | None, typer.Option(help="Bare state dicts only: image size, H or HxW.")] = None,
     patch_size: Annotated[int | None, typer.Option(help="Bare state dicts only: patch size P.")] = None,
 ) -> None:
@@ -394,23 +399,25 @@ def inspect(
     info.add_row("parameters", f"{c.num_params:,}")
     info.add_row("dtype", str(c.dtype).removeprefix("torch."))
     info.add_row("file size", f"{facts['bytes']:,} bytes")
-    info.add_row("sha256", facts["sha256"])
     hc = head_count(cfg.kernel_size, cfg.patch_size, cfg.dilation, channels=cfg.hidden_chans)
     info.add_row("heads needed", f"{hc.patch_heads} ({escape(hc.patch_reason)})")
     console.print(info)
+    console.print(f"sha256 {facts['sha256']}", soft_wrap=True)
     if c.kind != "attn":
         return
-    heads = Table(title="Heads (read back from each block's relative position bias)", title_justify="left")
-    heads.add_column("block")
-    for h in range(cfg.num_heads):
-        heads.add_column(f"head {h}", justify="center")
+    heads = Table(title="Pinned offset (dy, dx) per head, read back from the bias", title_justify="left")
+    heads.add_column("head")
     for i in range(cfg.depth):
-        sink = c.tensors.get(f"blocks.{i}.attn.sink")
-        offs = pinned_offsets(c.tensors[f"blocks.{i}.attn.rel_pos_bias"], sink)
-        heads.add_row(str(i), *("free" if o is None else f"({o[0]:+d},{o[1]:+d})" for o in offs))
+        heads.add_column(f"block {i}", justify="center")
+    per_block = [
+        pinned_offsets(c.tensors[f"blocks.{i}.attn.rel_pos_bias"], c.tensors.get(f"blocks.{i}.attn.sink"))
+        for i in range(cfg.depth)
+    ]
+    for h in range(cfg.num_heads):
+        heads.add_row(str(h), *("free" if o[h] is None else f"{o[h][0]:+d},{o[h][1]:+d}" for o in per_block))
     console.print(heads)
     console.print(
-        "[dim](dy, dx): the key patch each query attends to; free: attention not pinned to one patch[/]"
+        "[dim]a query patch at (y, x) reads the key patch at (y+dy, x+dx); free: not pinned to one patch[/]"
     )
 
 
@@ -435,13 +442,13 @@ def heads(
         f"{kernel}x{kernel} kernel, dilation {dilation} (extent {hc.extent} px, 'same' padding {left} before / "
         f"{right} after), {patch}x{patch} patches"
     )
-    t = Table(show_lines=False)
-    for col in ("input", "heads needed", "proven lower bound", "why"):
-        t.add_column(col)
-    lb = lambda v: "-" if v is None else str(v)  # noqa: E731
-    t.add_row(f"patches (P = {patch})", str(hc.patch_heads), lb(hc.patch_lower_bound), hc.patch_reason)
-    t.add_row("pixels (P = 1)", str(hc.pixel_heads), lb(hc.pixel_lower_bound), hc.pixel_reason)
-    console.print(t)
+    lb = lambda v: "none proven" if v is None else str(v)  # noqa: E731
+    console.print(
+        f"patch input (P = {patch}): {hc.patch_heads} heads; lower bound {lb(hc.patch_lower_bound)}"
+    )
+    console.print(f"  {hc.patch_reason}")
+    console.print(f"pixel input (P = 1): {hc.pixel_heads} heads; lower bound {lb(hc.pixel_lower_bound)}")
+    console.print(f"  {hc.pixel_reason}")
     ys = sorted({dy for dy, _ in hc.offsets})
     grid = "\n".join(
         "  " + "  ".join(f"h{ys.index(dy) * len(ys) + ys.index(dx)}:({dy:+d},{dx:+d})" for dx in ys)

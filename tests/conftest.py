@@ -1,0 +1,69 @@
+"""Shared helpers. References here are independent of the code under test: torch.nn.functional
+convolutions with explicit padding, explicit loops, impulse responses."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from convit_convert.config import ViTConfig
+from convit_convert.conv_vit import ConvViT
+
+FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "conv_digits.safetensors"
+
+
+def reference_conv(
+    pixels: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dilation: int
+) -> torch.Tensor:
+    """PyTorch 'same' convolution written out: zero-pad D(K-1)//2 before and the rest after, then a
+    valid convolution."""
+    k = weight.shape[-1]
+    total = dilation * (k - 1)
+    left, right = total // 2, total - total // 2
+    return F.conv2d(F.pad(pixels, (left, right, left, right)), weight, bias, dilation=dilation)
+
+
+def tokens_to_pixels(x: torch.Tensor, grid: tuple[int, int], p: int) -> torch.Tensor:
+    """(B, N, P²C) -> (B, C, H, W) by explicit indexing of the documented layout."""
+    b, _n, d = x.shape
+    c = d // (p * p)
+    gh, gw = grid
+    out = torch.empty(b, c, gh * p, gw * p, dtype=x.dtype)
+    for gy in range(gh):
+        for gx in range(gw):
+            patch = x[:, gy * gw + gx].reshape(b, p, p, c)  # index (py·P + px)·C + c
+            out[:, :, gy * p : (gy + 1) * p, gx * p : (gx + 1) * p] = patch.permute(0, 3, 1, 2)
+    return out
+
+
+def randomize(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Non-trivial LayerNorm affines and biases (a fresh model has ones and zeros there)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.copy_(
+                    torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.5
+                    + (1.0 if name.endswith("norm1.weight") else 0.0)
+                )
+    return model
+
+
+def conv_model(seed: int = 0, dtype: torch.dtype = torch.float64, **kw) -> ConvViT:
+    torch.manual_seed(seed)
+    cfg = ViTConfig.build(
+        **{"img_size": (12, 8), "patch_size": 4, "depth": 2, "num_classes": 5, "kernel_size": 5, **kw}
+    )
+    return randomize(ConvViT(cfg), seed).to(dtype).eval()
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out - ref).abs().max() / ref.abs().max()).item()
+
+
+@pytest.fixture
+def fixture_path() -> Path:
+    return FIXTURE

@@ -1,0 +1,96 @@
+"""The file format of docs/FORMAT.md, written here independently with plain safetensors/torch."""
+
+from __future__ import annotations
+
+import json
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from conftest import conv_model
+from convit_convert.checkpoint import expected_shapes, load_checkpoint, save_checkpoint
+from convit_convert.errors import CmhsaError
+
+DOC_CONFIG = {  # exactly the keys docs/FORMAT.md requires of a conv checkpoint
+    "img_size": [12, 8], "patch_size": 4, "in_chans": 3, "hidden_chans": 3, "embed_dim": 48,
+    "patch_embed": "identity", "depth": 2, "mlp_hidden_dim": 192, "num_classes": 5, "norm_eps": 1e-6,
+    "kernel_size": 5, "dilation": 1,
+}  # fmt: skip
+
+
+def doc_tensors(
+    depth: int = 2, d: int = 48, c: int = 3, k: int = 5, mlp: int = 192, classes: int = 5
+) -> dict:
+    """The tensor list of docs/FORMAT.md, spelled out by hand."""
+    t = {}
+    for i in range(depth):
+        for n in ("norm1", "norm2"):
+            t[f"blocks.{i}.{n}.weight"] = torch.ones(d)
+            t[f"blocks.{i}.{n}.bias"] = torch.zeros(d)
+        t[f"blocks.{i}.conv.weight"] = torch.randn(c, c, k, k)
+        t[f"blocks.{i}.conv.bias"] = torch.randn(c)
+        t[f"blocks.{i}.mlp.fc1.weight"] = torch.randn(mlp, d)
+        t[f"blocks.{i}.mlp.fc1.bias"] = torch.randn(mlp)
+        t[f"blocks.{i}.mlp.fc2.weight"] = torch.randn(d, mlp)
+        t[f"blocks.{i}.mlp.fc2.bias"] = torch.randn(d)
+    t["norm.weight"], t["norm.bias"] = torch.ones(d), torch.zeros(d)
+    t["head.weight"], t["head.bias"] = torch.randn(classes, d), torch.randn(classes)
+    return t
+
+
+def test_file_written_by_another_tool_loads(tmp_path: Path) -> None:
+    path = tmp_path / "other.safetensors"
+    meta = {"format": "pt", "cmhsa.kind": "conv", "cmhsa.config": json.dumps({**DOC_CONFIG, "their_key": 1})}
+    save_file(doc_tensors(), str(path), metadata={**meta, "their.meta": "x"})
+    ckpt = load_checkpoint(path)
+    assert ckpt.kind == "conv" and ckpt.config.img_size == (12, 8) and ckpt.config.depth == 2
+    assert set(ckpt.tensors) == set(expected_shapes("conv", ckpt.config))
+
+
+def test_roundtrip_attn(tmp_path: Path) -> None:
+    from convit_convert.convert import convert_state_dict
+
+    conv = conv_model()
+    sd, acfg = convert_state_dict(conv.state_dict(), conv.cfg, qk_dim=8)
+    save_checkpoint(tmp_path / "a.safetensors", "attn", acfg, sd)
+    back = load_checkpoint(tmp_path / "a.safetensors")
+    assert back.kind == "attn" and back.config == acfg
+    assert all(torch.equal(back.tensors[k], sd[k]) for k in sd)
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_bare_state_dicts_infer_the_config(tmp_path: Path) -> None:
+    conv = conv_model(hidden_chans=2, in_chans=3, kernel_size=3)  # linear patch embedding
+    sd = conv.state_dict()
+    save_file(sd, str(tmp_path / "bare.safetensors"))
+    torch.save({"epoch": 3, "state_dict": {f"module.{k}": v for k, v in sd.items()}}, tmp_path / "ddp.pth")
+    for name in ("bare.safetensors", "ddp.pth"):
+        ckpt = load_checkpoint(tmp_path / name, img_size=(12, 8), patch_size=4)
+        assert ckpt.source == "state dict"
+        assert ckpt.config == conv.cfg, name
+
+
+def test_conv_without_bias_loads(tmp_path: Path) -> None:
+    t = {k: v for k, v in doc_tensors().items() if not k.endswith("conv.bias")}
+    save_file(
+        t,
+        str(tmp_path / "nb.safetensors"),
+        metadata={"cmhsa.kind": "conv", "cmhsa.config": json.dumps(DOC_CONFIG)},
+    )
+    assert load_checkpoint(tmp_path / "nb.safetensors").config.depth == 2
+
+
+class Evil:
+    def __reduce__(self):  # would run code if unpickled unsafely
+        return (print, ("pwned",))
+
+
+def test_pickles_are_never_loaded_unsafely(tmp_path: Path) -> None:
+    path = tmp_path / "evil.pt"
+    with open(path, "wb") as f:
+        pickle.dump({"x": Evil()}, f)
+    with pytest.raises(CmhsaError, match="weights_only"):
+        load_checkpoint(path, img_size=(12, 8), patch_size=4)
