@@ -20,6 +20,7 @@ from rich.table import Table
 
 from . import __version__
 from .errors import CmhsaError
+from .report import default_report_path
 
 app = typer.Typer(
     name="cmhsa",
@@ -188,7 +189,7 @@ def convert(
     """Convert a conv-phase ViT into the attention ViT that computes the same function (Theorem 1)."""
     from .atomic import check_writable
 
-    report_path = report or _default_report(output)
+    report_path = report or default_report_path(output)
     for p in (output, report_path):
         if _same_file(p, input):
             raise CmhsaError("output path is the input file; choose another", p)
@@ -215,6 +216,7 @@ def convert(
     timings["load_s"] = time.perf_counter() - t
     if ckpt.kind != "conv":
         raise CmhsaError("is an attention checkpoint already; convert takes a conv-phase checkpoint", input)
+    input_facts = file_facts(input)
     t = time.perf_counter()
     tensors, attn_cfg = convert_state_dict(
         ckpt.tensors,
@@ -260,15 +262,13 @@ def convert(
 
     if result is None or result.passed:
         t = time.perf_counter()
-        save_checkpoint(
-            output, "attn", attn_cfg, tensors, {"cmhsa.source_sha256": file_facts(input)["sha256"]}
-        )
+        save_checkpoint(output, "attn", attn_cfg, tensors, {"cmhsa.source_sha256": input_facts["sha256"]})
         timings["write_s"] = time.perf_counter() - t
     doc = {
         "command": "convert",
         "passed": None if result is None else result.passed,
         "input": {
-            **file_facts(input),
+            **input_facts,
             "kind": "conv",
             "read_as": ckpt.source,
             "dtype": str(ckpt.dtype).removeprefix("torch."),
@@ -293,12 +293,6 @@ def convert(
         )
         raise typer.Exit(EXIT_FAIL)
     console.print(f"Wrote {escape(str(output))} and {escape(str(report_path))}")
-
-
-def _default_report(output: Path) -> Path:
-    from .report import default_report_path
-
-    return default_report_path(output)
 
 
 @app.command("verify")

@@ -10,7 +10,6 @@ from typing import Any, Literal
 
 from .errors import CmhsaError
 
-Kind = Literal["conv", "attn"]
 KINDS: tuple[str, ...] = ("conv", "attn")
 
 _SHARED_INT = ("patch_size", "in_chans", "hidden_chans", "embed_dim", "depth", "mlp_hidden_dim",

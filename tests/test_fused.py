@@ -1,0 +1,43 @@
+"""The inference-only fused attention equals the unfused model (float64; rounding only, so 1e-12)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from conftest import conv_model, rel_err
+from convit_convert.attn_vit import AttnViT
+from convit_convert.config import ViTConfig
+from convit_convert.convert import convert_state_dict
+from convit_convert.fused import FusedRelPosAttention, fuse_attention
+
+
+@pytest.mark.parametrize(("qk_dim", "sink"), [(4, True), (4, False), (48, True), (48, False)])  # d = 48
+def test_fused_equals_unfused_random_weights(qk_dim: int, sink: bool) -> None:
+    torch.manual_seed(0)
+    cfg = ViTConfig.build(img_size=(12, 16), patch_size=4, depth=2, num_classes=5).with_attention(
+        5, qk_dim, 52, sink
+    )
+    model = AttnViT(cfg).double().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.5)  # every weight and bias non-trivial, attention not pinned
+    fused = fuse_attention(copy.deepcopy(model))
+    assert isinstance(fused.blocks[0].attn, FusedRelPosAttention)
+    assert fused.blocks[0].attn.fold_qk == (qk_dim == 48)
+    x = torch.randn(3, 3, 12, 16, dtype=torch.float64)
+    with torch.no_grad():
+        assert rel_err(fused(x), model(x)) <= 1e-12
+
+
+def test_fused_converted_model_is_still_the_convolution() -> None:
+    conv = conv_model(seed=4)
+    sd, acfg = convert_state_dict(conv.state_dict(), conv.cfg)
+    attn = AttnViT(acfg).double().eval()
+    attn.load_state_dict(sd)
+    fused = fuse_attention(attn)
+    x = torch.randn(2, 3, 12, 8, dtype=torch.float64)
+    with torch.no_grad():
+        assert rel_err(fused(x), conv(x)) <= 1e-12
