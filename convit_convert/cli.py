@@ -117,6 +117,18 @@ def print_verdict(result: Any) -> None:
     console.print(f"[dim]criterion: {escape(result.criterion)}[/]")
 
 
+def output_facts(output: Path, result: Any) -> dict[str, Any] | None:
+    """Size and sha256 of the written model; --no-verify is the fast path and skips the hash
+    (reading a paper-size model back costs about a second; `cmhsa inspect` prints it)."""
+    from .report import file_facts
+
+    if result is not None and not result.passed:
+        return None
+    if result is None:
+        return {"path": str(output), "bytes": output.stat().st_size, "sha256": None}
+    return file_facts(output)
+
+
 def _same_file(a: Path, b: Path) -> bool:
     try:
         return a.resolve() == b.resolve() or (a.exists() and b.exists() and a.samefile(b))
@@ -273,7 +285,7 @@ def convert(
             "read_as": ckpt.source,
             "dtype": str(ckpt.dtype).removeprefix("torch."),
         },
-        "output": file_facts(output) if result is None or result.passed else None,
+        "output": output_facts(output, result),
         "config": attn_cfg.to_dict("attn"),
         "conversion": {
             "heads": attn_cfg.num_heads,
