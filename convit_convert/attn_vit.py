@@ -52,9 +52,13 @@ class RelPosAttention(nn.Module):
         self.sink = nn.Parameter(torch.zeros(num_heads)) if sink else None
         self.register_buffer("rel_pos_index", relative_position_index(grid_size), persistent=False)
 
+    def position_bias(self) -> torch.Tensor:
+        """(heads, N, N): the relative position bias gathered for every query/key pair."""
+        return self.rel_pos_bias.flatten(1)[:, self.rel_pos_index]
+
     def attn_bias(self) -> torch.Tensor:
         """(heads, N, N) bias, or (heads, N, N+1) with the sink as the last key."""
-        bias = self.rel_pos_bias.flatten(1)[:, self.rel_pos_index]
+        bias = self.position_bias()
         if self.sink is None:
             return bias
         n = bias.shape[1]

@@ -33,7 +33,7 @@ class FusedRelPosAttention(nn.Module):
         super().__init__()
         h, qk, vd = attn.num_heads, attn.qk_dim, attn.v_dim
         d = attn.q.in_features
-        self.num_heads, self.dim = h, d
+        self.num_heads = h
         self.scale = qk**-0.5
         with torch.no_grad():
             wo = attn.proj.weight.view(d, h, vd).permute(1, 2, 0)  # (h, vd, d_out)
@@ -52,7 +52,7 @@ class FusedRelPosAttention(nn.Module):
             else:
                 self.q, self.k = attn.q, attn.k
                 self.qk_dim = qk
-            self.register_buffer("bias", attn.rel_pos_bias.flatten(1)[:, attn.rel_pos_index].detach().clone())
+            self.register_buffer("bias", attn.position_bias())  # a fresh (h, N, N) tensor
             self.register_buffer("sink", None if attn.sink is None else attn.sink.detach().clone())
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:

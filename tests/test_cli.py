@@ -207,11 +207,8 @@ def assert_bad_input(result, path: Path, expect: str, out_dir: Path) -> None:
 
 @pytest.mark.parametrize("kind", BAD)
 def test_bad_input_files(kind: str, fixture_path: Path, tmp_path: Path) -> None:
-    bad = (
-        corrupt(kind, fixture_path, tmp_path / "in" / "bad.safetensors")
-        if (tmp_path / "in").mkdir() is None
-        else None
-    )
+    (tmp_path / "in").mkdir()
+    bad = corrupt(kind, fixture_path, tmp_path / "in" / "bad.safetensors")
     out_dir = tmp_path / "out"
     out_dir.mkdir()
     args = ["--img-size", "32", "--patch-size", "4"] if kind == "nonsquare" else []
