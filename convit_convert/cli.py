@@ -117,18 +117,6 @@ def print_verdict(result: Any) -> None:
     console.print(f"[dim]criterion: {escape(result.criterion)}[/]")
 
 
-def output_facts(output: Path, result: Any) -> dict[str, Any] | None:
-    """Size and sha256 of the written model; --no-verify is the fast path and skips the hash
-    (reading a paper-size model back costs about a second; `cmhsa inspect` prints it)."""
-    from .report import file_facts
-
-    if result is not None and not result.passed:
-        return None
-    if result is None:
-        return {"path": str(output), "bytes": output.stat().st_size, "sha256": None}
-    return file_facts(output)
-
-
 def _same_file(a: Path, b: Path) -> bool:
     try:
         return a.resolve() == b.resolve() or (a.exists() and b.exists() and a.samefile(b))
@@ -272,10 +260,14 @@ def convert(
         console.print(verify_table(result, "Verification: attention vs convolution"))
         print_verdict(result)
 
+    output_facts = None
     if result is None or result.passed:
         t = time.perf_counter()
-        save_checkpoint(output, "attn", attn_cfg, tensors, {"cmhsa.source_sha256": input_facts["sha256"]})
+        digest = save_checkpoint(
+            output, "attn", attn_cfg, tensors, {"cmhsa.source_sha256": input_facts["sha256"]}
+        )
         timings["write_s"] = time.perf_counter() - t
+        output_facts = {"path": str(output), "bytes": output.stat().st_size, "sha256": digest}
     doc = {
         "command": "convert",
         "passed": None if result is None else result.passed,
@@ -285,7 +277,7 @@ def convert(
             "read_as": ckpt.source,
             "dtype": str(ckpt.dtype).removeprefix("torch."),
         },
-        "output": output_facts(output, result),
+        "output": output_facts,
         "config": attn_cfg.to_dict("attn"),
         "conversion": {
             "heads": attn_cfg.num_heads,

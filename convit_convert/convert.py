@@ -121,7 +121,8 @@ def convert_block(
 ) -> dict[str, torch.Tensor]:
     """One conv mixer -> the tensors of one attention mixer (names relative to ``attn.``).
 
-    ``cfg`` is the attn config (num_heads, qk_dim, v_dim, sink set).
+    ``cfg`` is the attn config (num_heads, qk_dim, v_dim, sink set). Zero W_Q and W_K come back
+    as broadcast views of one zero; ``.clone()`` them before editing in place.
     """
     d, p = cfg.embed_dim, cfg.patch_size
     n_h, qk, vd = cfg.num_heads, cfg.qk_dim, cfg.v_dim
@@ -144,8 +145,8 @@ def convert_block(
             table[r, dy + gh - 1, dx + gw - 1] = m
 
     def qk_weight() -> torch.Tensor:
-        if qk_init_std == 0.0:
-            return torch.zeros(n_h * qk, d, dtype=dtype)
+        if qk_init_std == 0.0:  # W_Q = W_K = 0 as a broadcast view: no memory for 2/5 of the model
+            return torch.zeros((), dtype=dtype).expand(n_h * qk, d)
         return (torch.randn(n_h * qk, d, generator=generator, dtype=torch.float64) * qk_init_std).to(dtype)
 
     out = {

@@ -94,3 +94,39 @@ def test_pickles_are_never_loaded_unsafely(tmp_path: Path) -> None:
         pickle.dump({"x": Evil()}, f)
     with pytest.raises(CmhsaError, match="weights_only"):
         load_checkpoint(path, img_size=(12, 8), patch_size=4)
+
+
+def test_streaming_writer_is_read_back_by_safetensors(tmp_path: Path, monkeypatch) -> None:
+    """Our one-pass writer against safetensors' own reader: every dtype, layout and edge case,
+    with pieces small enough that tensors span several of them."""
+    import hashlib
+
+    from safetensors import safe_open
+
+    from convit_convert import checkpoint
+
+    monkeypatch.setattr(checkpoint, "_CHUNK_BYTES", 64)
+    g = torch.Generator().manual_seed(0)
+    tensors = {
+        "f64": torch.randn(7, 5, generator=g, dtype=torch.float64),
+        "f32.t": torch.randn(6, 9, generator=g).t(),  # non-contiguous
+        "bf16": torch.randn(33, generator=g).to(torch.bfloat16),
+        "f16": torch.randn(3, 4, 2, generator=g).half(),
+        "zeros.view": torch.zeros(()).expand(40, 3),  # broadcast, as the conversion returns W_Q
+        "scalar": torch.tensor(2.5),
+        "empty": torch.zeros(0, 4),
+        "i64": torch.arange(10),
+        "mask": torch.tensor([True, False, True]),
+    }
+    meta = {"format": "pt", "note": 'quotes " and unicode ü'}
+    path = tmp_path / "w.safetensors"
+    with open(path, "wb") as f:
+        digest = checkpoint.write_safetensors(f, tensors, meta)
+    assert digest == hashlib.sha256(path.read_bytes()).hexdigest()
+    with safe_open(str(path), framework="pt") as f:
+        assert f.metadata() == meta
+        assert set(f.keys()) == set(tensors)
+        for name, t in tensors.items():
+            back = f.get_tensor(name)
+            assert back.dtype == t.dtype and back.shape == t.shape, name
+            assert torch.equal(back, t), name
