@@ -470,5 +470,14 @@ def _root(
     """cmhsa: exact conv -> self-attention conversion ("Can Vision Transformers Perform Convolution?")."""
 
 
+def _mount_training() -> None:
+    from train.cli import register  # typer only: torch and timm load when a training command runs
+
+    register(app)
+
+
+_mount_training()
+
+
 def main() -> None:
     app()

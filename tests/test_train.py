@@ -1,0 +1,322 @@
+"""Training: data paths, recipe wiring, resume equality, stopping, DDP on gloo, the CLI.
+
+Tiny configs throughout (16 px images, 4 px patches, one or two blocks) so the file runs in about
+a minute on 2 cores.
+"""
+
+from __future__ import annotations
+
+import csv
+import itertools
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from convit_convert.cli import app
+from convit_convert.errors import CmhsaError
+from train import engine
+from train.config import TrainConfig
+from train.data import EpochSampler, build_data, build_loader, build_transform
+from train.engine import build_recipe, run, scaled_lrs
+from train.phases import TrainingError
+
+TINY = dict(
+    data="synthetic", img_size=16, patch_size=4, depth=1, kernel_size=3, batch_size=32, workers=0,
+    warmup_epochs=1, lr=4e-3, lr_base_batch=32, log_every=1000,
+)  # fmt: skip
+PLAIN = dict(mixup=0.0, cutmix=0.0, smoothing=0.0, drop_path=0.0, aa="none", reprob=0.0)
+
+
+def tiny(tmp_path: Path, name: str = "run", **kw) -> TrainConfig:
+    return TrainConfig(out=str(tmp_path / name), **{**TINY, **kw})
+
+
+def metrics(run_dir: Path) -> list[dict[str, float]]:
+    with open(run_dir / "metrics.csv") as f:
+        return [{k: float(v) for k, v in r.items()} for r in csv.DictReader(f)]
+
+
+# data -----------------------------------------------------------------------------------------
+
+
+def test_digits_and_synthetic_sources() -> None:
+    d = build_data("digits", None, (32, 32))
+    assert (len(d.train), len(d.val), d.num_classes) == (1438, 359, 10)
+    img, label = d.train[0]
+    assert img.size == (8, 8) and img.mode == "RGB" and 0 <= label < 10
+    s1, s2 = (
+        build_data("synthetic", None, (16, 16), num_classes=4),
+        build_data("synthetic", None, (16, 16), num_classes=4),
+    )
+    assert np.array_equal(s1.train.images, s2.train.images)  # generated, reproducibly
+    assert set(s1.train.labels) == {0, 1, 2, 3}
+
+
+def test_imagefolder_and_bad_folders(tmp_path: Path) -> None:
+    from PIL import Image
+
+    for split in ("train", "val"):
+        for c in ("cat", "dog"):
+            (tmp_path / "f" / split / c).mkdir(parents=True)
+            Image.new("RGB", (10, 12), (10, 20, 30)).save(tmp_path / "f" / split / c / "a.png")
+    spec = build_data("imagefolder", tmp_path / "f", (16, 16))
+    assert spec.num_classes == 2 and len(spec.train) == 2
+    (tmp_path / "g" / "train").mkdir(parents=True)
+    cases = [
+        ("imagefolder", tmp_path / "g", "needs val/"),
+        ("imagefolder", tmp_path / "nope", "does not exist"),
+        ("cifar100", tmp_path / "f", "not found or corrupt"),
+        ("cifar10", None, "needs --data-dir"),
+        ("mnist", None, "--data must be one of"),
+    ]
+    for name, root, msg in cases:
+        with pytest.raises(CmhsaError, match=msg):
+            build_data(name, root, (16, 16))
+
+
+def test_sampler_batches_do_not_depend_on_world_size() -> None:
+    one = EpochSampler(100, rank=0, world=1, batch_size=8, seed=3, shuffle=True)
+    two = [EpochSampler(100, rank=r, world=2, batch_size=4, seed=3, shuffle=True) for r in range(2)]
+    for s in [one, *two]:
+        s.set_epoch(5)
+    a = np.array(one.indices()).reshape(-1, 8)
+    b = np.concatenate([np.array(s.indices()).reshape(-1, 4) for s in two], axis=1)
+    assert np.array_equal(a, b) and len(set(a.ravel())) == a.size
+    evals = [
+        EpochSampler(101, rank=r, world=3, batch_size=4, seed=0, shuffle=False).indices() for r in range(3)
+    ]
+    assert sorted(i for e in evals for i in e) == list(range(101))  # every val image once, no padding
+    one.set_epoch(5, start_batch=2)
+    assert [i for _, i in one] == a.ravel()[16:].tolist()
+
+
+def test_augmentation_is_seeded_per_sample_not_per_worker(tmp_path: Path) -> None:
+    cfg = tiny(tmp_path)
+    spec = build_data("synthetic", None, (16, 16))
+    tf = build_transform((16, 16), True, cfg)  # DeiT's full augmentation
+    batches = []
+    for workers in (0, 2):
+        loader = build_loader(spec.train, tf, training=True, batch_size=8, seed=1, workers=workers)
+        loader.sampler.set_epoch(2)
+        batches.append(next(iter(loader))[0])
+    assert torch.equal(batches[0], batches[1])
+    loader.sampler.set_epoch(3)
+    assert not torch.equal(next(iter(loader))[0], batches[0])
+
+
+# recipe -----------------------------------------------------------------------------------------
+
+
+def test_recipe_is_deits(tmp_path: Path) -> None:
+    from timm.loss import SoftTargetCrossEntropy
+
+    from convit_convert.models import build_model
+    from train.phases import flag_config
+
+    cfg = TrainConfig(phase="phase2", img_size=16, patch_size=4, depth=1, epochs=10)
+    assert (cfg.peak_lr, TrainConfig().peak_lr) == (5e-5, 5e-4)  # the paper's peaks
+    lr, min_lr, warm = scaled_lrs(cfg, world=4)  # 4 × 128 = 512: DeiT's reference batch
+    assert (lr, min_lr, warm) == pytest.approx((5e-5, 1e-5, 1e-6))
+    assert scaled_lrs(cfg, world=1)[0] == pytest.approx(5e-5 / 4)
+    model = build_model("attn", flag_config(cfg, 10).with_attention(9), 0.1)
+    opt, sched, mixup, crit = build_recipe(cfg, model, 10, world=4, steps_per_epoch=3)
+    assert type(opt).__name__ == "AdamW"
+    assert opt.defaults["betas"] == (0.9, 0.999) and opt.defaults["eps"] == 1e-8
+    decayed = {id(p) for g in opt.param_groups if g["weight_decay"] == 0.05 for p in g["params"]}
+    names = {n for n, p in model.named_parameters() if id(p) not in decayed}
+    assert {"blocks.0.attn.rel_pos_bias", "blocks.0.attn.sink", "blocks.0.norm1.weight", "head.bias"} <= names
+    assert "blocks.0.attn.q.weight" not in names and "head.weight" not in names
+    assert opt.param_groups[0]["lr"] == pytest.approx(1e-6)  # warm-up starts at warmup_lr
+    lrs = []
+    for epoch in range(1, 11):
+        sched.step(epoch)
+        lrs.append(opt.param_groups[0]["lr"])
+    # timm (and so DeiT): linear warm-up from warmup_lr over 5 epochs, then the cosine curve of the
+    # whole run (warmup_prefix=False), so epoch 5 already sits on the cosine, below the peak
+    assert lrs[3] == pytest.approx(1e-6 + 4 * (5e-5 - 1e-6) / 5)
+    assert lrs[4] == pytest.approx(1e-5 + 0.5 * (5e-5 - 1e-5) * (1 + math.cos(math.pi * 5 / 10)))
+    assert all(a >= b for a, b in itertools.pairwise(lrs[4:]))
+    assert isinstance(crit, SoftTargetCrossEntropy)
+    assert (mixup.mixup_alpha, mixup.cutmix_alpha, mixup.label_smoothing) == (0.8, 1.0, 0.1)
+    tf = repr(build_transform((16, 16), True, cfg))
+    assert "RandAugment" in tf and "RandomErasing(p=0.25" in tf and "bicubic" in tf
+
+
+# runs --------------------------------------------------------------------------------------------
+
+
+def test_resume_mid_epoch_equals_uninterrupted(tmp_path: Path) -> None:
+    """4 epochs straight vs stopped in epoch 2 and resumed: same metrics, same weights, bit for bit
+    (full DeiT augmentation, Mixup/CutMix, drop path and EMA on: every RNG has to be restored)."""
+    kw = dict(epochs=4, model_ema=True, model_ema_decay=0.9, drop_path=0.1)
+    straight = run(tiny(tmp_path, "a", **kw))
+    first = run(tiny(tmp_path, "b", **kw), stop_after_steps=24)  # 16 steps/epoch: mid epoch 2
+    assert first.stopped == "limit" and len(first.rows) == 1
+    resumed = run(tiny(tmp_path, "b", resume=True, **kw))
+    assert resumed.stopped is None
+
+    def strip(rows: list[dict]) -> list[dict]:  # all but the timings
+        return [{k: v for k, v in r.items() if k not in ("epoch_seconds", "images_per_s")} for r in rows]
+
+    assert strip(resumed.rows) == strip(straight.rows)
+    a, b = (
+        load_file(str(tmp_path / "a" / "conv.safetensors")),
+        load_file(str(tmp_path / "b" / "conv.safetensors")),
+    )
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    ema_a = load_file(str(tmp_path / "a" / "conv-ema.safetensors"))
+    ema_b = load_file(str(tmp_path / "b" / "conv-ema.safetensors"))
+    assert all(torch.equal(ema_a[k], ema_b[k]) for k in ema_a)
+    assert [r["epoch"] for r in metrics(tmp_path / "b")] == [1, 2, 3, 4]
+
+
+def test_keep_and_existing_run_guard(tmp_path: Path) -> None:
+    run(tiny(tmp_path, epochs=3, keep=2, **PLAIN))
+    names = sorted(p.name for p in (tmp_path / "run").glob("checkpoint-*.pt"))
+    assert names == ["checkpoint-epoch0002.pt", "checkpoint-epoch0003.pt", "checkpoint-last.pt"]
+    with pytest.raises(CmhsaError, match="pass --resume"):
+        run(tiny(tmp_path, epochs=3, **PLAIN))
+    with pytest.raises(CmhsaError, match="no checkpoint to resume"):
+        run(tiny(tmp_path, "fresh", resume=True))
+
+
+def hook_loss(monkeypatch, hook) -> None:
+    """Route every training loss through ``hook(call_number, loss)``."""
+    real = engine.build_recipe
+
+    def patched(*args, **kwargs):
+        opt, sched, mixup, crit = real(*args, **kwargs)
+        calls = {"n": 0}
+
+        def loss(out, y):
+            calls["n"] += 1
+            return hook(calls["n"], crit(out, y))
+
+        return opt, sched, mixup, loss
+
+    monkeypatch.setattr(engine, "build_recipe", patched)
+
+
+def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path: Path, monkeypatch) -> None:
+    hook_loss(monkeypatch, lambda n, loss: loss * math.nan if n == 20 else loss)  # epoch 2, step 4
+    with pytest.raises(TrainingError, match=r"non-finite loss .* epoch 2, step 4"):
+        run(tiny(tmp_path, epochs=3, **PLAIN))
+    state = torch.load(tmp_path / "run" / "checkpoint-last.pt", weights_only=True)
+    assert (state["epoch"], state["step"]) == (1, 0)
+    assert all(torch.isfinite(t).all() for t in state["model"].values())
+
+
+def test_sigterm_finishes_the_step_saves_and_stops(tmp_path: Path, monkeypatch) -> None:
+    def sigterm_at_3(n: int, loss: torch.Tensor) -> torch.Tensor:
+        if n == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return loss
+
+    hook_loss(monkeypatch, sigterm_at_3)
+    res = run(tiny(tmp_path, epochs=2, **PLAIN))
+    assert res.stopped == "SIGTERM"
+    state = torch.load(tmp_path / "run" / "checkpoint-last.pt", weights_only=True)
+    assert (state["epoch"], state["step"], state["global_step"]) == (0, 3, 3)
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handlers restored
+
+
+def test_ddp_two_gloo_processes_match_one_process(tmp_path: Path) -> None:
+    """torchrun, 2 CPU processes with batch 16 each vs 1 process with batch 32: the same global
+    batches (EpochSampler), gradients averaged by DDP, so the same losses to float rounding."""
+    common = ["--data", "synthetic", "--img-size", "16", "--patch-size", "4", "--depth", "1",
+              "--kernel-size", "3", "--epochs", "2", "--warmup-epochs", "1", "--lr", "4e-3",
+              "--lr-base-batch", "32", "--workers", "0", "--mixup", "0", "--cutmix", "0",
+              "--drop-path", "0", "--device", "cpu"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    ddp = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29517",
+           "-m", "convit_convert", "train", "phase1", *common, "--batch-size", "16", "--out", str(tmp_path / "ddp")]  # fmt: skip
+    r = subprocess.run(ddp, capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert r.stdout.count("epoch 2/2  train_loss") == 1  # rank 0 logs, rank 1 is silent
+    single = [sys.executable, "-m", "convit_convert", "train", "phase1", *common, "--batch-size", "32",
+              "--out", str(tmp_path / "one")]  # fmt: skip
+    r = subprocess.run(single, capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    a, b = metrics(tmp_path / "ddp"), metrics(tmp_path / "one")
+    for ra, rb in zip(a, b, strict=True):
+        assert ra["train_loss"] == pytest.approx(rb["train_loss"], rel=1e-4)
+        assert ra["val_loss"] == pytest.approx(rb["val_loss"], rel=1e-4)
+    assert json.loads((tmp_path / "ddp" / "config.json").read_text())["world_size"] == 2
+
+
+# CLI ---------------------------------------------------------------------------------------------
+
+CLI_TINY = ["--data", "synthetic", "--img-size", "16", "--patch-size", "4", "--depth", "1",
+            "--kernel-size", "3", "--batch-size", "32", "--workers", "0", "--epochs", "1",
+            "--warmup-epochs", "0", "--device", "cpu"]  # fmt: skip
+
+
+def invoke(*args: object):
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def test_cli_phase1_phase2_eval_plot(tmp_path: Path) -> None:
+    r = invoke("train", "phase1", *CLI_TINY, "--out", tmp_path / "p1")
+    assert r.exit_code == 0, r.output
+    conv = tmp_path / "p1" / "conv.safetensors"
+    cfg = json.loads((tmp_path / "p1" / "config.json").read_text())
+    assert cfg["kind"] == "conv" and cfg["model"]["kernel_size"] == 3 and cfg["aa"] == "rand-m9-mstd0.5-inc1"
+    r = invoke("train", "phase2", *CLI_TINY, "--init", conv, "--qk-dim", "8", "--out", tmp_path / "p2")
+    assert r.exit_code == 0, r.output
+    assert "verified: worst relative error" in r.output
+    cfg = json.loads((tmp_path / "p2" / "config.json").read_text())
+    assert cfg["init_info"]["init_kind"] == "conv" and cfg["heads"] == 9 and cfg["lr"] is None
+    assert cfg["model"]["num_heads"] == 9 and cfg["scaled_lr"]["lr"] == pytest.approx(5e-5 * 32 / 512)
+    vit = tmp_path / "p2" / "vit.safetensors"
+    r = invoke("eval", vit, "--data", "synthetic", "--workers", "0", "--device", "cpu")
+    assert r.exit_code == 0 and "top-1" in r.output, r.output
+    r = invoke("plot", tmp_path / "p1", tmp_path / "p2", "-o", tmp_path / "curves.png")
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
+    # phase 2 from an attention checkpoint, and from random (the paper's "2nd phase only")
+    for init, name in ((vit, "p2b"), ("random", "p2r")):
+        r = invoke("train", "phase2", *CLI_TINY, "--init", init, "--out", tmp_path / name)
+        assert r.exit_code == 0, r.output
+
+
+def test_cli_refuses_bad_training_input(tmp_path: Path, fixture_path: Path) -> None:
+    conv_rgb = tmp_path / "p1" / "conv.safetensors"
+    assert invoke("train", "phase1", *CLI_TINY, "--out", tmp_path / "p1").exit_code == 0
+    cases = [
+        (
+            ["train", "phase1", *CLI_TINY, "--data", "imagefolder", "--data-dir", tmp_path / "none"],
+            2,
+            "does not exist",
+        ),
+        (["train", "phase1", *CLI_TINY, "--data", "cifar10"], 2, "needs --data-dir"),
+        (["train", "phase1", *CLI_TINY, "--batch-size", "31"], 2, "even --batch-size"),
+        (["train", "phase1", *CLI_TINY, "--amp", "fp16"], 2, "needs CUDA"),
+        (["train", "phase1", *CLI_TINY, "--resume"], 2, "no checkpoint to resume"),
+        (["train", "phase2", "--data", "synthetic", "--init", fixture_path], 2, "1-channel"),
+        (
+            ["train", "phase2", *CLI_TINY, "--init", conv_rgb, "--kernel-size", "5"],
+            2,
+            "--kernel-size 5 disagrees",
+        ),
+        (
+            ["train", "phase2", *CLI_TINY, "--init", tmp_path / "missing.safetensors"],
+            2,
+            "missing.safetensors",
+        ),
+        (["train", "phase2", *CLI_TINY, "--init", conv_rgb, "--margin", "0.5"], 1, "not exact"),
+    ]
+    for i, (args, code, msg) in enumerate(cases):
+        r = invoke(*args, "--out", tmp_path / f"bad{i}")
+        assert r.exit_code == code, (args, r.output)
+        assert msg in r.output and "Traceback" not in r.output, (args, r.output)
+        assert len(r.output.strip().splitlines()[-1]) < 300

@@ -1,0 +1,219 @@
+"""``cmhsa train phase1|phase2``, ``cmhsa eval`` and ``cmhsa plot``, mounted on the main CLI.
+
+Imports typer only: torch, timm and torchvision load when a command runs, so ``cmhsa --help``
+stays fast. The training flags are one table (FLAGS) shared by both phases; each becomes a
+``--kebab-case`` option whose default is TrainConfig's. A flag left out stays "not given", which
+lets phase 2 take the architecture from its ``--init`` checkpoint and complain only about flags
+that were typed and disagree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import sys
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+
+from .config import PHASE_LR, TrainConfig
+
+EXIT_FAIL, EXIT_BAD_INPUT = 1, 2
+MODEL = "Model"
+PHASE2 = "Phase 2"
+RECIPE = "Recipe (DeiT's, as the paper)"
+RUN = "Running"
+
+# (field, type, help, panel, phases); defaults come from TrainConfig
+FLAGS: list[tuple[str, Any, str, str, tuple[str, ...]]] = [
+    ("data", str, "cifar100, cifar10, imagefolder (DIR/train, DIR/val), digits (scikit-learn's), synthetic.", "Data", ("phase1", "phase2")),
+    ("data_dir", str, "Folder of the dataset (cifar*, imagefolder).", "Data", ("phase1", "phase2")),
+    ("download", bool, "Let torchvision download CIFAR into --data-dir (never without this flag).", "Data", ("phase1", "phase2")),
+    ("num_classes", int, "Classes of --data synthetic.", "Data", ("phase1", "phase2")),
+    ("img_size", int, "Image size (the data is resized to it).", MODEL, ("phase1", "phase2")),
+    ("patch_size", int, "Patch size P.", MODEL, ("phase1", "phase2")),
+    ("hidden_chans", int, "Channels of the pixel view of a token; embed_dim = P² · hidden_chans. 3 = identity patch embedding.", MODEL, ("phase1", "phase2")),
+    ("depth", int, "Blocks.", MODEL, ("phase1", "phase2")),
+    ("mlp_ratio", float, "MLP width / embed_dim.", MODEL, ("phase1", "phase2")),
+    ("kernel_size", int, "Phase-1 convolution K.", MODEL, ("phase1", "phase2")),
+    ("dilation", int, "Phase-1 convolution dilation.", MODEL, ("phase1", "phase2")),
+    ("drop_path", float, "Stochastic depth rate.", MODEL, ("phase1", "phase2")),
+    ("init", str, "Conv-phase checkpoint (converted exactly, verified), attention checkpoint, or 'random'.", PHASE2, ("phase2",)),
+    ("heads", int, "Attention heads (default: as many as the conversion needs).", PHASE2, ("phase2",)),
+    ("qk_dim", int, "Per-head query/key width (default: embed_dim).", PHASE2, ("phase2",)),
+    ("sink", bool, "Per-head sink (exact borders); --no-sink is the paper's construction.", PHASE2, ("phase2",)),
+    ("qk_init_std", float, "Std of a random W_Q, W_K at conversion (0: the paper's zeros, where their gradients vanish).", PHASE2, ("phase2",)),
+    ("margin", float, "Pinning logit margin of the conversion (smaller: softer attention, less exact).", PHASE2, ("phase2",)),
+    ("verify_tol", float, "Largest relative error of the converted model before training starts.", PHASE2, ("phase2",)),
+    ("epochs", int, "Epochs.", RECIPE, ("phase1", "phase2")),
+    ("batch_size", int, "Batch per process.", RECIPE, ("phase1", "phase2")),
+    ("lr", float, "Peak learning rate at a global batch of --lr-base-batch (scaled linearly, as DeiT).", RECIPE, ("phase1", "phase2")),
+    ("lr_base_batch", int, "Global batch at which --lr applies.", RECIPE, ("phase1", "phase2")),
+    ("min_lr", float, "Final cosine learning rate (scaled like --lr).", RECIPE, ("phase1", "phase2")),
+    ("warmup_lr", float, "Learning rate at the start of warm-up (scaled like --lr).", RECIPE, ("phase1", "phase2")),
+    ("warmup_epochs", int, "Linear warm-up epochs (0: none, Section 4.3).", RECIPE, ("phase1", "phase2")),
+    ("sched", str, "timm scheduler name.", RECIPE, ("phase1", "phase2")),
+    ("weight_decay", float, "AdamW weight decay.", RECIPE, ("phase1", "phase2")),
+    ("opt", str, "timm optimizer name.", RECIPE, ("phase1", "phase2")),
+    ("opt_eps", float, "Optimizer epsilon.", RECIPE, ("phase1", "phase2")),
+    ("opt_betas", tuple[float, float], "Optimizer betas.", RECIPE, ("phase1", "phase2")),
+    ("clip_grad", float, "Clip the gradient norm to this (default: no clipping).", RECIPE, ("phase1", "phase2")),
+    ("aa", str, "timm auto-augment policy ('none' to disable).", RECIPE, ("phase1", "phase2")),
+    ("color_jitter", float, "Colour jitter (unused while auto-augment is on, as in timm).", RECIPE, ("phase1", "phase2")),
+    ("reprob", float, "Random erasing probability.", RECIPE, ("phase1", "phase2")),
+    ("remode", str, "Random erasing mode.", RECIPE, ("phase1", "phase2")),
+    ("interpolation", str, "Resize interpolation.", RECIPE, ("phase1", "phase2")),
+    ("crop_pct", float, "Eval centre-crop fraction.", RECIPE, ("phase1", "phase2")),
+    ("mixup", float, "Mixup alpha (0 with --cutmix 0: off).", RECIPE, ("phase1", "phase2")),
+    ("cutmix", float, "CutMix alpha.", RECIPE, ("phase1", "phase2")),
+    ("mixup_prob", float, "Probability of mixing a batch.", RECIPE, ("phase1", "phase2")),
+    ("mixup_switch_prob", float, "Probability of CutMix instead of Mixup.", RECIPE, ("phase1", "phase2")),
+    ("smoothing", float, "Label smoothing.", RECIPE, ("phase1", "phase2")),
+    ("model_ema", bool, "Keep an EMA of the weights (evaluated and saved as *-ema.safetensors).", RECIPE, ("phase1", "phase2")),
+    ("model_ema_decay", float, "EMA decay.", RECIPE, ("phase1", "phase2")),
+    ("seed", int, "Seed of everything random.", RUN, ("phase1", "phase2")),
+    ("device", str, "auto (CUDA when present), cuda, cuda:N or cpu.", RUN, ("phase1", "phase2")),
+    ("amp", str, "auto (bf16 on CUDA, none on CPU), bf16, fp16 or none.", RUN, ("phase1", "phase2")),
+    ("compile", bool, "torch.compile the model.", RUN, ("phase1", "phase2")),
+    ("workers", int, "Data-loading worker processes per process.", RUN, ("phase1", "phase2")),
+    ("resume", bool, "Continue the run in --out from checkpoint-last.pt.", RUN, ("phase1", "phase2")),
+    ("keep", int, "Also keep the newest N end-of-epoch checkpoints.", RUN, ("phase1", "phase2")),
+    ("log_every", int, "Steps between log lines when not on a terminal.", RUN, ("phase1", "phase2")),
+]  # fmt: skip
+
+
+def _option(name: str, typ: Any, help_text: str, panel: str, default: Any) -> inspect.Parameter:
+    flag = "--" + name.replace("_", "-")
+    decls = [f"{flag}/--no-{name.replace('_', '-')}"] if typ is bool else [flag]
+    shown = "per phase: " + ", ".join(f"{k} {v:g}" for k, v in PHASE_LR.items()) if name == "lr" else default
+    if isinstance(shown, tuple):
+        shown = " ".join(map(str, shown))
+    info = typer.Option(
+        *decls, help=f"{help_text} \\[default: {shown}]", show_default=False, rich_help_panel=panel
+    )
+    return inspect.Parameter(
+        name,
+        inspect.Parameter.KEYWORD_ONLY,
+        default=None,
+        annotation=Annotated[Optional[typ], info],  # noqa: UP045 (typer needs the Optional form at runtime here)
+    )
+
+
+def _train_command(phase: str) -> Any:
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+
+    def command(**kwargs: Any) -> None:
+        given = {k: v for k, v in kwargs.items() if v is not None and k != "out"}
+        cfg = TrainConfig(phase=phase, out=str(kwargs["out"]), **given)
+        cfg.extra["explicit"] = sorted(given)
+        _run_training(cfg)
+
+    out = inspect.Parameter(
+        "out",
+        inspect.Parameter.KEYWORD_ONLY,
+        annotation=Annotated[Path, typer.Option("--out", help="Run folder (created).", show_default=False)],
+    )
+    params = [out] + [
+        _option(name, typ, help_text, panel, defaults[name])
+        for name, typ, help_text, panel, phases in FLAGS
+        if phase in phases
+    ]
+    command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+    command.__name__ = phase
+    command.__doc__ = {
+        "phase1": "Phase 1: train the convolutional ViT (each block's attention replaced by a KxK conv).",
+        "phase2": "Phase 2: train the attention ViT, from an exactly converted phase-1 checkpoint (--init).",
+    }[phase]
+    return command
+
+
+def _fail(message: str) -> None:
+    print(f"error: {' '.join(message.split())}", file=sys.stderr)
+
+
+def _run_training(cfg: TrainConfig) -> None:
+    from convit_convert.errors import CmhsaError
+
+    from .engine import run
+    from .phases import TrainingError
+
+    try:
+        result = run(cfg)
+    except CmhsaError as e:
+        _fail(str(e))
+        raise typer.Exit(EXIT_BAD_INPUT) from None
+    except TrainingError as e:
+        _fail(str(e))
+        raise typer.Exit(EXIT_FAIL) from None
+    if result.stopped in ("SIGINT", "SIGTERM"):
+        import signal
+
+        raise typer.Exit(128 + int(getattr(signal, result.stopped)))
+
+
+train_app = typer.Typer(
+    help="Two-phase training (the paper's Section 4): phase1 trains the conv ViT, phase2 the attention ViT.",
+    no_args_is_help=True,
+)
+for _phase in ("phase1", "phase2"):
+    train_app.command(_phase)(_train_command(_phase))
+
+
+def eval_command(
+    checkpoint: Annotated[
+        Path, typer.Argument(help="Model checkpoint (.safetensors, conv or attn).", show_default=False)
+    ],
+    data: Annotated[
+        str, typer.Option(help="cifar100, cifar10, imagefolder, digits, synthetic.")
+    ] = "cifar100",
+    data_dir: Annotated[Optional[str], typer.Option(help="Folder of the dataset.")] = None,  # noqa: UP045
+    download: Annotated[bool, typer.Option(help="Let torchvision download CIFAR.")] = False,
+    batch_size: Annotated[int, typer.Option(help="Batch size.")] = 128,
+    device: Annotated[str, typer.Option(help="auto, cuda, cuda:N or cpu.")] = "auto",
+    amp: Annotated[str, typer.Option(help="auto, bf16, fp16 or none.")] = "none",
+    workers: Annotated[int, typer.Option(help="Data-loading workers.")] = 2,
+    crop_pct: Annotated[float, typer.Option(help="Eval centre-crop fraction.")] = 0.875,
+    seed: Annotated[int, typer.Option(help="Seed of --data synthetic.")] = 0,
+) -> None:
+    """Top-1 / top-5 accuracy and loss of a checkpoint on a dataset's validation split."""
+    from convit_convert.errors import CmhsaError
+
+    try:
+        from .evaluate import evaluate_checkpoint
+
+        evaluate_checkpoint(
+            checkpoint, data=data, data_dir=data_dir, download=download, batch_size=batch_size,
+            device=device, amp=amp, workers=workers, crop_pct=crop_pct, seed=seed,
+        )  # fmt: skip
+    except CmhsaError as e:
+        _fail(str(e))
+        raise typer.Exit(EXIT_BAD_INPUT) from None
+
+
+def plot_command(
+    runs: Annotated[
+        list[Path], typer.Argument(help="Run folders (each with metrics.csv).", show_default=False)
+    ],
+    output: Annotated[Path, typer.Option("--output", "-o", help="Image to write (.png, .pdf, .svg).")] = Path(
+        "curves.png"
+    ),
+) -> None:
+    """Validation loss and top-1 against epoch for one or more runs (the paper's Figure 2 view)."""
+    from convit_convert.errors import CmhsaError
+
+    try:
+        from .plot import plot_runs
+
+        plot_runs(runs, output)
+    except CmhsaError as e:
+        _fail(str(e))
+        raise typer.Exit(EXIT_BAD_INPUT) from None
+    print(f"wrote {output}")
+
+
+def register(app: typer.Typer) -> None:
+    """Mount ``train``, ``eval`` and ``plot`` on the main ``cmhsa`` app."""
+    app.add_typer(train_app, name="train")
+    app.command("eval")(eval_command)
+    app.command("plot")(plot_command)

@@ -1,0 +1,120 @@
+"""A training run's full configuration: the paper's recipe (Appendix B, DeiT's) as defaults.
+
+Saved as ``config.json`` in the run folder and inside every ``checkpoint-last.pt``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+PHASE_LR = {"phase1": 5e-4, "phase2": 5e-5}  # peak learning rates the paper used (Appendix B)
+# fields that change how a run executes but not what it computes: a resumed run may change them
+RUNTIME_FIELDS = (
+    "device",
+    "workers",
+    "compile",
+    "resume",
+    "log_every",
+    "keep",
+    "out",
+    "export_onnx",
+    "extra",
+)
+
+
+@dataclass
+class TrainConfig:
+    phase: str = "phase1"  # "phase1" (ConvViT) or "phase2" (attention ViT)
+    out: str = "runs/run"
+    # data
+    data: str = "cifar100"
+    data_dir: str | None = None
+    download: bool = False
+    num_classes: int = 10  # synthetic data only; the others know theirs
+    # model (the paper's CMHSA-5)
+    img_size: int = 224
+    patch_size: int = 16
+    hidden_chans: int = 3
+    depth: int = 6
+    mlp_ratio: float = 4.0
+    kernel_size: int = 5
+    dilation: int = 1
+    drop_path: float = 0.1
+    # phase 2
+    init: str = "random"  # conv checkpoint, attn checkpoint, or "random"
+    heads: int | None = None  # default: as many as the conversion needs
+    qk_dim: int | None = None  # default: embed_dim (the paper's)
+    sink: bool = True
+    qk_init_std: float = 0.0
+    margin: float = 40.0
+    verify_tol: float = 1e-5
+    # optimisation (DeiT / the paper)
+    epochs: int = 200
+    batch_size: int = 128  # per process
+    lr: float | None = None  # peak lr at a global batch of lr_base_batch; default per phase
+    lr_base_batch: int = 512  # DeiT: lr scales with global batch / 512
+    min_lr: float = 1e-5
+    warmup_lr: float = 1e-6
+    warmup_epochs: int = 5
+    sched: str = "cosine"
+    weight_decay: float = 0.05
+    opt: str = "adamw"
+    opt_eps: float = 1e-8
+    opt_betas: tuple[float, float] = (0.9, 0.999)
+    clip_grad: float | None = None
+    # augmentation and regularisation (DeiT)
+    aa: str = "rand-m9-mstd0.5-inc1"
+    color_jitter: float = 0.3
+    reprob: float = 0.25
+    remode: str = "pixel"
+    interpolation: str = "bicubic"
+    crop_pct: float = 0.875
+    mixup: float = 0.8
+    cutmix: float = 1.0
+    mixup_prob: float = 1.0
+    mixup_switch_prob: float = 0.5
+    smoothing: float = 0.1
+    model_ema: bool = False
+    model_ema_decay: float = 0.99996
+    # running
+    seed: int = 0
+    device: str = "auto"
+    amp: str = "auto"  # auto = bf16 on CUDA, none on CPU
+    compile: bool = False
+    workers: int = 4
+    resume: bool = False
+    keep: int = 0
+    log_every: int = 50
+    export_onnx: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def peak_lr(self) -> float:
+        return PHASE_LR[self.phase] if self.lr is None else self.lr
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["opt_betas"] = list(self.opt_betas)
+        return d
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2) + "\n"
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {k: v for k, v in d.items() if k in known}
+        if "opt_betas" in kwargs:
+            kwargs["opt_betas"] = tuple(kwargs["opt_betas"])
+        return cls(**kwargs)
+
+    def training_differences(self, other: TrainConfig) -> list[str]:
+        """Fields ``other`` sets differently that would change what a resumed run computes (only
+        those ``other`` set explicitly, when it records which: the CLI does)."""
+        a, b = self.to_dict(), other.to_dict()
+        explicit = other.extra.get("explicit")
+        names = [k for k in a if k not in RUNTIME_FIELDS and a[k] != b[k]]
+        return names if explicit is None else [k for k in names if k in explicit]

@@ -1,0 +1,290 @@
+"""Datasets and loaders: CIFAR-10/100, an image folder, scikit-learn's digits, synthetic images.
+
+Every source yields (PIL image, label) and goes through timm's ``create_transform`` (DeiT's
+augmentation in training). Determinism: the loader's sampler yields ``(epoch, index)`` pairs and
+each sample's augmentation is seeded from (seed, epoch, index), so a run's batches do not depend on
+the number of workers, the number of processes, or where a run was stopped and resumed.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from convit_convert.errors import CmhsaError
+
+DATASETS = ("cifar10", "cifar100", "imagefolder", "digits", "synthetic")
+MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: spreads (seed, epoch, index) over the seed space
+
+
+def sample_seed(seed: int, epoch: int, index: int) -> int:
+    return ((seed * MIX + epoch) * MIX + index) % (1 << 63)
+
+
+@dataclass
+class DataSpec:
+    """What the model needs to know about a dataset."""
+
+    train: Dataset
+    val: Dataset
+    num_classes: int
+    in_chans: int = 3
+
+
+class ArrayImages(Dataset):
+    """(N, H, W, 3) uint8 images and labels held in memory, served as PIL images."""
+
+    def __init__(self, images: np.ndarray, labels: Sequence[int]) -> None:
+        self.images, self.labels = images, [int(v) for v in labels]
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int) -> tuple[Any, int]:
+        from PIL import Image
+
+        return Image.fromarray(self.images[i]), self.labels[i]
+
+
+def digits(val_fraction: float = 0.2, seed: int = 0) -> DataSpec:
+    """scikit-learn's bundled 8×8 digits (1797 images, 10 classes), as grey RGB; a fixed split."""
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError:
+        raise CmhsaError("--data digits needs scikit-learn: pip install 'cmhsa[digits]'") from None
+    d = load_digits()
+    img = np.clip(d.images * (255.0 / 16.0), 0, 255).astype(np.uint8)
+    img = np.repeat(img[..., None], 3, axis=3)
+    perm = np.random.default_rng(seed).permutation(len(img))
+    n_val = round(len(img) * val_fraction)
+    val, train = perm[:n_val], perm[n_val:]
+    return DataSpec(ArrayImages(img[train], d.target[train]), ArrayImages(img[val], d.target[val]), 10)
+
+
+def synthetic(
+    img_size: tuple[int, int], num_classes: int = 10, n_train: int = 512, n_val: int = 128, seed: int = 0
+) -> DataSpec:
+    """Learnable noise: each class is a fixed random low-frequency colour pattern; a sample is its
+    class's pattern, randomly shifted, plus pixel noise. For tests and smoke runs."""
+    rng = np.random.default_rng(seed)
+    h, w = img_size
+    coarse = rng.uniform(0, 255, size=(num_classes, 4, 4, 3))
+    templates = coarse.repeat(-(-h // 4), axis=1)[:, :h].repeat(-(-w // 4), axis=2)[:, :, :w]
+
+    def make(n: int) -> ArrayImages:
+        labels = rng.integers(0, num_classes, size=n)
+        shifts = rng.integers(-max(1, h // 8), max(1, h // 8) + 1, size=(n, 2))
+        imgs = np.stack(
+            [np.roll(templates[c], tuple(s), axis=(0, 1)) for c, s in zip(labels, shifts, strict=True)]
+        )
+        imgs = 0.7 * imgs + rng.normal(0, 40, size=imgs.shape)
+        return ArrayImages(np.clip(imgs, 0, 255).astype(np.uint8), labels)
+
+    return DataSpec(make(n_train), make(n_val), num_classes)
+
+
+def cifar(name: str, root: Path, download: bool) -> DataSpec:
+    from torchvision.datasets import CIFAR10, CIFAR100
+
+    cls = CIFAR10 if name == "cifar10" else CIFAR100
+    try:
+        train = cls(str(root), train=True, download=download)
+        val = cls(str(root), train=False, download=download)
+    except RuntimeError as e:  # torchvision: "Dataset not found or corrupted. ..."
+        hint = "" if download else " (pass --download to fetch it)"
+        raise CmhsaError(f"{name} not found or corrupt: {str(e).split('.')[0]}{hint}", root) from None
+    return DataSpec(train, val, len(train.classes))
+
+
+def image_folder(root: Path) -> DataSpec:
+    from torchvision.datasets import ImageFolder
+
+    for split in ("train", "val"):
+        if not (root / split).is_dir():
+            raise CmhsaError(f"imagefolder needs {split}/ (class folders of images) inside", root)
+    try:
+        train, val = ImageFolder(str(root / "train")), ImageFolder(str(root / "val"))
+    except (FileNotFoundError, RuntimeError) as e:
+        raise CmhsaError(f"not a usable image folder ({e})", root) from None
+    if train.classes != val.classes:
+        raise CmhsaError("train/ and val/ have different class folders", root)
+    return DataSpec(train, val, len(train.classes))
+
+
+def build_data(
+    name: str,
+    data_dir: str | Path | None,
+    img_size: tuple[int, int],
+    *,
+    download: bool = False,
+    num_classes: int = 10,
+    seed: int = 0,
+) -> DataSpec:
+    """The named dataset's train and val splits, untransformed. Bad folders raise CmhsaError."""
+    if name not in DATASETS:
+        raise CmhsaError(f"--data must be one of {', '.join(DATASETS)}, got {name!r}")
+    if name == "digits":
+        return digits(seed=0)
+    if name == "synthetic":
+        return synthetic(img_size, num_classes, seed=seed)
+    if data_dir is None:
+        raise CmhsaError(f"--data {name} needs --data-dir")
+    root = Path(data_dir).expanduser()
+    if not root.is_dir() and not (download and name.startswith("cifar")):
+        raise CmhsaError("data folder does not exist", root)
+    if name == "imagefolder":
+        return image_folder(root)
+    root.mkdir(parents=True, exist_ok=True)
+    return cifar(name, root, download)
+
+
+def _posterize(img: Any, bits_to_keep: int, **_: Any) -> Any:
+    """timm's posterize, keeping 0 bits as Pillow < 13 did (a black image): Pillow 13 raises for 0,
+    which rand-m9-mstd0.5-inc1 reaches whenever the magnitude noise lands on 10."""
+    from PIL import Image, ImageOps
+
+    if bits_to_keep >= 8:
+        return img
+    if bits_to_keep <= 0:
+        return Image.new(img.mode, img.size)
+    return ImageOps.posterize(img, bits_to_keep)
+
+
+def build_transform(img_size: tuple[int, int], training: bool, args: Any) -> Any:
+    """DeiT's augmentation (timm ``create_transform``) for training; resize + centre crop for eval."""
+    from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, auto_augment, create_transform
+
+    for name in ("Posterize", "PosterizeIncreasing", "PosterizeOriginal"):
+        auto_augment.NAME_TO_OP[name] = _posterize
+
+    if training:
+        return create_transform(
+            input_size=(3, *img_size),
+            is_training=True,
+            color_jitter=args.color_jitter,
+            auto_augment=None if args.aa in (None, "", "none") else args.aa,
+            interpolation=args.interpolation,
+            re_prob=args.reprob,
+            re_mode=args.remode,
+            re_count=1,
+            mean=IMAGENET_DEFAULT_MEAN,
+            std=IMAGENET_DEFAULT_STD,
+        )
+    return create_transform(
+        input_size=(3, *img_size),
+        is_training=False,
+        interpolation=args.interpolation,
+        crop_pct=args.crop_pct,
+        mean=IMAGENET_DEFAULT_MEAN,
+        std=IMAGENET_DEFAULT_STD,
+    )
+
+
+class Seeded(Dataset):
+    """Wraps a dataset and a transform; item ``(epoch, i)`` is sample ``i`` transformed with every
+    RNG the transform may use (python, numpy, torch) seeded from (seed, epoch, i)."""
+
+    def __init__(self, base: Dataset, transform: Any, seed: int) -> None:
+        self.base, self.transform, self.seed = base, transform, seed
+
+    def __len__(self) -> int:
+        return len(self.base)  # type: ignore[arg-type]
+
+    def __getitem__(self, key: tuple[int, int]) -> tuple[torch.Tensor, int]:
+        epoch, i = key
+        img, label = self.base[i]
+        if hasattr(img, "mode") and img.mode != "RGB":
+            img = img.convert("RGB")
+        s = sample_seed(self.seed, epoch, i)
+        py_state, np_state = random.getstate(), np.random.get_state()
+        with torch.random.fork_rng(devices=[]):
+            random.seed(s)
+            np.random.seed(s % (1 << 32))
+            torch.manual_seed(s)
+            x = self.transform(img)
+        random.setstate(py_state)
+        np.random.set_state(np_state)
+        return x, label
+
+
+class EpochSampler(Sampler):
+    """This rank's share of a seeded permutation of the dataset per epoch, as ``(epoch, i)`` keys.
+
+    Training: shuffled, the tail dropped so every rank gets the same number of whole batches, laid
+    out so that the global batches do not depend on the number of processes.
+    Evaluation: every sample exactly once over all ranks (a strided split, no padding).
+    ``start`` skips the first samples of this rank's share (resuming inside an epoch).
+    """
+
+    def __init__(self, n: int, *, rank: int, world: int, batch_size: int, seed: int, shuffle: bool) -> None:
+        self.n, self.rank, self.world, self.bs, self.seed, self.shuffle = (
+            n,
+            rank,
+            world,
+            batch_size,
+            seed,
+            shuffle,
+        )
+        self.epoch, self.start = 0, 0
+
+    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
+        self.epoch, self.start = epoch, start_batch * self.bs
+
+    def indices(self) -> list[int]:
+        if not self.shuffle:
+            return list(range(self.rank, self.n, self.world))
+        g = torch.Generator().manual_seed(sample_seed(self.seed, self.epoch, -1))
+        perm = torch.randperm(self.n, generator=g)
+        # global batch j is perm[j·G : (j+1)·G], G = world · batch; rank r takes its r-th slice,
+        # so W processes of batch B see exactly the batches one process of batch W·B would
+        g_bs = self.bs * self.world
+        full = perm[: self.n // g_bs * g_bs].view(-1, self.world, self.bs)
+        return full[:, self.rank].reshape(-1).tolist()
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        return iter([(self.epoch, i) for i in self.indices()[self.start :]])
+
+    def __len__(self) -> int:
+        return max(0, len(self.indices()) - self.start)
+
+
+def build_loader(
+    dataset: Dataset,
+    transform: Any,
+    *,
+    training: bool,
+    batch_size: int,
+    seed: int,
+    rank: int = 0,
+    world: int = 1,
+    workers: int = 0,
+    pin_memory: bool = False,
+) -> DataLoader:
+    sampler = EpochSampler(
+        len(dataset),  # type: ignore[arg-type]
+        rank=rank,
+        world=world,
+        batch_size=batch_size,
+        seed=seed,
+        shuffle=training,
+    )
+    if training and len(sampler) == 0:
+        raise CmhsaError(
+            f"the training set ({len(dataset)} images over {world} process(es)) is smaller than one batch of {batch_size}"  # type: ignore[arg-type]
+        )
+    return DataLoader(
+        Seeded(dataset, transform, seed),
+        batch_size=batch_size,
+        sampler=sampler,
+        num_workers=workers,
+        pin_memory=pin_memory,
+        persistent_workers=workers > 0,
+        drop_last=training,
+    )

@@ -1,0 +1,72 @@
+"""Processes and devices: one process per GPU under torchrun (DDP), or a single process.
+
+torchrun sets RANK, WORLD_SIZE and LOCAL_RANK; without them this is a single process. The backend
+is NCCL on CUDA and gloo on CPU (which is how the tests run two processes).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from convit_convert.errors import CmhsaError
+
+
+@dataclass(frozen=True)
+class Context:
+    rank: int
+    world: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world > 1
+
+
+def pick_device(name: str, local_rank: int = 0) -> torch.device:
+    """``auto`` is CUDA when present, else CPU; ``cuda`` means this process's GPU."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise CmhsaError(f"--device {name}: CUDA is not available here (use --device cpu or auto)")
+        return torch.device(name if ":" in name else f"cuda:{local_rank}")
+    if name != "cpu":
+        raise CmhsaError(f"--device must be auto, cpu, cuda or cuda:N, got {name!r}")
+    return torch.device("cpu")
+
+
+def setup(device: str) -> Context:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    dev = pick_device(device, local_rank)
+    if world > 1 and not dist.is_initialized():
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+    return Context(rank, world, local_rank, dev)
+
+
+def all_reduce_sum(t: torch.Tensor, ctx: Context) -> torch.Tensor:
+    if ctx.distributed:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def barrier(ctx: Context) -> None:
+    if ctx.distributed:
+        dist.barrier()
+
+
+def teardown(ctx: Context) -> None:
+    if ctx.distributed and dist.is_initialized():
+        dist.destroy_process_group()
