@@ -1,0 +1,115 @@
+"""Time per training step of phase 1 (conv ViT) and phase 2 (attention ViT) at the paper's size.
+
+    python bench/train_step.py                                  # CPU, batch 8, 2 threads
+    python bench/train_step.py --device cuda --batch 128 --amp bf16 [--compile]
+
+The paper's model: 224 px, P = 16, d = 768, depth 6, MLP 3072, K = 5, 100 classes; phase 2 with
+9 heads and qk_dim 768 (the paper's) and 64. One step = forward, SoftTargetCrossEntropy on
+Mixup-style soft targets, backward, AdamW step (the training loop's work minus data loading).
+Reports seconds per step, images/s, the phase-2 / phase-1 ratio (the paper measured the attention
+phase about 3x slower per epoch), and on CUDA the model-FLOPs utilisation against --peak-tflops
+(FLOPs counted by torch.utils.flop_counter on one step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from timm.loss import SoftTargetCrossEntropy
+from torch.utils.flop_counter import FlopCounterMode
+
+from convit_convert.config import ViTConfig
+from convit_convert.models import build_model
+
+H100_BF16_TFLOPS = 989.0  # dense bf16 peak of an H100 SXM
+
+
+def models() -> dict[str, tuple[str, ViTConfig]]:
+    conv = ViTConfig.build()
+    return {
+        "phase 1: ConvViT, K=5": ("conv", conv),
+        "phase 2: AttnViT, 9 heads, qk_dim 768": ("attn", conv.with_attention(9)),
+        "phase 2: AttnViT, 9 heads, qk_dim 64": ("attn", conv.with_attention(9, qk_dim=64)),
+    }
+
+
+def time_steps(
+    kind: str, cfg: ViTConfig, args: argparse.Namespace, dev: torch.device, dtype: torch.dtype | None
+) -> tuple[list[float], int]:
+    """Seconds of each timed training step, and the FLOPs of one step."""
+    torch.manual_seed(0)
+    model = build_model(kind, cfg, drop_path_rate=0.1).to(dev).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=5e-4, weight_decay=0.05)
+    fwd = torch.compile(model) if args.compile else model
+    crit = SoftTargetCrossEntropy()
+    scaler = torch.amp.GradScaler(dev.type, enabled=dtype == torch.float16)
+    x = torch.randn(args.batch, 3, *cfg.img_size, device=dev)
+    y = torch.softmax(torch.randn(args.batch, cfg.num_classes, device=dev), dim=1)
+
+    def step(m: torch.nn.Module) -> None:
+        with torch.autocast(dev.type, dtype=dtype, enabled=dtype is not None):
+            loss = crit(m(x), y)
+        opt.zero_grad(set_to_none=True)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+
+    def sync() -> None:
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    with FlopCounterMode(display=False) as fc:
+        step(model)  # counted on the eager model; doubles as the first warm-up step
+    for _ in range(args.warmup):
+        step(fwd)
+    times = []
+    for _ in range(args.steps):
+        sync()
+        t = time.perf_counter()
+        step(fwd)
+        sync()
+        times.append(time.perf_counter() - t)
+    return times, fc.get_total_flops()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--amp", choices=("none", "bf16", "fp16"), default="none")
+    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--peak-tflops", type=float, default=H100_BF16_TFLOPS)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    dev = torch.device(args.device)
+    dtype = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.amp]
+    if dev.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+        print(f"device: {torch.cuda.get_device_name(dev)}")
+    print(f"torch {torch.__version__}, batch {args.batch}, amp {args.amp}, compile {args.compile}, "
+          f"threads {args.threads}, {args.steps} timed steps after {args.warmup} warm-up")  # fmt: skip
+    results = {}
+    for name, (kind, cfg) in models().items():
+        times, flops = time_steps(kind, cfg, args, dev, dtype)
+        med = statistics.median(times)
+        results[name] = med
+        mfu = flops / med / (args.peak_tflops * 1e12) if dev.type == "cuda" else None
+        print(
+            f"{name}: {med:.3f} s/step (best {min(times):.3f}), {args.batch / med:.1f} img/s, "
+            f"{flops / args.batch / 1e9:.1f} GFLOP/img per step"
+            + (f", MFU {100 * mfu:.1f}% of {args.peak_tflops:g} TFLOPS" if mfu is not None else "")
+        )
+    base = results["phase 1: ConvViT, K=5"]
+    for name, t in results.items():
+        print(f"{name}: {t / base:.2f}x phase 1's time per step")
+
+
+if __name__ == "__main__":
+    main()
