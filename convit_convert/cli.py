@@ -6,12 +6,9 @@ never import torch; ``convert``, ``verify`` and ``inspect`` import torch and saf
 
 from __future__ import annotations
 
-import functools
-import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -20,6 +17,7 @@ from rich.table import Table
 
 from . import __version__
 from .errors import CmhsaError
+from .exits import EXIT_FAIL, handles_errors
 from .report import default_report_path
 
 app = typer.Typer(
@@ -30,31 +28,6 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 console = Console(highlight=False)
-
-F = TypeVar("F", bound=Callable[..., Any])
-EXIT_FAIL, EXIT_BAD_INPUT = 1, 2
-
-
-def fail(message: str) -> None:
-    """One line on stderr, no traceback."""
-    print(f"error: {' '.join(message.split())}", file=sys.stderr)
-
-
-def handles_errors(fn: F) -> F:
-    """Bad input becomes a one-line error and exit 2."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except CmhsaError as e:
-            fail(str(e))
-            raise typer.Exit(EXIT_BAD_INPUT) from None
-        except MemoryError:
-            fail("out of memory")
-            raise typer.Exit(EXIT_BAD_INPUT) from None
-
-    return wrapper  # type: ignore[return-value]
 
 
 def parse_img_size(value: str | None) -> tuple[int, int] | None:

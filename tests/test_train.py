@@ -98,6 +98,8 @@ def test_sampler_batches_do_not_depend_on_world_size() -> None:
     assert sorted(i for e in evals for i in e) == list(range(101))  # every val image once, no padding
     one.set_epoch(5, start_batch=2)
     assert [i for _, i in one] == a.ravel()[16:].tolist()
+    for s in [one, *two, EpochSampler(101, rank=2, world=3, batch_size=4, seed=0, shuffle=False)]:
+        assert len(s) == len(list(s))
 
 
 def test_augmentation_is_seeded_per_sample_not_per_worker(tmp_path: Path) -> None:
@@ -320,3 +322,4 @@ def test_cli_refuses_bad_training_input(tmp_path: Path, fixture_path: Path) -> N
         assert r.exit_code == code, (args, r.output)
         assert msg in r.output and "Traceback" not in r.output, (args, r.output)
         assert len(r.output.strip().splitlines()[-1]) < 300
+        assert not (tmp_path / f"bad{i}").exists(), args  # nothing left behind, not even the folder

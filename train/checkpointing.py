@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +51,7 @@ def save(run_dir: Path, state: dict[str, Any], keep: int) -> Path:
     atomic_write(path, lambda tmp: torch.save(state, tmp))
     if keep > 0 and state["step"] == 0:
         numbered = run_dir / f"checkpoint-epoch{state['epoch']:04d}.pt"
-        atomic_write(numbered, lambda tmp: torch.save(state, tmp))
+        atomic_write(numbered, lambda tmp: shutil.copyfile(path, tmp))  # copy the bytes, don't re-pickle
         old = sorted(p for p in run_dir.iterdir() if _EPOCH.match(p.name))
         for p in old[:-keep]:
             p.unlink(missing_ok=True)

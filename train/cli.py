@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import sys
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
 
+from convit_convert.exits import EXIT_FAIL, fail, handles_errors
+
 from .config import PHASE_LR, TrainConfig
 
-EXIT_FAIL, EXIT_BAD_INPUT = 1, 2
 MODEL = "Model"
 PHASE2 = "Phase 2"
 RECIPE = "Recipe (DeiT's, as the paper)"
@@ -103,6 +103,7 @@ def _option(name: str, typ: Any, help_text: str, panel: str, default: Any) -> in
 def _train_command(phase: str) -> Any:
     defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
 
+    @handles_errors
     def command(**kwargs: Any) -> None:
         given = {k: v for k, v in kwargs.items() if v is not None and k != "out"}
         cfg = TrainConfig(phase=phase, out=str(kwargs["out"]), **given)
@@ -128,23 +129,15 @@ def _train_command(phase: str) -> Any:
     return command
 
 
-def _fail(message: str) -> None:
-    print(f"error: {' '.join(message.split())}", file=sys.stderr)
-
-
 def _run_training(cfg: TrainConfig) -> None:
-    from convit_convert.errors import CmhsaError
-
+    """Bad input is handled by ``handles_errors`` (exit 2); a run that cannot go on exits 1."""
     from .engine import run
     from .phases import TrainingError
 
     try:
         result = run(cfg)
-    except CmhsaError as e:
-        _fail(str(e))
-        raise typer.Exit(EXIT_BAD_INPUT) from None
     except TrainingError as e:
-        _fail(str(e))
+        fail(str(e))
         raise typer.Exit(EXIT_FAIL) from None
     if result.stopped in ("SIGINT", "SIGTERM"):
         import signal
@@ -160,6 +153,7 @@ for _phase in ("phase1", "phase2"):
     train_app.command(_phase)(_train_command(_phase))
 
 
+@handles_errors
 def eval_command(
     checkpoint: Annotated[
         Path, typer.Argument(help="Model checkpoint (.safetensors, conv or attn).", show_default=False)
@@ -177,20 +171,15 @@ def eval_command(
     seed: Annotated[int, typer.Option(help="Seed of --data synthetic.")] = 0,
 ) -> None:
     """Top-1 / top-5 accuracy and loss of a checkpoint on a dataset's validation split."""
-    from convit_convert.errors import CmhsaError
+    from .evaluate import evaluate_checkpoint
 
-    try:
-        from .evaluate import evaluate_checkpoint
-
-        evaluate_checkpoint(
-            checkpoint, data=data, data_dir=data_dir, download=download, batch_size=batch_size,
-            device=device, amp=amp, workers=workers, crop_pct=crop_pct, seed=seed,
-        )  # fmt: skip
-    except CmhsaError as e:
-        _fail(str(e))
-        raise typer.Exit(EXIT_BAD_INPUT) from None
+    evaluate_checkpoint(
+        checkpoint, data=data, data_dir=data_dir, download=download, batch_size=batch_size,
+        device=device, amp=amp, workers=workers, crop_pct=crop_pct, seed=seed,
+    )  # fmt: skip
 
 
+@handles_errors
 def plot_command(
     runs: Annotated[
         list[Path], typer.Argument(help="Run folders (each with metrics.csv).", show_default=False)
@@ -200,15 +189,9 @@ def plot_command(
     ),
 ) -> None:
     """Validation loss and top-1 against epoch for one or more runs (the paper's Figure 2 view)."""
-    from convit_convert.errors import CmhsaError
+    from .plot import plot_runs
 
-    try:
-        from .plot import plot_runs
-
-        plot_runs(runs, output)
-    except CmhsaError as e:
-        _fail(str(e))
-        raise typer.Exit(EXIT_BAD_INPUT) from None
+    plot_runs(runs, output)
     print(f"wrote {output}")
 
 

@@ -251,8 +251,12 @@ class EpochSampler(Sampler):
     def __iter__(self) -> Iterator[tuple[int, int]]:
         return iter([(self.epoch, i) for i in self.indices()[self.start :]])
 
-    def __len__(self) -> int:
-        return max(0, len(self.indices()) - self.start)
+    def __len__(self) -> int:  # len(self.indices()) - start, without drawing the permutation
+        if self.shuffle:
+            n = self.n // (self.bs * self.world) * self.bs
+        else:
+            n = len(range(self.rank, self.n, self.world))
+        return max(0, n - self.start)
 
 
 def build_loader(

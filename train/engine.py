@@ -18,6 +18,7 @@ import json
 import math
 import random
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -36,7 +37,7 @@ from convit_convert.errors import CmhsaError
 from convit_convert.models import build_model
 
 from . import checkpointing
-from .config import TrainConfig
+from .config import RUNTIME_FIELDS, TrainConfig
 from .data import build_data, build_loader, build_transform, sample_seed
 from .distributed import Context, all_reduce_sum, barrier, setup, teardown
 from .phases import PhaseModel, TrainingError, build_phase_model
@@ -70,8 +71,6 @@ class StopRequest:
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[StopRequest]:
-        import threading
-
         if threading.current_thread() is not threading.main_thread():
             yield self  # signals only reach the main thread
             return
@@ -219,14 +218,15 @@ def _resume_state(cfg: TrainConfig, out: Path, log: Any) -> tuple[TrainConfig, d
     ignored = saved.training_differences(cfg)
     if ignored:
         log(f"resuming with the saved run's settings; ignoring changed flag(s): {', '.join(ignored)}")
-    for name in ("device", "workers", "compile", "log_every", "keep", "export_onnx"):
-        setattr(saved, name, getattr(cfg, name))
-    saved.resume = True
+    for name in RUNTIME_FIELDS:  # how this invocation runs (resume included), not what it computes
+        if name != "extra":
+            setattr(saved, name, getattr(cfg, name))
     return saved, state
 
 
 def _run(cfg: TrainConfig, ctx: Context, console: Any, stop_after_steps: int | None) -> RunResult:
     out = Path(cfg.out).expanduser()
+    created = not out.exists()
     if ctx.is_main:
         out.mkdir(parents=True, exist_ok=True)
         check_writable(out / "config.json")
@@ -236,6 +236,11 @@ def _run(cfg: TrainConfig, ctx: Context, console: Any, stop_after_steps: int | N
         cfg, state = _resume_state(cfg, out, reporter.log)
         reporter.epochs = cfg.epochs
         return _train(cfg, ctx, out, state, reporter, stop_after_steps)
+    except (CmhsaError, TrainingError):
+        if created and ctx.is_main:  # refused before writing anything: leave no empty run folder
+            with contextlib.suppress(OSError):
+                out.rmdir()
+        raise
     finally:
         reporter.close()
 
@@ -255,16 +260,18 @@ def _train(
     device = ctx.device
     dtype = amp_dtype(cfg, device)
     seed_everything(cfg.seed + ctx.rank)
-    img = (cfg.img_size, cfg.img_size)
-    if ctx.is_main:
-        spec = build_data(
-            cfg.data, cfg.data_dir, img, download=cfg.download, num_classes=cfg.num_classes, seed=cfg.seed
+
+    def data(download: bool):
+        img = (cfg.img_size, cfg.img_size)
+        return build_data(
+            cfg.data, cfg.data_dir, img, download=download, num_classes=cfg.num_classes, seed=cfg.seed
         )
+
+    if ctx.is_main:
+        spec = data(cfg.download)
     barrier(ctx)  # rank 0 downloads (if asked); the others then read
     if not ctx.is_main:
-        spec = build_data(
-            cfg.data, cfg.data_dir, img, download=False, num_classes=cfg.num_classes, seed=cfg.seed
-        )
+        spec = data(False)
 
     if state is None:
         pm = build_phase_model(cfg, spec.num_classes, reporter.log)

@@ -53,21 +53,26 @@ def flag_config(cfg: TrainConfig, num_classes: int, in_chans: int = 3) -> ViTCon
     )
 
 
+def model_flags(mcfg: ViTConfig) -> dict[str, Any]:
+    """The model flags (TrainConfig fields) that describe ``mcfg``; img_size is (H, W) if not square."""
+    h, w = mcfg.img_size
+    flags: dict[str, Any] = {
+        "img_size": h if h == w else (h, w),
+        "patch_size": mcfg.patch_size,
+        "hidden_chans": mcfg.hidden_chans,
+        "depth": mcfg.depth,
+        "mlp_ratio": mcfg.mlp_hidden_dim / mcfg.embed_dim,
+        "kernel_size": mcfg.kernel_size,
+        "dilation": mcfg.dilation,
+    }
+    if mcfg.num_heads is not None:
+        flags.update(heads=mcfg.num_heads, qk_dim=mcfg.qk_dim, sink=bool(mcfg.sink))
+    return flags
+
+
 def _check_explicit(cfg: TrainConfig, ckpt_cfg: ViTConfig, num_classes: int, path: object) -> None:
     """Model flags the user typed must match the checkpoint they also gave."""
-    have = {
-        "img_size": ckpt_cfg.img_size[0]
-        if ckpt_cfg.img_size[0] == ckpt_cfg.img_size[1]
-        else ckpt_cfg.img_size,
-        "patch_size": ckpt_cfg.patch_size,
-        "hidden_chans": ckpt_cfg.hidden_chans,
-        "depth": ckpt_cfg.depth,
-        "mlp_ratio": ckpt_cfg.mlp_hidden_dim / ckpt_cfg.embed_dim,
-        "kernel_size": ckpt_cfg.kernel_size,
-        "dilation": ckpt_cfg.dilation,
-    }
-    if ckpt_cfg.num_heads is not None:
-        have.update(heads=ckpt_cfg.num_heads, qk_dim=ckpt_cfg.qk_dim, sink=ckpt_cfg.sink)
+    have = model_flags(ckpt_cfg)
     for name in cfg.extra.get("explicit", []):
         if name in have and getattr(cfg, name) != have[name]:
             flag = "--" + name.replace("_", "-")
@@ -81,14 +86,11 @@ def _check_explicit(cfg: TrainConfig, ckpt_cfg: ViTConfig, num_classes: int, pat
 
 
 def sync_model_flags(cfg: TrainConfig, mcfg: ViTConfig) -> None:
-    """Record the architecture actually trained in the run's config (for config.json)."""
-    h, w = mcfg.img_size
-    cfg.img_size = h if h == w else cfg.img_size
-    cfg.patch_size, cfg.hidden_chans, cfg.depth = mcfg.patch_size, mcfg.hidden_chans, mcfg.depth
-    cfg.mlp_ratio = mcfg.mlp_hidden_dim / mcfg.embed_dim
-    cfg.kernel_size, cfg.dilation = mcfg.kernel_size, mcfg.dilation
-    if mcfg.num_heads is not None:
-        cfg.heads, cfg.qk_dim, cfg.sink = mcfg.num_heads, mcfg.qk_dim, bool(mcfg.sink)
+    """Record the architecture actually trained in the run's config (for config.json); a
+    non-square img_size stays in the model config only (the flag is one integer)."""
+    for name, value in model_flags(mcfg).items():
+        if not isinstance(value, tuple):
+            setattr(cfg, name, value)
 
 
 def build_phase_model(cfg: TrainConfig, num_classes: int, log: Any = print) -> PhaseModel:

@@ -3,7 +3,6 @@ SLURM logs). Other ranks stay silent."""
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from rich.console import Console
@@ -15,10 +14,8 @@ class Reporter:
     def __init__(self, enabled: bool, epochs: int, log_every: int, console: Console | None = None) -> None:
         self.enabled, self.epochs, self.log_every = enabled, epochs, max(1, log_every)
         self.console = console or Console(highlight=False)
-        self.rich = enabled and self.console.is_terminal
         self.bars: Progress | None = None
-        self.t0 = time.perf_counter()
-        if self.rich:
+        if enabled and self.console.is_terminal:
             self.bars = Progress(
                 TextColumn("{task.description}"),
                 BarColumn(),
@@ -36,9 +33,9 @@ class Reporter:
             self.console.print(escape(message), soft_wrap=True)
 
     def start_epoch(self, epoch: int, steps: int, done: int = 0) -> None:
-        self.steps, self.epoch_start = steps, time.perf_counter()
-        if self.bars is not None:
-            self.bars.update(self.epoch_task, completed=epoch)
+        self.steps = steps
+        if self.bars is not None:  # epochs may have changed since __init__ (a resumed run's own)
+            self.bars.update(self.epoch_task, total=self.epochs, completed=epoch)
             self.bars.reset(self.step_task, total=steps, completed=done, description=f"epoch {epoch + 1}")
 
     def step(self, epoch: int, step: int, loss: float, lr: float, img_per_s: float) -> None:
