@@ -64,8 +64,9 @@ class RelPosAttention(nn.Module):
         n = bias.shape[1]
         return torch.cat([bias, self.sink.view(-1, 1, 1).expand(-1, n, 1)], dim=-1)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, N, dim) -> (B, N, dim)."""
+    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(B, N, dim) -> q, k (B, h, N[+1], qk_dim), v (B, h, N[+1], v_dim); with a sink, k and v
+        end with the null key and value (zeros)."""
         b, n, _ = x.shape
         h = self.num_heads
         q = self.q(x).view(b, n, h, self.qk_dim).transpose(1, 2)
@@ -74,9 +75,18 @@ class RelPosAttention(nn.Module):
         if self.sink is not None:  # the null key: q·0 = 0, so its logit is the sink bias alone
             k = F.pad(k, (0, 0, 0, 1))
             v = F.pad(v, (0, 0, 0, 1))
+        return q, k, v
+
+    def merge_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, h, N, v_dim) head outputs -> (B, N, dim) through ``proj``."""
+        b, h, n, vd = x.shape
+        return self.proj(x.transpose(1, 2).reshape(b, n, h * vd))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, N, dim) -> (B, N, dim)."""
+        q, k, v = self.qkv(x)
         bias = self.attn_bias().to(q.dtype)
-        x = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)  # (B, h, N, v_dim)
-        return self.proj(x.transpose(1, 2).reshape(b, n, h * self.v_dim))
+        return self.merge_heads(F.scaled_dot_product_attention(q, k, v, attn_mask=bias))
 
 
 class AttnViT(VisionTransformer):

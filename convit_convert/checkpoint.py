@@ -38,7 +38,8 @@ class Checkpoint:
     config: ViTConfig
     tensors: dict[str, torch.Tensor]
     metadata: dict[str, str] = field(default_factory=dict)
-    source: str = "cmhsa"  # "cmhsa" (metadata present) or "state dict" (config inferred)
+    source: str = "cmhsa"  # "cmhsa" (metadata present), "state dict" (config inferred) or "onnx"
+    import_report: dict[str, Any] | None = None  # ONNX input: how the graph was read and checked
 
     @property
     def dtype(self) -> torch.dtype:
@@ -122,11 +123,12 @@ def validate_tensors(kind: str, cfg: ViTConfig, tensors: dict[str, torch.Tensor]
             raise CmhsaError(f"tensor {name} holds NaN or Inf values", path)
 
 
-def _check_file(path: Path) -> None:
+def check_input_file(path: Path) -> None:
+    """An existing, non-empty regular file, or CmhsaError."""
     if not path.exists():
         raise CmhsaError("no such file", path)
     if path.is_dir():
-        raise CmhsaError("is a directory, expected a checkpoint file", path)
+        raise CmhsaError("is a directory, expected a model file", path)
     if path.stat().st_size == 0:
         raise CmhsaError("file is empty", path)
 
@@ -135,14 +137,14 @@ def read_tensors(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, s
     """Tensors and string metadata of a .safetensors file, or of a .pt/.pth/.bin state dict
     (read with ``weights_only=True``; never an unsafe fallback). Raises CmhsaError."""
     path = Path(path)
-    _check_file(path)
+    check_input_file(path)
     try:
         with open(path, "rb") as f:
             head = f.read(9)
     except OSError as e:
         raise CmhsaError(f"cannot read ({e.strerror})", path) from None
-    if path.suffix == ".onnx":
-        raise CmhsaError("ONNX input is not supported yet; give a .safetensors or .pt state dict", path)
+    if path.suffix.lower() == ".onnx":
+        raise CmhsaError("is an ONNX model, not a tensor file; read it with load_checkpoint", path)
     if head.startswith(b"PK") or path.suffix in (".pt", ".pth", ".bin"):
         return _read_torch(path), {}
     return _read_safetensors(path)
@@ -252,6 +254,20 @@ def infer_conv_config(
     return cfg
 
 
+def _check_geometry(
+    cfg: ViTConfig, img_size: tuple[int, int] | None, patch_size: int | None, path: Path, where: str
+) -> None:
+    """--img-size / --patch-size given for a file that states its own must agree with it."""
+    if img_size is not None and tuple(img_size) != cfg.img_size:
+        raise CmhsaError(
+            f"--img-size {list(img_size)} disagrees with the {where}'s img_size {list(cfg.img_size)}", path
+        )
+    if patch_size is not None and patch_size != cfg.patch_size:
+        raise CmhsaError(
+            f"--patch-size {patch_size} disagrees with the {where}'s patch_size {cfg.patch_size}", path
+        )
+
+
 def load_checkpoint(
     path: str | Path,
     *,
@@ -259,10 +275,19 @@ def load_checkpoint(
     patch_size: int | None = None,
     dilation: int = 1,
     norm_eps: float = 1e-6,
+    onnx_tol: float = 1e-5,
 ) -> Checkpoint:
     """Load and validate a checkpoint. Files with cmhsa metadata describe themselves; a bare
-    conv-phase state dict needs ``img_size`` and ``patch_size`` (the rest is inferred)."""
+    conv-phase state dict needs ``img_size`` and ``patch_size`` (the rest is inferred); an ONNX
+    file (``.onnx``) is read by its graph's structure and checked against onnxruntime within
+    ``onnx_tol`` (:mod:`convit_convert.onnx_import`)."""
     path = Path(path)
+    if path.suffix.lower() == ".onnx":
+        from .onnx_import import import_onnx
+
+        ckpt = import_onnx(path, tol=onnx_tol)
+        _check_geometry(ckpt.config, img_size, patch_size, path, "graph")
+        return ckpt
     tensors, metadata = read_tensors(path)
     if not tensors:
         raise CmhsaError("holds no tensors", path)
@@ -275,14 +300,7 @@ def load_checkpoint(
         if CONFIG_KEY not in metadata:
             raise CmhsaError(f"metadata has {KIND_KEY} but no {CONFIG_KEY}", path)
         cfg = ViTConfig.from_json(metadata[CONFIG_KEY], kind, path)
-        if img_size is not None and tuple(img_size) != cfg.img_size:
-            raise CmhsaError(
-                f"--img-size {list(img_size)} disagrees with the file's img_size {list(cfg.img_size)}", path
-            )
-        if patch_size is not None and patch_size != cfg.patch_size:
-            raise CmhsaError(
-                f"--patch-size {patch_size} disagrees with the file's patch_size {cfg.patch_size}", path
-            )
+        _check_geometry(cfg, img_size, patch_size, path, "file")
         source = "cmhsa"
     else:
         if img_size is None or patch_size is None:

@@ -90,11 +90,40 @@ def print_verdict(result: Any) -> None:
     console.print(f"[dim]criterion: {escape(result.criterion)}[/]")
 
 
+def print_import(ckpt: Any) -> None:
+    """For an ONNX input: how the graph was read, and the onnxruntime agreement that proves it."""
+    info = ckpt.import_report
+    if info is None:
+        return
+    read = "; ".join(f"{k} {', '.join(v)}" for k, v in info["read"].items())
+    check = info["onnxruntime_check"]
+    console.print(
+        f"Read {escape(str(ckpt.path))} by its graph ({escape(info['producer'] or 'unknown producer')}, "
+        f"opset {info['opsets'].get('ai.onnx', '?')}): {escape(read)}"
+    )
+    console.print(
+        f"onnxruntime vs the rebuilt PyTorch model, batch {check['batch']}: relative error "
+        f"{_fmt(check['rel'])} <= tol {check['tol']:g} (providers: {', '.join(check['providers'])})"
+    )
+
+
 def _same_file(a: Path, b: Path) -> bool:
     try:
         return a.resolve() == b.resolve() or (a.exists() and b.exists() and a.samefile(b))
     except OSError:
         return False
+
+
+def check_outputs(source: Path, output: Path, report_path: Path) -> None:
+    """Before any work: both outputs writable, neither the input, and not the same file."""
+    from .atomic import check_writable
+
+    for p in (output, report_path):
+        if _same_file(p, source):
+            raise CmhsaError("output path is the input file; choose another", p)
+        check_writable(p)
+    if _same_file(output, report_path):
+        raise CmhsaError("report path is the output path; choose another", report_path)
 
 
 @app.command()
@@ -104,7 +133,7 @@ def convert(
         Path,
         typer.Argument(
             readable=False,
-            help="Conv-phase checkpoint: cmhsa .safetensors, or a bare state dict (.safetensors/.pt/.pth) with --img-size and --patch-size.",
+            help="Conv-phase model: cmhsa .safetensors, an ONNX file (.onnx, read by its graph), or a bare state dict (.safetensors/.pt/.pth) with --img-size and --patch-size.",
             show_default=False,
         ),
     ],
@@ -143,7 +172,12 @@ def convert(
             help="Std of a small random W_Q, W_K (0 = the paper's zeros); moves phase 2 off the W_Q = W_K = 0 saddle and stays exact."
         ),
     ] = 0.0,
-    tol: Annotated[float, typer.Option(help="Largest relative error verification accepts.")] = 1e-5,
+    tol: Annotated[
+        float,
+        typer.Option(
+            help="Largest relative error verification accepts (and, for ONNX input, the import check)."
+        ),
+    ] = 1e-5,
     verify: Annotated[
         bool, typer.Option("--verify/--no-verify", help="Check the result numerically before writing it.")
     ] = True,
@@ -160,15 +194,8 @@ def convert(
     device: Annotated[str, typer.Option(help="Verification device: auto, cpu, cuda, cuda:N.")] = "auto",
 ) -> None:
     """Convert a conv-phase ViT into the attention ViT that computes the same function (Theorem 1)."""
-    from .atomic import check_writable
-
     report_path = report or default_report_path(output)
-    for p in (output, report_path):
-        if _same_file(p, input):
-            raise CmhsaError("output path is the input file; choose another", p)
-        check_writable(p)
-    if _same_file(output, report_path):
-        raise CmhsaError("report path is the output path; choose another", report_path)
+    check_outputs(input, output, report_path)
     if batch < 1:
         raise CmhsaError(f"--batch must be positive, got {batch}")
     if not qk_init_std >= 0:
@@ -184,11 +211,17 @@ def convert(
     timings: dict[str, float] = {}
     t = time.perf_counter()
     ckpt = load_checkpoint(
-        input, img_size=parse_img_size(img_size), patch_size=patch_size, dilation=dilation, norm_eps=norm_eps
+        input,
+        img_size=parse_img_size(img_size),
+        patch_size=patch_size,
+        dilation=dilation,
+        norm_eps=norm_eps,
+        onnx_tol=tol,
     )
     timings["load_s"] = time.perf_counter() - t
     if ckpt.kind != "conv":
         raise CmhsaError("is an attention checkpoint already; convert takes a conv-phase checkpoint", input)
+    print_import(ckpt)
     input_facts = file_facts(input)
     t = time.perf_counter()
     tensors, attn_cfg = convert_state_dict(
@@ -249,6 +282,7 @@ def convert(
             "kind": "conv",
             "read_as": ckpt.source,
             "dtype": str(ckpt.dtype).removeprefix("torch."),
+            "onnx_import": ckpt.import_report,
         },
         "output": output_facts,
         "config": attn_cfg.to_dict("attn"),
@@ -275,7 +309,12 @@ def convert(
 @app.command("verify")
 @handles_errors
 def verify_cmd(
-    conv: Annotated[Path, typer.Argument(readable=False, help="Conv-phase checkpoint.", show_default=False)],
+    conv: Annotated[
+        Path,
+        typer.Argument(
+            readable=False, help="Conv-phase checkpoint (.safetensors or .onnx).", show_default=False
+        ),
+    ],
     attn: Annotated[Path, typer.Argument(readable=False, help="Attention checkpoint.", show_default=False)],
     tol: Annotated[float, typer.Option(help="Largest relative error accepted.")] = 1e-5,
     dtype: Annotated[str, typer.Option(help="float32 or float64.")] = "float32",
@@ -302,8 +341,9 @@ def verify_cmd(
     from .verify import verify_models
 
     t = time.perf_counter()
-    a, b = load_checkpoint(conv), load_checkpoint(attn)
+    a, b = load_checkpoint(conv, onnx_tol=tol), load_checkpoint(attn)
     load_s = time.perf_counter() - t
+    print_import(a)
     if a.kind != "conv":
         raise CmhsaError(f"is a {a.kind} checkpoint; the first argument must be a conv checkpoint", conv)
     if b.kind != "attn":
@@ -426,6 +466,166 @@ def heads(
         for dy in ys
     )
     console.print(f"Patch offsets (dy, dx), one head each, row-major:\n{grid}")
+
+
+def export_table(check: Any) -> Table:
+    table = Table(title="onnxruntime vs PyTorch, same images", title_justify="left")
+    for col in ("batch", "logits shape", "max |Δ|", "max |ref|", "rel. error", "status"):
+        table.add_column(col, justify="right")
+    for b in check.batches:
+        status = "[green]ok[/]" if b.passed else "[red]FAIL[/]"
+        table.add_row(
+            str(b.batch), str(tuple(b.output_shape)), _fmt(b.max_abs), _fmt(b.ref_max), _fmt(b.rel), status
+        )
+    return table
+
+
+def run_export(
+    checkpoint: Path,
+    output: Path,
+    *,
+    opset: int | None = None,
+    tol: float = 1e-4,
+    exporter: str = "dynamo",
+    device: str = "cpu",
+    seed: int = 0,
+    report: Path | None = None,
+) -> bool:
+    """``cmhsa export``, also run by ``cmhsa train --export-onnx``: export, check, and write the
+    file only if the check passes; the report is written either way. Returns whether it passed."""
+    import hashlib
+
+    from .atomic import atomic_write
+
+    report_path = report or output.with_name(output.name + ".report.json")
+    check_outputs(checkpoint, output, report_path)
+    if not tol >= 0:
+        raise CmhsaError(f"--tol must be >= 0, got {tol}")
+    from .onnx_export import check_options
+
+    check_options(exporter, opset)
+
+    from .checkpoint import load_checkpoint
+    from .models import model_from_checkpoint
+    from .onnx_export import export_and_check
+    from .onnx_load import providers_for
+    from .report import environment, file_facts, write_report
+
+    providers = providers_for(device)
+    t = time.perf_counter()
+    ckpt = load_checkpoint(checkpoint)
+    load_s = time.perf_counter() - t
+    print_import(ckpt)
+    cfg = ckpt.config
+    with console.status(f"Exporting {escape(str(checkpoint))} ({exporter} exporter) and checking it..."):
+        ex = export_and_check(
+            model_from_checkpoint(ckpt, dtype=None),
+            exporter=exporter,
+            opset=opset,
+            tol=tol,
+            providers=providers,
+            seed=seed,
+            path=output,
+        )
+    check = ex.check
+    console.print(
+        f"Exported {escape(str(checkpoint))} ({ckpt.kind}, depth {cfg.depth}, {cfg.img_size[0]}x{cfg.img_size[1]} px) "
+        f"with the {ex.exporter} exporter, opset {ex.opsets.get('ai.onnx')}, in {ex.timings['export_s']:.1f} s: "
+        f"{len(ex.data) / 1e6:.1f} MB"
+    )
+    io = ", ".join(f"{v['name']} {v['shape']}" for v in check.inputs + check.outputs)
+    console.print(f"checker: full_check passed; {escape(io)}; providers: {', '.join(check.providers)}")
+    console.print(export_table(check))
+    for problem in check.problems:
+        console.print(f"[red]problem[/]: {escape(problem)}")
+    worst = check.worst
+    output_facts = None
+    if check.passed:
+        console.print(
+            f"[green]PASS[/]: worst relative error {_fmt(worst.rel)} (batch {worst.batch}) <= tol {tol:g}"
+        )
+        atomic_write(output, lambda tmp: tmp.write_bytes(ex.data))
+        output_facts = {
+            "path": str(output),
+            "bytes": len(ex.data),
+            "sha256": hashlib.sha256(ex.data).hexdigest(),
+        }
+    else:
+        console.print(
+            f"[red]FAIL[/]: worst relative error {_fmt(worst.rel)} (batch {worst.batch}), tol {tol:g}"
+        )
+    import onnx
+    import onnxruntime
+
+    write_report(
+        report_path,
+        {
+            "command": "export",
+            "passed": check.passed,
+            "input": {
+                **file_facts(checkpoint),
+                "kind": ckpt.kind,
+                "dtype": str(ckpt.dtype).removeprefix("torch."),
+            },
+            "output": output_facts,
+            "config": cfg.to_dict(ckpt.kind),
+            "export": {
+                "exporter": ex.exporter,
+                "opsets": ex.opsets,
+                "ir_version": ex.ir_version,
+                "dtype": "float32",
+                "onnx": onnx.__version__,
+                "onnxruntime": onnxruntime.__version__,
+            },
+            "check": check.to_dict(),
+            "timings": {"load_s": load_s, **ex.timings},
+            "environment": environment(),
+        },
+    )
+    if check.passed:
+        console.print(f"Wrote {escape(str(output))} and {escape(str(report_path))}")
+    else:
+        console.print(
+            f"Not written: {escape(str(output))} (check failed); report: {escape(str(report_path))}"
+        )
+    return check.passed
+
+
+@app.command("export")
+@handles_errors
+def export_cmd(
+    checkpoint: Annotated[
+        Path, typer.Argument(readable=False, help="Checkpoint to export (attn or conv).", show_default=False)
+    ],
+    output: Annotated[
+        Path,
+        typer.Option(
+            "--output", "-o", readable=False, help="ONNX file to write (.onnx).", show_default=False
+        ),
+    ],
+    opset: Annotated[
+        int | None, typer.Option(help="ai.onnx opset (>= 17; default: the exporter's).", show_default=False)
+    ] = None,
+    tol: Annotated[float, typer.Option(help="Largest relative error of onnxruntime vs PyTorch.")] = 1e-4,
+    exporter: Annotated[
+        str, typer.Option(help="dynamo (torch.export, torch's default) or legacy (TorchScript).")
+    ] = "dynamo",
+    device: Annotated[
+        str,
+        typer.Option(help="onnxruntime provider for the check: cpu, cuda, or auto (CUDA when it has it)."),
+    ] = "cpu",
+    seed: Annotated[int, typer.Option(help="Seed of the check images.")] = 0,
+    report: Annotated[
+        Path | None, typer.Option(readable=False, help="Report path (default: OUTPUT + .report.json).")
+    ] = None,
+) -> None:
+    """Export a checkpoint to one self-contained ONNX file and check it in onnxruntime (exit 1 outside --tol)."""
+    if device not in ("cpu", "cuda", "auto"):
+        raise CmhsaError(f"--device must be cpu, cuda or auto, got {device!r}")
+    passed = run_export(
+        checkpoint, output, opset=opset, tol=tol, exporter=exporter, device=device, seed=seed, report=report
+    )
+    raise typer.Exit(0 if passed else EXIT_FAIL)
 
 
 def version_callback(value: bool) -> None:

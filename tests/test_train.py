@@ -273,9 +273,23 @@ def test_cli_phase1_phase2_eval_plot(tmp_path: Path) -> None:
     conv = tmp_path / "p1" / "conv.safetensors"
     cfg = json.loads((tmp_path / "p1" / "config.json").read_text())
     assert cfg["kind"] == "conv" and cfg["model"]["kernel_size"] == 3 and cfg["aa"] == "rand-m9-mstd0.5-inc1"
-    r = invoke("train", "phase2", *CLI_TINY, "--init", conv, "--qk-dim", "8", "--out", tmp_path / "p2")
+    r = invoke(
+        "train",
+        "phase2",
+        *CLI_TINY,
+        "--init",
+        conv,
+        "--qk-dim",
+        "8",
+        "--out",
+        tmp_path / "p2",
+        "--export-onnx",
+    )
     assert r.exit_code == 0, r.output
     assert "verified: worst relative error" in r.output
+    report = json.loads((tmp_path / "p2" / "vit.onnx.report.json").read_text())
+    assert report["passed"] and report["input"]["path"] == str(tmp_path / "p2" / "vit.safetensors")
+    assert (tmp_path / "p2" / "vit.onnx").stat().st_size == report["output"]["bytes"]
     cfg = json.loads((tmp_path / "p2" / "config.json").read_text())
     assert cfg["init_info"]["init_kind"] == "conv" and cfg["heads"] == 9 and cfg["lr"] is None
     assert cfg["model"]["num_heads"] == 9 and cfg["scaled_lr"]["lr"] == pytest.approx(5e-5 * 32 / 512)

@@ -80,6 +80,7 @@ FLAGS: list[tuple[str, Any, str, str, tuple[str, ...]]] = [
     ("resume", bool, "Continue the run in --out from checkpoint-last.pt.", RUN, ("phase1", "phase2")),
     ("keep", int, "Also keep the newest N end-of-epoch checkpoints.", RUN, ("phase1", "phase2")),
     ("log_every", int, "Steps between log lines when not on a terminal.", RUN, ("phase1", "phase2")),
+    ("export_onnx", bool, "At the end, also write the model as ONNX (vit.onnx / conv.onnx), checked in onnxruntime as by cmhsa export.", RUN, ("phase1", "phase2")),
 ]  # fmt: skip
 
 
@@ -143,6 +144,11 @@ def _run_training(cfg: TrainConfig) -> None:
         import signal
 
         raise typer.Exit(128 + int(getattr(signal, result.stopped)))
+    if cfg.export_onnx and result.model_path is not None and result.stopped is None:  # rank 0
+        from convit_convert.cli import run_export
+
+        if not run_export(result.model_path, result.model_path.with_suffix(".onnx")):
+            raise typer.Exit(EXIT_FAIL)
 
 
 train_app = typer.Typer(

@@ -1,0 +1,129 @@
+"""ONNX export of the paper-size models: export time, file size, and onnxruntime CPU throughput
+against PyTorch eager on the same batch and thread count.
+
+    python bench/onnx.py [--batches 1 8] [--threads 2] [--iters 8] [--exporters dynamo legacy]
+
+Paper size: 224 px, P = 16, d = 768, depth 6, K = 5, 100 classes; the attention models have 9
+heads with qk_dim 768 (the paper's) or 64, as converted (W_Q = W_K = 0). Export goes through
+``cmhsa export``'s own path (``export_and_check``: export, checker, onnxruntime vs PyTorch at batch
+1 and 3). Both runtimes get ``--threads`` intra-op threads (onnxruntime: one inter-op thread,
+default graph optimisations); each figure is the mean of ``--iters`` timed passes after 3 warm-up
+passes. Prints a markdown table for BENCHMARKS.md, with ``session.get_providers()``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable
+
+# this file is named onnx.py: keep its folder off the path, or `import onnx` would import itself
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
+
+import numpy as np  # noqa: E402
+import onnx  # noqa: E402
+import onnxruntime as ort  # noqa: E402
+import torch  # noqa: E402
+
+from convit_convert.attn_vit import AttnViT  # noqa: E402
+from convit_convert.config import ViTConfig  # noqa: E402
+from convit_convert.conv_vit import ConvViT  # noqa: E402
+from convit_convert.convert import convert_state_dict  # noqa: E402
+from convit_convert.onnx_export import export_and_check  # noqa: E402
+from convit_convert.vit import VisionTransformer  # noqa: E402
+
+
+def mean_seconds(fn: Callable[[], object], iters: int, warmup: int = 3) -> float:
+    for _ in range(warmup):  # onnxruntime sizes its memory arena on the first runs
+        fn()
+    t = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    return (time.perf_counter() - t) / iters
+
+
+def models() -> dict[str, Callable[[], VisionTransformer]]:
+    cfg = ViTConfig.build()  # the paper's CMHSA-5
+    conv = ConvViT(cfg).eval()
+
+    def attn(qk: int) -> Callable[[], VisionTransformer]:
+        def build() -> VisionTransformer:
+            state, acfg = convert_state_dict(conv.state_dict(), cfg, qk_dim=qk)
+            model = AttnViT(acfg)
+            model.load_state_dict(state)
+            return model.eval()
+
+        return build
+
+    def conv_copy() -> VisionTransformer:
+        model = ConvViT(cfg)
+        model.load_state_dict(conv.state_dict())
+        return model.eval()
+
+    return {
+        "ConvViT (phase 1)": conv_copy,
+        "AttnViT qk_dim 768 (paper)": attn(768),
+        "AttnViT qk_dim 64": attn(64),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--iters", type=int, default=8)
+    ap.add_argument("--exporters", nargs="+", default=["dynamo", "legacy"])
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    rows = []
+    providers = None
+    for name, build in models().items():
+        eager: dict[int, float] = {}
+        model = build()
+        with torch.inference_mode():
+            for b in args.batches:
+                x = torch.randn(b, 3, 224, 224)
+                eager[b] = b / mean_seconds(lambda m=model, x=x: m(x), args.iters)
+        del model
+        for exporter in args.exporters:
+            ex = export_and_check(build(), exporter=exporter)
+            assert ex.check.passed, ex.check
+            opts = ort.SessionOptions()
+            opts.intra_op_num_threads, opts.inter_op_num_threads = args.threads, 1
+            session = ort.InferenceSession(ex.data, opts, providers=["CPUExecutionProvider"])
+            providers = session.get_providers()
+            size = len(ex.data) / 1e6
+            for b in args.batches:
+                x = np.random.default_rng(0).standard_normal((b, 3, 224, 224)).astype(np.float32)
+                ips = b / mean_seconds(
+                    lambda s=session, x=x: s.run(["logits"], {"pixel_values": x}), args.iters
+                )
+                rows.append(
+                    (name, exporter, ex.timings["export_s"], size, b, eager[b], ips, ex.check.worst.rel)
+                )
+                print(
+                    f"{name} {exporter} batch {b}: eager {eager[b]:.2f} img/s, onnxruntime {ips:.2f} img/s",
+                    flush=True,
+                )
+            del session, ex
+    print(
+        f"\ntorch {torch.__version__}, onnx {onnx.__version__}, onnxruntime {ort.__version__} "
+        f"(providers {providers}), {platform.processor() or platform.machine()}, {args.threads} threads, "
+        f"float32, mean of {args.iters} passes after 3 warm-up\n"
+    )
+    print(
+        "| model | exporter | export (s) | file (MB) | batch | PyTorch eager img/s | onnxruntime img/s | ORT / eager | check rel. error |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    for name, exporter, export_s, size, b, e, o, err in rows:
+        print(
+            f"| {name} | {exporter} | {export_s:.1f} | {size:.0f} | {b} | {e:.2f} | {o:.2f} | {o / e:.2f}x | {err:.1e} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
