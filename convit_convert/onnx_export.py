@@ -20,8 +20,12 @@ from __future__ import annotations
 import contextlib
 import io
 import math
+import os
+import sys
+import tempfile
 import time
 import warnings
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -72,6 +76,28 @@ def prepare_for_export(model: VisionTransformer) -> VisionTransformer:
     return model.eval()
 
 
+@contextlib.contextmanager
+def _silenced() -> Iterator[None]:
+    """Swallow everything written to stdout and stderr, Python's and the C++ libraries' alike."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = []
+    with tempfile.TemporaryFile() as sink:
+        try:
+            for fd in (1, 2):
+                saved.append((fd, os.dup(fd)))
+                os.dup2(sink.fileno(), fd)
+        except OSError:  # no real file descriptors (embedded interpreters): Python-level only
+            pass
+        try:
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+                yield
+        finally:
+            for fd, copy in saved:
+                os.dup2(copy, fd)
+                os.close(copy)
+
+
 def check_options(exporter: str, opset: int | None) -> None:
     if exporter not in EXPORTERS:
         raise CmhsaError(f"--exporter must be one of {', '.join(EXPORTERS)}, got {exporter!r}")
@@ -97,12 +123,9 @@ def export_model(model: VisionTransformer, *, exporter: str = "dynamo", opset: i
         kwargs["verbose"] = False
     else:
         kwargs["dynamic_axes"] = {INPUT_NAME: {0: BATCH_AXIS}, OUTPUT_NAME: {0: BATCH_AXIS}}
-    # both exporters narrate on stdout and warn about tracing; the check below is what counts
-    with (
-        warnings.catch_warnings(),
-        contextlib.redirect_stdout(io.StringIO()),
-        torch.no_grad(),
-    ):
+    # both exporters narrate, warn about tracing, log fallbacks with tracebacks and (legacy) dump
+    # graphs from C++; a failure becomes one line below, and the check after export is what counts
+    with warnings.catch_warnings(), _silenced(), torch.no_grad():
         warnings.simplefilter("ignore")
         try:
             if exporter == "dynamo":
@@ -185,8 +208,11 @@ def check_export(
     try:
         onnx.checker.check_model(proto, full_check=True)
     except Exception as e:
+        opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), "?")
         raise CmhsaError(
-            f"the exported model fails onnx.checker.check_model(full_check=True): {e}", path
+            f"the exported model (opset {opset}) fails onnx.checker.check_model(full_check=True): {e}; "
+            "try another --opset or --exporter",
+            path,
         ) from None
     session = ort_session(proto, path, providers)
     result = ExportCheck(

@@ -433,10 +433,15 @@ def test_export_outside_tolerance_exits_1_and_writes_no_model(
     assert all(not b["passed"] for b in report["check"]["batches"])
 
 
-def test_export_bad_input(attn_checkpoints, tmp_path: Path) -> None:
+def test_export_bad_input(attn_checkpoints, tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     src = attn_checkpoints[True]
     out = tmp_path / "out"
     out.mkdir()
+    capfd.readouterr()
+    r = run("export", src, "-o", out / "v.onnx", "--exporter", "legacy", "--opset", "99")
+    assert r.exit_code == 2 and "failed: Unsupported onnx_opset_version: 99" in r.stderr, r.output
+    assert len(r.stderr.strip().splitlines()) == 1
+    assert capfd.readouterr() == ("", ""), "the exporter's own dump must not reach the terminal"
     for args, expect in (
         (["--opset", "16"], "opset >= 17"),
         (["--exporter", "jit"], "--exporter"),
