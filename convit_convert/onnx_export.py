@@ -36,6 +36,7 @@ from torch import nn
 from .attn_vit import RelPosAttention
 from .errors import CmhsaError
 from .onnx_load import ort_session
+from .verify import relative_error
 from .vit import VisionTransformer
 
 INPUT_NAME, OUTPUT_NAME, BATCH_AXIS = "pixel_values", "logits", "batch_size"
@@ -234,7 +235,7 @@ def check_export(
         shape_ok = list(out.shape) == [b, num_classes]
         max_abs = float(np.abs(out - ref).max()) if shape_ok else math.inf
         ref_max = float(np.abs(ref).max())
-        rel = max_abs / ref_max if ref_max > 0 else (0.0 if max_abs == 0 else math.inf)
+        rel = relative_error(max_abs, ref_max)
         result.batches.append(BatchCheck(b, list(out.shape), max_abs, ref_max, rel, shape_ok and rel <= tol))
         if not shape_ok:
             result.problems.append(

@@ -42,6 +42,7 @@ from .checkpoint import Checkpoint, validate_tensors
 from .config import ViTConfig
 from .errors import CmhsaError
 from .onnx_load import DOUBLE, FLOAT, load_onnx, ort_session
+from .verify import relative_error
 
 LAYOUT_OPS = frozenset({"Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze", "Identity", "Dropout"})
 FLAT_OPS = LAYOUT_OPS - {"Transpose"}  # keep row-major order, so a token's features stay together
@@ -152,6 +153,12 @@ class GraphReader:
             )
         return self.value(name, node)
 
+    def optional_const(self, node: Any, index: int, size: int, dtype: Any) -> np.ndarray:
+        """Input ``index`` of ``node`` (a bias) as a flat vector, or zeros when it is left out."""
+        if len(node.input) > index and node.input[index]:
+            return self.const(node.input[index], node).reshape(-1)
+        return np.zeros(size, dtype)
+
     def value(self, name: str, node: Any) -> np.ndarray:
         if name in self.constants:
             return self.constants[name]
@@ -193,13 +200,36 @@ class GraphReader:
 
     # ---- layers ---------------------------------------------------------------------------
 
-    def refuse_decomposed_norm(self, nodes: list[Any]) -> None:
+    def residual_fork(self, r: str, what: str, final_ok: bool = False) -> tuple[Any, Any | None]:
+        """The readers of the token stream ``r``: a LayerNormalization and the residual Add (or,
+        with ``final_ok``, the final LayerNormalization alone, returned with Add None)."""
+        nodes = self.data_consumers(r)
         for n in nodes:
             if n.op_type in ("ReduceMean", "Sub", "Pow"):
                 raise self.error(
                     f"{_describe(n)}: LayerNorm is decomposed into primitive ops; cmhsa reads "
                     "LayerNormalization nodes (export with opset_version >= 17)"
                 )
+        norms = [n for n in nodes if n.op_type == "LayerNormalization"]
+        adds = [n for n in nodes if n.op_type == "Add"]
+        if final_ok and len(nodes) == 1 and norms:
+            return norms[0], None
+        if not (len(nodes) == 2 and len(norms) == 1 and len(adds) == 1):
+            others = [n for n in nodes if n not in norms[:1] + adds[:1]] or nodes
+            raise self.unexpected(others[0], what)
+        return norms[0], adds[0]
+
+    def residual_add(self, branch: str, r: str, fork_add: Any, what: str) -> str:
+        """The Add that closes a residual branch: reads ``r`` and ``branch`` and is the Add that
+        :meth:`residual_fork` found; returns its output, the next token stream."""
+        add = self.sole_consumer(branch, what)
+        if (
+            add.op_type != "Add"
+            or add.output[0] != fork_add.output[0]
+            or sorted(add.input) != sorted([r, branch])
+        ):
+            raise self.unexpected(add, what)
+        return add.output[0]
 
     def layer_norm(self, node: Any) -> tuple[Norm, str]:
         x = node.input[0]
@@ -209,11 +239,7 @@ class GraphReader:
             raise self.error(f"{_describe(node)}: normalises from axis {axis}; expected the last axis only")
         weight = self.const(node.input[1], node).reshape(-1)
         d = self.shape(x)[-1]
-        bias = (
-            self.const(node.input[2], node).reshape(-1)
-            if len(node.input) > 2 and node.input[2]
-            else np.zeros(d, weight.dtype)
-        )
+        bias = self.optional_const(node, 2, d, weight.dtype)
         if weight.size != d or bias.size != d:
             raise self.error(f"{_describe(node)}: weight or bias size differs from the feature size {d}")
         eps = float(np.float32(_attr(node, "epsilon", 1e-5)))
@@ -341,12 +367,7 @@ class GraphReader:
                 f"{_describe(node)}: unsupported convolution: pads {pads} (top, left, bottom, right) are not "
                 f"PyTorch's 'same' zero padding {same} for K={k}, dilation {d}"
             )
-        bias = (
-            self.const(node.input[2], node).reshape(-1)
-            if len(node.input) > 2 and node.input[2]
-            else np.zeros(c_out, w.dtype)
-        )
-        return w, bias, d, how
+        return w, self.optional_const(node, 2, c_out, w.dtype), d, how
 
     def pad_amounts(self, node: Any) -> list[int]:
         """(top, left, bottom, right) of a zero-constant Pad of an NCHW tensor."""
@@ -416,7 +437,8 @@ def _concrete_run(model: Any, path: Path, batch: int, seed: int) -> tuple[str, s
     return inp, out, dict(zip([out, *names], results, strict=True))
 
 
-def _input_info(model: Any, path: Path) -> tuple[Any, int | None, int, int, int, type]:
+def _input_info(model: Any, path: Path) -> tuple[int | None, int, int, int]:
+    """(static batch or None, C, H, W) of the one image input, which must have static C, H, W."""
     graph = model.graph
     init = {t.name for t in graph.initializer}
     inputs = [i for i in graph.input if i.name not in init]
@@ -438,8 +460,7 @@ def _input_info(model: Any, path: Path) -> tuple[Any, int | None, int, int, int,
             f"input {inputs[0].name!r} has shape {shown}; expected (batch, C, H, W) with static C, H and W",
             path,
         )
-    dtype = np.float32 if tt.elem_type == FLOAT else np.float64
-    return inputs[0], static[0], static[1], static[2], static[3], dtype
+    return static[0], static[1], static[2], static[3]
 
 
 def _random_input(model: Any, batch: int, seed: int) -> np.ndarray:
@@ -451,7 +472,7 @@ def _random_input(model: Any, batch: int, seed: int) -> np.ndarray:
 
 def read_structure(model: Any, path: Path, seed: int = 0) -> Structure:
     """Walk the residual stream of a checked ONNX model (see the module docstring)."""
-    _, static_batch, c_in, h, w, _ = _input_info(model, path)
+    static_batch, c_in, h, w = _input_info(model, path)
     batch = static_batch or 2
     inp, out, values = _concrete_run(model, path, batch, seed)
     g = GraphReader(model, values, path)
@@ -476,21 +497,15 @@ def read_structure(model: Any, path: Path, seed: int = 0) -> Structure:
 
     blocks: list[ConvBlock] = []
     while True:
-        nodes = g.data_consumers(r)
-        g.refuse_decomposed_norm(nodes)
-        norms = [n for n in nodes if n.op_type == "LayerNormalization"]
-        adds = [n for n in nodes if n.op_type == "Add"]
-        if len(nodes) == 1 and norms:
+        norm_node, fork = g.residual_fork(
+            r, "a LayerNormalization and the residual Add reading the token stream", final_ok=True
+        )
+        if fork is None:
             break  # the final norm
-        if not (len(nodes) == 2 and len(norms) == 1 and len(adds) == 1):
-            others = [n for n in nodes if n not in norms[:1] + adds[:1]] or nodes
-            raise g.unexpected(
-                others[0], "a LayerNormalization and the residual Add reading the token stream"
-            )
         if g.shape(r) != residual_shape:
             raise g.error(f"tensor {r!r}: the token stream changes shape between blocks")
         i = len(blocks)
-        norm1, a = g.layer_norm(norms[0])
+        norm1, a = g.layer_norm(norm_node)
         a, chain = g.follow(a, LAYOUT_OPS | {"Pad"})
         pads = []
         while chain and chain[-1].op_type == "Pad":
@@ -509,21 +524,12 @@ def read_structure(model: Any, path: Path, seed: int = 0) -> Structure:
         y, out_chain = g.follow(node.output[0], LAYOUT_OPS)
         pixels = g.shape(node.output[0])
         layout_out = g.trace(out_chain, np.arange(math.prod(pixels)).reshape(pixels))
-        add = g.sole_consumer(y, f"block {i}'s residual Add")
-        if add.op_type != "Add" or add.output[0] != adds[0].output[0] or sorted(add.input) != sorted([r, y]):
-            raise g.unexpected(add, f"block {i}'s residual Add (block input + Conv branch)")
-        r = add.output[0]
+        r = g.residual_add(y, r, fork, f"block {i}'s residual Add (block input + Conv branch)")
         if g.shape(r) != residual_shape:
-            raise g.error(f"{_describe(add)}: the Conv branch does not return the token shape")
+            raise g.error(f"tensor {r!r}: the Conv branch does not return the token shape")
 
-        nodes = g.data_consumers(r)
-        g.refuse_decomposed_norm(nodes)
-        norms = [n for n in nodes if n.op_type == "LayerNormalization"]
-        adds = [n for n in nodes if n.op_type == "Add"]
-        if not (len(nodes) == 2 and len(norms) == 1 and len(adds) == 1):
-            others = [n for n in nodes if n not in norms[:1] + adds[:1]] or nodes
-            raise g.unexpected(others[0], f"block {i}'s second LayerNormalization and residual Add")
-        norm2, b = g.layer_norm(norms[0])
+        norm_node, fork = g.residual_fork(r, f"block {i}'s second LayerNormalization and residual Add")
+        norm2, b = g.layer_norm(norm_node)
         b, _ = g.follow(b, FLAT_OPS)
         fc1, hdn = g.linear(g.sole_consumer(b, f"block {i}'s MLP"), b, f"block {i}'s first MLP linear layer")
         hdn, _ = g.follow(hdn, FLAT_OPS)
@@ -535,21 +541,19 @@ def read_structure(model: Any, path: Path, seed: int = 0) -> Structure:
             f"block {i}'s second MLP linear layer",
         )
         m, _ = g.follow(m, FLAT_OPS)
-        add = g.sole_consumer(m, f"block {i}'s residual Add")
-        if add.op_type != "Add" or add.output[0] != adds[0].output[0] or sorted(add.input) != sorted([r, m]):
-            raise g.unexpected(add, f"block {i}'s residual Add (block input + MLP branch)")
+        r_next = g.residual_add(m, r, fork, f"block {i}'s residual Add (block input + MLP branch)")
         if math.prod(g.shape(m)) != math.prod(residual_shape):
-            raise g.error(f"{_describe(add)}: the MLP branch does not return the token shape")
+            raise g.error(f"tensor {m!r}: the MLP branch does not return the token shape")
+        r = r_next
         forms["linear"].update((fc1.form, fc2.form))
         forms["gelu"].add(gelu_form)
-        r = add.output[0]
         blocks.append(
             ConvBlock(norm1, conv_w, conv_b, dilation, how, layout_in, layout_out, norm2, fc1, fc2, gelu_form)
         )
 
     if not blocks:
         raise g.error("has no Conv blocks: not a conv-phase ViT")
-    norm, f = g.layer_norm(norms[0])
+    norm, f = g.layer_norm(norm_node)
     rank = len(g.shape(f))
     f, _ = g.follow(f, FLAT_OPS)
     pool = g.sole_consumer(f, "the mean over tokens after the final LayerNorm")
@@ -721,14 +725,12 @@ def to_checkpoint(s: Structure, path: Path) -> tuple[ViTConfig, dict[str, torch.
 
 
 def check_import(
-    model: Any, ckpt: Checkpoint, path: Path, tol: float, seed: int = 1, batch: int | None = None
+    model: Any, ckpt: Checkpoint, path: Path, tol: float, batch: int, seed: int = 1
 ) -> dict[str, Any]:
-    """Run the ONNX file in onnxruntime and the rebuilt PyTorch model on the same random images;
-    CmhsaError unless max|Δ| / max|onnxruntime| <= tol. Returns what was measured."""
+    """Run the ONNX file in onnxruntime and the rebuilt PyTorch model on the same ``batch`` random
+    images; CmhsaError unless max|Δ| / max|onnxruntime| <= tol. Returns what was measured."""
     from .models import model_from_checkpoint
 
-    static = model.graph.input[0].type.tensor_type.shape.dim[0].dim_value
-    batch = static or batch or 2
     session = ort_session(model, path)
     x = _random_input(model, batch, seed)
     ref = session.run(None, {model.graph.input[0].name: x})[0]
@@ -740,7 +742,7 @@ def check_import(
         )
     max_abs = float(np.abs(out - ref).max())
     ref_max = float(np.abs(ref).max())
-    rel = max_abs / ref_max if ref_max > 0 else (0.0 if max_abs == 0 else math.inf)
+    rel = relative_error(max_abs, ref_max)
     result = {
         "passed": rel <= tol,
         "batch": batch,
@@ -771,7 +773,8 @@ def import_onnx(path: str | Path, tol: float = 1e-5, seed: int = 0) -> Checkpoin
     cfg, tensors = to_checkpoint(structure, path)
     validate_tensors("conv", cfg, tensors, path)
     ckpt = Checkpoint(path, "conv", cfg, tensors, {}, "onnx")
-    check = check_import(model, ckpt, path, tol, seed=seed + 1)
+    # the batch the graph was traced at: its static batch, if it has one
+    check = check_import(model, ckpt, path, tol, batch=structure.residual_shape[0], seed=seed + 1)
     ckpt.import_report = {
         "producer": f"{model.producer_name} {model.producer_version}".strip(),
         "ir_version": model.ir_version,

@@ -80,12 +80,18 @@ def exact_matmul() -> Iterator[None]:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
 
 
+def relative_error(max_abs: float, ref_max: float) -> float:
+    """max |Δ| / max |ref|, the measure every cmhsa check judges: 0 when both are 0, infinite when
+    only the reference is."""
+    return max_abs / ref_max if ref_max > 0 else (0.0 if max_abs == 0 else float("inf"))
+
+
 def _stat(
     tensor: str, region: str, ref: torch.Tensor, out: torch.Tensor, tol: float, judged: bool
 ) -> ErrorStat:
     ref_max = ref.abs().max().item()
     max_abs = (out - ref).abs().max().item()
-    rel = max_abs / ref_max if ref_max > 0 else (0.0 if max_abs == 0 else float("inf"))
+    rel = relative_error(max_abs, ref_max)
     return ErrorStat(tensor, region, max_abs, ref_max, rel, judged, (rel <= tol) or not judged)
 
 
