@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from dataclasses import dataclass
 
 import torch
 from timm.loss import SoftTargetCrossEntropy
@@ -36,18 +37,33 @@ def models() -> dict[str, tuple[str, ViTConfig]]:
     }
 
 
+@dataclass
+class StepTiming:
+    times: list[float]  # seconds of each timed step
+    flops: int  # FLOPs of one step (forward + backward), counted on the eager model
+    first_step_s: float  # the first step through the timed module: compilation, when compiled
+
+
 def time_steps(
-    kind: str, cfg: ViTConfig, args: argparse.Namespace, dev: torch.device, dtype: torch.dtype | None
-) -> tuple[list[float], int]:
-    """Seconds of each timed training step, and the FLOPs of one step."""
-    torch.manual_seed(0)
-    model = build_model(kind, cfg, drop_path_rate=0.1).to(dev).train()
+    model: torch.nn.Module,
+    *,
+    img_size: tuple[int, int],
+    num_classes: int,
+    batch: int,
+    steps: int,
+    warmup: int,
+    compile: bool,
+    dev: torch.device,
+    dtype: torch.dtype | None,
+) -> StepTiming:
+    """Time training steps of ``model`` (any classifier of (B, 3, H, W) images, timm's too)."""
+    model = model.to(dev).train()
     opt = torch.optim.AdamW(model.parameters(), lr=5e-4, weight_decay=0.05)
-    fwd = torch.compile(model) if args.compile else model
+    fwd = torch.compile(model) if compile else model
     crit = SoftTargetCrossEntropy()
     scaler = torch.amp.GradScaler(dev.type, enabled=dtype == torch.float16)
-    x = torch.randn(args.batch, 3, *cfg.img_size, device=dev)
-    y = torch.softmax(torch.randn(args.batch, cfg.num_classes, device=dev), dim=1)
+    x = torch.randn(batch, 3, *img_size, device=dev)
+    y = torch.softmax(torch.randn(batch, num_classes, device=dev), dim=1)
 
     def step(m: torch.nn.Module) -> None:
         with torch.autocast(dev.type, dtype=dtype, enabled=dtype is not None):
@@ -62,17 +78,22 @@ def time_steps(
             torch.cuda.synchronize(dev)
 
     with FlopCounterMode(display=False) as fc:
-        step(model)  # counted on the eager model; doubles as the first warm-up step
-    for _ in range(args.warmup):
+        step(model)  # counted on the eager model; doubles as a warm-up step
+    sync()
+    t = time.perf_counter()
+    step(fwd)
+    sync()
+    first = time.perf_counter() - t
+    for _ in range(max(warmup - 1, 0)):
         step(fwd)
     times = []
-    for _ in range(args.steps):
+    for _ in range(steps):
         sync()
         t = time.perf_counter()
         step(fwd)
         sync()
         times.append(time.perf_counter() - t)
-    return times, fc.get_total_flops()
+    return StepTiming(times, fc.get_total_flops(), first)
 
 
 def main() -> None:
@@ -97,7 +118,12 @@ def main() -> None:
           f"threads {args.threads}, {args.steps} timed steps after {args.warmup} warm-up")  # fmt: skip
     results = {}
     for name, (kind, cfg) in models().items():
-        times, flops = time_steps(kind, cfg, args, dev, dtype)
+        torch.manual_seed(0)
+        timing = time_steps(
+            build_model(kind, cfg, drop_path_rate=0.1), img_size=cfg.img_size, num_classes=cfg.num_classes,
+            batch=args.batch, steps=args.steps, warmup=args.warmup, compile=args.compile, dev=dev, dtype=dtype,
+        )  # fmt: skip
+        times, flops = timing.times, timing.flops
         med = statistics.median(times)
         results[name] = med
         mfu = flops / med / (args.peak_tflops * 1e12) if dev.type == "cuda" else None

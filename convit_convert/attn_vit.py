@@ -64,15 +64,15 @@ class RelPosAttention(nn.Module):
         n = bias.shape[1]
         return torch.cat([bias, self.sink.view(-1, 1, 1).expand(-1, n, 1)], dim=-1)
 
-    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(B, N, dim) -> q, k (B, h, N[+1], qk_dim), v (B, h, N[+1], v_dim); with a sink, k and v
-        end with the null key and value (zeros)."""
+    def qkv(self, x: torch.Tensor, pad_sink: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(B, N, dim) -> q, k (B, h, N[+1], qk_dim), v (B, h, N[+1], v_dim); with a sink and
+        ``pad_sink``, k and v end with the null key and value (zeros), as the ONNX form uses them."""
         b, n, _ = x.shape
         h = self.num_heads
         q = self.q(x).view(b, n, h, self.qk_dim).transpose(1, 2)
         k = self.k(x).view(b, n, h, self.qk_dim).transpose(1, 2)
         v = self.v(x).view(b, n, h, self.v_dim).transpose(1, 2)
-        if self.sink is not None:  # the null key: q·0 = 0, so its logit is the sink bias alone
+        if self.sink is not None and pad_sink:  # the null key: q·0 = 0, so its logit is the sink bias alone
             k = F.pad(k, (0, 0, 0, 1))
             v = F.pad(v, (0, 0, 0, 1))
         return q, k, v
@@ -83,10 +83,27 @@ class RelPosAttention(nn.Module):
         return self.proj(x.transpose(1, 2).reshape(b, n, h * vd))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, N, dim) -> (B, N, dim)."""
-        q, k, v = self.qkv(x)
-        bias = self.attn_bias().to(q.dtype)
-        return self.merge_heads(F.scaled_dot_product_attention(q, k, v, attn_mask=bias))
+        """(B, N, dim) -> (B, N, dim).
+
+        Written out rather than through ``F.scaled_dot_product_attention``: no fused kernel takes an
+        arbitrary bias with v_dim = 768 (SDPA falls back to its math path), and padding the
+        9·768-wide values for the sink costs a copy. The sink (logit s_h, value zero) only enlarges
+        the softmax's denominator, so it enters through the log-sum-exp:
+
+            weights = exp(logits - lse),   lse = log(exp(s_h) + Σ_j exp(logits_j))
+
+        which keeps the (B, h, N, N) weights contiguous for the P·V product. The logits stay in
+        float32 under autocast (the float32 bias promotes them). bench/gpu_suite.py measures the
+        forms against each other.
+        """
+        q, k, v = self.qkv(x, pad_sink=False)
+        logits = (q @ k.transpose(-2, -1)) * self.qk_dim**-0.5 + self.position_bias()
+        if self.sink is None:
+            weights = logits.softmax(dim=-1)
+        else:
+            lse = torch.logaddexp(logits.logsumexp(dim=-1, keepdim=True), self.sink.view(1, -1, 1, 1))
+            weights = (logits - lse).exp()
+        return self.merge_heads(weights.to(v.dtype) @ v)
 
 
 class AttnViT(VisionTransformer):

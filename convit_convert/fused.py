@@ -21,6 +21,7 @@ saved in the checkpoint format.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .attn_vit import RelPosAttention
@@ -56,27 +57,42 @@ class FusedRelPosAttention(nn.Module):
             self.register_buffer("sink", None if attn.sink is None else attn.sink.detach().clone())
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, N, d) -> (B, heads, N, N) attention logits, bias included."""
+        """(B, N, d) -> (B, heads, N, N) attention logits, bias included: products in x's dtype,
+        the sum in float32 or wider (a bf16 bias would round the pinning margin)."""
         b, n, d = x.shape
-        h = self.num_heads
+        h, dtype = self.num_heads, x.dtype
+        acc = torch.promote_types(dtype, torch.float32)
         if self.fold_qk:
             xa = torch.cat([x, x.new_ones(b, n, 1)], -1)  # (B, N, d+1)
-            z = xa @ self.a  # (B, N, h·(d+1)); head h is a column block
-            out = self.bias.expand(b, h, n, n).contiguous()
+            z = xa @ self.a.to(dtype)  # (B, N, h·(d+1)); head h is a column block
+            xt = xa.transpose(1, 2)
+            out = self.bias.to(acc).expand(b, h, n, n).contiguous()
             for i in range(h):
-                out[:, i].baddbmm_(z[:, :, i * (d + 1) : (i + 1) * (d + 1)], xa.transpose(1, 2))
+                zi = z[:, :, i * (d + 1) : (i + 1) * (d + 1)]
+                if dtype == acc:
+                    out[:, i].baddbmm_(zi, xt)
+                else:
+                    out[:, i] += torch.bmm(zi, xt)
             return out
-        q = self.q(x).view(b, n, h, self.qk_dim).transpose(1, 2)
-        k = self.k(x).view(b, n, h, self.qk_dim).transpose(1, 2)
-        return torch.baddbmm(
-            self.bias.expand(b, h, n, n).reshape(b * h, n, n),
-            (q * self.scale).reshape(b * h, n, self.qk_dim),
-            k.reshape(b * h, n, self.qk_dim).transpose(1, 2),
-        ).view(b, h, n, n)
+        q = F.linear(x, self.q.weight.to(dtype), self.q.bias.to(dtype)).view(b, n, h, self.qk_dim)
+        k = F.linear(x, self.k.weight.to(dtype), self.k.bias.to(dtype)).view(b, n, h, self.qk_dim)
+        q = (q.transpose(1, 2) * self.scale).reshape(b * h, n, self.qk_dim)
+        k = k.transpose(1, 2).reshape(b * h, n, self.qk_dim).transpose(1, 2)
+        bias = self.bias.to(acc).expand(b, h, n, n).reshape(b * h, n, n)
+        qk = torch.baddbmm(bias, q, k) if dtype == acc else torch.bmm(q, k).to(acc) + bias
+        return qk.view(b, h, n, n)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, N, d) -> (B, N, d)."""
-        d = x.shape[-1]
+        """(B, N, d) -> (B, N, d). Under autocast the block runs its products in the autocast dtype
+        itself (its in-place GEMMs are not autocast ops)."""
+        device = x.device.type
+        if torch.is_autocast_enabled(device):
+            with torch.autocast(device, enabled=False):
+                return self._forward(x.to(torch.get_autocast_dtype(device)))
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        d, dtype = x.shape[-1], x.dtype
         logits = self.logits(x)
         m = logits.amax(-1, keepdim=True)
         if self.sink is not None:  # the null key: in the denominator, with zero value
@@ -85,9 +101,9 @@ class FusedRelPosAttention(nn.Module):
         denom = p.sum(-1, keepdim=True)
         if self.sink is not None:
             denom = denom + (self.sink.view(1, -1, 1, 1) - m).exp()
-        p = p.div_(denom)  # (B, h, N, N)
-        y = x @ self.u  # (B, N, h·d): X U_h for every head, one GEMM
-        out = (p.sum(-1).transpose(1, 2) @ self.c).add_(self.proj_bias)  # weight kept off the sink
+        p = p.div_(denom).to(dtype)  # (B, h, N, N)
+        y = x @ self.u.to(dtype)  # (B, N, h·d): X U_h for every head, one GEMM
+        out = (p.sum(-1).transpose(1, 2) @ self.c.to(dtype)).add_(self.proj_bias.to(dtype))  # off the sink
         for i in range(self.num_heads):
             out.baddbmm_(p[:, i], y[:, :, i * d : (i + 1) * d])  # strided slice: no copy
         return out

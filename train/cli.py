@@ -76,6 +76,7 @@ FLAGS: list[tuple[str, Any, str, str, tuple[str, ...]]] = [
     ("device", str, "auto (CUDA when present), cuda, cuda:N or cpu.", RUN, ("phase1", "phase2")),
     ("amp", str, "auto (bf16 on CUDA, none on CPU), bf16, fp16 or none.", RUN, ("phase1", "phase2")),
     ("compile", bool, "torch.compile the model.", RUN, ("phase1", "phase2")),
+    ("deterministic", bool, "Deterministic CUDA kernels: bit-identical re-runs and resumes on a GPU, somewhat slower (CPU runs are deterministic anyway).", RUN, ("phase1", "phase2")),
     ("workers", int, "Data-loading worker processes per process.", RUN, ("phase1", "phase2")),
     ("resume", bool, "Continue the run in --out from checkpoint-last.pt.", RUN, ("phase1", "phase2")),
     ("keep", int, "Also keep the newest N end-of-epoch checkpoints.", RUN, ("phase1", "phase2")),

@@ -21,6 +21,7 @@ RUNTIME_FIELDS = (
     "keep",
     "out",
     "export_onnx",
+    "deterministic",
     "extra",
 )
 
@@ -84,6 +85,7 @@ class TrainConfig:
     device: str = "auto"
     amp: str = "auto"  # auto = bf16 on CUDA, none on CPU
     compile: bool = False
+    deterministic: bool = False  # deterministic CUDA kernels (CPU runs are deterministic anyway)
     workers: int = 4
     resume: bool = False
     keep: int = 0

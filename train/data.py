@@ -291,4 +291,7 @@ def build_loader(
         pin_memory=pin_memory,
         persistent_workers=workers > 0,
         drop_last=training,
+        # its own generator: each new iterator draws a base seed, which must not come from the
+        # global one (drop path's), or a resumed epoch would see different drop-path masks
+        generator=torch.Generator().manual_seed(seed),
     )

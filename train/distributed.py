@@ -1,7 +1,9 @@
 """Processes and devices: one process per GPU under torchrun (DDP), or a single process.
 
-torchrun sets RANK, WORLD_SIZE and LOCAL_RANK; without them this is a single process. The backend
-is NCCL on CUDA and gloo on CPU (which is how the tests run two processes).
+torchrun sets RANK, WORLD_SIZE and LOCAL_RANK; without them this is a single process. Under torchrun a
+process group is always created, one process included (so ``torchrun --nproc-per-node 1`` runs the
+same DDP and collective path as eight). The backend is NCCL on CUDA and gloo on CPU (which is how
+the tests run two processes).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ class Context:
     world: int
     local_rank: int
     device: torch.device
+    backend: str | None = None  # "nccl" / "gloo" under torchrun, None for a plain process
 
     @property
     def is_main(self) -> bool:
@@ -28,7 +31,7 @@ class Context:
 
     @property
     def distributed(self) -> bool:
-        return self.world > 1
+        return self.backend is not None
 
 
 def pick_device(name: str, local_rank: int = 0) -> torch.device:
@@ -45,15 +48,19 @@ def pick_device(name: str, local_rank: int = 0) -> torch.device:
 
 
 def setup(device: str) -> Context:
+    launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ  # by torchrun
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     dev = pick_device(device, local_rank)
-    if world > 1 and not dist.is_initialized():
+    backend = None
+    if launched:
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
-        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
-    return Context(rank, world, local_rank, dev)
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+        backend = dist.get_backend()
+    return Context(rank, world, local_rank, dev, backend)
 
 
 def all_reduce_sum(t: torch.Tensor, ctx: Context) -> torch.Tensor:

@@ -200,9 +200,35 @@ def run(cfg: TrainConfig, *, console: Any = None, stop_after_steps: int | None =
     would after that many optimizer steps in total: tests use it to interrupt a run."""
     ctx = setup(cfg.device)
     try:
-        return _run(cfg, ctx, console, stop_after_steps)
+        with deterministic_kernels(cfg.deterministic):
+            return _run(cfg, ctx, console, stop_after_steps)
     finally:
         teardown(ctx)
+
+
+@contextlib.contextmanager
+def deterministic_kernels(on: bool) -> Iterator[None]:
+    """``--deterministic``: CUDA kernels without atomics-order effects (cuDNN, cuBLAS, index_add),
+    restored afterwards. cuBLAS reads CUBLAS_WORKSPACE_CONFIG when it starts, so it is set here,
+    before the model reaches the GPU."""
+    if not on:
+        yield
+        return
+    import os
+
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    old = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.backends.cudnn.deterministic,
+        torch.backends.cudnn.benchmark,
+    )
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(old[0])
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = old[1], old[2]
 
 
 def _resume_state(cfg: TrainConfig, out: Path, log: Any) -> tuple[TrainConfig, dict[str, Any] | None]:
@@ -324,6 +350,7 @@ def _train(
     if ctx.is_main:
         doc = {**cfg.to_dict(), "model": pm.config.to_dict(pm.kind), "kind": pm.kind, "init_info": pm.init}
         doc["world_size"] = ctx.world
+        doc["backend"] = ctx.backend
         doc["scaled_lr"] = dict(zip(("lr", "min_lr", "warmup_lr"), scaled_lrs(cfg, ctx.world), strict=True))
         atomic_write_text(out / "config.json", json.dumps(doc, indent=2) + "\n")
         n_params = sum(p.numel() for p in model.parameters())

@@ -1,0 +1,176 @@
+"""CUDA: exact conversion with TF32 off, bf16/fp16 error, AMP training, --compile, bit-exact resume
+with --deterministic, DDP over NCCL under torchrun.
+
+Marked ``cuda`` and skipped where there is no GPU (CI has none). On a GPU machine run
+``pytest -m cuda tests/test_cuda.py``, or ``python bench/gpu_suite.py OUT``, which runs these and
+records the figures. Tiny configs: the file takes well under a minute on an H100.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+# cuBLAS reads this once, at its first use: set before any test touches the GPU (--deterministic)
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import conv_model, rel_err
+from convit_convert.attn_vit import AttnViT
+from convit_convert.convert import convert_state_dict
+from convit_convert.verify import verify_models
+from train.config import TrainConfig
+from train.engine import run
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+TINY = dict(
+    data="synthetic", img_size=16, patch_size=4, depth=2, kernel_size=3, batch_size=32, workers=0,
+    warmup_epochs=1, lr=4e-3, lr_base_batch=32, log_every=1000, device="cuda",
+)  # fmt: skip
+PLAIN = dict(mixup=0.0, cutmix=0.0, smoothing=0.0, drop_path=0.0, aa="none", reprob=0.0)
+
+
+def tiny(tmp_path: Path, name: str, **kw) -> TrainConfig:
+    return TrainConfig(out=str(tmp_path / name), **{**TINY, **kw})
+
+
+def converted(dtype: torch.dtype = torch.float32):
+    conv = conv_model(dtype=torch.float64)  # 12×8 px, P = 4, K = 5, depth 2, random affines
+    sd, mcfg = convert_state_dict(conv.state_dict(), conv.cfg)
+    attn = AttnViT(mcfg).double().eval()
+    attn.load_state_dict(sd)
+    return conv, attn
+
+
+def test_conversion_is_exact_on_cuda_with_tf32_off() -> None:
+    """verify_models on CUDA passes at 1e-5 even with TF32 switched on globally (it switches TF32
+    off while it checks, and back on after); the CUDA fp32 logits match the float64 conv model on
+    the CPU (an independent device and precision) to 1e-5: fp32's unit roundoff is 6e-8, and the
+    CPU measures ~8e-8 on this model."""
+    conv, attn = converted()
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    try:
+        result = verify_models(conv, attn, device="cuda", dtype=torch.float32, tol=1e-5)
+        assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32  # restored
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = True  # PyTorch's defaults
+    assert result.passed and result.device == "cuda", result.worst
+    assert result.worst.rel < 1e-5
+    x = torch.randn(4, 3, *conv.cfg.img_size, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = conv.cpu().double()(x)
+        out = attn.cuda().float()(x.float().cuda()).cpu().double()
+    assert rel_err(out, ref) < 1e-5
+
+
+@pytest.mark.parametrize(("dtype", "bound"), [(torch.bfloat16, 2e-2), (torch.float16, 4e-3)])
+def test_low_precision_error_is_the_formats_not_the_conversions(dtype: torch.dtype, bound: float) -> None:
+    """Under autocast the converted model's logits are off by about what the conv model's own are
+    (both against float64): the conversion adds no error of its own. Bounds: ~5× the unit roundoff
+    (bf16 2^-8 = 3.9e-3, fp16 2^-11 = 4.9e-4) times a few roundings per block; the CPU measured
+    3.8e-3 for bf16 on this model."""
+    conv, attn = converted()
+    x = torch.randn(4, 3, *conv.cfg.img_size, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = conv(x)
+        conv32, attn32, xc = conv.float().cuda(), attn.float().cuda(), x.float().cuda()
+        with torch.autocast("cuda", dtype=dtype):
+            e_attn = rel_err(attn32(xc).double().cpu(), ref)
+            e_conv = rel_err(conv32(xc).double().cpu(), ref)
+    assert 0 < e_attn < bound, (e_attn, e_conv)
+    assert e_attn < 2 * e_conv + 1e-3, (e_attn, e_conv)
+
+
+@pytest.mark.parametrize("amp", ["bf16", "fp16"])
+def test_amp_training_steps_both_phases(tmp_path: Path, amp: str) -> None:
+    """Phase 1, then phase 2 from its exact conversion, on CUDA under AMP: finite losses, and every
+    phase moves the weights it started from."""
+    p1 = run(tiny(tmp_path, "p1", epochs=1, amp=amp))
+    assert all(torch.isfinite(torch.tensor(r["train_loss"])) for r in p1.rows)
+    conv = load_file(str(p1.out / "conv.safetensors"))
+    p2 = run(tiny(tmp_path, "p2", phase="phase2", epochs=1, amp=amp, init=str(p1.out / "conv.safetensors")))
+    assert all(torch.isfinite(torch.tensor(r["train_loss"])) for r in p2.rows)
+    vit = load_file(str(p2.out / "vit.safetensors"))
+    assert all(torch.isfinite(t).all() for t in vit.values())
+    assert not torch.equal(vit["blocks.0.mlp.fc1.weight"], conv["blocks.0.mlp.fc1.weight"])
+    cfg = json.loads((p2.out / "config.json").read_text())
+    assert cfg["amp"] == amp and cfg["init_info"]["init_kind"] == "conv"
+
+
+@pytest.mark.parametrize("phase", ["phase1", "phase2"])
+def test_compile_matches_eager(tmp_path: Path, phase: str) -> None:
+    """--compile trains the same model as eager: one epoch of 16 steps (no drop path, whose
+    compiled RNG differs by design), float32, losses within 1e-3 relative (inductor reorders sums;
+    measured differences are ~1e-6)."""
+    kw = dict(phase=phase, epochs=1, amp="none", **PLAIN)
+    eager = run(tiny(tmp_path, "eager", **kw))
+    compiled = run(tiny(tmp_path, "compiled", compile=True, **kw))
+    for a, b in zip(eager.rows, compiled.rows, strict=True):
+        assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-3)
+        assert b["val_loss"] == pytest.approx(a["val_loss"], rel=1e-3)
+
+
+@pytest.mark.parametrize("phase", ["phase1", "phase2"])
+def test_resume_on_cuda_is_bit_exact(tmp_path: Path, phase: str) -> None:
+    """--deterministic, bf16, depth 2 with drop path, Mixup/CutMix, RandAugment, erasing and EMA
+    (the full recipe): stopped mid epoch 2 and resumed equals straight through, bit for bit."""
+    kw = dict(phase=phase, epochs=3, deterministic=True, model_ema=True, model_ema_decay=0.9, drop_path=0.1)
+    straight = run(tiny(tmp_path, "a", **kw))
+    first = run(tiny(tmp_path, "b", **kw), stop_after_steps=24)  # 16 steps/epoch
+    assert first.stopped == "limit"
+    resumed = run(tiny(tmp_path, "b", resume=True, **kw))
+    name = "conv" if phase == "phase1" else "vit"
+    for suffix in ("", "-ema"):
+        a = load_file(str(straight.out / f"{name}{suffix}.safetensors"))
+        b = load_file(str(resumed.out / f"{name}{suffix}.safetensors"))
+        diff = {k: (a[k].float() - b[k].float()).abs().max().item() for k in a if not torch.equal(a[k], b[k])}
+        assert not diff, diff
+
+
+def test_ddp_over_nccl_under_torchrun(tmp_path: Path) -> None:
+    """torchrun with one process: a real NCCL process group and the DDP wrapper (not the
+    single-process shortcut), the same training as a plain process to float rounding."""
+    common = ["--data", "synthetic", "--img-size", "16", "--patch-size", "4", "--depth", "2",
+              "--kernel-size", "3", "--epochs", "2", "--warmup-epochs", "1", "--lr", "4e-3",
+              "--lr-base-batch", "32", "--batch-size", "32", "--workers", "0", "--mixup", "0",
+              "--cutmix", "0", "--drop-path", "0", "--device", "cuda", "--amp", "none"]  # fmt: skip
+    ddp = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port", "29531",
+           "-m", "convit_convert", "train", "phase1", *common, "--out", str(tmp_path / "ddp")]  # fmt: skip
+    r = subprocess.run(ddp, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    cfg = json.loads((tmp_path / "ddp" / "config.json").read_text())
+    assert (cfg["backend"], cfg["world_size"]) == ("nccl", 1)
+    single = [
+        sys.executable,
+        "-m",
+        "convit_convert",
+        "train",
+        "phase1",
+        *common,
+        "--out",
+        str(tmp_path / "one"),
+    ]
+    r = subprocess.run(single, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads((tmp_path / "one" / "config.json").read_text())["backend"] is None
+    a, b = _metrics(tmp_path / "ddp"), _metrics(tmp_path / "one")
+    for ra, rb in zip(a, b, strict=True):
+        assert ra["train_loss"] == pytest.approx(rb["train_loss"], rel=1e-4)
+
+
+def _metrics(run_dir: Path) -> list[dict[str, float]]:
+    import csv
+
+    with open(run_dir / "metrics.csv") as f:
+        return [{k: float(v) for k, v in r.items()} for r in csv.DictReader(f)]
