@@ -1,9 +1,17 @@
-"""Write-then-rename, so a failed or interrupted write never leaves a partial file behind."""
+"""Write-then-rename, so a failed or interrupted write never leaves a partial file behind.
+
+The temp file sits beside the target as ``.NAME.PID.XXXXXXXX.tmp``. It is removed when the write
+fails, when Python unwinds (Ctrl-C, and SIGTERM once :func:`exit_on_sigterm` is installed, as the
+CLI does), and, after a kill -9 that no handler sees, by the next write to the same target: a temp
+of that target whose process no longer exists is stale.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
+import signal
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -28,13 +36,46 @@ def check_writable(path: Path) -> None:
         raise CmhsaError("output folder is not writable", path)
 
 
+def exit_on_sigterm() -> None:
+    """Make SIGTERM unwind like Ctrl-C (exit 143), so every pending write removes its temp file."""
+
+    def handler(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def remove_stale_temps(path: Path) -> list[Path]:
+    """Delete temp files of ``path`` left by writers that no longer run (killed with -9)."""
+    removed = []
+    prefix = f".{path.name}."
+    for name in glob.glob(glob.escape(str(path.parent / prefix)) + "*.tmp"):
+        pid = Path(name).name[len(prefix) :].split(".", 1)[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            with contextlib.suppress(OSError):
+                os.unlink(name)
+                removed.append(Path(name))
+    return removed
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | Path) -> Iterator[Path]:
     """Yield a temp path in ``path``'s folder; rename it onto ``path`` only if the block succeeds."""
     path = Path(path)
     check_writable(path)
+    remove_stale_temps(path)
     try:
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp")
     except OSError as e:
         raise CmhsaError(f"cannot create a file in the output folder ({e.strerror})", path) from None
     os.close(fd)

@@ -21,7 +21,7 @@ import torch
 from . import __version__
 from .atomic import atomic_path
 from .config import KINDS, ViTConfig
-from .errors import CmhsaError
+from .errors import CmhsaError, article
 
 KIND_KEY = "cmhsa.kind"
 CONFIG_KEY = "cmhsa.config"
@@ -103,10 +103,10 @@ def validate_tensors(kind: str, cfg: ViTConfig, tensors: dict[str, torch.Tensor]
     expected = expected_shapes(kind, cfg)
     missing = [n for n in expected if n not in tensors and not _optional(kind, n)]
     if missing:
-        raise CmhsaError(f"missing tensor(s) for a {kind} model: {_names(missing)}", path)
+        raise CmhsaError(f"missing tensor(s) for {article(kind)} model: {_names(missing)}", path)
     extra = sorted(n for n in tensors if n not in expected)
     if extra:
-        raise CmhsaError(f"unexpected tensor(s) for a {kind} model: {_names(extra)}", path)
+        raise CmhsaError(f"unexpected tensor(s) for {article(kind)} model: {_names(extra)}", path)
     for name, t in tensors.items():
         if tuple(t.shape) != expected[name]:
             raise CmhsaError(
@@ -162,6 +162,17 @@ def _read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, st
     return tensors, metadata
 
 
+def _blocked(message: str) -> str:
+    """What PyTorch's weights_only unpickler blocked, without its advice to load unsafely."""
+    import re
+
+    glob = re.search(r"GLOBAL ([\w.]+)", message)
+    if glob:
+        return f"it needs the global {glob.group(1)}, which is not allowed"
+    detail = re.search(r"WeightsUnpickler error:\s*([^\n]+)", message)
+    return detail.group(1).strip().rstrip(".") if detail else "it holds objects other than tensors"
+
+
 def _read_torch(path: Path) -> dict[str, torch.Tensor]:
     import pickle
     import zipfile
@@ -169,9 +180,10 @@ def _read_torch(path: Path) -> dict[str, torch.Tensor]:
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise CmhsaError(
-            f"cannot be loaded with weights_only=True, and cmhsa never loads pickles unsafely ({first})", path
+            f"refused by weights_only=True loading: {_blocked(str(e))}; cmhsa never unpickles arbitrary objects "
+            "(save the model's state_dict, or use .safetensors)",
+            path,
         ) from None
     except (RuntimeError, EOFError, OSError, zipfile.BadZipFile, ValueError) as e:
         raise CmhsaError(f"not a readable PyTorch file ({type(e).__name__}: {e})", path) from None

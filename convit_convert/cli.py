@@ -16,7 +16,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from . import __version__
-from .errors import CmhsaError
+from .errors import CmhsaError, article
 from .exits import EXIT_FAIL, handles_errors
 from .report import default_report_path
 
@@ -81,9 +81,11 @@ def verify_table(result: Any, title: str) -> Table:
 def print_verdict(result: Any) -> None:
     worst = result.worst
     where = f"{worst.tensor} ({worst.region})"
+    unjudged = [e for e in result.errors if not e.judged]
+    scope = f" (interior only: {len(unjudged)} border/logit rows not judged)" if unjudged else ""
     if result.passed:
         console.print(
-            f"[green]PASS[/]: worst relative error {_fmt(worst.rel)} at {where} <= tol {result.tol:g}"
+            f"[green]PASS[/]{scope}: worst relative error {_fmt(worst.rel)} at {where} <= tol {result.tol:g}"
         )
     else:
         console.print(f"[red]FAIL[/]: relative error {_fmt(worst.rel)} at {where} > tol {result.tol:g}")
@@ -114,13 +116,24 @@ def _same_file(a: Path, b: Path) -> bool:
         return False
 
 
+def check_tol(tol: float) -> None:
+    if not tol >= 0:  # also refuses nan
+        raise CmhsaError(f"--tol must be >= 0, got {tol}")
+
+
+def check_suffix(output: Path, suffix: str, what: str) -> None:
+    """The output's suffix must say what is written (no .onnx holding safetensors, or back)."""
+    if output.suffix.lower() != suffix:
+        raise CmhsaError(f"writes {what}: give the output the suffix {suffix}", output)
+
+
 def check_outputs(source: Path, output: Path, report_path: Path) -> None:
     """Before any work: both outputs writable, neither the input, and not the same file."""
     from .atomic import check_writable
 
-    for p in (output, report_path):
+    for p, name in ((output, "output"), (report_path, "report")):
         if _same_file(p, source):
-            raise CmhsaError("output path is the input file; choose another", p)
+            raise CmhsaError(f"{name} path is the input file; choose another", p)
         check_writable(p)
     if _same_file(output, report_path):
         raise CmhsaError("report path is the output path; choose another", report_path)
@@ -195,7 +208,9 @@ def convert(
 ) -> None:
     """Convert a conv-phase ViT into the attention ViT that computes the same function (Theorem 1)."""
     report_path = report or default_report_path(output)
+    check_suffix(output, ".safetensors", "a safetensors checkpoint (cmhsa export writes ONNX)")
     check_outputs(input, output, report_path)
+    check_tol(tol)
     if batch < 1:
         raise CmhsaError(f"--batch must be positive, got {batch}")
     if not qk_init_std >= 0:
@@ -324,6 +339,7 @@ def verify_cmd(
     device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N.")] = "auto",
 ) -> None:
     """Check numerically that ATTN computes what CONV computes. Exit 0 pass, 1 outside tol, 2 bad input."""
+    check_tol(tol)
     if batch < 1:
         raise CmhsaError(f"--batch must be positive, got {batch}")
     verify_dtype, verify_device = _dtype(dtype), _device(device)
@@ -345,9 +361,13 @@ def verify_cmd(
     load_s = time.perf_counter() - t
     print_import(a)
     if a.kind != "conv":
-        raise CmhsaError(f"is a {a.kind} checkpoint; the first argument must be a conv checkpoint", conv)
+        raise CmhsaError(
+            f"is {article(a.kind)} checkpoint; the first argument must be a conv checkpoint", conv
+        )
     if b.kind != "attn":
-        raise CmhsaError(f"is a {b.kind} checkpoint; the second argument must be an attn checkpoint", attn)
+        raise CmhsaError(
+            f"is {article(b.kind)} checkpoint; the second argument must be an attn checkpoint", attn
+        )
     shared_a, shared_b = a.config.to_dict("conv"), b.config.to_dict("conv")
     differ = [k for k in shared_a if shared_a[k] != shared_b[k]]
     if differ:
@@ -498,9 +518,9 @@ def run_export(
     from .atomic import atomic_write
 
     report_path = report or output.with_name(output.name + ".report.json")
+    check_suffix(output, ".onnx", "ONNX (cmhsa convert writes safetensors checkpoints)")
     check_outputs(checkpoint, output, report_path)
-    if not tol >= 0:
-        raise CmhsaError(f"--tol must be >= 0, got {tol}")
+    check_tol(tol)
     from .onnx_export import check_options
 
     check_options(exporter, opset)
@@ -653,4 +673,7 @@ _mount_training()
 
 
 def main() -> None:
+    from .atomic import exit_on_sigterm
+
+    exit_on_sigterm()  # a killed convert/export unwinds and removes its temp files (training traps it first)
     app()

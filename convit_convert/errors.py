@@ -12,3 +12,8 @@ class CmhsaError(Exception):
         self.path = None if path is None else str(path)
         self.message = " ".join(str(message).split())  # one line, whatever the source said
         super().__init__(f"{self.path}: {self.message}" if self.path else self.message)
+
+
+def article(kind: str) -> str:
+    """'a conv', 'an attn': for messages that name a model kind."""
+    return f"{'an' if kind[:1] in 'aeiou' else 'a'} {kind}"

@@ -476,6 +476,12 @@ def read_structure(model: Any, path: Path, seed: int = 0) -> Structure:
     batch = static_batch or 2
     inp, out, values = _concrete_run(model, path, batch, seed)
     g = GraphReader(model, values, path)
+    ops = {n.op_type for n in model.graph.node}
+    if "Conv" not in ops and "Softmax" in ops:
+        raise g.error(
+            "this is an attention model (its token mixers are Softmax attention, not Conv), not a conv-phase one: "
+            "convert takes the conv phase's model"
+        )
     forms: dict[str, set[str]] = {"linear": set(), "gelu": set(), "conv padding": set()}
 
     # patch embedding

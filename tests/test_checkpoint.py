@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from conftest import conv_model
-from convit_convert.checkpoint import expected_shapes, load_checkpoint, save_checkpoint
+from convit_convert.checkpoint import load_checkpoint, save_checkpoint
 from convit_convert.errors import CmhsaError
 
 DOC_CONFIG = {  # exactly the keys docs/FORMAT.md requires of a conv checkpoint
@@ -44,10 +44,13 @@ def doc_tensors(
 def test_file_written_by_another_tool_loads(tmp_path: Path) -> None:
     path = tmp_path / "other.safetensors"
     meta = {"format": "pt", "cmhsa.kind": "conv", "cmhsa.config": json.dumps({**DOC_CONFIG, "their_key": 1})}
-    save_file(doc_tensors(), str(path), metadata={**meta, "their.meta": "x"})
+    written = doc_tensors()
+    save_file(written, str(path), metadata={**meta, "their.meta": "x"})
     ckpt = load_checkpoint(path)
     assert ckpt.kind == "conv" and ckpt.config.img_size == (12, 8) and ckpt.config.depth == 2
-    assert set(ckpt.tensors) == set(expected_shapes("conv", ckpt.config))
+    assert set(ckpt.tensors) == set(written) and all(
+        torch.equal(ckpt.tensors[k], v) for k, v in written.items()
+    )
 
 
 def test_roundtrip_attn(tmp_path: Path) -> None:
@@ -80,7 +83,16 @@ def test_conv_without_bias_loads(tmp_path: Path) -> None:
         str(tmp_path / "nb.safetensors"),
         metadata={"cmhsa.kind": "conv", "cmhsa.config": json.dumps(DOC_CONFIG)},
     )
-    assert load_checkpoint(tmp_path / "nb.safetensors").config.depth == 2
+    from conftest import reference_conv, tokens_to_pixels
+    from convit_convert.models import model_from_checkpoint
+
+    ckpt = load_checkpoint(tmp_path / "nb.safetensors")
+    mixer = model_from_checkpoint(ckpt).blocks[0].conv  # the missing bias must act as zero
+    x = torch.randn(2, 6, 48)
+    pixels = tokens_to_pixels(x, (3, 2), 4)
+    ref = reference_conv(pixels, t["blocks.0.conv.weight"], None, 1)
+    with torch.no_grad():
+        assert torch.allclose(tokens_to_pixels(mixer(x), (3, 2), 4), ref, atol=1e-5)
 
 
 class Evil:
@@ -92,8 +104,9 @@ def test_pickles_are_never_loaded_unsafely(tmp_path: Path) -> None:
     path = tmp_path / "evil.pt"
     with open(path, "wb") as f:
         pickle.dump({"x": Evil()}, f)
-    with pytest.raises(CmhsaError, match="weights_only"):
+    with pytest.raises(CmhsaError, match="weights_only=True") as info:
         load_checkpoint(path, img_size=(12, 8), patch_size=4)
+    assert "weights_only=False" not in str(info.value)
 
 
 def test_streaming_writer_is_read_back_by_safetensors(tmp_path: Path, monkeypatch) -> None:

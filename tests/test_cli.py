@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -77,8 +78,12 @@ def test_no_sink_reports_border_apart(fixture_path: Path, tmp_path: Path) -> Non
     border = [e for e in errs if e["region"] == "border"]
     interior = [e for e in errs if e["region"] == "interior"]
     assert min(e["rel"] for e in border) > 1e-3 and not any(e["judged"] for e in border)
+    assert all(e["passed"] is None for e in errs if not e["judged"])  # reported, not judged
+    assert all(e["passed"] is True for e in errs if e["judged"])
     assert max(e["rel"] for e in interior) <= 1e-5
     assert "info" in r.output
+    said = " ".join(r.output.split())
+    assert "PASS (interior only:" in said and "not judged)" in said
     assert run("verify", fixture_path, out).exit_code == 0  # judged on the interior only
 
 
@@ -112,7 +117,9 @@ def test_inspect_and_heads(converted: tuple[Path, Path]) -> None:
     assert r.exit_code == 0, r.output
     assert "-1,-1" in r.output and "+1,+1" in r.output and sha(out) in r.output
     r = run("inspect", src)
-    assert r.exit_code == 0 and "conv" in r.output
+    n_params = sum(t.numel() for t in load_file(str(src)).values())
+    assert r.exit_code == 0 and "conv (ConvViT, phase 1)" in r.output, r.output
+    assert f"{n_params:,}" in r.output
     r = run("heads", "--kernel", "5", "--patch", "16")
     assert r.exit_code == 0 and "Theorem 6" in r.output and "25" in r.output
 
@@ -193,11 +200,12 @@ EXPECT = {
 }  # fmt: skip
 
 
-def assert_bad_input(result, path: Path, expect: str, out_dir: Path) -> None:
+def assert_bad_input(result, path: Path | None, expect: str, out_dir: Path) -> None:
+    """Exit 2, one line naming ``path`` (None: a flag's problem, no file) and the problem, nothing written."""
     assert result.exit_code == 2, result.output
     err = result.stderr.strip()
     assert len(err.splitlines()) == 1, err
-    assert err.startswith("error: ") and str(path) in err and expect in err, err
+    assert err.startswith("error: ") and (path is None or str(path) in err) and expect in err, err
     assert "Traceback" not in result.output
     assert not [
         p
@@ -252,7 +260,27 @@ def test_too_few_heads_and_wrong_kinds(converted: tuple[Path, Path], tmp_path: P
     r = run("convert", attn, "-o", out)
     assert r.exit_code == 2 and "already" in r.stderr
     r = run("verify", attn, src)
-    assert r.exit_code == 2 and "first argument" in r.stderr
+    assert r.exit_code == 2 and "is an attn checkpoint; the first argument" in r.stderr
+
+
+def test_convert_and_export_refuse_bad_tol_report_and_suffix(
+    converted: tuple[Path, Path], tmp_path: Path
+) -> None:
+    src, attn = converted
+    out = tmp_path / "v.safetensors"
+    for tol in ("-1", "nan"):
+        assert_bad_input(run("convert", src, "-o", out, "--tol", tol), None, "--tol must be >= 0", tmp_path)
+        assert_bad_input(run("verify", src, attn, "--tol", tol), None, "--tol must be >= 0", tmp_path)
+    (tmp_path / "in").mkdir()
+    copy = tmp_path / "in" / "conv.safetensors"
+    shutil.copy(src, copy)
+    r = run("convert", copy, "-o", out, "--report", copy)
+    assert_bad_input(r, copy, "report path is the input file", tmp_path)
+    assert_bad_input(
+        run("convert", copy, "-o", tmp_path / "x.onnx"), tmp_path / "x.onnx", "suffix .safetensors", tmp_path
+    )
+    r = run("export", attn, "-o", tmp_path / "x.safetensors")
+    assert_bad_input(r, tmp_path / "x.safetensors", "suffix .onnx", tmp_path)
 
 
 def test_unsafe_pickle_input(tmp_path: Path) -> None:
@@ -265,7 +293,24 @@ def test_unsafe_pickle_input(tmp_path: Path) -> None:
     path = tmp_path / "evil.pth"
     path.write_bytes(pickle.dumps(Evil()))
     r = run("convert", path, "-o", tmp_path / "v.safetensors", "--img-size", "32", "--patch-size", "4")
-    assert r.exit_code == 2 and "weights_only" in r.stderr
+    assert r.exit_code == 2 and "weights_only=True" in r.stderr
+    assert "weights_only=False" not in r.stderr and "will likely succeed" not in r.stderr
+    # a torch.save of something holding a non-tensor class: the message names the blocked global
+    import argparse
+
+    torch.save({"model": {"w": torch.zeros(1)}, "args": argparse.Namespace(lr=1)}, tmp_path / "args.pth")
+    r = run(
+        "convert",
+        tmp_path / "args.pth",
+        "-o",
+        tmp_path / "v.safetensors",
+        "--img-size",
+        "32",
+        "--patch-size",
+        "4",
+    )
+    assert r.exit_code == 2 and "the global argparse.Namespace" in r.stderr, r.stderr
+    assert "weights_only=False" not in r.stderr
 
 
 # ---- start-up: what each command imports --------------------------------------------------------

@@ -41,3 +41,22 @@ def test_fused_converted_model_is_still_the_convolution() -> None:
     x = torch.randn(2, 3, 12, 8, dtype=torch.float64)
     with torch.no_grad():
         assert rel_err(fused(x), conv(x)) <= 1e-12
+
+
+@pytest.mark.parametrize("qk_dim", [8, None])  # None: d = 48, the folded W_Q^T W_K path
+def test_fused_runs_under_bf16_autocast(qk_dim: int | None) -> None:
+    """Under autocast the fused block runs its products in bf16 itself (its in-place GEMMs are not
+    autocast ops; mixed dtypes used to fail). Its error against the float64 convolution is about
+    the unfused model's own under the same autocast (bf16 unit roundoff 3.9e-3; 2e-2 bound)."""
+    conv = conv_model(seed=5)
+    sd, acfg = convert_state_dict(conv.state_dict(), conv.cfg, qk_dim=qk_dim)
+    attn = AttnViT(acfg).eval()
+    attn.load_state_dict({k: v.float() for k, v in sd.items()})
+    fused = fuse_attention(copy.deepcopy(attn))
+    x = torch.randn(2, 3, 12, 8, dtype=torch.float64)
+    with torch.no_grad():
+        ref = conv(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            e_fused = rel_err(fused(x.float()).double(), ref)
+            e_attn = rel_err(attn(x.float()).double(), ref)
+    assert e_fused < 2e-2 and e_fused < 2 * e_attn + 1e-3, (e_fused, e_attn)

@@ -7,10 +7,12 @@ a minute on 2 cores.
 from __future__ import annotations
 
 import csv
+import io
 import itertools
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -19,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from rich.console import Console
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
@@ -159,8 +162,9 @@ def test_recipe_is_deits(tmp_path: Path) -> None:
 
 def test_resume_mid_epoch_equals_uninterrupted(tmp_path: Path) -> None:
     """4 epochs straight vs stopped in epoch 2 and resumed: same metrics, same weights, bit for bit
-    (full DeiT augmentation, Mixup/CutMix, drop path and EMA on: every RNG has to be restored)."""
-    kw = dict(epochs=4, model_ema=True, model_ema_decay=0.9, drop_path=0.1)
+    (full DeiT augmentation, Mixup/CutMix, EMA and drop path on: depth 2, since one block's drop
+    rate is 0; every RNG has to be restored, and the loader must not draw from drop path's)."""
+    kw = dict(epochs=4, depth=2, model_ema=True, model_ema_decay=0.9, drop_path=0.1)
     straight = run(tiny(tmp_path, "a", **kw))
     first = run(tiny(tmp_path, "b", **kw), stop_after_steps=24)  # 16 steps/epoch: mid epoch 2
     assert first.stopped == "limit" and len(first.rows) == 1
@@ -180,6 +184,54 @@ def test_resume_mid_epoch_equals_uninterrupted(tmp_path: Path) -> None:
     ema_b = load_file(str(tmp_path / "b" / "conv-ema.safetensors"))
     assert all(torch.equal(ema_a[k], ema_b[k]) for k in ema_a)
     assert [r["epoch"] for r in metrics(tmp_path / "b")] == [1, 2, 3, 4]
+
+
+def test_workers_do_not_change_the_result(tmp_path: Path) -> None:
+    """0 vs 2 data-loading workers (persistent), full recipe with drop path: the same weights."""
+    kw = dict(epochs=2, depth=2, drop_path=0.1)
+    a = run(tiny(tmp_path, "w0", workers=0, **kw))
+    b = run(tiny(tmp_path, "w2", workers=2, **kw))
+    wa, wb = (load_file(str(r.out / "conv.safetensors")) for r in (a, b))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_resume_extends_a_finished_run_with_a_rebuilt_schedule(tmp_path: Path) -> None:
+    """--resume with a larger --epochs continues a finished run; the cosine schedule is rebuilt for
+    the new total, so epochs 3-4 get the learning rates of a run planned for 4 epochs."""
+    planned = run(tiny(tmp_path, "planned", epochs=4, **PLAIN))
+    run(tiny(tmp_path, "grown", epochs=2, **PLAIN))
+    log = io.StringIO()
+    grown = run(tiny(tmp_path, "grown", epochs=4, resume=True, **PLAIN), console=Console(file=log, width=400))
+    assert [r["epoch"] for r in grown.rows] == [1, 2, 3, 4]
+    assert [r["lr"] for r in grown.rows[2:]] == pytest.approx([r["lr"] for r in planned.rows[2:]], rel=1e-12)
+    assert "extending the run from 2 to 4 epochs" in log.getvalue(), log.getvalue()
+    with pytest.raises(CmhsaError, match="already trained 4 epochs"):
+        run(tiny(tmp_path, "grown", epochs=3, resume=True, **PLAIN))
+
+
+def test_resume_with_a_new_lr_uses_it_and_says_so(tmp_path: Path) -> None:
+    run(tiny(tmp_path, epochs=3, **PLAIN), stop_after_steps=20)
+    log = io.StringIO()
+    res = run(
+        tiny(tmp_path, epochs=3, resume=True, **{**PLAIN, "lr": 1e-3}), console=Console(file=log, width=400)
+    )
+    said = " ".join(log.getvalue().split())
+    assert "--lr 0.001 instead of 0.004" in said and "no longer" in said, said
+    cfg = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert cfg["lr"] == 1e-3 and res.rows[-1]["lr"] <= 1e-3
+
+
+def test_default_workers_follow_the_machine(tmp_path: Path, monkeypatch) -> None:
+    """No more workers than CPUs (PyTorch warns above that): 2 on a 2-core machine, at most 4."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    assert engine.default_workers() == 2
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)))
+    assert engine.default_workers() == 4
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    cfg = tiny(tmp_path, epochs=1, **PLAIN)
+    cfg.workers = None
+    run(cfg)
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["workers"] == 1
 
 
 def test_keep_and_existing_run_guard(tmp_path: Path) -> None:
@@ -211,11 +263,21 @@ def hook_loss(monkeypatch, hook) -> None:
 
 def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path: Path, monkeypatch) -> None:
     hook_loss(monkeypatch, lambda n, loss: loss * math.nan if n == 20 else loss)  # epoch 2, step 4
-    with pytest.raises(TrainingError, match=r"non-finite loss .* epoch 2, step 4"):
+    with pytest.raises(TrainingError, match=r"non-finite loss .* epoch 2, step 4") as info:
         run(tiny(tmp_path, epochs=3, **PLAIN))
+    assert str(tmp_path / "run" / "checkpoint-last.pt") in str(info.value)
+    assert "--resume and a lower --lr" in str(info.value)  # advice that --resume now honours
     state = torch.load(tmp_path / "run" / "checkpoint-last.pt", weights_only=True)
     assert (state["epoch"], state["step"]) == (1, 0)
     assert all(torch.isfinite(t).all() for t in state["model"].values())
+
+
+def test_non_finite_loss_in_the_first_epoch_names_no_checkpoint(tmp_path: Path, monkeypatch) -> None:
+    hook_loss(monkeypatch, lambda n, loss: loss * math.nan if n == 3 else loss)
+    with pytest.raises(TrainingError, match="no checkpoint was saved yet") as info:
+        run(tiny(tmp_path, epochs=2, **PLAIN))
+    assert "checkpoint-last.pt" not in str(info.value)
+    assert not (tmp_path / "run" / "checkpoint-last.pt").exists()
 
 
 def test_sigterm_finishes_the_step_saves_and_stops(tmp_path: Path, monkeypatch) -> None:
@@ -299,13 +361,15 @@ def test_cli_phase1_phase2_eval_plot(tmp_path: Path) -> None:
     r = invoke("plot", tmp_path / "p1", tmp_path / "p2", "-o", tmp_path / "curves.png")
     assert r.exit_code == 0, r.output
     assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
+    r = invoke("plot", tmp_path / "p1", tmp_path / "p2")  # default: beside the first run, not in the cwd
+    assert r.exit_code == 0 and (tmp_path / "p1" / "curves.png").read_bytes()[:4] == b"\x89PNG"
     # phase 2 from an attention checkpoint, and from random (the paper's "2nd phase only")
     for init, name in ((vit, "p2b"), ("random", "p2r")):
         r = invoke("train", "phase2", *CLI_TINY, "--init", init, "--out", tmp_path / name)
         assert r.exit_code == 0, r.output
 
 
-def test_cli_refuses_bad_training_input(tmp_path: Path, fixture_path: Path) -> None:
+def test_cli_refuses_bad_training_input(tmp_path: Path, monkeypatch) -> None:
     conv_rgb = tmp_path / "p1" / "conv.safetensors"
     assert invoke("train", "phase1", *CLI_TINY, "--out", tmp_path / "p1").exit_code == 0
     cases = [
@@ -318,7 +382,18 @@ def test_cli_refuses_bad_training_input(tmp_path: Path, fixture_path: Path) -> N
         (["train", "phase1", *CLI_TINY, "--batch-size", "31"], 2, "even --batch-size"),
         (["train", "phase1", *CLI_TINY, "--amp", "fp16"], 2, "needs CUDA"),
         (["train", "phase1", *CLI_TINY, "--resume"], 2, "no checkpoint to resume"),
-        (["train", "phase2", "--data", "synthetic", "--init", fixture_path], 2, "1-channel"),
+        # recipe flags, checked against what timm accepts, before anything is created
+        (["train", "phase1", *CLI_TINY, "--opt", "foo"], 2, "--opt 'foo' is not one of timm's"),
+        (
+            ["train", "phase1", *CLI_TINY, "--sched", "foo"],
+            2,
+            "--sched 'foo': timm's scheduler factory refuses it",
+        ),
+        (["train", "phase1", *CLI_TINY, "--aa", "bogus"], 2, "--aa / --interpolation / --remode ('bogus'"),
+        (["train", "phase1", *CLI_TINY, "--interpolation", "foo"], 2, "--interpolation ("),
+        (["train", "phase1", *CLI_TINY, "--workers", "-1"], 2, "--workers must be >= 0, got -1"),
+        (["train", "phase1", *CLI_TINY, "--lr", "-1"], 2, "--lr must be > 0, got -1.0"),
+        (["train", "phase1", *CLI_TINY, "--in-chans", "4"], 2, "takes 4-channel images"),
         (
             ["train", "phase2", *CLI_TINY, "--init", conv_rgb, "--kernel-size", "5"],
             2,
@@ -335,5 +410,44 @@ def test_cli_refuses_bad_training_input(tmp_path: Path, fixture_path: Path) -> N
         r = invoke(*args, "--out", tmp_path / f"bad{i}")
         assert r.exit_code == code, (args, r.output)
         assert msg in r.output and "Traceback" not in r.output, (args, r.output)
+        assert len(r.output.strip().splitlines()) == 1 or code == 1, (args, r.output)
         assert len(r.output.strip().splitlines()[-1]) < 300
         assert not (tmp_path / f"bad{i}").exists(), args  # nothing left behind, not even the folder
+    # --out that cannot be a run folder: an existing file, a path through a file, a read-only disk
+    (tmp_path / "afile").write_text("keep")
+    r = invoke("train", "phase1", *CLI_TINY, "--out", tmp_path / "afile")
+    assert r.exit_code == 2 and "names an existing file" in r.output
+    assert (tmp_path / "afile").read_text() == "keep"
+    r = invoke("train", "phase1", *CLI_TINY, "--out", tmp_path / "afile" / "run")
+    assert r.exit_code == 2 and "cannot create the run folder (Not a directory)" in r.output, r.output
+
+    def read_only(self, *a, **k):
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr(Path, "mkdir", read_only)
+    r = invoke("train", "phase1", *CLI_TINY, "--out", tmp_path / "ro")
+    assert r.exit_code == 2 and "cannot create the run folder (Read-only file system)" in r.output
+    assert len(r.output.strip().splitlines()) == 1
+
+
+def test_shipped_fixture_trains_and_evaluates(fixture_path: Path, tmp_path: Path) -> None:
+    """The 1-channel digits fixture: cmhsa eval reads digits as grey (the model's in_chans), and
+    phase 2 starts from it (converted exactly, verified) on the same data."""
+    r = invoke("eval", fixture_path, "--data", "digits", "--workers", "0", "--device", "cpu")
+    assert r.exit_code == 0, r.output
+    top1 = float(re.search(r"conv\W+([\d.]+)", r.output).group(1))
+    assert top1 > 90, r.output
+    r = invoke("train", "phase2", "--init", fixture_path, "--data", "digits", "--epochs", "1",
+               "--batch-size", "64", "--workers", "0", "--device", "cpu", "--out", tmp_path / "p2")  # fmt: skip
+    assert r.exit_code == 0, r.output
+    assert json.loads((tmp_path / "p2" / "config.json").read_text())["model"]["in_chans"] == 1
+    r = invoke(
+        "eval", tmp_path / "p2" / "vit.safetensors", "--data", "digits", "--workers", "0", "--device", "cpu"
+    )
+    assert r.exit_code == 0, r.output
+
+
+def test_missing_extra_names_a_command_that_works_from_a_checkout(monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "sklearn.datasets", None)  # import fails
+    with pytest.raises(CmhsaError, match=r"pip install -e '\.\[digits\]'"):
+        build_data("digits", None, (32, 32))

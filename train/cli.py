@@ -32,6 +32,7 @@ FLAGS: list[tuple[str, Any, str, str, tuple[str, ...]]] = [
     ("download", bool, "Let torchvision download CIFAR into --data-dir (never without this flag).", "Data", ("phase1", "phase2")),
     ("num_classes", int, "Classes of --data synthetic.", "Data", ("phase1", "phase2")),
     ("img_size", int, "Image size (the data is resized to it).", MODEL, ("phase1", "phase2")),
+    ("in_chans", int, "Image channels: 3 (RGB) or 1 (grayscale); every image is converted to it.", MODEL, ("phase1", "phase2")),
     ("patch_size", int, "Patch size P.", MODEL, ("phase1", "phase2")),
     ("hidden_chans", int, "Channels of the pixel view of a token; embed_dim = P² · hidden_chans. 3 = identity patch embedding.", MODEL, ("phase1", "phase2")),
     ("depth", int, "Blocks.", MODEL, ("phase1", "phase2")),
@@ -64,6 +65,8 @@ FLAGS: list[tuple[str, Any, str, str, tuple[str, ...]]] = [
     ("reprob", float, "Random erasing probability.", RECIPE, ("phase1", "phase2")),
     ("remode", str, "Random erasing mode.", RECIPE, ("phase1", "phase2")),
     ("interpolation", str, "Resize interpolation.", RECIPE, ("phase1", "phase2")),
+    ("scale", tuple[float, float], "Random-resized-crop area range.", RECIPE, ("phase1", "phase2")),
+    ("hflip", float, "Horizontal flip probability (0 for digits and text).", RECIPE, ("phase1", "phase2")),
     ("crop_pct", float, "Eval centre-crop fraction.", RECIPE, ("phase1", "phase2")),
     ("mixup", float, "Mixup alpha (0 with --cutmix 0: off).", RECIPE, ("phase1", "phase2")),
     ("cutmix", float, "CutMix alpha.", RECIPE, ("phase1", "phase2")),
@@ -77,8 +80,8 @@ FLAGS: list[tuple[str, Any, str, str, tuple[str, ...]]] = [
     ("amp", str, "auto (bf16 on CUDA, none on CPU), bf16, fp16 or none.", RUN, ("phase1", "phase2")),
     ("compile", bool, "torch.compile the model.", RUN, ("phase1", "phase2")),
     ("deterministic", bool, "Deterministic CUDA kernels: bit-identical re-runs and resumes on a GPU, somewhat slower (CPU runs are deterministic anyway).", RUN, ("phase1", "phase2")),
-    ("workers", int, "Data-loading worker processes per process.", RUN, ("phase1", "phase2")),
-    ("resume", bool, "Continue the run in --out from checkpoint-last.pt.", RUN, ("phase1", "phase2")),
+    ("workers", int, "Data-loading worker processes per process (default: min(4, CPUs)).", RUN, ("phase1", "phase2")),
+    ("resume", bool, "Continue the run in --out from checkpoint-last.pt (a larger --epochs extends it; a new --lr restarts the schedule from there).", RUN, ("phase1", "phase2")),
     ("keep", int, "Also keep the newest N end-of-epoch checkpoints.", RUN, ("phase1", "phase2")),
     ("log_every", int, "Steps between log lines when not on a terminal.", RUN, ("phase1", "phase2")),
     ("export_onnx", bool, "At the end, also write the model as ONNX (vit.onnx / conv.onnx), checked in onnxruntime as by cmhsa export.", RUN, ("phase1", "phase2")),
@@ -88,7 +91,10 @@ FLAGS: list[tuple[str, Any, str, str, tuple[str, ...]]] = [
 def _option(name: str, typ: Any, help_text: str, panel: str, default: Any) -> inspect.Parameter:
     flag = "--" + name.replace("_", "-")
     decls = [f"{flag}/--no-{name.replace('_', '-')}"] if typ is bool else [flag]
-    shown = "per phase: " + ", ".join(f"{k} {v:g}" for k, v in PHASE_LR.items()) if name == "lr" else default
+    shown = {
+        "lr": "per phase: " + ", ".join(f"{k} {v:g}" for k, v in PHASE_LR.items()),
+        "workers": "min(4, CPUs)",
+    }.get(name, default)
     if isinstance(shown, tuple):
         shown = " ".join(map(str, shown))
     info = typer.Option(
@@ -191,13 +197,20 @@ def plot_command(
     runs: Annotated[
         list[Path], typer.Argument(help="Run folders (each with metrics.csv).", show_default=False)
     ],
-    output: Annotated[Path, typer.Option("--output", "-o", help="Image to write (.png, .pdf, .svg).")] = Path(
-        "curves.png"
-    ),
+    output: Annotated[
+        Optional[Path],  # noqa: UP045 (typer needs the Optional form at runtime here)
+        typer.Option(
+            "--output",
+            "-o",
+            help="Image to write (.png, .pdf, .svg) [default: FIRST_RUN/curves.png].",
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
     """Validation loss and top-1 against epoch for one or more runs (the paper's Figure 2 view)."""
     from .plot import plot_runs
 
+    output = output or runs[0] / "curves.png"  # beside the runs, never in whatever folder the shell is in
     plot_runs(runs, output)
     print(f"wrote {output}")
 

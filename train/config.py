@@ -37,6 +37,7 @@ class TrainConfig:
     num_classes: int = 10  # synthetic data only; the others know theirs
     # model (the paper's CMHSA-5)
     img_size: int = 224
+    in_chans: int = 3  # 3: RGB, 1: grayscale (images are converted to what the model takes)
     patch_size: int = 16
     hidden_chans: int = 3
     depth: int = 6
@@ -72,6 +73,8 @@ class TrainConfig:
     reprob: float = 0.25
     remode: str = "pixel"
     interpolation: str = "bicubic"
+    scale: tuple[float, float] = (0.08, 1.0)  # RandomResizedCrop's area range
+    hflip: float = 0.5
     crop_pct: float = 0.875
     mixup: float = 0.8
     cutmix: float = 1.0
@@ -86,7 +89,7 @@ class TrainConfig:
     amp: str = "auto"  # auto = bf16 on CUDA, none on CPU
     compile: bool = False
     deterministic: bool = False  # deterministic CUDA kernels (CPU runs are deterministic anyway)
-    workers: int = 4
+    workers: int | None = None  # default: min(4, CPUs this process may use)
     resume: bool = False
     keep: int = 0
     log_every: int = 50
@@ -99,7 +102,7 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
-        d["opt_betas"] = list(self.opt_betas)
+        d["opt_betas"], d["scale"] = list(self.opt_betas), list(self.scale)
         return d
 
     def to_json(self) -> str:
@@ -109,8 +112,9 @@ class TrainConfig:
     def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in d.items() if k in known}
-        if "opt_betas" in kwargs:
-            kwargs["opt_betas"] = tuple(kwargs["opt_betas"])
+        for name in ("opt_betas", "scale"):
+            if name in kwargs:
+                kwargs[name] = tuple(kwargs[name])
         return cls(**kwargs)
 
     def training_differences(self, other: TrainConfig) -> list[str]:

@@ -58,7 +58,9 @@ def digits(val_fraction: float = 0.2, seed: int = 0) -> DataSpec:
     try:
         from sklearn.datasets import load_digits
     except ImportError:
-        raise CmhsaError("--data digits needs scikit-learn: pip install 'cmhsa[digits]'") from None
+        raise CmhsaError(
+            "--data digits needs scikit-learn: pip install 'cmhsa[digits]' (in a source checkout: pip install -e '.[digits]')"
+        ) from None
     d = load_digits()
     img = np.clip(d.images * (255.0 / 16.0), 0, 255).astype(np.uint8)
     img = np.repeat(img[..., None], 3, axis=3)
@@ -157,42 +159,68 @@ def _posterize(img: Any, bits_to_keep: int, **_: Any) -> Any:
     return ImageOps.posterize(img, bits_to_keep)
 
 
-def build_transform(img_size: tuple[int, int], training: bool, args: Any) -> Any:
-    """DeiT's augmentation (timm ``create_transform``) for training; resize + centre crop for eval."""
-    from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, auto_augment, create_transform
+IMAGE_MODES = {3: "RGB", 1: "L"}  # the model's in_chans -> the PIL mode every image is converted to
+
+
+def image_mode(in_chans: int, path: object = None) -> str:
+    if in_chans not in IMAGE_MODES:
+        raise CmhsaError(
+            f"takes {in_chans}-channel images; the data path gives RGB (3 channels) or grayscale (1)", path
+        )
+    return IMAGE_MODES[in_chans]
+
+
+def channel_stats(in_chans: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Normalisation mean and std: ImageNet's (DeiT's) for RGB, their channel averages for grey."""
+    from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+
+    if in_chans == 3:
+        return tuple(IMAGENET_DEFAULT_MEAN), tuple(IMAGENET_DEFAULT_STD)
+    return (sum(IMAGENET_DEFAULT_MEAN) / 3,), (sum(IMAGENET_DEFAULT_STD) / 3,)
+
+
+def build_transform(img_size: tuple[int, int], training: bool, args: Any, in_chans: int = 3) -> Any:
+    """DeiT's augmentation (timm ``create_transform``) for training; resize + centre crop for eval.
+    ``in_chans`` 1 normalises one grey channel (images are converted to grey by the loader)."""
+    from timm.data import auto_augment, create_transform
 
     for name in ("Posterize", "PosterizeIncreasing", "PosterizeOriginal"):
         auto_augment.NAME_TO_OP[name] = _posterize
 
+    image_mode(in_chans)
+    mean, std = channel_stats(in_chans)
     if training:
         return create_transform(
-            input_size=(3, *img_size),
+            input_size=(in_chans, *img_size),
             is_training=True,
+            scale=tuple(args.scale),
+            hflip=args.hflip,
             color_jitter=args.color_jitter,
             auto_augment=None if args.aa in (None, "", "none") else args.aa,
             interpolation=args.interpolation,
             re_prob=args.reprob,
             re_mode=args.remode,
             re_count=1,
-            mean=IMAGENET_DEFAULT_MEAN,
-            std=IMAGENET_DEFAULT_STD,
+            mean=mean,
+            std=std,
         )
     return create_transform(
-        input_size=(3, *img_size),
+        input_size=(in_chans, *img_size),
         is_training=False,
         interpolation=args.interpolation,
         crop_pct=args.crop_pct,
-        mean=IMAGENET_DEFAULT_MEAN,
-        std=IMAGENET_DEFAULT_STD,
+        mean=mean,
+        std=std,
     )
 
 
 class Seeded(Dataset):
-    """Wraps a dataset and a transform; item ``(epoch, i)`` is sample ``i`` transformed with every
-    RNG the transform may use (python, numpy, torch) seeded from (seed, epoch, i)."""
+    """Wraps a dataset and a transform; item ``(epoch, i)`` is sample ``i`` converted to ``mode``
+    ('RGB' or 'L') and transformed with every RNG the transform may use (python, numpy, torch)
+    seeded from (seed, epoch, i)."""
 
-    def __init__(self, base: Dataset, transform: Any, seed: int) -> None:
-        self.base, self.transform, self.seed = base, transform, seed
+    def __init__(self, base: Dataset, transform: Any, seed: int, mode: str = "RGB") -> None:
+        self.base, self.transform, self.seed, self.mode = base, transform, seed, mode
 
     def __len__(self) -> int:
         return len(self.base)  # type: ignore[arg-type]
@@ -200,8 +228,8 @@ class Seeded(Dataset):
     def __getitem__(self, key: tuple[int, int]) -> tuple[torch.Tensor, int]:
         epoch, i = key
         img, label = self.base[i]
-        if hasattr(img, "mode") and img.mode != "RGB":
-            img = img.convert("RGB")
+        if hasattr(img, "mode") and img.mode != self.mode:
+            img = img.convert(self.mode)
         s = sample_seed(self.seed, epoch, i)
         py_state, np_state = random.getstate(), np.random.get_state()
         with torch.random.fork_rng(devices=[]):
@@ -270,6 +298,7 @@ def build_loader(
     world: int = 1,
     workers: int = 0,
     pin_memory: bool = False,
+    in_chans: int = 3,
 ) -> DataLoader:
     sampler = EpochSampler(
         len(dataset),  # type: ignore[arg-type]
@@ -284,7 +313,7 @@ def build_loader(
             f"the training set ({len(dataset)} images over {world} process(es)) is smaller than one batch of {batch_size}"  # type: ignore[arg-type]
         )
     return DataLoader(
-        Seeded(dataset, transform, seed),
+        Seeded(dataset, transform, seed, image_mode(in_chans)),
         batch_size=batch_size,
         sampler=sampler,
         num_workers=workers,

@@ -47,6 +47,7 @@ METRICS = ("epoch", "train_loss", "val_loss", "top1", "top5", "lr", "epoch_secon
 EMA_METRICS = ("ema_val_loss", "ema_top1", "ema_top5")
 OUTPUT = {"phase1": "conv.safetensors", "phase2": "vit.safetensors"}
 AMP = {"bf16": torch.bfloat16, "fp16": torch.float16, "none": None}
+RESUMABLE = ("epochs", "lr")  # flags a --resume may change; the schedule is then rebuilt
 
 
 @dataclass
@@ -95,17 +96,74 @@ def scaled_lrs(cfg: TrainConfig, world: int) -> tuple[float, float, float]:
     return cfg.peak_lr * scale, cfg.min_lr * scale, cfg.warmup_lr * scale
 
 
-def build_recipe(cfg: TrainConfig, model: nn.Module, num_classes: int, world: int, steps_per_epoch: int):
-    """Optimizer, scheduler, Mixup/CutMix and loss, all timm's, with DeiT's settings."""
-    from timm.data import Mixup
-    from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
-    from timm.optim import create_optimizer_v2
+def default_workers() -> int:
+    """Data-loading workers when --workers is not given: up to 4, never more than the CPUs this
+    process may use (PyTorch warns above that)."""
+    import os
+
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return min(4, cpus)
+
+
+def check_recipe(cfg: TrainConfig) -> None:
+    """Every recipe flag against what timm actually accepts (its optimizer registry, scheduler
+    factory and transform parsers) and the numbers against their ranges, before anything is read or
+    created: bad input is one line (CmhsaError) naming the flag."""
+    from timm.optim import list_optimizers
+
+    numbers = [
+        ("--lr", cfg.lr, cfg.lr is None or cfg.lr > 0, "> 0"),
+        ("--min-lr", cfg.min_lr, cfg.min_lr >= 0, ">= 0"),
+        ("--warmup-lr", cfg.warmup_lr, cfg.warmup_lr >= 0, ">= 0"),
+        ("--warmup-epochs", cfg.warmup_epochs, cfg.warmup_epochs >= 0, ">= 0"),
+        ("--weight-decay", cfg.weight_decay, cfg.weight_decay >= 0, ">= 0"),
+        ("--workers", cfg.workers, cfg.workers is None or cfg.workers >= 0, ">= 0"),
+        ("--drop-path", cfg.drop_path, 0 <= cfg.drop_path < 1, "in [0, 1)"),
+        ("--smoothing", cfg.smoothing, 0 <= cfg.smoothing < 1, "in [0, 1)"),
+        ("--reprob", cfg.reprob, 0 <= cfg.reprob <= 1, "in [0, 1]"),
+        ("--hflip", cfg.hflip, 0 <= cfg.hflip <= 1, "in [0, 1]"),
+        ("--scale", cfg.scale, 0 < cfg.scale[0] <= cfg.scale[1] <= 1, "0 < min <= max <= 1"),
+        ("--mixup", cfg.mixup, cfg.mixup >= 0, ">= 0"),
+        ("--cutmix", cfg.cutmix, cfg.cutmix >= 0, ">= 0"),
+    ]
+    for flag, value, ok, want in numbers:
+        if not ok or (isinstance(value, float) and not math.isfinite(value)):
+            raise CmhsaError(f"{flag} must be {want}, got {value}")
+    if cfg.batch_size < 1 or cfg.epochs < 1:
+        raise CmhsaError(f"--batch-size and --epochs must be positive (got {cfg.batch_size}, {cfg.epochs})")
+    if (cfg.mixup > 0 or cfg.cutmix > 0) and cfg.batch_size % 2:
+        raise CmhsaError(f"Mixup/CutMix need an even --batch-size, got {cfg.batch_size}")
+    known = list_optimizers()
+    if cfg.opt.lower() not in known:
+        raise CmhsaError(
+            f"--opt {cfg.opt!r} is not one of timm's {len(known)} optimizers (timm.optim.list_optimizers())"
+        )
+    probe = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    try:
+        build_scheduler(cfg, probe, 1.0, 0.0, 0.0, 1)
+    except Exception as e:
+        raise CmhsaError(f"--sched {cfg.sched!r}: timm's scheduler factory refuses it ({e})") from None
+    from .data import build_transform
+
+    size = (cfg.img_size, cfg.img_size)
+    for training, flags in ((False, "--interpolation"), (True, "--aa / --interpolation / --remode")):
+        try:
+            build_transform(size, training, cfg, 3)
+        except CmhsaError:
+            raise
+        except Exception as e:
+            raise CmhsaError(
+                f"{flags} ({cfg.aa!r}, {cfg.interpolation!r}, {cfg.remode!r}): timm's create_transform refuses it "
+                f"({type(e).__name__}: {e})"
+            ) from None
+
+
+def build_scheduler(
+    cfg: TrainConfig, optimizer: Any, lr: float, min_lr: float, warmup_lr: float, steps_per_epoch: int
+):
+    """timm's scheduler for ``cfg.epochs`` epochs, stepped per epoch (DeiT's)."""
     from timm.scheduler import create_scheduler_v2
 
-    lr, min_lr, warmup_lr = scaled_lrs(cfg, world)
-    optimizer = create_optimizer_v2(
-        model, opt=cfg.opt, lr=lr, weight_decay=cfg.weight_decay, eps=cfg.opt_eps, betas=tuple(cfg.opt_betas)
-    )  # reads model.no_weight_decay(); biases and norms get no decay either
     scheduler, _ = create_scheduler_v2(
         optimizer,
         sched=cfg.sched,
@@ -116,6 +174,22 @@ def build_recipe(cfg: TrainConfig, model: nn.Module, num_classes: int, world: in
         step_on_epochs=True,
         updates_per_epoch=steps_per_epoch,
     )
+    if scheduler is None:
+        raise ValueError(f"no scheduler named {cfg.sched!r}")
+    return scheduler
+
+
+def build_recipe(cfg: TrainConfig, model: nn.Module, num_classes: int, world: int, steps_per_epoch: int):
+    """Optimizer, scheduler, Mixup/CutMix and loss, all timm's, with DeiT's settings."""
+    from timm.data import Mixup
+    from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
+    from timm.optim import create_optimizer_v2
+
+    lr, min_lr, warmup_lr = scaled_lrs(cfg, world)
+    optimizer = create_optimizer_v2(
+        model, opt=cfg.opt, lr=lr, weight_decay=cfg.weight_decay, eps=cfg.opt_eps, betas=tuple(cfg.opt_betas)
+    )  # reads model.no_weight_decay(); biases and norms get no decay either
+    scheduler = build_scheduler(cfg, optimizer, lr, min_lr, warmup_lr, steps_per_epoch)
     mixup = None
     if cfg.mixup > 0 or cfg.cutmix > 0:
         mixup = Mixup(
@@ -185,6 +259,19 @@ def evaluate(
     }
 
 
+def non_finite_message(loss: float, epoch: int, step: int, out: Path) -> str:
+    """What a user can do after a non-finite loss: the advice depends on whether a checkpoint exists."""
+    head = f"non-finite loss ({loss}) at epoch {epoch + 1}, step {step + 1}: stopped before it reached the weights; "
+    last = out / checkpointing.LAST
+    if last.exists():
+        return head + (
+            f"the last good checkpoint is {last}: continue from it with --resume and a lower --lr (the schedule "
+            "is rebuilt, so the run is no longer one uninterrupted run), or start a new --out with a lower --lr, "
+            "--amp none or --clip-grad"
+        )
+    return head + "no checkpoint was saved yet: start again with a lower --lr, --amp none or --clip-grad"
+
+
 def write_metrics(path: Path, rows: list[dict[str, Any]]) -> None:
     cols = list(METRICS) + [c for c in EMA_METRICS if rows and c in rows[0]]
     buf = io.StringIO()
@@ -241,20 +328,42 @@ def _resume_state(cfg: TrainConfig, out: Path, log: Any) -> tuple[TrainConfig, d
         return cfg, None
     state = checkpointing.load(out / checkpointing.LAST)
     saved = TrainConfig.from_dict(state["config"])
-    ignored = saved.training_differences(cfg)
+    changed = saved.training_differences(cfg)
+    for name in RESUMABLE:  # what a resumed run may change, as timm's train.py allows
+        if name in changed:
+            old, new = getattr(saved, name), getattr(cfg, name)
+            if name == "epochs" and new < state["epoch"] + (state["step"] > 0):
+                raise CmhsaError(f"--epochs {new}: the run has already trained {state['epoch']} epochs", out)
+            setattr(saved, name, new)
+            log(
+                f"resuming with --{name.replace('_', '-')} {new} instead of {old}: the schedule is rebuilt for it, "
+                "so the result is no longer that of one uninterrupted run"
+                if name == "lr"
+                else f"extending the run from {old} to {new} epochs; the schedule is rebuilt for {new} epochs"
+            )
+    ignored = [n for n in changed if n not in RESUMABLE]
     if ignored:
         log(f"resuming with the saved run's settings; ignoring changed flag(s): {', '.join(ignored)}")
     for name in RUNTIME_FIELDS:  # how this invocation runs (resume included), not what it computes
         if name != "extra":
             setattr(saved, name, getattr(cfg, name))
+    saved.extra["rescheduled"] = any(n in changed for n in RESUMABLE)
     return saved, state
 
 
 def _run(cfg: TrainConfig, ctx: Context, console: Any, stop_after_steps: int | None) -> RunResult:
     out = Path(cfg.out).expanduser()
+    check_recipe(cfg)
+    if cfg.workers is None:
+        cfg.workers = default_workers()
+    if out.exists() and not out.is_dir():
+        raise CmhsaError("--out names an existing file; give a folder for the run", out)
     created = not out.exists()
     if ctx.is_main:
-        out.mkdir(parents=True, exist_ok=True)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise CmhsaError(f"cannot create the run folder ({e.strerror})", out) from None
         check_writable(out / "config.json")
     barrier(ctx)
     reporter = Reporter(ctx.is_main, cfg.epochs, cfg.log_every, console)
@@ -279,10 +388,6 @@ def _train(
     reporter: Reporter,
     stop_after_steps: int | None,
 ) -> RunResult:
-    if cfg.batch_size < 1 or cfg.epochs < 1:
-        raise CmhsaError(f"--batch-size and --epochs must be positive (got {cfg.batch_size}, {cfg.epochs})")
-    if (cfg.mixup > 0 or cfg.cutmix > 0) and cfg.batch_size % 2:
-        raise CmhsaError(f"Mixup/CutMix need an even --batch-size, got {cfg.batch_size}")
     device = ctx.device
     dtype = amp_dtype(cfg, device)
     seed_everything(cfg.seed + ctx.rank)
@@ -309,13 +414,14 @@ def _train(
     img = pm.config.img_size
 
     pin = device.type == "cuda"
+    chans = pm.config.in_chans
     train_loader = build_loader(
-        spec.train, build_transform(img, True, cfg), training=True, batch_size=cfg.batch_size,
-        seed=cfg.seed, rank=ctx.rank, world=ctx.world, workers=cfg.workers, pin_memory=pin,
+        spec.train, build_transform(img, True, cfg, chans), training=True, batch_size=cfg.batch_size,
+        seed=cfg.seed, rank=ctx.rank, world=ctx.world, workers=cfg.workers, pin_memory=pin, in_chans=chans,
     )  # fmt: skip
     val_loader = build_loader(
-        spec.val, build_transform(img, False, cfg), training=False, batch_size=cfg.batch_size,
-        seed=cfg.seed, rank=ctx.rank, world=ctx.world, workers=cfg.workers, pin_memory=pin,
+        spec.val, build_transform(img, False, cfg, chans), training=False, batch_size=cfg.batch_size,
+        seed=cfg.seed, rank=ctx.rank, world=ctx.world, workers=cfg.workers, pin_memory=pin, in_chans=chans,
     )  # fmt: skip
     steps_per_epoch = len(train_loader.sampler) // cfg.batch_size
 
@@ -340,7 +446,14 @@ def _train(
     partial = {"loss_sum": 0.0, "seconds": 0.0, "images": 0}
     if state is not None:
         optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
+        if cfg.extra.get("rescheduled"):  # --epochs / --lr changed: a fresh schedule from the new values
+            lr, min_lr, warmup_lr = scaled_lrs(cfg, ctx.world)
+            for group in optimizer.param_groups:
+                group["initial_lr"] = group["lr"] = lr
+            scheduler = build_scheduler(cfg, optimizer, lr, min_lr, warmup_lr, steps_per_epoch)
+            scheduler.step(state["epoch"])
+        else:
+            scheduler.load_state_dict(state["scheduler"])
         scaler.load_state_dict(state["scaler"])
         if ema is not None and state.get("ema") is not None:
             ema.load_state_dict(state["ema"])
@@ -411,11 +524,7 @@ def _train(
                 all_reduce_sum(flags, ctx)
                 mean_loss = flags[0].item() / ctx.world
                 if not math.isfinite(mean_loss):
-                    raise TrainingError(
-                        f"non-finite loss ({mean_loss}) at epoch {epoch + 1}, step {step + 1}: stopped before "
-                        f"it reached the weights; the last good checkpoint is {out / checkpointing.LAST} "
-                        "(lower --lr, or try --amp none / --clip-grad)"
-                    )
+                    raise TrainingError(non_finite_message(mean_loss, epoch, step, out))
                 optimizer.zero_grad(set_to_none=True)
                 scaler.scale(loss).backward()
                 if cfg.clip_grad is not None:

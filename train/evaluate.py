@@ -16,7 +16,7 @@ from convit_convert.errors import CmhsaError
 from convit_convert.models import model_from_checkpoint
 
 from .config import TrainConfig
-from .data import build_data, build_loader, build_transform
+from .data import build_data, build_loader, build_transform, image_mode
 from .distributed import pick_device
 from .engine import amp_dtype, evaluate
 
@@ -45,7 +45,10 @@ def evaluate_checkpoint(
         raise CmhsaError(f"has {cfg.num_classes} classes but --data {data} has {spec.num_classes}", ckpt.path)
     dev = pick_device(device)
     dtype = amp_dtype(TrainConfig(amp=amp), dev)
-    tf = build_transform(cfg.img_size, False, SimpleNamespace(interpolation="bicubic", crop_pct=crop_pct))
+    image_mode(cfg.in_chans, ckpt.path)  # RGB or grey: the loader converts every image to it
+    tf = build_transform(
+        cfg.img_size, False, SimpleNamespace(interpolation="bicubic", crop_pct=crop_pct), cfg.in_chans
+    )
     loader = build_loader(
         spec.val,
         tf,
@@ -54,6 +57,7 @@ def evaluate_checkpoint(
         seed=seed,
         workers=workers,
         pin_memory=dev.type == "cuda",
+        in_chans=cfg.in_chans,
     )
     model = model_from_checkpoint(ckpt, dtype=torch.float32).to(dev)
     metrics = evaluate(model, loader, dev, dtype)

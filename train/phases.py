@@ -24,6 +24,7 @@ from convit_convert.theory import head_count
 from convit_convert.vit import VisionTransformer
 
 from .config import TrainConfig
+from .data import image_mode
 
 
 class TrainingError(Exception):
@@ -38,12 +39,12 @@ class PhaseModel:
     init: dict[str, Any] = field(default_factory=dict)  # where the weights came from, for config.json
 
 
-def flag_config(cfg: TrainConfig, num_classes: int, in_chans: int = 3) -> ViTConfig:
+def flag_config(cfg: TrainConfig, num_classes: int) -> ViTConfig:
     """The conv config the model flags describe."""
     return ViTConfig.build(
         img_size=cfg.img_size,
         patch_size=cfg.patch_size,
-        in_chans=in_chans,
+        in_chans=cfg.in_chans,
         hidden_chans=cfg.hidden_chans,
         depth=cfg.depth,
         mlp_ratio=cfg.mlp_ratio,
@@ -58,6 +59,7 @@ def model_flags(mcfg: ViTConfig) -> dict[str, Any]:
     h, w = mcfg.img_size
     flags: dict[str, Any] = {
         "img_size": h if h == w else (h, w),
+        "in_chans": mcfg.in_chans,
         "patch_size": mcfg.patch_size,
         "hidden_chans": mcfg.hidden_chans,
         "depth": mcfg.depth,
@@ -81,8 +83,7 @@ def _check_explicit(cfg: TrainConfig, ckpt_cfg: ViTConfig, num_classes: int, pat
             )
     if ckpt_cfg.num_classes != num_classes:
         raise CmhsaError(f"has {ckpt_cfg.num_classes} classes but --data {cfg.data} has {num_classes}", path)
-    if ckpt_cfg.in_chans != 3:
-        raise CmhsaError(f"takes {ckpt_cfg.in_chans}-channel images; training feeds RGB", path)
+    image_mode(ckpt_cfg.in_chans, path)  # 1 or 3: the loader converts every image to it
 
 
 def sync_model_flags(cfg: TrainConfig, mcfg: ViTConfig) -> None:

@@ -31,7 +31,9 @@ def plot_runs(runs: list[Path], output: Path) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise CmhsaError("plotting needs matplotlib: pip install 'cmhsa[plot]'") from None
+        raise CmhsaError(
+            "plotting needs matplotlib: pip install 'cmhsa[plot]' (in a source checkout: pip install -e '.[plot]')"
+        ) from None
     data = {run: read_metrics(run) for run in runs}
     fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(11, 4))
     for run, rows in data.items():

@@ -1,7 +1,7 @@
 """ONNX export of the paper-size models: export time, file size, and onnxruntime CPU throughput
 against PyTorch eager on the same batch and thread count.
 
-    python bench/onnx.py [--batches 1 8] [--threads 2] [--iters 8] [--exporters dynamo legacy]
+    python bench/onnx_speed.py [--batches 1 8] [--threads 2] [--iters 8] [--exporters dynamo legacy]
 
 Paper size: 224 px, P = 16, d = 768, depth 6, K = 5, 100 classes; the attention models have 9
 heads with qk_dim 768 (the paper's) or 64, as converted (W_Q = W_K = 0). Export goes through
@@ -14,26 +14,21 @@ passes. Prints a markdown table for BENCHMARKS.md, with ``session.get_providers(
 from __future__ import annotations
 
 import argparse
-import os
 import platform
-import sys
 import time
 from collections.abc import Callable
 
-# this file is named onnx.py: keep its folder off the path, or `import onnx` would import itself
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
+import numpy as np
+import onnx
+import onnxruntime as ort
+import torch
 
-import numpy as np  # noqa: E402
-import onnx  # noqa: E402
-import onnxruntime as ort  # noqa: E402
-import torch  # noqa: E402
-
-from convit_convert.attn_vit import AttnViT  # noqa: E402
-from convit_convert.config import ViTConfig  # noqa: E402
-from convit_convert.conv_vit import ConvViT  # noqa: E402
-from convit_convert.convert import convert_state_dict  # noqa: E402
-from convit_convert.onnx_export import export_and_check  # noqa: E402
-from convit_convert.vit import VisionTransformer  # noqa: E402
+from convit_convert.attn_vit import AttnViT
+from convit_convert.config import ViTConfig
+from convit_convert.conv_vit import ConvViT
+from convit_convert.convert import convert_state_dict
+from convit_convert.onnx_export import export_and_check
+from convit_convert.vit import VisionTransformer
 
 
 def mean_seconds(fn: Callable[[], object], iters: int, warmup: int = 3) -> float:
