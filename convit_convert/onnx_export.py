@@ -12,7 +12,7 @@ gathered mask, which the dynamo exporter has been reported to fail on.
 
 The check is the careful exporter's, failing where others warn: ``onnx.checker.check_model(
 full_check=True)``, the input and output names and dynamic batch axis, then onnxruntime on
-batch 1 and batch 3 against the PyTorch model (with its own SDPA path) on the same images.
+batch 1 and batch 3 against the PyTorch model (with its own attention forward) on the same images.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 Import: models written without cmhsa (tests/third_party_vit.py: other names, channel-first
 patches) are exported by both of torch's exporters and read back by structure; the references are
 that independent PyTorch model and onnxruntime, never cmhsa's own models. Export: onnxruntime runs
-the file and is compared with the PyTorch model (whose attention uses SDPA; the export path writes
-attention out by hand).
+the file and is compared with the PyTorch model as trained (the export path swaps in its own
+written-out attention with the bias as a constant).
 
 Tolerances: the same function in float32 computed in another order (another runtime, another
 token layout, the exact conversion) differs by about 1e-7 relative to the largest logit; 1e-5

@@ -146,15 +146,18 @@ def check_recipe(cfg: TrainConfig) -> None:
     from .data import build_transform
 
     size = (cfg.img_size, cfg.img_size)
-    for training, flags in ((False, "--interpolation"), (True, "--aa / --interpolation / --remode")):
+    checks = (
+        (False, f"--interpolation {cfg.interpolation!r}"),
+        (True, f"--aa / --interpolation / --remode ({cfg.aa!r}, {cfg.interpolation!r}, {cfg.remode!r})"),
+    )
+    for training, flags in checks:
         try:
             build_transform(size, training, cfg, 3)
         except CmhsaError:
             raise
         except Exception as e:
             raise CmhsaError(
-                f"{flags} ({cfg.aa!r}, {cfg.interpolation!r}, {cfg.remode!r}): timm's create_transform refuses it "
-                f"({type(e).__name__}: {e})"
+                f"{flags}: timm's create_transform refuses it ({type(e).__name__}: {e})"
             ) from None
 
 
