@@ -30,22 +30,22 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from convit_convert.checkpoint import load_checkpoint, save_checkpoint
+from convit_convert.api import load_checkpoint
 from convit_convert.config import ViTConfig
-from convit_convert.conv_vit import ConvViT
-from convit_convert.convert import convert_state_dict
-from convit_convert.models import build_model, model_from_checkpoint
+from convit_convert.construct import convert_state_dict
+from convit_convert.io.checkpoint import save_checkpoint
+from convit_convert.model import VisionTransformer
 from convit_convert.verify import verify_models
 
 
 def paper_conv(path: Path) -> None:
     torch.manual_seed(0)
-    model = ConvViT(ViTConfig.build())
+    model = VisionTransformer(ViTConfig.build())
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith("bias"):
                 p.normal_(1.0 if name.endswith("weight") else 0.0, 0.2)
-    save_checkpoint(path, "conv", model.cfg, model.state_dict())
+    save_checkpoint(path, model.cfg, model.state_dict())
 
 
 def interleaved(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, list[float]]:
@@ -127,9 +127,9 @@ def main() -> None:
     for sink in (True, False):
         sd, acfg = convert_state_dict(ckpt.tensors, ckpt.config, sink=sink)
         for dtype in (torch.float32, torch.float64):
-            attn = build_model("attn", acfg)
+            attn = VisionTransformer(acfg)
             attn.load_state_dict(sd)
-            res = verify_models(model_from_checkpoint(ckpt), attn, batch=4, dtype=dtype)
+            res = verify_models(ckpt.model(), attn, batch=4, dtype=dtype)
             worst = {
                 region: max(e.rel for e in res.errors if e.region == region and e.tensor != "logits")
                 for region in ("all", "border", "interior")

@@ -143,19 +143,18 @@ def exact_section() -> dict[str, Any]:
     """The paper's model (random weights) converted; errors against the conv model in float64."""
     import torch
 
-    from convit_convert.attn_vit import AttnViT
     from convit_convert.config import ViTConfig
-    from convit_convert.conv_vit import ConvViT
-    from convit_convert.convert import convert_state_dict
+    from convit_convert.construct import convert_state_dict
+    from convit_convert.model import VisionTransformer
     from convit_convert.verify import exact_matmul, relative_error, verify_models
 
     torch.manual_seed(0)
-    conv = ConvViT(ViTConfig.build()).eval()
+    conv = VisionTransformer(ViTConfig.build()).eval()
     conv_sd = {k: v.clone() for k, v in conv.state_dict().items()}  # on the CPU, as converted
     rows = []
     for qk in (768, 64):
         sd, mcfg = convert_state_dict(conv_sd, conv.cfg, qk_dim=qk)
-        attn = AttnViT(mcfg).eval()
+        attn = VisionTransformer(mcfg).eval()
         attn.load_state_dict(sd)
         t = time.perf_counter()
         v = verify_models(conv, attn, batch=8, device="cuda", dtype=torch.float32, tol=1e-5)
@@ -291,16 +290,14 @@ def bench_models(kinds: list[str]) -> dict[str, Callable[[], Any]]:
     import timm
 
     from convit_convert.config import ViTConfig
-    from convit_convert.models import build_model
+    from convit_convert.model import VisionTransformer
 
     conv = ViTConfig.build()
     made = {
-        "phase 1: ConvViT K=5": lambda: build_model("conv", conv, drop_path_rate=0.1),
-        "phase 2: AttnViT qk_dim 768": lambda: build_model(
-            "attn", conv.with_attention(9), drop_path_rate=0.1
-        ),
-        "phase 2: AttnViT qk_dim 64": lambda: build_model(
-            "attn", conv.with_attention(9, qk_dim=64), drop_path_rate=0.1
+        "phase 1: ConvViT K=5": lambda: VisionTransformer(conv, drop_path_rate=0.1),
+        "phase 2: AttnViT qk_dim 768": lambda: VisionTransformer(conv.with_attention(9), drop_path_rate=0.1),
+        "phase 2: AttnViT qk_dim 64": lambda: VisionTransformer(
+            conv.with_attention(9, qk_dim=64), drop_path_rate=0.1
         ),
         "timm deit_base_patch16_224": lambda: timm.create_model(
             "deit_base_patch16_224", num_classes=100, drop_path_rate=0.1
@@ -415,7 +412,7 @@ def profile_section(args: argparse.Namespace) -> dict[str, Any]:
 def infer_section(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from convit_convert.fused import fuse_attention
+    from convit_convert.model import fuse_attention
 
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     rows = []

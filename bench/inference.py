@@ -17,10 +17,8 @@ import time
 
 import torch
 
-from convit_convert.attn_vit import AttnViT
 from convit_convert.config import ViTConfig
-from convit_convert.conv_vit import ConvViT
-from convit_convert.fused import fuse_attention
+from convit_convert.model import VisionTransformer, fuse_attention
 
 
 def images_per_s(model: torch.nn.Module, batch: int, iters: int, warmup: int = 2) -> tuple[float, float]:
@@ -60,11 +58,13 @@ def main() -> None:
 
     cfg = ViTConfig.build()  # the paper's model
     models = {
-        "ConvViT (phase 1, K=5)": ConvViT(cfg),
-        "AttnViT 9 heads, qk_dim 768 (paper)": AttnViT(cfg.with_attention(9)),
-        "AttnViT 9 heads, qk_dim 64": AttnViT(cfg.with_attention(9, qk_dim=64)),
-        "AttnViT qk_dim 768, fused for inference": fuse_attention(AttnViT(cfg.with_attention(9))),
-        "AttnViT qk_dim 64, fused for inference": fuse_attention(AttnViT(cfg.with_attention(9, qk_dim=64))),
+        "ConvViT (phase 1, K=5)": VisionTransformer(cfg),
+        "AttnViT 9 heads, qk_dim 768 (paper)": VisionTransformer(cfg.with_attention(9)),
+        "AttnViT 9 heads, qk_dim 64": VisionTransformer(cfg.with_attention(9, qk_dim=64)),
+        "AttnViT qk_dim 768, fused for inference": fuse_attention(VisionTransformer(cfg.with_attention(9))),
+        "AttnViT qk_dim 64, fused for inference": fuse_attention(
+            VisionTransformer(cfg.with_attention(9, qk_dim=64))
+        ),
         "timm deit_base_patch16_224": timm.create_model(
             "deit_base_patch16_224", pretrained=False, num_classes=100
         ),

@@ -23,12 +23,10 @@ import onnx
 import onnxruntime as ort
 import torch
 
-from convit_convert.attn_vit import AttnViT
 from convit_convert.config import ViTConfig
-from convit_convert.conv_vit import ConvViT
-from convit_convert.convert import convert_state_dict
-from convit_convert.onnx_export import export_and_check
-from convit_convert.vit import VisionTransformer
+from convit_convert.construct import convert_state_dict
+from convit_convert.model import VisionTransformer
+from convit_convert.onnx.export import export_and_check
 
 
 def mean_seconds(fn: Callable[[], object], iters: int, warmup: int = 3) -> float:
@@ -42,19 +40,19 @@ def mean_seconds(fn: Callable[[], object], iters: int, warmup: int = 3) -> float
 
 def models() -> dict[str, Callable[[], VisionTransformer]]:
     cfg = ViTConfig.build()  # the paper's CMHSA-5
-    conv = ConvViT(cfg).eval()
+    conv = VisionTransformer(cfg).eval()
 
     def attn(qk: int) -> Callable[[], VisionTransformer]:
         def build() -> VisionTransformer:
             state, acfg = convert_state_dict(conv.state_dict(), cfg, qk_dim=qk)
-            model = AttnViT(acfg)
+            model = VisionTransformer(acfg)
             model.load_state_dict(state)
             return model.eval()
 
         return build
 
     def conv_copy() -> VisionTransformer:
-        model = ConvViT(cfg)
+        model = VisionTransformer(cfg)
         model.load_state_dict(conv.state_dict())
         return model.eval()
 

@@ -23,7 +23,7 @@ from timm.loss import SoftTargetCrossEntropy
 from torch.utils.flop_counter import FlopCounterMode
 
 from convit_convert.config import ViTConfig
-from convit_convert.models import build_model
+from convit_convert.model import VisionTransformer
 
 H100_BF16_TFLOPS = 989.0  # dense bf16 peak of an H100 SXM
 
@@ -117,10 +117,10 @@ def main() -> None:
     print(f"torch {torch.__version__}, batch {args.batch}, amp {args.amp}, compile {args.compile}, "
           f"threads {args.threads}, {args.steps} timed steps after {args.warmup} warm-up")  # fmt: skip
     results = {}
-    for name, (kind, cfg) in models().items():
+    for name, (_kind, cfg) in models().items():
         torch.manual_seed(0)
         timing = time_steps(
-            build_model(kind, cfg, drop_path_rate=0.1), img_size=cfg.img_size, num_classes=cfg.num_classes,
+            VisionTransformer(cfg, drop_path_rate=0.1), img_size=cfg.img_size, num_classes=cfg.num_classes,
             batch=args.batch, steps=args.steps, warmup=args.warmup, compile=args.compile, dev=dev, dtype=dtype,
         )  # fmt: skip
         times, flops = timing.times, timing.flops

@@ -1,4 +1,5 @@
-"""Model configuration: the ``cmhsa.config`` JSON object of docs/FORMAT.md (no torch import)."""
+"""Model configuration, kind included: the ``cmhsa.kind`` / ``cmhsa.config`` pair of docs/FORMAT.md
+(no torch import)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,9 @@ REQUIRED = {
 
 @dataclass(frozen=True)
 class ViTConfig:
-    """Both model kinds. Tokens are flattened P×P pixel patches, so embed_dim = P² · hidden_chans."""
+    """Both model kinds. Tokens are flattened P×P pixel patches, so embed_dim = P² · hidden_chans.
+    ``kind`` is "conv" (phase 1, a K×K convolution mixes tokens) or "attn" (phase 2, attention);
+    the file format stores it apart, as ``cmhsa.kind``."""
 
     img_size: tuple[int, int]  # (H, W), multiples of patch_size
     patch_size: int
@@ -42,22 +45,15 @@ class ViTConfig:
     qk_dim: int | None = None
     v_dim: int | None = None
     sink: bool | None = None
+    kind: Literal["conv", "attn"] = "conv"
 
     @classmethod
     def build(
-        cls,
-        img_size: int | tuple[int, int] = 224,
-        patch_size: int = 16,
-        in_chans: int = 3,
-        hidden_chans: int | None = None,
-        depth: int = 6,
-        mlp_ratio: float = 4.0,
-        num_classes: int = 100,
-        kernel_size: int = 5,
-        dilation: int = 1,
-        norm_eps: float = 1e-6,
+        cls, img_size: int | tuple[int, int] = 224, patch_size: int = 16, in_chans: int = 3,
+        hidden_chans: int | None = None, depth: int = 6, mlp_ratio: float = 4.0, num_classes: int = 100,
+        kernel_size: int = 5, dilation: int = 1, norm_eps: float = 1e-6,
         patch_embed: Literal["identity", "linear"] | None = None,
-    ) -> ViTConfig:
+    ) -> ViTConfig:  # fmt: skip
         """A conv config from the usual knobs; defaults are the paper's model (CMHSA-5, CIFAR-100)."""
         hw = (img_size, img_size) if isinstance(img_size, int) else tuple(img_size)
         hidden = in_chans if hidden_chans is None else hidden_chans
@@ -78,7 +74,7 @@ class ViTConfig:
             kernel_size=kernel_size,
             dilation=dilation,
         )
-        cfg.validate("conv")
+        cfg.validate()
         return cfg
 
     def with_attention(
@@ -91,10 +87,11 @@ class ViTConfig:
             qk_dim=self.embed_dim if qk_dim is None else qk_dim,
             v_dim=self.embed_dim if v_dim is None else v_dim,
             sink=sink,
+            kind="attn",
         )
 
     def without_attention(self) -> ViTConfig:
-        return dataclasses.replace(self, num_heads=None, qk_dim=None, v_dim=None, sink=None)
+        return dataclasses.replace(self, num_heads=None, qk_dim=None, v_dim=None, sink=None, kind="conv")
 
     @property
     def grid_size(self) -> tuple[int, int]:
@@ -105,12 +102,13 @@ class ViTConfig:
     def num_patches(self) -> int:
         return math.prod(self.grid_size)
 
-    def validate(self, kind: str, path: object = None) -> None:
-        """Raise CmhsaError (naming ``path``) unless this is a consistent config of ``kind``."""
+    def validate(self, path: object = None) -> None:
+        """Raise CmhsaError (naming ``path``) unless this is a consistent config of its kind."""
 
         def bad(msg: str) -> CmhsaError:
             return CmhsaError(f"config: {msg}", path)
 
+        kind = self.kind
         if kind not in KINDS:
             raise bad(f"kind must be 'conv' or 'attn', got {kind!r}")
         ints = _SHARED_INT + (_ATTN_INT if kind == "attn" else ())
@@ -138,13 +136,14 @@ class ViTConfig:
         if kind == "attn" and not isinstance(self.sink, bool):
             raise bad(f"sink must be true or false, got {self.sink!r}")
 
-    def to_dict(self, kind: str) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, Any]:
+        """The ``cmhsa.config`` object: every field of this kind but ``kind`` itself."""
         d = dataclasses.asdict(self)
         d["img_size"] = list(self.img_size)
-        return {k: d[k] for k in REQUIRED[kind]}
+        return {k: d[k] for k in REQUIRED[self.kind]}
 
-    def to_json(self, kind: str) -> str:
-        return json.dumps(self.to_dict(kind), sort_keys=True)
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
 
     @classmethod
     def from_dict(cls, d: Any, kind: str, path: object = None) -> ViTConfig:
@@ -170,8 +169,8 @@ class ViTConfig:
         fields["img_size"] = (img[0], img[1])
         # JSON writers may emit 1e-06 as a float and 1 as an int; eps is a float either way
         fields["norm_eps"] = float(eps) if isinstance(eps, int | float) and not isinstance(eps, bool) else eps
-        cfg = cls(**fields)
-        cfg.validate(kind, path)
+        cfg = cls(**fields, kind=kind)
+        cfg.validate(path)
         return cfg
 
     @classmethod

@@ -1,4 +1,8 @@
-"""The one exception the CLI turns into a one-line error (exit 2)."""
+"""The library's one error hierarchy (no torch import): bad input, or a check that failed.
+
+Messages are one line and name the file (when there is one). They name parameters as they are
+spelled in Python, in backquotes (`img_size`); the CLI shows them as its flags (--img-size).
+"""
 
 from __future__ import annotations
 
@@ -6,12 +10,21 @@ from pathlib import Path
 
 
 class CmhsaError(Exception):
-    """Bad input: names the file (when there is one) and the problem, in one line."""
+    """Bad input (the CLI exits 2): names the file, when there is one, and the problem, in one line."""
+
+    exit_code = 2
 
     def __init__(self, message: str, path: str | Path | None = None) -> None:
         self.path = None if path is None else str(path)
         self.message = " ".join(str(message).split())  # one line, whatever the source said
         super().__init__(f"{self.path}: {self.message}" if self.path else self.message)
+
+
+class CheckFailed(CmhsaError):
+    """Valid input whose check failed (the CLI exits 1): a conversion outside its tolerance, a
+    training run that cannot go on."""
+
+    exit_code = 1
 
 
 def article(kind: str) -> str:

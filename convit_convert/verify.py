@@ -21,8 +21,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from .config import ViTConfig
+from .model import VisionTransformer
 from .theory import patch_offsets
-from .vit import VisionTransformer
 
 
 @dataclass
@@ -96,15 +96,9 @@ def _stat(
 
 
 def verify_models(
-    conv: VisionTransformer,
-    attn: VisionTransformer,
-    *,
-    batch: int = 4,
-    seed: int = 0,
-    dtype: torch.dtype = torch.float32,
-    device: str | torch.device = "cpu",
-    tol: float = 1e-5,
-) -> VerifyResult:
+    conv: VisionTransformer, attn: VisionTransformer, *, batch: int = 4, seed: int = 0,
+    dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", tol: float = 1e-5,
+) -> VerifyResult:  # fmt: skip
     """Compare every block's mixer and the logits of ``conv`` and ``attn`` (same config but the
     mixer). Models are moved to ``device`` and ``dtype``."""
     cfg = conv.cfg

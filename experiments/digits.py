@@ -28,8 +28,8 @@ from pathlib import Path
 
 import torch
 
-from train.config import TrainConfig
-from train.engine import run
+from convit_convert.train.config import TrainConfig
+from convit_convert.train.run import run
 
 MODEL = dict(img_size=32, patch_size=4, hidden_chans=3, depth=2, mlp_ratio=4.0, kernel_size=5)
 

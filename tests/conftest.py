@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from convit_convert.config import ViTConfig
-from convit_convert.conv_vit import ConvViT
+from convit_convert.model import VisionTransformer
 
 FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "conv_digits.safetensors"
 
@@ -52,12 +52,12 @@ def randomize(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
     return model
 
 
-def conv_model(seed: int = 0, dtype: torch.dtype = torch.float64, **kw) -> ConvViT:
+def conv_model(seed: int = 0, dtype: torch.dtype = torch.float64, **kw) -> VisionTransformer:
     torch.manual_seed(seed)
     cfg = ViTConfig.build(
         **{"img_size": (12, 8), "patch_size": 4, "depth": 2, "num_classes": 5, "kernel_size": 5, **kw}
     )
-    return randomize(ConvViT(cfg), seed).to(dtype).eval()
+    return randomize(VisionTransformer(cfg), seed).to(dtype).eval()
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

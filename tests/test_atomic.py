@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from convit_convert.atomic import atomic_write, remove_stale_temps
+from convit_convert.io.atomic import atomic_write, remove_stale_temps
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SLOW_WRITER = """
 import sys, time
 from pathlib import Path
-from convit_convert.atomic import atomic_write, exit_on_sigterm
+from convit_convert.io.atomic import atomic_write, exit_on_sigterm
 if sys.argv[2] == "handler":
     exit_on_sigterm()
 def write(tmp):
@@ -56,7 +56,7 @@ def test_sigterm_during_a_write_leaves_nothing(tmp_path: Path) -> None:
 def test_the_cli_installs_the_sigterm_cleanup(tmp_path: Path, fixture_path: Path) -> None:
     """The real command: SIGTERM while cmhsa convert writes its output."""
     code = (
-        "import sys, time\nimport convit_convert.checkpoint as c\nreal = c.write_safetensors\n"
+        "import sys, time\nimport convit_convert.io.checkpoint as c\nreal = c.write_safetensors\n"
         "def slow(path, *a, **k):\n    print('writing', flush=True)\n    time.sleep(60)\n"
         "c.write_safetensors = slow\nfrom convit_convert.cli import main\nsys.argv = ['cmhsa'] + sys.argv[1:]\nmain()\n"
     )

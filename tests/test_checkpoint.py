@@ -11,8 +11,9 @@ import torch
 from safetensors.torch import save_file
 
 from conftest import conv_model
-from convit_convert.checkpoint import load_checkpoint, save_checkpoint
+from convit_convert.api import load_checkpoint
 from convit_convert.errors import CmhsaError
+from convit_convert.io.checkpoint import save_checkpoint
 
 DOC_CONFIG = {  # exactly the keys docs/FORMAT.md requires of a conv checkpoint
     "img_size": [12, 8], "patch_size": 4, "in_chans": 3, "hidden_chans": 3, "embed_dim": 48,
@@ -54,11 +55,11 @@ def test_file_written_by_another_tool_loads(tmp_path: Path) -> None:
 
 
 def test_roundtrip_attn(tmp_path: Path) -> None:
-    from convit_convert.convert import convert_state_dict
+    from convit_convert.construct import convert_state_dict
 
     conv = conv_model()
     sd, acfg = convert_state_dict(conv.state_dict(), conv.cfg, qk_dim=8)
-    save_checkpoint(tmp_path / "a.safetensors", "attn", acfg, sd)
+    save_checkpoint(tmp_path / "a.safetensors", acfg, sd)
     back = load_checkpoint(tmp_path / "a.safetensors")
     assert back.kind == "attn" and back.config == acfg
     assert all(torch.equal(back.tensors[k], sd[k]) for k in sd)
@@ -84,10 +85,9 @@ def test_conv_without_bias_loads(tmp_path: Path) -> None:
         metadata={"cmhsa.kind": "conv", "cmhsa.config": json.dumps(DOC_CONFIG)},
     )
     from conftest import reference_conv, tokens_to_pixels
-    from convit_convert.models import model_from_checkpoint
 
     ckpt = load_checkpoint(tmp_path / "nb.safetensors")
-    mixer = model_from_checkpoint(ckpt).blocks[0].conv  # the missing bias must act as zero
+    mixer = ckpt.model().blocks[0].conv  # the missing bias must act as zero
     x = torch.randn(2, 6, 48)
     pixels = tokens_to_pixels(x, (3, 2), 4)
     ref = reference_conv(pixels, t["blocks.0.conv.weight"], None, 1)
@@ -116,7 +116,7 @@ def test_streaming_writer_is_read_back_by_safetensors(tmp_path: Path, monkeypatc
 
     from safetensors import safe_open
 
-    from convit_convert import checkpoint
+    from convit_convert.io import safetensors_writer as checkpoint
 
     monkeypatch.setattr(checkpoint, "_CHUNK_BYTES", 64)
     g = torch.Generator().manual_seed(0)

@@ -118,7 +118,7 @@ def test_inspect_and_heads(converted: tuple[Path, Path]) -> None:
     assert "-1,-1" in r.output and "+1,+1" in r.output and sha(out) in r.output
     r = run("inspect", src)
     n_params = sum(t.numel() for t in load_file(str(src)).values())
-    assert r.exit_code == 0 and "conv (ConvViT, phase 1)" in r.output, r.output
+    assert r.exit_code == 0 and "conv (phase 1: convolutional ViT)" in r.output, r.output
     assert f"{n_params:,}" in r.output
     r = run("heads", "--kernel", "5", "--patch", "16")
     assert r.exit_code == 0 and "Theorem 6" in r.output and "25" in r.output

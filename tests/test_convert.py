@@ -13,10 +13,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import conv_model, reference_conv, rel_err, tokens_to_pixels
-from convit_convert.attn_vit import AttnViT, RelPosAttention
 from convit_convert.config import ViTConfig
-from convit_convert.convert import convert_block, convert_state_dict, output_projection
+from convit_convert.construct import convert_block, convert_state_dict, output_projection
 from convit_convert.errors import CmhsaError
+from convit_convert.model import RelPosAttention, VisionTransformer
 from convit_convert.theory import heads_needed, patch_offsets
 from convit_convert.verify import border_mask
 
@@ -121,7 +121,7 @@ def test_two_output_projection_constructions_agree(
 def test_whole_model_equivalence(kw: dict) -> None:
     conv = conv_model(seed=3, **kw)
     sd, acfg = convert_state_dict(conv.state_dict(), conv.cfg)
-    attn = AttnViT(acfg).double().eval()
+    attn = VisionTransformer(acfg).double().eval()
     attn.load_state_dict(sd)
     x = torch.randn(3, conv.cfg.in_chans, *conv.cfg.img_size, dtype=torch.float64)
     with torch.no_grad():
@@ -132,7 +132,7 @@ def test_whole_model_equivalence(kw: dict) -> None:
 def test_float32_paper_like_model() -> None:
     conv = conv_model(seed=1, dtype=torch.float32, img_size=64, patch_size=16, depth=2)
     sd, acfg = convert_state_dict(conv.state_dict(), conv.cfg)
-    attn = AttnViT(acfg).eval()
+    attn = VisionTransformer(acfg).eval()
     attn.load_state_dict(sd)
     x = torch.randn(2, 3, 64, 64)
     with torch.no_grad():
@@ -149,7 +149,7 @@ def test_without_sink_border_is_wrong_interior_exact() -> None:
     with torch.no_grad():
         out = attn(x)
     ref_px = reference_conv(tokens_to_pixels(x, cfg.grid_size, 4), weight, None, 1)
-    from convit_convert.layers import patchify
+    from convit_convert.model import patchify
 
     ref = patchify(ref_px, 4)
     border = border_mask(cfg)
@@ -174,7 +174,7 @@ def test_random_qk_init_stays_exact() -> None:
     conv = conv_model(seed=2)
     sd, acfg = convert_state_dict(conv.state_dict(), conv.cfg, qk_dim=16, qk_init_std=1e-3)
     assert sd["blocks.0.attn.q.weight"].abs().max() > 0
-    attn = AttnViT(acfg).double().eval()
+    attn = VisionTransformer(acfg).double().eval()
     attn.load_state_dict(sd)
     x = torch.randn(2, 3, 12, 8, dtype=torch.float64)
     with torch.no_grad():

@@ -22,11 +22,11 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import conv_model, rel_err
-from convit_convert.attn_vit import AttnViT
-from convit_convert.convert import convert_state_dict
+from convit_convert.construct import convert_state_dict
+from convit_convert.model import VisionTransformer
+from convit_convert.train.config import TrainConfig
+from convit_convert.train.run import run
 from convit_convert.verify import verify_models
-from train.config import TrainConfig
-from train.engine import run
 
 pytestmark = [
     pytest.mark.cuda,
@@ -47,7 +47,7 @@ def tiny(tmp_path: Path, name: str, **kw) -> TrainConfig:
 def converted(dtype: torch.dtype = torch.float32):
     conv = conv_model(dtype=torch.float64)  # 12×8 px, P = 4, K = 5, depth 2, random affines
     sd, mcfg = convert_state_dict(conv.state_dict(), conv.cfg)
-    attn = AttnViT(mcfg).double().eval()
+    attn = VisionTransformer(mcfg).double().eval()
     attn.load_state_dict(sd)
     return conv, attn
 

@@ -8,10 +8,9 @@ import pytest
 import torch
 
 from conftest import conv_model, rel_err
-from convit_convert.attn_vit import AttnViT
 from convit_convert.config import ViTConfig
-from convit_convert.convert import convert_state_dict
-from convit_convert.fused import FusedRelPosAttention, fuse_attention
+from convit_convert.construct import convert_state_dict
+from convit_convert.model import FusedRelPosAttention, VisionTransformer, fuse_attention
 
 
 @pytest.mark.parametrize(("qk_dim", "sink"), [(4, True), (4, False), (48, True), (48, False)])  # d = 48
@@ -20,7 +19,7 @@ def test_fused_equals_unfused_random_weights(qk_dim: int, sink: bool) -> None:
     cfg = ViTConfig.build(img_size=(12, 16), patch_size=4, depth=2, num_classes=5).with_attention(
         5, qk_dim, 52, sink
     )
-    model = AttnViT(cfg).double().eval()
+    model = VisionTransformer(cfg).double().eval()
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.5)  # every weight and bias non-trivial, attention not pinned
@@ -35,7 +34,7 @@ def test_fused_equals_unfused_random_weights(qk_dim: int, sink: bool) -> None:
 def test_fused_converted_model_is_still_the_convolution() -> None:
     conv = conv_model(seed=4)
     sd, acfg = convert_state_dict(conv.state_dict(), conv.cfg)
-    attn = AttnViT(acfg).double().eval()
+    attn = VisionTransformer(acfg).double().eval()
     attn.load_state_dict(sd)
     fused = fuse_attention(attn)
     x = torch.randn(2, 3, 12, 8, dtype=torch.float64)
@@ -50,7 +49,7 @@ def test_fused_runs_under_bf16_autocast(qk_dim: int | None) -> None:
     the unfused model's own under the same autocast (bf16 unit roundoff 3.9e-3; 2e-2 bound)."""
     conv = conv_model(seed=5)
     sd, acfg = convert_state_dict(conv.state_dict(), conv.cfg, qk_dim=qk_dim)
-    attn = AttnViT(acfg).eval()
+    attn = VisionTransformer(acfg).eval()
     attn.load_state_dict({k: v.float() for k, v in sd.items()})
     fused = fuse_attention(copy.deepcopy(attn))
     x = torch.randn(2, 3, 12, 8, dtype=torch.float64)

@@ -5,9 +5,8 @@ from __future__ import annotations
 import torch
 
 from conftest import conv_model, reference_conv, tokens_to_pixels
-from convit_convert.attn_vit import AttnViT, RelPosAttention
 from convit_convert.config import ViTConfig
-from convit_convert.layers import patchify, unpatchify
+from convit_convert.model import RelPosAttention, VisionTransformer, patchify, unpatchify
 
 
 def test_patch_layout_is_channel_last_row_major() -> None:
@@ -58,7 +57,7 @@ def test_relative_position_bias_convention() -> None:
 
 def test_models_forward_nonsquare_and_heads() -> None:
     cfg = ViTConfig.build(img_size=(16, 24), patch_size=8, in_chans=3, hidden_chans=2, depth=2, num_classes=7)
-    attn = AttnViT(cfg.with_attention(num_heads=9, qk_dim=8), drop_path_rate=0.1)
+    attn = VisionTransformer(cfg.with_attention(num_heads=9, qk_dim=8), drop_path_rate=0.1)
     x = torch.randn(2, 3, 16, 24)
     feats = attn.forward_features(x)
     assert feats.shape == (2, 6, 128)
@@ -81,4 +80,4 @@ def test_state_dict_names_match_the_format() -> None:
     conv = conv_model()
     assert "blocks.0.conv.weight" in conv.state_dict()
     assert "patch_embed.weight" not in conv.state_dict()  # identity embedding has no tensors
-    assert not any("rel_pos_index" in k for k in AttnViT(conv.cfg.with_attention(9)).state_dict())
+    assert not any("rel_pos_index" in k for k in VisionTransformer(conv.cfg.with_attention(9)).state_dict())

@@ -26,11 +26,11 @@ import torch
 from typer.testing import CliRunner
 
 from conftest import conv_model
-from convit_convert.attn_vit import AttnViT
-from convit_convert.checkpoint import load_checkpoint, save_checkpoint
+from convit_convert.api import load_checkpoint
 from convit_convert.cli import app
-from convit_convert.convert import convert_state_dict
-from convit_convert.models import model_from_checkpoint
+from convit_convert.construct import convert_state_dict
+from convit_convert.io.checkpoint import save_checkpoint
+from convit_convert.model import VisionTransformer
 from third_party_vit import TheirConvViT, export
 
 TOL = 1e-5
@@ -104,9 +104,9 @@ def test_import_reads_third_party_exports(exported, variant: str, exporter: str)
 
     x, ref = their_logits(their, 3)
     with torch.no_grad():
-        assert rel(model_from_checkpoint(ckpt)(x), ref) <= TOL
+        assert rel(ckpt.model()(x), ref) <= TOL
         state, attn_cfg = convert_state_dict(ckpt.tensors, cfg)
-        attn = AttnViT(attn_cfg)
+        attn = VisionTransformer(attn_cfg)
         attn.load_state_dict(state)
         assert rel(attn.eval()(x), ref) <= TOL  # the attention model computes their conv model
 
@@ -118,7 +118,7 @@ def test_import_erf_gelu_from_opset_17(exported) -> None:
     assert ckpt.import_report["opsets"]["ai.onnx"] == 17
     x, ref = their_logits(their, 2)
     with torch.no_grad():
-        assert rel(model_from_checkpoint(ckpt)(x), ref) <= TOL
+        assert rel(ckpt.model()(x), ref) <= TOL
 
 
 @pytest.mark.parametrize("exporter", ["dynamo", "legacy"])
@@ -126,7 +126,7 @@ def test_round_trip_of_a_cmhsa_conv_model_is_bit_exact(tmp_path: Path, exporter:
     """cmhsa conv -> ONNX (cmhsa export) -> cmhsa conv: the same float32 numbers, same layout."""
     model = conv_model(dtype=torch.float32, img_size=(8, 12), in_chans=2, hidden_chans=3, kernel_size=4)
     src = tmp_path / "conv.safetensors"
-    save_checkpoint(src, "conv", model.cfg, model.state_dict())
+    save_checkpoint(src, model.cfg, model.state_dict())
     r = run("export", src, "-o", tmp_path / "conv.onnx", "--exporter", exporter)
     assert r.exit_code == 0, r.output
     back = load_checkpoint(tmp_path / "conv.onnx")
@@ -180,7 +180,7 @@ def test_gemm_forms_and_a_fixed_batch(tmp_path: Path) -> None:
     assert ckpt.import_report["onnxruntime_check"]["batch"] == 2
     x, ref = their_logits(their, 3)
     with torch.no_grad():
-        assert rel(model_from_checkpoint(ckpt)(x), ref) <= TOL
+        assert rel(ckpt.model()(x), ref) <= TOL
 
 
 def test_phase2_starts_from_a_third_party_onnx_model(tmp_path: Path) -> None:
@@ -202,7 +202,7 @@ def test_external_data_inside_the_folder_is_read(exported, tmp_path: Path) -> No
     assert (tmp_path / "weights.bin").exists()
     x, ref = their_logits(their, 2)
     with torch.no_grad():
-        assert rel(model_from_checkpoint(load_checkpoint(ext))(x), ref) <= TOL
+        assert rel(load_checkpoint(ext).model()(x), ref) <= TOL
 
 
 # ---- bad ONNX input -----------------------------------------------------------------------------
@@ -358,14 +358,14 @@ def test_attention_onnx_is_refused(fixture_path: Path, tmp_path: Path) -> None:
 
 
 def test_import_that_disagrees_with_onnxruntime_is_refused(exported, tmp_path: Path, monkeypatch) -> None:
-    import convit_convert.onnx_import as oi
+    import convit_convert.onnx.importer as oi
 
     real = oi.to_checkpoint
 
     def off_by_a_little(structure, path):
-        cfg, tensors = real(structure, path)
+        cfg, tensors, layout = real(structure, path)
         tensors["head.bias"] = tensors["head.bias"] + 1e-3
-        return cfg, tensors
+        return cfg, tensors, layout
 
     monkeypatch.setattr(oi, "to_checkpoint", off_by_a_little)
     _, path = exported("identity", "legacy")
@@ -387,7 +387,7 @@ def attn_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[bool, Pat
     for sink in (True, False):
         state, cfg = convert_state_dict(conv.state_dict(), conv.cfg, sink=sink, qk_init_std=0.05)
         paths[sink] = folder / f"vit-{sink}.safetensors"
-        save_checkpoint(paths[sink], "attn", cfg, state)
+        save_checkpoint(paths[sink], cfg, state)
     return paths
 
 
@@ -416,7 +416,7 @@ def test_export_attention(attn_checkpoints, tmp_path: Path, sink: bool, exporter
     shapes = {tuple(t.dims) for t in model.graph.initializer}
     assert (1, h, n, n + int(sink)) in shapes  # the gathered bias (and sink column): a constant
 
-    torch_model = model_from_checkpoint(ckpt)
+    torch_model = ckpt.model()
     session = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
     x = torch.randn(2, 3, 8, 12, generator=torch.Generator().manual_seed(9))
     with torch.no_grad():
@@ -428,7 +428,7 @@ def test_export_attention(attn_checkpoints, tmp_path: Path, sink: bool, exporter
 def test_export_outside_tolerance_exits_1_and_writes_no_model(
     attn_checkpoints, tmp_path, monkeypatch
 ) -> None:
-    import convit_convert.onnx_export as oe
+    import convit_convert.onnx.export as oe
 
     real = oe.prepare_for_export
 

@@ -26,12 +26,13 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from convit_convert.cli import app
+from convit_convert.errors import CheckFailed as TrainingError
 from convit_convert.errors import CmhsaError
-from train import engine
-from train.config import TrainConfig
-from train.data import EpochSampler, build_data, build_loader, build_transform
-from train.engine import build_recipe, run, scaled_lrs
-from train.phases import TrainingError
+from convit_convert.train import run as engine
+from convit_convert.train.config import TrainConfig
+from convit_convert.train.data import EpochSampler, build_data, build_loader, build_transform
+from convit_convert.train.recipe import build_recipe, scaled_lrs
+from convit_convert.train.run import run
 
 TINY = dict(
     data="synthetic", img_size=16, patch_size=4, depth=1, kernel_size=3, batch_size=32, workers=0,
@@ -79,8 +80,8 @@ def test_imagefolder_and_bad_folders(tmp_path: Path) -> None:
         ("imagefolder", tmp_path / "g", "needs val/"),
         ("imagefolder", tmp_path / "nope", "does not exist"),
         ("cifar100", tmp_path / "f", "not found or corrupt"),
-        ("cifar10", None, "needs --data-dir"),
-        ("mnist", None, "--data must be one of"),
+        ("cifar10", None, "needs `data_dir`"),
+        ("mnist", None, "`data` must be one of"),
     ]
     for name, root, msg in cases:
         with pytest.raises(CmhsaError, match=msg):
@@ -125,15 +126,15 @@ def test_augmentation_is_seeded_per_sample_not_per_worker(tmp_path: Path) -> Non
 def test_recipe_is_deits(tmp_path: Path) -> None:
     from timm.loss import SoftTargetCrossEntropy
 
-    from convit_convert.models import build_model
-    from train.phases import flag_config
+    from convit_convert.model import VisionTransformer
+    from convit_convert.train.phases import flag_config
 
     cfg = TrainConfig(phase="phase2", img_size=16, patch_size=4, depth=1, epochs=10)
     assert (cfg.peak_lr, TrainConfig().peak_lr) == (5e-5, 5e-4)  # the paper's peaks
     lr, min_lr, warm = scaled_lrs(cfg, world=4)  # 4 × 128 = 512: DeiT's reference batch
     assert (lr, min_lr, warm) == pytest.approx((5e-5, 1e-5, 1e-6))
     assert scaled_lrs(cfg, world=1)[0] == pytest.approx(5e-5 / 4)
-    model = build_model("attn", flag_config(cfg, 10).with_attention(9), 0.1)
+    model = VisionTransformer(flag_config(cfg, 10).with_attention(9), 0.1)
     opt, sched, mixup, crit = build_recipe(cfg, model, 10, world=4, steps_per_epoch=3)
     assert type(opt).__name__ == "AdamW"
     assert opt.defaults["betas"] == (0.9, 0.999) and opt.defaults["eps"] == 1e-8
@@ -238,7 +239,7 @@ def test_keep_and_existing_run_guard(tmp_path: Path) -> None:
     run(tiny(tmp_path, epochs=3, keep=2, **PLAIN))
     names = sorted(p.name for p in (tmp_path / "run").glob("checkpoint-*.pt"))
     assert names == ["checkpoint-epoch0002.pt", "checkpoint-epoch0003.pt", "checkpoint-last.pt"]
-    with pytest.raises(CmhsaError, match="pass --resume"):
+    with pytest.raises(CmhsaError, match="pass `resume`"):
         run(tiny(tmp_path, epochs=3, **PLAIN))
     with pytest.raises(CmhsaError, match="no checkpoint to resume"):
         run(tiny(tmp_path, "fresh", resume=True))
@@ -266,7 +267,7 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path: Path, mo
     with pytest.raises(TrainingError, match=r"non-finite loss .* epoch 2, step 4") as info:
         run(tiny(tmp_path, epochs=3, **PLAIN))
     assert str(tmp_path / "run" / "checkpoint-last.pt") in str(info.value)
-    assert "--resume and a lower --lr" in str(info.value)  # advice that --resume now honours
+    assert "`resume` and a lower `lr`" in str(info.value)  # advice that --resume now honours
     state = torch.load(tmp_path / "run" / "checkpoint-last.pt", weights_only=True)
     assert (state["epoch"], state["step"]) == (1, 0)
     assert all(torch.isfinite(t).all() for t in state["model"].values())
@@ -353,7 +354,8 @@ def test_cli_phase1_phase2_eval_plot(tmp_path: Path) -> None:
     assert report["passed"] and report["input"]["path"] == str(tmp_path / "p2" / "vit.safetensors")
     assert (tmp_path / "p2" / "vit.onnx").stat().st_size == report["output"]["bytes"]
     cfg = json.loads((tmp_path / "p2" / "config.json").read_text())
-    assert cfg["init_info"]["init_kind"] == "conv" and cfg["heads"] == 9 and cfg["lr"] is None
+    # the flags as given (none for the architecture), the model as trained beside them
+    assert cfg["init_info"]["init_kind"] == "conv" and cfg["heads"] is None and cfg["lr"] is None
     assert cfg["model"]["num_heads"] == 9 and cfg["scaled_lr"]["lr"] == pytest.approx(5e-5 * 32 / 512)
     vit = tmp_path / "p2" / "vit.safetensors"
     r = invoke("eval", vit, "--data", "synthetic", "--workers", "0", "--device", "cpu")

@@ -1,29 +1,22 @@
-"""A training run's full configuration: the paper's recipe (Appendix B, DeiT's) as defaults.
+"""A training run's configuration: one field per ``cmhsa train`` flag, the paper's recipe
+(Appendix B, DeiT's) as defaults.
 
-Saved as ``config.json`` in the run folder and inside every ``checkpoint-last.pt``.
+The model fields are the flags as given; the model actually trained (its :class:`ViTConfig`, which
+may come from ``--init``) is resolved by :mod:`.phases` and saved beside this config, never written
+back into it. Saved as ``config.json`` in the run folder and inside every ``checkpoint-last.pt``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 PHASE_LR = {"phase1": 5e-4, "phase2": 5e-5}  # peak learning rates the paper used (Appendix B)
 # fields that change how a run executes but not what it computes: a resumed run may change them
-RUNTIME_FIELDS = (
-    "device",
-    "workers",
-    "compile",
-    "resume",
-    "log_every",
-    "keep",
-    "out",
-    "export_onnx",
-    "deterministic",
-    "extra",
-)
+RUNTIME_FIELDS = ("device", "workers", "compile", "resume", "log_every", "keep", "out", "export_onnx", "deterministic",
+                  "given")  # fmt: skip
 
 
 @dataclass
@@ -94,7 +87,9 @@ class TrainConfig:
     keep: int = 0
     log_every: int = 50
     export_onnx: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
+    # the fields set on purpose (the CLI: the flags typed). With --init they must agree with the
+    # checkpoint; on --resume they are the ones that may differ from the saved run. Empty: all.
+    given: frozenset[str] = frozenset()
 
     @property
     def peak_lr(self) -> float:
@@ -103,6 +98,7 @@ class TrainConfig:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["opt_betas"], d["scale"] = list(self.opt_betas), list(self.scale)
+        d["given"] = sorted(self.given)
         return d
 
     def to_json(self) -> str:
@@ -115,12 +111,12 @@ class TrainConfig:
         for name in ("opt_betas", "scale"):
             if name in kwargs:
                 kwargs[name] = tuple(kwargs[name])
+        kwargs["given"] = frozenset(kwargs.get("given", ()))
         return cls(**kwargs)
 
     def training_differences(self, other: TrainConfig) -> list[str]:
         """Fields ``other`` sets differently that would change what a resumed run computes (only
-        those ``other`` set explicitly, when it records which: the CLI does)."""
+        those in ``other.given``, when it says which)."""
         a, b = self.to_dict(), other.to_dict()
-        explicit = other.extra.get("explicit")
         names = [k for k in a if k not in RUNTIME_FIELDS and a[k] != b[k]]
-        return names if explicit is None else [k for k in names if k in explicit]
+        return [k for k in names if k in other.given] if other.given else names

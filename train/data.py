@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from convit_convert.errors import CmhsaError
+from ..errors import CmhsaError
 
 DATASETS = ("cifar10", "cifar100", "imagefolder", "digits", "synthetic")
 MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: spreads (seed, epoch, index) over the seed space
@@ -59,7 +59,7 @@ def digits(val_fraction: float = 0.2, seed: int = 0) -> DataSpec:
         from sklearn.datasets import load_digits
     except ImportError:
         raise CmhsaError(
-            "--data digits needs scikit-learn: pip install 'cmhsa[digits]' (in a source checkout: pip install -e '.[digits]')"
+            "`data` digits needs scikit-learn: pip install 'cmhsa[digits]' (in a source checkout: pip install -e '.[digits]')"
         ) from None
     d = load_digits()
     img = np.clip(d.images * (255.0 / 16.0), 0, 255).astype(np.uint8)
@@ -100,7 +100,7 @@ def cifar(name: str, root: Path, download: bool) -> DataSpec:
         train = cls(str(root), train=True, download=download)
         val = cls(str(root), train=False, download=download)
     except RuntimeError as e:  # torchvision: "Dataset not found or corrupted. ..."
-        hint = "" if download else " (pass --download to fetch it)"
+        hint = "" if download else " (pass `download` to fetch it)"
         raise CmhsaError(f"{name} not found or corrupt: {str(e).split('.')[0]}{hint}", root) from None
     return DataSpec(train, val, len(train.classes))
 
@@ -121,23 +121,18 @@ def image_folder(root: Path) -> DataSpec:
 
 
 def build_data(
-    name: str,
-    data_dir: str | Path | None,
-    img_size: tuple[int, int],
-    *,
-    download: bool = False,
-    num_classes: int = 10,
-    seed: int = 0,
-) -> DataSpec:
+    name: str, data_dir: str | Path | None, img_size: tuple[int, int], *, download: bool = False,
+    num_classes: int = 10, seed: int = 0,
+) -> DataSpec:  # fmt: skip
     """The named dataset's train and val splits, untransformed. Bad folders raise CmhsaError."""
     if name not in DATASETS:
-        raise CmhsaError(f"--data must be one of {', '.join(DATASETS)}, got {name!r}")
+        raise CmhsaError(f"`data` must be one of {', '.join(DATASETS)}, got {name!r}")
     if name == "digits":
         return digits(seed=0)
     if name == "synthetic":
         return synthetic(img_size, num_classes, seed=seed)
     if data_dir is None:
-        raise CmhsaError(f"--data {name} needs --data-dir")
+        raise CmhsaError(f"`data` {name} needs `data_dir`")
     root = Path(data_dir).expanduser()
     if not root.is_dir() and not (download and name.startswith("cifar")):
         raise CmhsaError("data folder does not exist", root)
@@ -179,8 +174,12 @@ def channel_stats(in_chans: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
     return (sum(IMAGENET_DEFAULT_MEAN) / 3,), (sum(IMAGENET_DEFAULT_STD) / 3,)
 
 
-def build_transform(img_size: tuple[int, int], training: bool, args: Any, in_chans: int = 3) -> Any:
-    """DeiT's augmentation (timm ``create_transform``) for training; resize + centre crop for eval.
+def build_transform(
+    img_size: tuple[int, int], training: bool, recipe: Any = None, in_chans: int = 3, *,
+    interpolation: str = "bicubic", crop_pct: float = 0.875,
+) -> Any:  # fmt: skip
+    """DeiT's augmentation (timm ``create_transform``, settings from ``recipe``, a TrainConfig) for
+    training; resize + centre crop for eval (``recipe``'s interpolation and crop_pct when given).
     ``in_chans`` 1 normalises one grey channel (images are converted to grey by the loader)."""
     from timm.data import auto_augment, create_transform
 
@@ -189,6 +188,7 @@ def build_transform(img_size: tuple[int, int], training: bool, args: Any, in_cha
 
     image_mode(in_chans)
     mean, std = channel_stats(in_chans)
+    args = recipe
     if training:
         return create_transform(
             input_size=(in_chans, *img_size),
@@ -207,8 +207,8 @@ def build_transform(img_size: tuple[int, int], training: bool, args: Any, in_cha
     return create_transform(
         input_size=(in_chans, *img_size),
         is_training=False,
-        interpolation=args.interpolation,
-        crop_pct=args.crop_pct,
+        interpolation=interpolation if args is None else args.interpolation,
+        crop_pct=crop_pct if args is None else args.crop_pct,
         mean=mean,
         std=std,
     )
@@ -288,18 +288,9 @@ class EpochSampler(Sampler):
 
 
 def build_loader(
-    dataset: Dataset,
-    transform: Any,
-    *,
-    training: bool,
-    batch_size: int,
-    seed: int,
-    rank: int = 0,
-    world: int = 1,
-    workers: int = 0,
-    pin_memory: bool = False,
-    in_chans: int = 3,
-) -> DataLoader:
+    dataset: Dataset, transform: Any, *, training: bool, batch_size: int, seed: int, rank: int = 0,
+    world: int = 1, workers: int = 0, pin_memory: bool = False, in_chans: int = 3,
+) -> DataLoader:  # fmt: skip
     sampler = EpochSampler(
         len(dataset),  # type: ignore[arg-type]
         rank=rank,

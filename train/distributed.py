@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from convit_convert.errors import CmhsaError
+from ..errors import CmhsaError
 
 
 @dataclass(frozen=True)
@@ -40,10 +40,10 @@ def pick_device(name: str, local_rank: int = 0) -> torch.device:
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name.startswith("cuda"):
         if not torch.cuda.is_available():
-            raise CmhsaError(f"--device {name}: CUDA is not available here (use --device cpu or auto)")
+            raise CmhsaError(f"`device` {name}: CUDA is not available here (use `device` cpu or auto)")
         return torch.device(name if ":" in name else f"cuda:{local_rank}")
     if name != "cpu":
-        raise CmhsaError(f"--device must be auto, cpu, cuda or cuda:N, got {name!r}")
+        raise CmhsaError(f"`device` must be auto, cpu, cuda or cuda:N, got {name!r}")
     return torch.device("cpu")
 
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
-from convit_convert.atomic import atomic_path
-from convit_convert.errors import CmhsaError
+from ..errors import CmhsaError
+from ..io.atomic import atomic_path
 
 
 def read_metrics(run: Path) -> list[dict[str, float]]:

@@ -4,8 +4,8 @@ The file has one input ``pixel_values`` (batch_size, C, H, W), dynamic in batch_
 output ``logits`` (batch_size, num_classes). Both exporters work: ``dynamo`` (torch.export, the
 default of ``torch.onnx.export``) and ``legacy`` (TorchScript tracing).
 
-Attention is exported through :class:`ExportAttention`, the same function as
-:class:`~convit_convert.attn_vit.RelPosAttention` written out as MatMul / Softmax with the
+Attention is exported through :class:`~convit_convert.model.ExportAttention`, the same function as
+:class:`~convit_convert.model.RelPosAttention` written out as MatMul / Softmax with the
 relative-position bias gathered once into a constant (sink column included). That keeps the bias
 and sink constants in the file, and sidesteps exporting ``scaled_dot_product_attention`` with a
 gathered mask, which the dynamo exporter has been reported to fail on.
@@ -31,50 +31,17 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch import nn
 
-from .attn_vit import RelPosAttention
-from .errors import CmhsaError
-from .onnx_load import ort_session
-from .verify import relative_error
-from .vit import VisionTransformer
+from ..errors import CmhsaError
+from ..model import VisionTransformer, prepare_for_export
+from ..verify import relative_error
+from .load import ort_session
 
 INPUT_NAME, OUTPUT_NAME, BATCH_AXIS = "pixel_values", "logits", "batch_size"
 EXPORTERS = ("dynamo", "legacy")
 MIN_OPSET = 17  # LayerNormalization
 CHECK_BATCHES = (1, 3)
 _PROTOBUF_LIMIT = 2**31 - 1
-
-
-class ExportAttention(nn.Module):
-    """:class:`RelPosAttention` for export: explicit attention, bias and sink as one constant.
-
-    logits_h = q_h k_h^T / sqrt(qk_dim) + B_h,   B = attn_bias(): (heads, N, N[+1])
-
-    With a sink, keys and values end with a zero row (as in training), so the last logit column
-    is q·0 + sink_h = sink_h and its value is zero.
-    """
-
-    def __init__(self, attn: RelPosAttention) -> None:
-        super().__init__()
-        self.attn = attn
-        self.scale = attn.qk_dim**-0.5
-        with torch.no_grad():
-            self.register_buffer("bias", attn.attn_bias().detach().clone().unsqueeze(0))  # (1, h, N, N[+1])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, N, dim) -> (B, N, dim)."""
-        q, k, v = self.attn.qkv(x)
-        weights = torch.softmax((q @ k.transpose(-2, -1)) * self.scale + self.bias, dim=-1)
-        return self.attn.merge_heads(weights @ v)
-
-
-def prepare_for_export(model: VisionTransformer) -> VisionTransformer:
-    """Swap every attention mixer for :class:`ExportAttention`, in place; eval mode."""
-    for block in model.blocks:
-        if isinstance(block.mixer, RelPosAttention):
-            setattr(block, block.mixer_name, ExportAttention(block.mixer))
-    return model.eval()
 
 
 @contextlib.contextmanager
@@ -101,9 +68,9 @@ def _silenced() -> Iterator[None]:
 
 def check_options(exporter: str, opset: int | None) -> None:
     if exporter not in EXPORTERS:
-        raise CmhsaError(f"--exporter must be one of {', '.join(EXPORTERS)}, got {exporter!r}")
+        raise CmhsaError(f"`exporter` must be one of {', '.join(EXPORTERS)}, got {exporter!r}")
     if opset is not None and opset < MIN_OPSET:
-        raise CmhsaError(f"--opset {opset}: cmhsa models need opset >= {MIN_OPSET} (LayerNormalization)")
+        raise CmhsaError(f"`opset` {opset}: cmhsa models need opset >= {MIN_OPSET} (LayerNormalization)")
 
 
 def export_model(model: VisionTransformer, *, exporter: str = "dynamo", opset: int | None = None) -> Any:
@@ -195,14 +162,9 @@ def _io(values: Any) -> list[dict[str, Any]]:
 
 
 def check_export(
-    proto: Any,
-    refs: dict[int, tuple[np.ndarray, np.ndarray]],
-    num_classes: int,
-    *,
-    tol: float,
-    providers: list[str],
-    path: Any,
-) -> ExportCheck:
+    proto: Any, refs: dict[int, tuple[np.ndarray, np.ndarray]], num_classes: int, *, tol: float,
+    providers: list[str], path: Any,
+) -> ExportCheck:  # fmt: skip
     """Checker, names and dynamic batch, then onnxruntime against the PyTorch logits."""
     import onnx
 
@@ -212,7 +174,7 @@ def check_export(
         opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), "?")
         raise CmhsaError(
             f"the exported model (opset {opset}) fails onnx.checker.check_model(full_check=True): {e}; "
-            "try another --opset or --exporter",
+            "try another `opset` or `exporter`",
             path,
         ) from None
     session = ort_session(proto, path, providers)
@@ -256,15 +218,9 @@ class Exported:
 
 
 def export_and_check(
-    model: VisionTransformer,
-    *,
-    exporter: str = "dynamo",
-    opset: int | None = None,
-    tol: float = 1e-4,
-    providers: list[str] | None = None,
-    seed: int = 0,
-    path: Any = None,
-) -> Exported:
+    model: VisionTransformer, *, exporter: str = "dynamo", opset: int | None = None, tol: float = 1e-4,
+    providers: list[str] | None = None, seed: int = 0, path: Any = None,
+) -> Exported:  # fmt: skip
     """Export ``model`` (as float32; its attention is swapped for export, in place) and check the
     result against the model as it was."""
     model = model.float().eval()

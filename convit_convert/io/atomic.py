@@ -16,7 +16,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from .errors import CmhsaError
+from ..errors import CmhsaError
 
 
 def _umask() -> int:

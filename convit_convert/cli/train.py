@@ -1,4 +1,5 @@
-"""``cmhsa train phase1|phase2``, ``cmhsa eval`` and ``cmhsa plot``, mounted on the main CLI.
+"""``cmhsa train phase1|phase2``, ``cmhsa eval`` and ``cmhsa plot``: thin commands over
+:mod:`convit_convert.train`.
 
 Imports typer only: torch, timm and torchvision load when a command runs, so ``cmhsa --help``
 stays fast. The training flags are one table (FLAGS) shared by both phases; each becomes a
@@ -16,9 +17,8 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from convit_convert.exits import EXIT_FAIL, fail, handles_errors
-
-from .config import PHASE_LR, TrainConfig
+from ..train.config import PHASE_LR, TrainConfig
+from .common import EXIT_FAIL, console, handles_errors
 
 MODEL = "Model"
 PHASE2 = "Phase 2"
@@ -114,9 +114,7 @@ def _train_command(phase: str) -> Any:
     @handles_errors
     def command(**kwargs: Any) -> None:
         given = {k: v for k, v in kwargs.items() if v is not None and k != "out"}
-        cfg = TrainConfig(phase=phase, out=str(kwargs["out"]), **given)
-        cfg.extra["explicit"] = sorted(given)
-        _run_training(cfg)
+        _run_training(TrainConfig(phase=phase, out=str(kwargs["out"]), given=frozenset(given), **given))
 
     out = inspect.Parameter(
         "out",
@@ -138,21 +136,16 @@ def _train_command(phase: str) -> Any:
 
 
 def _run_training(cfg: TrainConfig) -> None:
-    """Bad input is handled by ``handles_errors`` (exit 2); a run that cannot go on exits 1."""
-    from .engine import run
-    from .phases import TrainingError
+    """Bad input exits 2 and a run that cannot go on exits 1 (``handles_errors``)."""
+    from ..train.run import run
 
-    try:
-        result = run(cfg)
-    except TrainingError as e:
-        fail(str(e))
-        raise typer.Exit(EXIT_FAIL) from None
+    result = run(cfg)
     if result.stopped in ("SIGINT", "SIGTERM"):
         import signal
 
         raise typer.Exit(128 + int(getattr(signal, result.stopped)))
     if cfg.export_onnx and result.model_path is not None and result.stopped is None:  # rank 0
-        from convit_convert.cli import run_export
+        from .export import run_export
 
         if not run_export(result.model_path, result.model_path.with_suffix(".onnx")):
             raise typer.Exit(EXIT_FAIL)
@@ -166,14 +159,11 @@ for _phase in ("phase1", "phase2"):
     train_app.command(_phase)(_train_command(_phase))
 
 
+# fmt: off
 @handles_errors
 def eval_command(
-    checkpoint: Annotated[
-        Path, typer.Argument(help="Model checkpoint (.safetensors, conv or attn).", show_default=False)
-    ],
-    data: Annotated[
-        str, typer.Option(help="cifar100, cifar10, imagefolder, digits, synthetic.")
-    ] = "cifar100",
+    checkpoint: Annotated[Path, typer.Argument(help="Model checkpoint (.safetensors, conv or attn).", show_default=False)],
+    data: Annotated[str, typer.Option(help="cifar100, cifar10, imagefolder, digits, synthetic.")] = "cifar100",
     data_dir: Annotated[Optional[str], typer.Option(help="Folder of the dataset.")] = None,  # noqa: UP045
     download: Annotated[bool, typer.Option(help="Let torchvision download CIFAR.")] = False,
     batch_size: Annotated[int, typer.Option(help="Batch size.")] = 128,
@@ -183,40 +173,40 @@ def eval_command(
     crop_pct: Annotated[float, typer.Option(help="Eval centre-crop fraction.")] = 0.875,
     seed: Annotated[int, typer.Option(help="Seed of --data synthetic.")] = 0,
 ) -> None:
+# fmt: on
     """Top-1 / top-5 accuracy and loss of a checkpoint on a dataset's validation split."""
-    from .evaluate import evaluate_checkpoint
+    from rich.markup import escape
+    from rich.table import Table
 
-    evaluate_checkpoint(
+    from ..train.evaluate import evaluate_checkpoint
+
+    r = evaluate_checkpoint(
         checkpoint, data=data, data_dir=data_dir, download=download, batch_size=batch_size,
         device=device, amp=amp, workers=workers, crop_pct=crop_pct, seed=seed,
     )  # fmt: skip
+    table = Table(title=f"{escape(str(checkpoint))} on {data} (val, {r.images} images)")
+    for col in ("kind", "top-1 %", "top-5 %", "loss"):
+        table.add_column(col, justify="right")
+    table.add_row(r.kind, f"{r.top1:.2f}", f"{r.top5:.2f}", f"{r.val_loss:.4f}")
+    console.print(table)
 
 
+# fmt: off
 @handles_errors
 def plot_command(
-    runs: Annotated[
-        list[Path], typer.Argument(help="Run folders (each with metrics.csv).", show_default=False)
-    ],
-    output: Annotated[
-        Optional[Path],  # noqa: UP045 (typer needs the Optional form at runtime here)
-        typer.Option(
-            "--output",
-            "-o",
-            help="Image to write (.png, .pdf, .svg) [default: FIRST_RUN/curves.png].",
-            show_default=False,
-        ),
-    ] = None,
+    runs: Annotated[list[Path], typer.Argument(help="Run folders (each with metrics.csv).", show_default=False)],
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Image to write (.png, .pdf, .svg) \\[default: FIRST_RUN/curves.png].", show_default=False)] = None,  # noqa: UP045
 ) -> None:
+# fmt: on
     """Validation loss and top-1 against epoch for one or more runs (the paper's Figure 2 view)."""
-    from .plot import plot_runs
+    from ..train.plot import plot_runs
 
     output = output or runs[0] / "curves.png"  # beside the runs, never in whatever folder the shell is in
     plot_runs(runs, output)
     print(f"wrote {output}")
 
 
-def register(app: typer.Typer) -> None:
-    """Mount ``train``, ``eval`` and ``plot`` on the main ``cmhsa`` app."""
-    app.add_typer(train_app, name="train")
-    app.command("eval")(eval_command)
-    app.command("plot")(plot_command)
+app = typer.Typer()
+app.add_typer(train_app, name="train")
+app.command("eval")(eval_command)
+app.command("plot")(plot_command)

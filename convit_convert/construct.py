@@ -92,6 +92,16 @@ def pinning_logits(num_patches: int, sink: bool, margin: float = DEFAULT_MARGIN)
     return (sink_logit + margin if sink else sink_logit), sink_logit
 
 
+def pinned_heads(cfg: ViTConfig) -> list[tuple[int, int] | None]:
+    """The offset δ_r head r of ``cfg`` (an attn config) is pinned to, or None where the head has
+    nothing to read: an offset beyond the grid (it only ever reads padding, so its output weights are
+    zero) or a head beyond |Δ|."""
+    gh, gw = cfg.grid_size
+    offsets = patch_offsets(cfg.kernel_size, cfg.patch_size, cfg.dilation)
+    pinned = [(dy, dx) if abs(dy) < gh and abs(dx) < gw else None for dy, dx in offsets]
+    return pinned + [None] * (cfg.num_heads - len(offsets))
+
+
 def check_heads(cfg: ViTConfig, num_heads: int, path: object = None) -> None:
     """Refuse head counts below what the construction needs, citing the lower bound."""
     hc = head_count(cfg.kernel_size, cfg.patch_size, cfg.dilation, channels=cfg.hidden_chans)
@@ -111,14 +121,9 @@ def check_heads(cfg: ViTConfig, num_heads: int, path: object = None) -> None:
 
 
 def convert_block(
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    cfg: ViTConfig,
-    *,
-    generator: torch.Generator | None = None,
-    qk_init_std: float = 0.0,
-    margin: float = DEFAULT_MARGIN,
-) -> dict[str, torch.Tensor]:
+    weight: torch.Tensor, bias: torch.Tensor | None, cfg: ViTConfig, *,
+    generator: torch.Generator | None = None, qk_init_std: float = 0.0, margin: float = DEFAULT_MARGIN,
+) -> dict[str, torch.Tensor]:  # fmt: skip
     """One conv mixer -> the tensors of one attention mixer (names relative to ``attn.``).
 
     ``cfg`` is the attn config (num_heads, qk_dim, v_dim, sink set). Zero W_Q and W_K come back
@@ -131,8 +136,7 @@ def convert_block(
         raise ValueError(f"exactness needs v_dim >= embed_dim ({vd} < {d})")
     dtype = weight.dtype
     offsets = patch_offsets(cfg.kernel_size, p, cfg.dilation)
-    # an offset beyond the grid only ever reads padding: its head keeps zero output weights
-    usable = [abs(dy) < gh and abs(dx) < gw for dy, dx in offsets]
+    usable = [o is not None for o in pinned_heads(cfg)[: len(offsets)]]
     wo = output_projection(weight, p, cfg.dilation, offsets).view(d, len(offsets), d)
     wo = wo * torch.tensor(usable, dtype=dtype).view(1, -1, 1)
     proj = torch.zeros(d, n_h, vd, dtype=dtype)  # extra heads and value dims: zero output weights
@@ -140,9 +144,9 @@ def convert_block(
 
     m, s = pinning_logits(cfg.num_patches, bool(cfg.sink), margin)
     table = torch.zeros(n_h, 2 * gh - 1, 2 * gw - 1, dtype=dtype)
-    for r, ((dy, dx), ok) in enumerate(zip(offsets, usable, strict=True)):  # one entry per head
-        if ok:
-            table[r, dy + gh - 1, dx + gw - 1] = m
+    for r, pinned in enumerate(pinned_heads(cfg)):  # one entry per pinned head
+        if pinned is not None:
+            table[r, pinned[0] + gh - 1, pinned[1] + gw - 1] = m
 
     def qk_weight() -> torch.Tensor:
         if qk_init_std == 0.0:  # W_Q = W_K = 0 as a broadcast view: no memory for 2/5 of the model
@@ -166,18 +170,10 @@ def convert_block(
 
 
 def convert_state_dict(
-    conv_sd: Mapping[str, torch.Tensor],
-    cfg: ViTConfig,
-    *,
-    num_heads: int | None = None,
-    qk_dim: int | None = None,
-    v_dim: int | None = None,
-    sink: bool = True,
-    qk_init_std: float = 0.0,
-    margin: float = DEFAULT_MARGIN,
-    seed: int = 0,
-    path: object = None,
-) -> tuple[dict[str, torch.Tensor], ViTConfig]:
+    conv_sd: Mapping[str, torch.Tensor], cfg: ViTConfig, *, num_heads: int | None = None,
+    qk_dim: int | None = None, v_dim: int | None = None, sink: bool = True, qk_init_std: float = 0.0,
+    margin: float = DEFAULT_MARGIN, seed: int = 0, path: object = None,
+) -> tuple[dict[str, torch.Tensor], ViTConfig]:  # fmt: skip
     """A conv-phase state dict -> (attn state dict, attn config) computing the same function.
 
     Tensors outside the token mixers are shared, not copied. ``num_heads`` defaults to the number
@@ -188,7 +184,7 @@ def convert_state_dict(
     num_heads = needed if num_heads is None else num_heads
     check_heads(cfg, num_heads, path)
     attn_cfg = cfg.with_attention(num_heads, qk_dim, v_dim, sink)
-    attn_cfg.validate("attn", path)
+    attn_cfg.validate(path)
     if attn_cfg.v_dim < cfg.embed_dim:
         raise CmhsaError(
             f"v_dim {attn_cfg.v_dim} < embed_dim {cfg.embed_dim}: exactness needs v_dim >= embed_dim", path

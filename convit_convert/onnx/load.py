@@ -17,7 +17,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from .errors import CmhsaError
+from ..errors import CmhsaError
+from ..io.checkpoint import check_input_file
 
 # element types cmhsa reads weights and images in (onnx.TensorProto.FLOAT / DOUBLE)
 FLOAT, DOUBLE = 1, 11
@@ -106,8 +107,6 @@ def load_onnx(path: str | Path) -> Any:
     import onnx
     from google.protobuf.message import DecodeError
 
-    from .checkpoint import check_input_file
-
     path = Path(path)
     check_input_file(path)
     try:
@@ -159,12 +158,8 @@ def providers_for(device: str) -> list[str]:
 
 
 def ort_session(
-    model: Any,
-    path: str | Path,
-    providers: list[str] | None = None,
-    threads: int = 0,
-    optimize: bool = True,
-) -> Any:
+    model: Any, path: str | Path, providers: list[str] | None = None, threads: int = 0, optimize: bool = True,
+) -> Any:  # fmt: skip
     """An onnxruntime InferenceSession for a checked ModelProto (``path`` names it in errors).
     ``threads`` 0 lets onnxruntime choose; ``optimize=False`` runs the graph as written."""
     import onnxruntime as ort

@@ -1,0 +1,381 @@
+"""The library's operations on model files, each returning a typed report (the CLI renders them):
+``load_checkpoint`` (any format), ``convert_checkpoint`` / ``convert_file``, ``verify_files``,
+``export_file`` and ``inspect_file``. ``cmhsa train`` calls the same functions.
+
+Bad input raises :class:`CmhsaError` before anything is written; a check that fails is a report
+with ``passed`` False, its output not written and its JSON report written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .config import ViTConfig
+from .construct import DEFAULT_MARGIN, convert_state_dict, pinned_heads, pinned_offsets, pinning_logits
+from .errors import CmhsaError, article
+from .io.atomic import atomic_write, check_writable
+from .io.checkpoint import Checkpoint, check_geometry, load_tensor_checkpoint, save_checkpoint
+from .io.report import default_report_path, environment, file_facts, write_report
+from .model import VisionTransformer
+from .theory import HeadCount, head_count
+from .verify import VerifyResult, verify_models
+
+
+def load_checkpoint(
+    path: str | Path, *, img_size: tuple[int, int] | None = None, patch_size: int | None = None,
+    dilation: int = 1, norm_eps: float = 1e-6, onnx_tol: float = 1e-5,
+) -> Checkpoint:  # fmt: skip
+    """Any model file: cmhsa safetensors, a bare conv-phase state dict (given ``img_size`` and
+    ``patch_size``), or a conv-phase ONNX graph, read by its structure and checked against
+    onnxruntime within ``onnx_tol`` (:mod:`convit_convert.onnx.importer`)."""
+    path = Path(path)
+    if path.suffix.lower() != ".onnx":
+        return load_tensor_checkpoint(path, img_size=img_size, patch_size=patch_size, dilation=dilation, norm_eps=norm_eps)  # fmt: skip
+    from .onnx.importer import import_onnx
+
+    ckpt = import_onnx(path, tol=onnx_tol)
+    check_geometry(ckpt.config, img_size, patch_size, path, "graph")
+    return ckpt
+
+
+def check_tol(tol: float, name: str = "tol") -> None:
+    if not tol >= 0:  # also refuses nan
+        raise CmhsaError(f"`{name}` must be >= 0, got {tol}")
+
+
+def check_batch(batch: int) -> None:
+    if batch < 1:
+        raise CmhsaError(f"`batch` must be positive, got {batch}")
+
+
+def resolve_device(name: str) -> str:
+    """'auto' is CUDA when present; a CUDA device that is not there is bad input."""
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise CmhsaError(f"`device` {name}: CUDA is not available")
+    return name
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    if name not in ("float32", "float64"):
+        raise CmhsaError(f"`dtype` must be float32 or float64, got {name!r}")
+    return getattr(torch, name)
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return a.resolve() == b.resolve() or (a.exists() and b.exists() and a.samefile(b))
+    except OSError:
+        return False
+
+
+def check_outputs(source: Path, output: Path, report_path: Path, suffix: str, what: str) -> None:
+    """Before any work: the output's suffix says what is written, both outputs are writable,
+    neither is the input, and they are not the same file."""
+    if output.suffix.lower() != suffix:
+        raise CmhsaError(f"writes {what}: give the output the suffix {suffix}", output)
+    for p, name in ((output, "output"), (report_path, "report")):
+        if _same_file(p, source):
+            raise CmhsaError(f"{name} path is the input file; choose another", p)
+        check_writable(p)
+    if _same_file(output, report_path):
+        raise CmhsaError("report path is the output path; choose another", report_path)
+
+
+@dataclass
+class Conversion:
+    """A conv checkpoint converted in memory (Theorem 1), and its verification."""
+
+    source: Checkpoint
+    config: ViTConfig  # the attn config
+    tensors: dict[str, torch.Tensor]
+    pinned: list[tuple[int, int] | None]  # per head: the offset it attends to, None if it reads nothing
+    offset_logit: float
+    sink_logit: float | None
+    qk_init_std: float
+    verification: VerifyResult | None
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def passed(self) -> bool:
+        return self.verification is None or self.verification.passed
+
+    def model(self, drop_path_rate: float = 0.0) -> VisionTransformer:
+        model = VisionTransformer(self.config, drop_path_rate)
+        model.load_state_dict(self.tensors)
+        return model
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "heads": self.config.num_heads,
+            "pinned_heads": sum(o is not None for o in self.pinned),
+            "offsets": [None if o is None else list(o) for o in self.pinned],
+            "offset_logit": self.offset_logit,
+            "sink_logit": self.sink_logit,
+            "qk_init_std": self.qk_init_std,
+        }
+
+
+def convert_checkpoint(
+    ckpt: Checkpoint, *, heads: int | None = None, qk_dim: int | None = None, sink: bool = True,
+    qk_init_std: float = 0.0, margin: float = DEFAULT_MARGIN, seed: int = 0, verify: bool = True,
+    tol: float = 1e-5, batch: int = 4, dtype: torch.dtype = torch.float32, device: str = "cpu",
+) -> Conversion:  # fmt: skip
+    """Convert a conv checkpoint and (unless ``verify`` is False) verify it against the conv model
+    on ``batch`` random images: every relative error must be <= ``tol``."""
+    if ckpt.kind != "conv":
+        raise CmhsaError(
+            f"is {article(ckpt.kind)} checkpoint already; convert takes a conv-phase one", ckpt.path
+        )
+    check_tol(tol)
+    check_tol(qk_init_std, "qk_init_std")
+    check_batch(batch)
+    t = time.perf_counter()
+    tensors, cfg = convert_state_dict(
+        ckpt.tensors, ckpt.config, num_heads=heads, qk_dim=qk_dim, sink=sink,
+        qk_init_std=qk_init_std, margin=margin, seed=seed, path=ckpt.path,
+    )  # fmt: skip
+    m, s = pinning_logits(cfg.num_patches, sink, margin)
+    conv = Conversion(ckpt, cfg, tensors, pinned_heads(cfg), m, s if sink else None, qk_init_std, None)
+    conv.timings["convert_s"] = time.perf_counter() - t
+    if verify:
+        t = time.perf_counter()
+        conv.verification = verify_models(
+            ckpt.model(), conv.model(), batch=batch, seed=seed, dtype=dtype, device=device, tol=tol
+        )
+        conv.timings["verify_s"] = time.perf_counter() - t
+    return conv
+
+
+@dataclass
+class ConvertReport:
+    conversion: Conversion
+    output: Path
+    report_path: Path
+    input_facts: dict[str, Any]
+    output_facts: dict[str, Any] | None
+    timings: dict[str, float]
+
+    @property
+    def passed(self) -> bool:
+        return self.conversion.passed
+
+    def to_dict(self) -> dict[str, Any]:
+        c, ckpt = self.conversion, self.conversion.source
+        return {
+            "command": "convert",
+            "passed": None if c.verification is None else c.verification.passed,
+            "input": {
+                **self.input_facts,
+                "kind": "conv",
+                "read_as": ckpt.source,
+                "onnx_import": ckpt.import_report,
+                "dtype": str(ckpt.dtype).removeprefix("torch."),
+            },
+            "output": self.output_facts,
+            "config": c.config.to_dict(),
+            "conversion": c.summary(),
+            "verification": None if c.verification is None else c.verification.to_dict(),
+            "timings": self.timings,
+            "environment": environment(),
+        }
+
+
+def convert_file(
+    input: Path, output: Path, *, report: Path | None = None, img_size: tuple[int, int] | None = None,
+    patch_size: int | None = None, dilation: int = 1, norm_eps: float = 1e-6, dtype: str = "float32",
+    device: str = "auto", **options: Any,
+) -> ConvertReport:  # fmt: skip
+    """``cmhsa convert``: load, convert and verify (``options`` as :func:`convert_checkpoint`), write
+    the attention checkpoint if verification passed, and the JSON report either way."""
+    report_path = report or default_report_path(output)
+    check_outputs(input, output, report_path, ".safetensors", "a safetensors checkpoint (export writes ONNX)")
+    tol = options.get("tol", 1e-5)
+    check_tol(tol)
+    verify_dtype = resolve_dtype(dtype)
+    verify_device = resolve_device(device) if options.get("verify", True) else "cpu"
+    t = time.perf_counter()
+    ckpt = load_checkpoint(input, img_size=img_size, patch_size=patch_size, dilation=dilation, norm_eps=norm_eps, onnx_tol=tol)  # fmt: skip
+    timings = {"load_s": time.perf_counter() - t}
+    input_facts = file_facts(input)
+    conv = convert_checkpoint(ckpt, dtype=verify_dtype, device=verify_device, **options)
+    timings.update(conv.timings)
+    output_facts = None
+    if conv.passed:
+        t = time.perf_counter()
+        digest = save_checkpoint(output, conv.config, conv.tensors, {"cmhsa.source_sha256": input_facts["sha256"]})  # fmt: skip
+        timings["write_s"] = time.perf_counter() - t
+        output_facts = {"path": str(output), "bytes": output.stat().st_size, "sha256": digest}
+    result = ConvertReport(conv, output, report_path, input_facts, output_facts, timings)
+    write_report(report_path, result.to_dict())
+    return result
+
+
+@dataclass
+class VerifyReport:
+    conv: Checkpoint
+    attn: Checkpoint
+    result: VerifyResult
+    timings: dict[str, float]
+
+    @property
+    def passed(self) -> bool:
+        return self.result.passed
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "command": "verify",
+            "passed": self.passed,
+            "conv": file_facts(self.conv.path),
+            "attn": file_facts(self.attn.path),
+            "config": self.attn.config.to_dict(),
+            "verification": self.result.to_dict(),
+            "timings": self.timings,
+            "environment": environment(),
+        }
+
+
+def verify_files(
+    conv: Path, attn: Path, *, tol: float = 1e-5, dtype: str = "float32", batch: int = 4, seed: int = 0,
+    device: str = "auto", report: Path | None = None,
+) -> VerifyReport:  # fmt: skip
+    """``cmhsa verify``: does the attn checkpoint compute what the conv checkpoint computes?"""
+    check_tol(tol)
+    check_batch(batch)
+    verify_dtype, verify_device = resolve_dtype(dtype), resolve_device(device)
+    if report is not None:
+        for p in (conv, attn):
+            if _same_file(report, p):
+                raise CmhsaError("report path is an input file; choose another", report)
+        check_writable(report)
+    t = time.perf_counter()
+    a, b = load_checkpoint(conv, onnx_tol=tol), load_checkpoint(attn)
+    load_s = time.perf_counter() - t
+    for ck, kind, which in ((a, "conv", "first"), (b, "attn", "second")):
+        if ck.kind != kind:
+            msg = f"is {article(ck.kind)} checkpoint; the {which} argument must be {article(kind)} checkpoint"
+            raise CmhsaError(msg, ck.path)
+    shared_a, shared_b = a.config.to_dict(), b.config.without_attention().to_dict()
+    differ = [k for k in shared_a if shared_a[k] != shared_b[k]]
+    if differ:
+        detail = ", ".join(f"{k} {shared_a[k]} vs {shared_b[k]}" for k in differ[:3])
+        raise CmhsaError(f"config does not match the conv checkpoint's: {detail}", attn)
+    t = time.perf_counter()
+    result = verify_models(
+        a.model(), b.model(), batch=batch, seed=seed, dtype=verify_dtype, device=verify_device, tol=tol
+    )
+    out = VerifyReport(a, b, result, {"load_s": load_s, "verify_s": time.perf_counter() - t})
+    if report is not None:
+        write_report(report, out.to_dict())
+    return out
+
+
+@dataclass
+class ExportReport:
+    checkpoint: Checkpoint
+    exported: Any  # onnx.export.Exported
+    output: Path
+    report_path: Path
+    output_facts: dict[str, Any] | None
+    timings: dict[str, float]
+
+    @property
+    def passed(self) -> bool:
+        return self.exported.check.passed
+
+    def to_dict(self) -> dict[str, Any]:
+        import onnx
+        import onnxruntime
+
+        ex, ckpt = self.exported, self.checkpoint
+        return {
+            "command": "export",
+            "passed": self.passed,
+            "input": {
+                **file_facts(ckpt.path),
+                "kind": ckpt.kind,
+                "dtype": str(ckpt.dtype).removeprefix("torch."),
+            },
+            "output": self.output_facts,
+            "config": ckpt.config.to_dict(),
+            "export": {
+                "exporter": ex.exporter,
+                "opsets": ex.opsets,
+                "ir_version": ex.ir_version,
+                "dtype": "float32",
+                "onnx": onnx.__version__,
+                "onnxruntime": onnxruntime.__version__,
+            },
+            "check": ex.check.to_dict(),
+            "timings": self.timings,
+            "environment": environment(),
+        }
+
+
+def export_file(
+    checkpoint: Path, output: Path, *, opset: int | None = None, tol: float = 1e-4, exporter: str = "dynamo",
+    device: str = "cpu", seed: int = 0, report: Path | None = None,
+) -> ExportReport:  # fmt: skip
+    """``cmhsa export`` (and ``cmhsa train --export-onnx``): export, check in onnxruntime, write the
+    file only if the check passes; the JSON report either way."""
+    from .onnx.export import check_options, export_and_check
+    from .onnx.load import providers_for
+
+    if device not in ("cpu", "cuda", "auto"):
+        raise CmhsaError(f"`device` must be cpu, cuda or auto, got {device!r}")
+    report_path = report or output.with_name(output.name + ".report.json")
+    check_outputs(checkpoint, output, report_path, ".onnx", "ONNX (convert writes safetensors checkpoints)")
+    check_tol(tol)
+    check_options(exporter, opset)
+    providers = providers_for(device)
+    t = time.perf_counter()
+    ckpt = load_checkpoint(checkpoint)
+    load_s = time.perf_counter() - t
+    ex = export_and_check(
+        ckpt.model(), exporter=exporter, opset=opset, tol=tol, providers=providers, seed=seed, path=output
+    )
+    facts = None
+    if ex.check.passed:
+        atomic_write(output, lambda tmp: tmp.write_bytes(ex.data))
+        facts = {"path": str(output), "bytes": len(ex.data), "sha256": hashlib.sha256(ex.data).hexdigest()}
+    out = ExportReport(ckpt, ex, output, report_path, facts, {"load_s": load_s, **ex.timings})
+    write_report(report_path, out.to_dict())
+    return out
+
+
+@dataclass
+class Inspection:
+    checkpoint: Checkpoint
+    facts: dict[str, Any]  # path, bytes, sha256
+    heads: HeadCount
+    pinned: list[list[tuple[int, int] | None]] | None  # attn: per block, per head, read from the bias
+
+
+def inspect_file(
+    path: Path, *, img_size: tuple[int, int] | None = None, patch_size: int | None = None
+) -> Inspection:
+    """Kind, config, size and hash of a model file; for attention, each head's pinned offset."""
+    ckpt = load_checkpoint(path, img_size=img_size, patch_size=patch_size)
+    cfg = ckpt.config
+    pinned = None
+    if ckpt.kind == "attn":
+        pinned = [
+            pinned_offsets(
+                ckpt.tensors[f"blocks.{i}.attn.rel_pos_bias"], ckpt.tensors.get(f"blocks.{i}.attn.sink")
+            )
+            for i in range(cfg.depth)
+        ]
+    hc = head_count(cfg.kernel_size, cfg.patch_size, cfg.dilation, channels=cfg.hidden_chans)
+    return Inspection(ckpt, file_facts(path), hc, pinned)
+
+
+def as_float32(ckpt: Checkpoint) -> Checkpoint:
+    return dataclasses.replace(ckpt, tensors={k: v.float() for k, v in ckpt.tensors.items()})

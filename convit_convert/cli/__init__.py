@@ -1,0 +1,47 @@
+"""The ``cmhsa`` command line: one thin module per command group, rendering the library's reports.
+
+Start-up matters: nothing here imports torch or timm at import time, so ``cmhsa --help`` and
+``cmhsa heads`` stay fast; each command imports what it needs when it runs.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from .. import __version__
+from . import convert, export, train
+
+app = typer.Typer(
+    name="cmhsa",
+    help="Turn trained convolutional ViTs into exactly equivalent self-attention ViTs.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+for group in (convert, export, train):
+    app.registered_commands += group.app.registered_commands
+    app.registered_groups += group.app.registered_groups
+
+
+def version_callback(value: bool) -> None:
+    if value:
+        print(f"cmhsa {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool, typer.Option("--version", callback=version_callback, is_eager=True, help="Print the version.")
+    ] = False,
+) -> None:
+    """cmhsa: exact conv -> self-attention conversion ("Can Vision Transformers Perform Convolution?")."""
+
+
+def main() -> None:
+    from ..io.atomic import exit_on_sigterm
+
+    exit_on_sigterm()  # a killed convert/export unwinds and removes its temp files (training traps it first)
+    app()

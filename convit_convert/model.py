@@ -1,0 +1,439 @@
+"""Both models in one sitting: the phase-1 convolutional ViT and the phase-2 attention ViT.
+
+    VisionTransformer(cfg)   cfg.kind "conv": each block mixes tokens with a K×K convolution
+                             cfg.kind "attn": multi-head self-attention, relative position bias, sink
+
+The skeleton is shared: patch embedding, pre-LN blocks, final norm, mean over tokens, head. No class
+token and no absolute position embedding: phase 1 gets position from the convolution's zero
+padding, phase 2 from the relative position bias (Section 4.1 of the paper). Every parameter name is
+the file format's (docs/FORMAT.md), e.g. ``blocks.0.conv.weight``, ``blocks.0.attn.proj.weight``.
+
+Token layout: patches in row-major order; a patch is flattened channel-last, feature index
+(py·P + px)·C + c. The attention has two more forms, swapped in for deployment (as timm's
+``reparameterize_model``): :func:`prepare_for_export` (explicit softmax, bias as one constant) and
+:func:`fuse_attention` (weight products folded for inference).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ViTConfig
+
+
+def patchify(x: torch.Tensor, patch_size: int) -> torch.Tensor:
+    """(B, C, H, W) pixels -> (B, N, P²·C) tokens, N = (H/P)·(W/P)."""
+    b, c, h, w = x.shape
+    p = patch_size
+    x = x.reshape(b, c, h // p, p, w // p, p)
+    return x.permute(0, 2, 4, 3, 5, 1).reshape(b, (h // p) * (w // p), p * p * c)
+
+
+def unpatchify(x: torch.Tensor, grid_size: tuple[int, int], patch_size: int) -> torch.Tensor:
+    """(B, N, P²·C) tokens -> (B, C, H, W) pixels; the inverse of :func:`patchify`."""
+    b, _, d = x.shape
+    gh, gw = grid_size
+    p = patch_size
+    c = d // (p * p)
+    x = x.reshape(b, gh, gw, p, p, c)
+    return x.permute(0, 5, 1, 3, 2, 4).reshape(b, c, gh * p, gw * p)
+
+
+class PatchEmbed(nn.Module):
+    """Image -> tokens. Identity on the flattened patch (the paper's choice, which lets phase 1 view
+    tokens as pixels), or a learnable linear map P²·in_chans -> embed_dim held as
+    ``patch_embed.weight`` / ``patch_embed.bias`` (docs/FORMAT.md)."""
+
+    def __init__(self, patch_size: int, in_chans: int, embed_dim: int, linear: bool) -> None:
+        super().__init__()
+        self.patch_size = patch_size
+        if linear:
+            self.weight = nn.Parameter(torch.empty(embed_dim, patch_size * patch_size * in_chans))
+            self.bias = nn.Parameter(torch.zeros(embed_dim))
+            nn.init.trunc_normal_(self.weight, std=0.02)
+        else:
+            self.weight = self.bias = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, in_chans, H, W) -> (B, N, embed_dim)."""
+        x = patchify(x, self.patch_size)
+        return x if self.weight is None else F.linear(x, self.weight, self.bias)
+
+
+class Mlp(nn.Module):
+    """fc1 -> exact (erf) GELU -> fc2."""
+
+    def __init__(self, dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden_dim)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(hidden_dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class DropPath(nn.Module):
+    """Stochastic depth per sample. A local copy of timm's, so the conversion path never imports
+    timm (about 3.5 s of start-up)."""
+
+    def __init__(self, drop_prob: float = 0.0) -> None:
+        super().__init__()
+        self.drop_prob = drop_prob
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.drop_prob == 0.0 or not self.training:
+            return x
+        keep = 1.0 - self.drop_prob
+        mask = x.new_empty((x.shape[0],) + (1,) * (x.ndim - 1)).bernoulli_(keep)
+        return x * mask / keep
+
+
+class ConvMixer(nn.Conv2d):
+    """Token mixer: view tokens as pixels, apply Conv2d(C, C, K, padding='same', dilation=D), view
+    back. Subclasses Conv2d so its parameters are ``conv.weight`` (C, C, K, K) and ``conv.bias`` (C).
+    """
+
+    def __init__(
+        self, channels: int, kernel_size: int, dilation: int, grid_size: tuple[int, int], patch_size: int
+    ) -> None:
+        super().__init__(channels, channels, kernel_size, padding="same", dilation=dilation)
+        self.grid_size = grid_size
+        self.patch_size = patch_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, N, P²·C) -> (B, N, P²·C)."""
+        pixels = unpatchify(x, self.grid_size, self.patch_size)
+        return patchify(super().forward(pixels), self.patch_size)
+
+
+def relative_position_index(grid_size: tuple[int, int]) -> torch.Tensor:
+    """(N, N) index into a flattened (2Gh-1, 2Gw-1) table: query (y, x) to key (y+dy, x+dx) reads
+    entry (dy + Gh - 1, dx + Gw - 1)."""
+    gh, gw = grid_size
+    cpu = "cpu"  # also when built on the meta device (for its shapes): a small index, computed at once
+    ys, xs = torch.meshgrid(torch.arange(gh, device=cpu), torch.arange(gw, device=cpu), indexing="ij")
+    ys, xs = ys.flatten(), xs.flatten()
+    dy = ys[None, :] - ys[:, None] + gh - 1  # [query, key]
+    dx = xs[None, :] - xs[:, None] + gw - 1
+    return dy * (2 * gw - 1) + dx
+
+
+class RelPosAttention(nn.Module):
+    """MHSA with a learnable relative position bias per head and, optionally, a sink per head.
+
+    logits_h(q, k) = (W_Q x_q)·(W_K x_k) / sqrt(qk_dim) + rel_pos_bias[h, dy+Gh-1, dx+Gw-1]
+
+    The sink is one extra key per head with zero key and zero value whose logit is the learnable
+    scalar ``sink[h]``: a head can attend to "nothing" (output 0). That is what makes the converted
+    model exact at the image border, where zero padding has no patch to attend to.
+    """
+
+    def __init__(
+        self, dim: int, grid_size: tuple[int, int], num_heads: int, qk_dim: int, v_dim: int,
+        sink: bool = True,
+    ) -> None:  # fmt: skip
+        super().__init__()
+        self.num_heads, self.qk_dim, self.v_dim = num_heads, qk_dim, v_dim
+        self.grid_size = grid_size
+        self.q = nn.Linear(dim, num_heads * qk_dim)
+        self.k = nn.Linear(dim, num_heads * qk_dim)
+        self.v = nn.Linear(dim, num_heads * v_dim)
+        self.proj = nn.Linear(num_heads * v_dim, dim)
+        gh, gw = grid_size
+        self.rel_pos_bias = nn.Parameter(torch.zeros(num_heads, 2 * gh - 1, 2 * gw - 1))
+        self.sink = nn.Parameter(torch.zeros(num_heads)) if sink else None
+        self.register_buffer("rel_pos_index", relative_position_index(grid_size), persistent=False)
+
+    def position_bias(self) -> torch.Tensor:
+        """(heads, N, N): the relative position bias gathered for every query/key pair."""
+        return self.rel_pos_bias.flatten(1)[:, self.rel_pos_index]
+
+    def attn_bias(self) -> torch.Tensor:
+        """(heads, N, N) bias, or (heads, N, N+1) with the sink as the last key."""
+        bias = self.position_bias()
+        if self.sink is None:
+            return bias
+        n = bias.shape[1]
+        return torch.cat([bias, self.sink.view(-1, 1, 1).expand(-1, n, 1)], dim=-1)
+
+    def qkv(self, x: torch.Tensor, pad_sink: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(B, N, dim) -> q, k (B, h, N[+1], qk_dim), v (B, h, N[+1], v_dim); with a sink and
+        ``pad_sink``, k and v end with the null key and value (zeros), as the ONNX form uses them."""
+        b, n, _ = x.shape
+        h = self.num_heads
+        q = self.q(x).view(b, n, h, self.qk_dim).transpose(1, 2)
+        k = self.k(x).view(b, n, h, self.qk_dim).transpose(1, 2)
+        v = self.v(x).view(b, n, h, self.v_dim).transpose(1, 2)
+        if self.sink is not None and pad_sink:  # the null key: q·0 = 0, so its logit is the sink bias alone
+            k = F.pad(k, (0, 0, 0, 1))
+            v = F.pad(v, (0, 0, 0, 1))
+        return q, k, v
+
+    def merge_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, h, N, v_dim) head outputs -> (B, N, dim) through ``proj``."""
+        b, h, n, vd = x.shape
+        return self.proj(x.transpose(1, 2).reshape(b, n, h * vd))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, N, dim) -> (B, N, dim).
+
+        Written out rather than through ``F.scaled_dot_product_attention``: no fused kernel takes an
+        arbitrary bias with v_dim = 768 (SDPA falls back to its math path), and padding the
+        9·768-wide values for the sink costs a copy. The sink (logit s_h, value zero) only enlarges
+        the softmax's denominator, so it enters through the log-sum-exp:
+
+            weights = exp(logits - lse),   lse = log(exp(s_h) + Σ_j exp(logits_j))
+
+        which keeps the (B, h, N, N) weights contiguous for the P·V product. The logits stay in
+        float32 under autocast (the float32 bias promotes them). bench/gpu_suite.py measures the
+        forms against each other.
+        """
+        q, k, v = self.qkv(x, pad_sink=False)
+        logits = (q @ k.transpose(-2, -1)) * self.qk_dim**-0.5 + self.position_bias()
+        if self.sink is None:
+            weights = logits.softmax(dim=-1)
+        else:
+            lse = torch.logaddexp(logits.logsumexp(dim=-1, keepdim=True), self.sink.view(1, -1, 1, 1))
+            weights = (logits - lse).exp()
+        return self.merge_heads(weights.to(v.dtype) @ v)
+
+
+class Block(nn.Module):
+    """Pre-LN transformer block: x + mixer(norm1(x)), then x + mlp(norm2(x)).
+
+    The token mixer is registered under ``mixer_name``, the model's kind ('conv' or 'attn').
+    """
+
+    def __init__(
+        self, dim: int, mixer_name: str, mixer: nn.Module, mlp_hidden_dim: int, norm_eps: float = 1e-6,
+        drop_path: float = 0.0,
+    ) -> None:  # fmt: skip
+        super().__init__()
+        self.mixer_name = mixer_name
+        self.norm1 = nn.LayerNorm(dim, eps=norm_eps)
+        self.add_module(mixer_name, mixer)
+        self.norm2 = nn.LayerNorm(dim, eps=norm_eps)
+        self.mlp = Mlp(dim, mlp_hidden_dim)
+        self.drop_path = DropPath(drop_path)
+
+    @property
+    def mixer(self) -> nn.Module:
+        return getattr(self, self.mixer_name)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, N, dim) -> (B, N, dim)."""
+        x = x + self.drop_path(self.mixer(self.norm1(x)))
+        return x + self.drop_path(self.mlp(self.norm2(x)))
+
+
+def init_weights(module: nn.Module) -> None:
+    """ViT-style init: truncated normal (std 0.02) Linear weights, zero biases."""
+    if isinstance(module, nn.Linear):
+        nn.init.trunc_normal_(module.weight, std=0.02)
+        if module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+
+class VisionTransformer(nn.Module):
+    """patch_embed -> depth × Block(mixer) -> norm -> mean over tokens -> head.
+
+    The token mixer follows ``cfg.kind``: a :class:`ConvMixer` ("conv") or a
+    :class:`RelPosAttention` ("attn"); everything else, and every parameter name, is shared.
+    """
+
+    def __init__(self, cfg: ViTConfig, drop_path_rate: float = 0.0) -> None:
+        super().__init__()
+        cfg.validate()
+        self.cfg = cfg
+        self.kind = cfg.kind
+        self.num_classes = cfg.num_classes
+        self.patch_embed = PatchEmbed(
+            cfg.patch_size, cfg.in_chans, cfg.embed_dim, linear=cfg.patch_embed == "linear"
+        )
+        dpr = torch.linspace(
+            0, drop_path_rate, cfg.depth, device="cpu"
+        ).tolist()  # stochastic depth decay rule
+        self.blocks = nn.ModuleList(
+            Block(cfg.embed_dim, cfg.kind, self._mixer(cfg), cfg.mlp_hidden_dim, cfg.norm_eps, p) for p in dpr
+        )
+        self.norm = nn.LayerNorm(cfg.embed_dim, eps=cfg.norm_eps)
+        self.head = nn.Linear(cfg.embed_dim, cfg.num_classes)
+        self.apply(init_weights)
+
+    @staticmethod
+    def _mixer(cfg: ViTConfig) -> nn.Module:
+        if cfg.kind == "conv":
+            return ConvMixer(cfg.hidden_chans, cfg.kernel_size, cfg.dilation, cfg.grid_size, cfg.patch_size)
+        return RelPosAttention(
+            cfg.embed_dim, cfg.grid_size, cfg.num_heads, cfg.qk_dim, cfg.v_dim, bool(cfg.sink)
+        )
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, in_chans, H, W) images -> (B, N, embed_dim) normalised tokens."""
+        expected = (self.cfg.in_chans, *self.cfg.img_size)
+        if tuple(x.shape[1:]) != expected:
+            raise ValueError(
+                f"expected images of shape (B, {', '.join(map(str, expected))}), got {tuple(x.shape)}"
+            )
+        x = self.patch_embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.norm(x)
+
+    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        """(B, N, embed_dim) -> (B, num_classes) logits, or the pooled (B, embed_dim) features."""
+        x = x.mean(dim=1)
+        return x if pre_logits else self.head(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, in_chans, H, W) -> (B, num_classes)."""
+        return self.forward_head(self.forward_features(x))
+
+    def no_weight_decay(self) -> set[str]:
+        """Parameter names to exclude from weight decay (timm's create_optimizer_v2 reads this)."""
+        return {name for name, _ in self.named_parameters() if name.endswith(("rel_pos_bias", "sink"))}
+
+
+# ---- deployment forms of the attention -------------------------------------------------------
+
+
+class ExportAttention(nn.Module):
+    """:class:`RelPosAttention` for export: explicit attention, bias and sink as one constant.
+
+    logits_h = q_h k_h^T / sqrt(qk_dim) + B_h,   B = attn_bias(): (heads, N, N[+1])
+
+    With a sink, keys and values end with a zero row (as in training), so the last logit column
+    is q·0 + sink_h = sink_h and its value is zero.
+    """
+
+    def __init__(self, attn: RelPosAttention) -> None:
+        super().__init__()
+        self.attn = attn
+        self.scale = attn.qk_dim**-0.5
+        with torch.no_grad():
+            self.register_buffer("bias", attn.attn_bias().detach().clone().unsqueeze(0))  # (1, h, N, N[+1])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, N, dim) -> (B, N, dim)."""
+        q, k, v = self.attn.qkv(x)
+        weights = torch.softmax((q @ k.transpose(-2, -1)) * self.scale + self.bias, dim=-1)
+        return self.attn.merge_heads(weights @ v)
+
+
+def prepare_for_export(model: VisionTransformer) -> VisionTransformer:
+    """Swap every attention mixer for :class:`ExportAttention`, in place; eval mode."""
+    for block in model.blocks:
+        if isinstance(block.mixer, RelPosAttention):
+            setattr(block, block.mixer_name, ExportAttention(block.mixer))
+    return model.eval()
+
+
+class FusedRelPosAttention(nn.Module):
+    """The same function as a :class:`RelPosAttention`, with weight products folded, for inference
+    (like RepVGG's re-parameterisation). For head h with W_v,h (v_dim × d), W_o,h (d × v_dim) the columns of proj for that head:
+
+        out_i = Σ_h Σ_j p_h(i, j) (W_o,h (W_v,h x_j + b_v,h)) + b_o
+              = Σ_h P_h · (X U_h) + (Σ_j p_h(i, j)) c_h + b_o,     U_h = W_v,h^T W_o,h^T (d × d),
+                                                                     c_h = W_o,h b_v,h
+
+    (Σ_j p_h(i, j) < 1 where the sink takes weight). With qk_dim ≥ d/2 the query/key product folds
+    the same way: q_i·k_j = [x_i, 1] A_h [x_j, 1]^T with A_h = [W_q,h, b_q,h]^T [W_k,h, b_k,h], a
+    (d+1)² matrix instead of two qk_dim × d projections. The sink's key stays exactly zero: the
+    augmented key of the sink is the zero vector.
+
+    This cuts d² · (2·heads) multiply-adds per token per block (v and proj become one product) and,
+    with qk_dim = d, another d² · heads. The result equals the unfused model up to float rounding.
+    Use :func:`fuse_attention` on a trained model in eval mode; the fused model cannot be trained or
+    saved in the checkpoint format.
+    """
+
+    def __init__(self, attn: RelPosAttention) -> None:
+        super().__init__()
+        h, qk, vd = attn.num_heads, attn.qk_dim, attn.v_dim
+        d = attn.q.in_features
+        self.num_heads = h
+        self.scale = qk**-0.5
+        with torch.no_grad():
+            wo = attn.proj.weight.view(d, h, vd).permute(1, 2, 0)  # (h, vd, d_out)
+            u = attn.v.weight.view(h, vd, d).transpose(1, 2) @ wo  # (h, d_in, d_out)
+            self.register_buffer("u", u.permute(1, 0, 2).reshape(d, h * d).contiguous())  # x @ u = [X U_h]_h
+            self.register_buffer("c", torch.einsum("hv,hvd->hd", attn.v.bias.view(h, vd), wo).contiguous())
+            self.register_buffer("proj_bias", attn.proj.bias.detach().clone())
+            self.fold_qk = 2 * qk >= d
+            if self.fold_qk:
+                wq = torch.cat([attn.q.weight, attn.q.bias[:, None]], 1).view(h, qk, d + 1)
+                wk = torch.cat([attn.k.weight, attn.k.bias[:, None]], 1).view(h, qk, d + 1)
+                a = wq.transpose(1, 2) @ wk  # (h, d+1, d+1): q·k = [x,1] A_h [x,1]^T
+                self.register_buffer(
+                    "a", (a * self.scale).permute(1, 0, 2).reshape(d + 1, h * (d + 1)).contiguous()
+                )
+            else:
+                self.q, self.k = attn.q, attn.k
+                self.qk_dim = qk
+            self.register_buffer("bias", attn.position_bias())  # a fresh (h, N, N) tensor
+            self.register_buffer("sink", None if attn.sink is None else attn.sink.detach().clone())
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, N, d) -> (B, heads, N, N) attention logits, bias included: products in x's dtype,
+        the sum in float32 or wider (a bf16 bias would round the pinning margin)."""
+        b, n, d = x.shape
+        h, dtype = self.num_heads, x.dtype
+        acc = torch.promote_types(dtype, torch.float32)
+        if self.fold_qk:
+            xa = torch.cat([x, x.new_ones(b, n, 1)], -1)  # (B, N, d+1)
+            z = xa @ self.a.to(dtype)  # (B, N, h·(d+1)); head h is a column block
+            xt = xa.transpose(1, 2)
+            out = self.bias.to(acc).expand(b, h, n, n).contiguous()
+            for i in range(h):
+                zi = z[:, :, i * (d + 1) : (i + 1) * (d + 1)]
+                if dtype == acc:
+                    out[:, i].baddbmm_(zi, xt)
+                else:
+                    out[:, i] += torch.bmm(zi, xt)
+            return out
+        q = F.linear(x, self.q.weight.to(dtype), self.q.bias.to(dtype)).view(b, n, h, self.qk_dim)
+        k = F.linear(x, self.k.weight.to(dtype), self.k.bias.to(dtype)).view(b, n, h, self.qk_dim)
+        q = (q.transpose(1, 2) * self.scale).reshape(b * h, n, self.qk_dim)
+        k = k.transpose(1, 2).reshape(b * h, n, self.qk_dim).transpose(1, 2)
+        bias = self.bias.to(acc).expand(b, h, n, n).reshape(b * h, n, n)
+        qk = torch.baddbmm(bias, q, k) if dtype == acc else torch.bmm(q, k).to(acc) + bias
+        return qk.view(b, h, n, n)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, N, d) -> (B, N, d). Under autocast the block runs its products in the autocast dtype
+        itself (its in-place GEMMs are not autocast ops)."""
+        device = x.device.type
+        if torch.is_autocast_enabled(device):
+            with torch.autocast(device, enabled=False):
+                return self._forward(x.to(torch.get_autocast_dtype(device)))
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        d, dtype = x.shape[-1], x.dtype
+        logits = self.logits(x)
+        m = logits.amax(-1, keepdim=True)
+        if self.sink is not None:  # the null key: in the denominator, with zero value
+            m = torch.maximum(m, self.sink.view(1, -1, 1, 1))
+        p = (logits - m).exp_()
+        denom = p.sum(-1, keepdim=True)
+        if self.sink is not None:
+            denom = denom + (self.sink.view(1, -1, 1, 1) - m).exp()
+        p = p.div_(denom).to(dtype)  # (B, h, N, N)
+        y = x @ self.u.to(dtype)  # (B, N, h·d): X U_h for every head, one GEMM
+        out = (p.sum(-1).transpose(1, 2) @ self.c.to(dtype)).add_(self.proj_bias.to(dtype))  # off the sink
+        for i in range(self.num_heads):
+            out.baddbmm_(p[:, i], y[:, :, i * d : (i + 1) * d])  # strided slice: no copy
+        return out
+
+
+@torch.no_grad()
+def fuse_attention(model: nn.Module) -> nn.Module:
+    """Replace every RelPosAttention in ``model`` (in place) by its fused equivalent; eval only."""
+    model.eval()
+    for block in getattr(model, "blocks", []):
+        if isinstance(getattr(block, "attn", None), RelPosAttention):
+            block.attn = FusedRelPosAttention(block.attn)
+    return model

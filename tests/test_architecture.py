@@ -1,0 +1,112 @@
+"""The layering docs/ARCHITECTURE.md describes, checked on the code: imports flow one way (no
+cycles), nothing below the CLI imports it, and library errors name parameters, not flags."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from typer.testing import CliRunner
+
+from convit_convert.api import load_checkpoint
+from convit_convert.cli import app
+from convit_convert.config import ViTConfig
+from convit_convert.errors import CmhsaError
+from convit_convert.model import VisionTransformer
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = {"convit_convert": ROOT / "convit_convert", "convit_convert.train": ROOT / "train"}
+
+
+def module_imports() -> dict[str, set[str]]:
+    """Every package module and the package modules it imports, at any level (function bodies too)."""
+    files = {}
+    for prefix, folder in PACKAGES.items():
+        for f in folder.rglob("*.py"):
+            parts = [prefix, *f.relative_to(folder).with_suffix("").parts]
+            if parts[-1] == "__init__":
+                parts.pop()
+            files[".".join(parts)] = f
+    graph: dict[str, set[str]] = {}
+    for name, f in files.items():
+        package = name if f.name == "__init__.py" else name.rsplit(".", 1)[0]
+        deps = set()
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+                target = ".".join([*base, node.module] if node.module else base)
+                candidates = [target, *(f"{target}.{a.name}" for a in node.names)]
+            elif isinstance(node, ast.Import):
+                candidates = [a.name for a in node.names]
+            else:
+                continue
+            deps |= {c for c in candidates if c in files and c != name}
+        graph[name] = deps
+    return graph
+
+
+def test_the_import_graph_has_no_cycles() -> None:
+    graph, done, path = module_imports(), set(), []
+
+    def visit(m: str) -> None:
+        if m in path:
+            pytest.fail("import cycle: " + " -> ".join([*path[path.index(m) :], m]))
+        if m in done:
+            return
+        path.append(m)
+        for d in sorted(graph[m]):
+            visit(d)
+        path.pop()
+        done.add(m)
+
+    for m in sorted(graph):
+        visit(m)
+    assert len(graph) > 30  # the walk saw the whole package, train/ included
+
+
+def test_only_the_cli_imports_the_cli() -> None:
+    offenders = {
+        m: sorted(d for d in deps if d.startswith("convit_convert.cli"))
+        for m, deps in module_imports().items()
+        if not m.startswith("convit_convert.cli") and m != "convit_convert.__main__"
+    }
+    assert not {m: d for m, d in offenders.items() if d}
+
+
+def test_library_errors_name_parameters_and_the_cli_names_flags(tmp_path: Path) -> None:
+    """A bare state dict without geometry: the library says `img_size`, the CLI --img-size."""
+    model = VisionTransformer(ViTConfig.build(img_size=16, patch_size=4, depth=1, num_classes=3))
+    path = tmp_path / "bare.safetensors"
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path))
+    with pytest.raises(CmhsaError, match="give `img_size` and `patch_size`"):
+        load_checkpoint(path)
+    r = CliRunner().invoke(app, ["convert", str(path), "-o", str(tmp_path / "v.safetensors")])
+    assert r.exit_code == 2 and "give --img-size and --patch-size" in r.stderr, r.output
+
+
+def test_pinned_heads_are_counted_from_the_conversion(tmp_path: Path) -> None:
+    """On a 1×2 patch grid a 5×5 kernel's 9 offsets include 6 that leave the image in every
+    direction: the file pins 3 heads, and convert says so (it used to print "9 pinned")."""
+    cfg = ViTConfig.build(img_size=(4, 8), patch_size=4, depth=2, num_classes=3, kernel_size=5)
+    conv = tmp_path / "conv.safetensors"
+    from convit_convert.io.checkpoint import save_checkpoint
+
+    save_checkpoint(conv, cfg, VisionTransformer(cfg).state_dict())
+    out = tmp_path / "vit.safetensors"
+    r = CliRunner().invoke(app, ["convert", str(conv), "-o", str(out), "--device", "cpu"])
+    assert r.exit_code == 0, r.output
+    assert "9 heads (3 pinned)" in " ".join(r.output.split()), r.output
+    # independent count: heads whose bias table has a non-zero (pinned) entry, in the written file
+    written = load_checkpoint(out).tensors
+    for i in range(cfg.depth):
+        table = written[f"blocks.{i}.attn.rel_pos_bias"]
+        assert int((table.flatten(1) != 0).any(dim=1).sum()) == 3
+    import json
+
+    report = json.loads(out.with_name("vit.report.json").read_text())
+    assert report["conversion"]["pinned_heads"] == 3
+    assert sum(o is not None for o in report["conversion"]["offsets"]) == 3
+    assert torch.isfinite(written["blocks.0.attn.sink"]).all()

@@ -1,0 +1,152 @@
+"""DeiT's recipe through timm: flags checked against what timm accepts, then the optimizer,
+scheduler, Mixup/CutMix, loss and mixed precision."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import CmhsaError
+from .config import TrainConfig
+from .data import build_transform
+
+AMP = {"bf16": torch.bfloat16, "fp16": torch.float16, "none": None}
+
+
+def scaled_lrs(cfg: TrainConfig, world: int) -> tuple[float, float, float]:
+    """DeiT's linear scaling: every learning rate × global batch / lr_base_batch."""
+    scale = cfg.batch_size * world / cfg.lr_base_batch
+    return cfg.peak_lr * scale, cfg.min_lr * scale, cfg.warmup_lr * scale
+
+
+def default_workers() -> int:
+    """Data-loading workers when `workers` is not given: up to 4, never more than the CPUs this
+    process may use (PyTorch warns above that)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return min(4, cpus)
+
+
+def check_recipe(cfg: TrainConfig) -> None:
+    """Every recipe flag against what timm actually accepts (its optimizer registry, scheduler
+    factory and transform parsers) and the numbers against their ranges, before anything is read or
+    created: bad input is one line (CmhsaError) naming the flag."""
+    from timm.optim import list_optimizers
+
+    numbers = [
+        ("`lr`", cfg.lr, cfg.lr is None or cfg.lr > 0, "> 0"),
+        ("`min_lr`", cfg.min_lr, cfg.min_lr >= 0, ">= 0"),
+        ("`warmup_lr`", cfg.warmup_lr, cfg.warmup_lr >= 0, ">= 0"),
+        ("`warmup_epochs`", cfg.warmup_epochs, cfg.warmup_epochs >= 0, ">= 0"),
+        ("`weight_decay`", cfg.weight_decay, cfg.weight_decay >= 0, ">= 0"),
+        ("`workers`", cfg.workers, cfg.workers is None or cfg.workers >= 0, ">= 0"),
+        ("`drop_path`", cfg.drop_path, 0 <= cfg.drop_path < 1, "in [0, 1)"),
+        ("`smoothing`", cfg.smoothing, 0 <= cfg.smoothing < 1, "in [0, 1)"),
+        ("`reprob`", cfg.reprob, 0 <= cfg.reprob <= 1, "in [0, 1]"),
+        ("`hflip`", cfg.hflip, 0 <= cfg.hflip <= 1, "in [0, 1]"),
+        ("`scale`", cfg.scale, 0 < cfg.scale[0] <= cfg.scale[1] <= 1, "0 < min <= max <= 1"),
+        ("`mixup`", cfg.mixup, cfg.mixup >= 0, ">= 0"),
+        ("`cutmix`", cfg.cutmix, cfg.cutmix >= 0, ">= 0"),
+    ]
+    for flag, value, ok, want in numbers:
+        if not ok or (isinstance(value, float) and not math.isfinite(value)):
+            raise CmhsaError(f"{flag} must be {want}, got {value}")
+    if cfg.batch_size < 1 or cfg.epochs < 1:
+        raise CmhsaError(f"`batch_size` and `epochs` must be positive (got {cfg.batch_size}, {cfg.epochs})")
+    if (cfg.mixup > 0 or cfg.cutmix > 0) and cfg.batch_size % 2:
+        raise CmhsaError(f"Mixup/CutMix need an even `batch_size`, got {cfg.batch_size}")
+    known = list_optimizers()
+    if cfg.opt.lower() not in known:
+        raise CmhsaError(
+            f"`opt` {cfg.opt!r} is not one of timm's {len(known)} optimizers (timm.optim.list_optimizers())"
+        )
+    probe = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    try:
+        build_scheduler(cfg, probe, 1.0, 0.0, 0.0, 1)
+    except Exception as e:
+        raise CmhsaError(f"`sched` {cfg.sched!r}: timm's scheduler factory refuses it ({e})") from None
+    size = (cfg.img_size, cfg.img_size)
+    checks = (
+        (False, f"`interpolation` {cfg.interpolation!r}"),
+        (True, f"`aa` / `interpolation` / `remode` ({cfg.aa!r}, {cfg.interpolation!r}, {cfg.remode!r})"),
+    )
+    for training, flags in checks:
+        try:
+            build_transform(size, training, cfg, 3)
+        except CmhsaError:
+            raise
+        except Exception as e:
+            raise CmhsaError(
+                f"{flags}: timm's create_transform refuses it ({type(e).__name__}: {e})"
+            ) from None
+
+
+def build_scheduler(
+    cfg: TrainConfig, optimizer: Any, lr: float, min_lr: float, warmup_lr: float, steps_per_epoch: int
+):
+    """timm's scheduler for ``cfg.epochs`` epochs, stepped per epoch (DeiT's)."""
+    from timm.scheduler import create_scheduler_v2
+
+    scheduler, _ = create_scheduler_v2(
+        optimizer,
+        sched=cfg.sched,
+        num_epochs=cfg.epochs,
+        min_lr=min_lr,
+        warmup_lr=warmup_lr,
+        warmup_epochs=cfg.warmup_epochs,
+        step_on_epochs=True,
+        updates_per_epoch=steps_per_epoch,
+    )
+    if scheduler is None:
+        raise ValueError(f"no scheduler named {cfg.sched!r}")
+    return scheduler
+
+
+def build_recipe(cfg: TrainConfig, model: nn.Module, num_classes: int, world: int, steps_per_epoch: int):
+    """Optimizer, scheduler, Mixup/CutMix and loss, all timm's, with DeiT's settings."""
+    from timm.data import Mixup
+    from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
+    from timm.optim import create_optimizer_v2
+
+    lr, min_lr, warmup_lr = scaled_lrs(cfg, world)
+    optimizer = create_optimizer_v2(
+        model, opt=cfg.opt, lr=lr, weight_decay=cfg.weight_decay, eps=cfg.opt_eps, betas=tuple(cfg.opt_betas)
+    )  # reads model.no_weight_decay(); biases and norms get no decay either
+    scheduler = build_scheduler(cfg, optimizer, lr, min_lr, warmup_lr, steps_per_epoch)
+    mixup = None
+    if cfg.mixup > 0 or cfg.cutmix > 0:
+        mixup = Mixup(
+            mixup_alpha=cfg.mixup,
+            cutmix_alpha=cfg.cutmix,
+            prob=cfg.mixup_prob,
+            switch_prob=cfg.mixup_switch_prob,
+            mode="batch",
+            label_smoothing=cfg.smoothing,
+            num_classes=num_classes,
+        )
+        criterion: nn.Module = SoftTargetCrossEntropy()  # smoothing is folded into the mixed targets
+    elif cfg.smoothing > 0:
+        criterion = LabelSmoothingCrossEntropy(smoothing=cfg.smoothing)
+    else:
+        criterion = nn.CrossEntropyLoss()
+    return optimizer, scheduler, mixup, criterion
+
+
+def amp_dtype(amp: str, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype ``amp`` names on ``device`` ('auto': bf16 on CUDA, none on CPU)."""
+    name = amp if amp != "auto" else ("bf16" if device.type == "cuda" else "none")
+    if name not in AMP:
+        raise CmhsaError(f"`amp` must be auto, bf16, fp16 or none, got {amp!r}")
+    if name == "fp16" and device.type != "cuda":
+        raise CmhsaError("`amp` fp16 needs CUDA (use bf16 or none on CPU)")
+    return AMP[name]
+
+
+def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype)

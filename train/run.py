@@ -1,0 +1,297 @@
+"""A training run: build it (data, model, recipe, resumed state), loop over epochs, write the model.
+
+    run(TrainConfig(phase="phase1", data="digits", ...))
+
+After every epoch: ``metrics.csv`` and ``checkpoint-last.pt`` (:mod:`.state`). Ctrl-C / SIGTERM
+finish the current step, save and stop; a non-finite loss stops before it reaches the weights and
+keeps the last good checkpoint. The epoch itself is :mod:`.epoch`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import io
+import json
+import signal
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..config import ViTConfig
+from ..errors import CmhsaError
+from ..io.atomic import atomic_write_text, check_writable
+from ..io.checkpoint import save_checkpoint
+from ..model import VisionTransformer
+from .config import RUNTIME_FIELDS, TrainConfig
+from .data import build_data, build_loader, build_transform
+from .distributed import Context, barrier, setup, teardown
+from .epoch import Loop, seed_everything, train_one_epoch
+from .phases import PhaseModel, build_phase_model
+from .progress import Reporter
+from .recipe import amp_dtype, build_recipe, build_scheduler, check_recipe, default_workers, scaled_lrs
+from .state import LAST, RunState, read_checkpoint
+
+METRICS = ("epoch", "train_loss", "val_loss", "top1", "top5", "lr", "epoch_seconds", "images_per_s")
+EMA_METRICS = ("ema_val_loss", "ema_top1", "ema_top5")
+OUTPUT = {"phase1": "conv.safetensors", "phase2": "vit.safetensors"}
+RESUMABLE = ("epochs", "lr")  # what a resume may change; the schedule is then rebuilt
+
+
+@dataclass
+class RunResult:
+    out: Path
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    stopped: str | None = None  # "SIGINT" / "SIGTERM" / "limit" when stopped before the end
+    model_path: Path | None = None
+
+
+class StopRequest:
+    """SIGINT/SIGTERM set a flag the loop reads after each step; a second Ctrl-C aborts at once."""
+
+    def __init__(self) -> None:
+        self.signal: str | None = None
+        self._old: dict[int, Any] = {}
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.signal is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signal = signal.Signals(signum).name
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[StopRequest]:
+        if threading.current_thread() is not threading.main_thread():
+            yield self  # signals only reach the main thread
+            return
+        for s in (signal.SIGINT, signal.SIGTERM):
+            self._old[s] = signal.signal(s, self._handle)
+        try:
+            yield self
+        finally:
+            for s, h in self._old.items():
+                signal.signal(s, h)
+
+
+def write_metrics(path: Path, rows: list[dict[str, Any]]) -> None:
+    cols = list(METRICS) + [c for c in EMA_METRICS if rows and c in rows[0]]
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=cols, extrasaction="ignore", lineterminator="\n")
+    w.writeheader()
+    for r in rows:
+        w.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()})
+    atomic_write_text(path, buf.getvalue())
+
+
+def run(cfg: TrainConfig, *, console: Any = None, stop_after_steps: int | None = None) -> RunResult:
+    """Train one phase as ``cfg`` says. ``stop_after_steps`` stops (and saves) like a SIGTERM
+    would after that many optimizer steps in total: tests use it to interrupt a run."""
+    ctx = setup(cfg.device)
+    try:
+        with deterministic_kernels(cfg.deterministic):
+            return _run(cfg, ctx, console, stop_after_steps)
+    finally:
+        teardown(ctx)
+
+
+@contextlib.contextmanager
+def deterministic_kernels(on: bool) -> Iterator[None]:
+    """``--deterministic``: CUDA kernels without atomics-order effects (cuDNN, cuBLAS, index_add),
+    restored afterwards. cuBLAS reads CUBLAS_WORKSPACE_CONFIG when it starts, so it is set here,
+    before the model reaches the GPU."""
+    if not on:
+        yield
+        return
+    import os
+
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    old = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.backends.cudnn.deterministic,
+        torch.backends.cudnn.benchmark,
+    )
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(old[0])
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = old[1], old[2]
+
+
+def resumed_config(cfg: TrainConfig, saved: dict[str, Any], out: Path, log: Any) -> tuple[TrainConfig, bool]:
+    """The saved run's config with this invocation's runtime fields and any RESUMABLE change
+    (as timm's train.py allows); whether the schedule must be rebuilt for it."""
+    old = TrainConfig.from_dict(saved["config"])
+    changed = old.training_differences(cfg)
+    for name in RESUMABLE:
+        if name in changed:
+            before, new = getattr(old, name), getattr(cfg, name)
+            if name == "epochs" and new < saved["epoch"] + (saved["step"] > 0):
+                raise CmhsaError(f"`epochs` {new}: the run has already trained {saved['epoch']} epochs", out)
+            setattr(old, name, new)
+            log(
+                f"resuming with --{name.replace('_', '-')} {new} instead of {before}: the schedule is rebuilt for it, "
+                "so the result is no longer that of one uninterrupted run"
+                if name == "lr"
+                else f"extending the run from {before} to {new} epochs; the schedule is rebuilt for {new} epochs"
+            )
+    ignored = [n for n in changed if n not in RESUMABLE]
+    if ignored:
+        log(f"resuming with the saved run's settings; ignoring changed flag(s): {', '.join(ignored)}")
+    for name in RUNTIME_FIELDS:  # how this invocation runs (resume included), not what it computes
+        setattr(old, name, getattr(cfg, name))
+    return old, any(n in changed for n in RESUMABLE)
+
+
+def _run(cfg: TrainConfig, ctx: Context, console: Any, stop_after_steps: int | None) -> RunResult:
+    out = Path(cfg.out).expanduser()
+    check_recipe(cfg)
+    if cfg.workers is None:
+        cfg.workers = default_workers()
+    if out.exists() and not out.is_dir():
+        raise CmhsaError("`out` names an existing file; give a folder for the run", out)
+    created = not out.exists()
+    if ctx.is_main:
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise CmhsaError(f"cannot create the run folder ({e.strerror})", out) from None
+        check_writable(out / "config.json")
+    barrier(ctx)
+    reporter = Reporter(ctx.is_main, cfg.epochs, cfg.log_every, console)
+    try:
+        saved, reschedule = None, False
+        if cfg.resume:
+            saved = read_checkpoint(out / LAST)
+            cfg, reschedule = resumed_config(cfg, saved, out, reporter.log)
+        elif (out / LAST).exists():
+            raise CmhsaError(
+                "holds a previous run (checkpoint-last.pt): pass `resume` to continue it, or choose another `out`",
+                out,
+            )
+        reporter.epochs = cfg.epochs
+        loop = build(cfg, ctx, out, saved, reschedule, reporter)
+        return train(loop, stop_after_steps)
+    except CmhsaError:
+        if created and ctx.is_main:  # refused before writing anything: leave no empty run folder
+            with contextlib.suppress(OSError):
+                out.rmdir()
+        raise
+    finally:
+        reporter.close()
+
+
+def build(
+    cfg: TrainConfig, ctx: Context, out: Path, saved: dict[str, Any] | None, reschedule: bool,
+    reporter: Reporter,
+) -> Loop:  # fmt: skip
+    """Data, model, recipe and run state (restored from ``saved`` when resuming); writes config.json."""
+    device, dtype = ctx.device, amp_dtype(cfg.amp, ctx.device)
+    seed_everything(cfg.seed + ctx.rank)
+
+    def data(download: bool):
+        img = (cfg.img_size, cfg.img_size)
+        return build_data(cfg.data, cfg.data_dir, img, download=download, num_classes=cfg.num_classes, seed=cfg.seed)  # fmt: skip
+
+    if ctx.is_main:
+        spec = data(cfg.download)
+    barrier(ctx)  # rank 0 downloads (if asked); the others then read
+    if not ctx.is_main:
+        spec = data(False)
+
+    if saved is None:
+        pm = build_phase_model(cfg, spec.num_classes, reporter.log)
+    else:  # weights come from the saved state below
+        mcfg = ViTConfig.from_dict(saved["model_config"], saved["kind"])
+        pm = PhaseModel(VisionTransformer(mcfg, cfg.drop_path), mcfg, saved["init"])
+    model = pm.model.to(device).train()
+    img, chans, pin = pm.config.img_size, pm.config.in_chans, device.type == "cuda"
+    loaders = [
+        build_loader(split, build_transform(img, training, cfg, chans), training=training, batch_size=cfg.batch_size,
+                     seed=cfg.seed, rank=ctx.rank, world=ctx.world, workers=cfg.workers, pin_memory=pin, in_chans=chans)
+        for split, training in ((spec.train, True), (spec.val, False))
+    ]  # fmt: skip
+    steps_per_epoch = len(loaders[0].sampler) // cfg.batch_size
+
+    fwd: nn.Module = model
+    if ctx.distributed:
+        from torch.nn.parallel import DistributedDataParallel
+
+        fwd = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    if cfg.compile:
+        fwd = torch.compile(fwd)
+    optimizer, scheduler, mixup, criterion = build_recipe(
+        cfg, model, spec.num_classes, ctx.world, steps_per_epoch
+    )
+    ema = None
+    if cfg.model_ema:
+        from timm.utils import ModelEmaV3
+
+        ema = ModelEmaV3(model, decay=cfg.model_ema_decay)
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+    state = RunState(cfg, pm.config, pm.init, model, optimizer, scheduler, scaler, ema)
+    if saved is not None:
+
+        def fresh_schedule(opt: Any) -> Any:  # --epochs / --lr changed: a schedule from the new values
+            lr, min_lr, warmup_lr = scaled_lrs(cfg, ctx.world)
+            for group in opt.param_groups:
+                group["initial_lr"] = group["lr"] = lr
+            return build_scheduler(cfg, opt, lr, min_lr, warmup_lr, steps_per_epoch)
+
+        state.load(saved, fresh_schedule if reschedule else None)
+        reporter.log(f"resumed {out / LAST} at epoch {state.epoch + 1}, step {state.step}")
+    if ctx.is_main:
+        kind = pm.config.kind
+        doc = {**cfg.to_dict(), "model": pm.config.to_dict(), "kind": kind, "init_info": pm.init}
+        doc["world_size"], doc["backend"] = ctx.world, ctx.backend
+        doc["scaled_lr"] = dict(zip(("lr", "min_lr", "warmup_lr"), scaled_lrs(cfg, ctx.world), strict=True))
+        atomic_write_text(out / "config.json", json.dumps(doc, indent=2) + "\n")
+        n_params = sum(p.numel() for p in model.parameters())
+        reporter.log(
+            f"{cfg.phase}: {kind} model, {n_params / 1e6:.2f} M parameters, {spec.num_classes} classes; "
+            f"{len(spec.train)} train / {len(spec.val)} val images; {ctx.world} process(es) on {device}, "
+            f"amp {str(dtype).removeprefix('torch.') if dtype else 'none'}; {steps_per_epoch} steps/epoch"
+        )
+    return Loop(cfg, ctx, out, dtype, fwd, *loaders, steps_per_epoch, mixup, criterion, state, reporter)
+
+
+def train(loop: Loop, stop_after_steps: int | None = None) -> RunResult:
+    """Epochs until ``cfg.epochs``, saving after each; then the trained model as safetensors."""
+    cfg, ctx, st, out = loop.cfg, loop.ctx, loop.state, loop.out
+    result = RunResult(out, st.metrics)
+
+    def save() -> None:
+        if ctx.is_main:
+            st.save(out, cfg.keep)
+        barrier(ctx)
+
+    stop = StopRequest()
+    with stop.installed():
+        while st.epoch < cfg.epochs:
+            if not train_one_epoch(loop, stop, stop_after_steps):
+                result.stopped = stop.signal or "limit"
+                save()
+                loop.reporter.log(
+                    f"stopped ({result.stopped}) at epoch {st.epoch + 1}, step {st.step}; saved "
+                    f"{out / LAST}; continue with the same command and --resume"
+                )
+                return result
+            loop.reporter.end_epoch(st.metrics[-1])
+            if ctx.is_main:
+                write_metrics(out / "metrics.csv", st.metrics)
+            save()
+    if ctx.is_main:
+        result.model_path = out / OUTPUT[cfg.phase]
+        meta = {"cmhsa.trained": f"{cfg.phase} {cfg.data}, {cfg.epochs} epochs"}
+        save_checkpoint(result.model_path, st.model_config, st.model.state_dict(), meta)
+        if st.ema is not None:
+            ema_path = result.model_path.with_name(result.model_path.stem + "-ema.safetensors")
+            save_checkpoint(ema_path, st.model_config, st.ema.module.state_dict(), meta)
+        loop.reporter.log(f"wrote {result.model_path}, metrics.csv, config.json")
+    barrier(ctx)
+    return result
