@@ -26,8 +26,7 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from convit_convert.cli import app
-from convit_convert.errors import CheckFailed as TrainingError
-from convit_convert.errors import CmhsaError
+from convit_convert.errors import CheckFailed, CmhsaError
 from convit_convert.train import run as engine
 from convit_convert.train.config import TrainConfig
 from convit_convert.train.data import EpochSampler, build_data, build_loader, build_transform
@@ -264,7 +263,7 @@ def hook_loss(monkeypatch, hook) -> None:
 
 def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path: Path, monkeypatch) -> None:
     hook_loss(monkeypatch, lambda n, loss: loss * math.nan if n == 20 else loss)  # epoch 2, step 4
-    with pytest.raises(TrainingError, match=r"non-finite loss .* epoch 2, step 4") as info:
+    with pytest.raises(CheckFailed, match=r"non-finite loss .* epoch 2, step 4") as info:
         run(tiny(tmp_path, epochs=3, **PLAIN))
     assert str(tmp_path / "run" / "checkpoint-last.pt") in str(info.value)
     assert "`resume` and a lower `lr`" in str(info.value)  # advice that --resume now honours
@@ -275,7 +274,7 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path: Path, mo
 
 def test_non_finite_loss_in_the_first_epoch_names_no_checkpoint(tmp_path: Path, monkeypatch) -> None:
     hook_loss(monkeypatch, lambda n, loss: loss * math.nan if n == 3 else loss)
-    with pytest.raises(TrainingError, match="no checkpoint was saved yet") as info:
+    with pytest.raises(CheckFailed, match="no checkpoint was saved yet") as info:
         run(tiny(tmp_path, epochs=2, **PLAIN))
     assert "checkpoint-last.pt" not in str(info.value)
     assert not (tmp_path / "run" / "checkpoint-last.pt").exists()
