@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from .config import ViTConfig
+from .config import PINNING, ViTConfig
 from .construct import DEFAULT_MARGIN, convert_state_dict, pinned_heads, pinned_offsets, pinning_logits
 from .errors import CmhsaError, article
 from .io.atomic import atomic_write, check_writable
@@ -125,7 +125,7 @@ class Conversion:
 
 
 def convert_checkpoint(
-    ckpt: Checkpoint, *, heads: int | None = None, qk_dim: int | None = None, sink: bool = True,
+    ckpt: Checkpoint, *, heads: int | None = None, qk_dim: int | None = None, sink: bool = True, pinning: str = "hard",
     qk_init_std: float = 0.0, margin: float = DEFAULT_MARGIN, seed: int = 0, verify: bool = True,
     tol: float = 1e-5, batch: int = 4, dtype: torch.dtype = torch.float32, device: str = "cpu",
 ) -> Conversion:  # fmt: skip
@@ -135,13 +135,15 @@ def convert_checkpoint(
         raise CmhsaError(
             f"is {article(ckpt.kind)} checkpoint already; convert takes a conv-phase one", ckpt.path
         )
+    if pinning not in PINNING:
+        raise CmhsaError(f"`pinning` must be hard or gated, got {pinning!r}")
     check_tol(tol)
     check_tol(qk_init_std, "qk_init_std")
     check_batch(batch)
     t = time.perf_counter()
     tensors, cfg = convert_state_dict(
         ckpt.tensors, ckpt.config, num_heads=heads, qk_dim=qk_dim, sink=sink,
-        qk_init_std=qk_init_std, margin=margin, seed=seed, path=ckpt.path,
+        qk_init_std=qk_init_std, margin=margin, seed=seed, path=ckpt.path, pinning=pinning,
     )  # fmt: skip
     m, s = pinning_logits(cfg.num_patches, sink, margin)
     conv = Conversion(ckpt, cfg, tensors, pinned_heads(cfg), m, s if sink else None, qk_init_std, None)
@@ -357,6 +359,7 @@ class Inspection:
     facts: dict[str, Any]  # path, bytes, sha256
     heads: HeadCount
     pinned: list[list[tuple[int, int] | None]] | None  # attn: per block, per head, read from the bias
+    gates: list[list[float]] | None = None  # gated attn: per block, per head, clamped to [0, 1]
 
 
 def inspect_file(
@@ -374,7 +377,10 @@ def inspect_file(
             for i in range(cfg.depth)
         ]
     hc = head_count(cfg.kernel_size, cfg.patch_size, cfg.dilation, channels=cfg.hidden_chans)
-    return Inspection(ckpt, file_facts(path), hc, pinned)
+    gates = None
+    if cfg.pinning == "gated":
+        gates = [ckpt.tensors[f"blocks.{i}.attn.gate"].clamp(0, 1).tolist() for i in range(cfg.depth)]
+    return Inspection(ckpt, file_facts(path), hc, pinned, gates)
 
 
 def as_float32(ckpt: Checkpoint) -> Checkpoint:

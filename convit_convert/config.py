@@ -16,6 +16,8 @@ KINDS: tuple[str, ...] = ("conv", "attn")
 _SHARED_INT = ("patch_size", "in_chans", "hidden_chans", "embed_dim", "depth", "mlp_hidden_dim",
                "num_classes", "kernel_size", "dilation")  # fmt: skip
 _ATTN_INT = ("num_heads", "qk_dim", "v_dim")
+PINNING = ("hard", "gated")  # how a converted head holds its offset (docs/FORMAT.md, version 2)
+OPTIONAL = {"attn": {"pinning": "hard"}}  # keys version 1 files lack, with the value they meant
 REQUIRED = {
     "conv": ("img_size", *_SHARED_INT, "patch_embed", "norm_eps"),
     "attn": ("img_size", *_SHARED_INT, "patch_embed", "norm_eps", *_ATTN_INT, "sink"),
@@ -45,6 +47,7 @@ class ViTConfig:
     qk_dim: int | None = None
     v_dim: int | None = None
     sink: bool | None = None
+    pinning: Literal["hard", "gated"] | None = None  # gated: a per-head gate to content attention
     kind: Literal["conv", "attn"] = "conv"
 
     @classmethod
@@ -78,8 +81,9 @@ class ViTConfig:
         return cfg
 
     def with_attention(
-        self, num_heads: int, qk_dim: int | None = None, v_dim: int | None = None, sink: bool = True
-    ) -> ViTConfig:
+        self, num_heads: int, qk_dim: int | None = None, v_dim: int | None = None, sink: bool = True,
+        pinning: Literal["hard", "gated"] = "hard",
+    ) -> ViTConfig:  # fmt: skip
         """The attn config sharing everything else; qk_dim and v_dim default to embed_dim."""
         return dataclasses.replace(
             self,
@@ -87,11 +91,14 @@ class ViTConfig:
             qk_dim=self.embed_dim if qk_dim is None else qk_dim,
             v_dim=self.embed_dim if v_dim is None else v_dim,
             sink=sink,
+            pinning=pinning,
             kind="attn",
         )
 
     def without_attention(self) -> ViTConfig:
-        return dataclasses.replace(self, num_heads=None, qk_dim=None, v_dim=None, sink=None, kind="conv")
+        return dataclasses.replace(
+            self, num_heads=None, qk_dim=None, v_dim=None, sink=None, pinning=None, kind="conv"
+        )
 
     @property
     def grid_size(self) -> tuple[int, int]:
@@ -135,12 +142,14 @@ class ViTConfig:
             raise bad(f"norm_eps must be a float in (0, 1), got {self.norm_eps!r}")
         if kind == "attn" and not isinstance(self.sink, bool):
             raise bad(f"sink must be true or false, got {self.sink!r}")
+        if kind == "attn" and self.pinning not in PINNING:
+            raise bad(f"pinning must be 'hard' or 'gated', got {self.pinning!r}")
 
     def to_dict(self) -> dict[str, Any]:
         """The ``cmhsa.config`` object: every field of this kind but ``kind`` itself."""
         d = dataclasses.asdict(self)
         d["img_size"] = list(self.img_size)
-        return {k: d[k] for k in REQUIRED[self.kind]}
+        return {k: d[k] for k in (*REQUIRED[self.kind], *OPTIONAL.get(self.kind, {}))}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)
@@ -165,7 +174,9 @@ class ViTConfig:
         ):
             raise CmhsaError(f"config: img_size must be [H, W] integers, got {img!r}", path)
         eps = d["norm_eps"]
-        fields = {k: d[k] for k in REQUIRED[kind]}
+        fields = {k: d[k] for k in REQUIRED[kind]} | {
+            k: d.get(k, v) for k, v in OPTIONAL.get(kind, {}).items()
+        }
         fields["img_size"] = (img[0], img[1])
         # JSON writers may emit 1e-06 as a float and 1 as an int; eps is a float either way
         fields["norm_eps"] = float(eps) if isinstance(eps, int | float) and not isinstance(eps, bool) else eps

@@ -32,6 +32,14 @@ an in-image head returns X_{q+δ_r} and an out-of-image head returns 0, both to 
 relative (margin 40: e^-40 ≈ 4e-18, below float64 resolution). Without a sink (the paper's model,
 ``sink=False``), M = ln N + margin and border patches are wrong, interior ones exact.
 
+Trainable starts (not in the paper; W^Q = W^K = 0 is a saddle and a margin of 40 saturates the
+softmax, so the exact construction cannot learn attention). Heads beyond |Δ| (``num_heads`` >
+|Δ|), and heads whose offset lies outside the grid, are *free*: no pinning entry, sink logit 0,
+W^Q, W^K, W^V trunc-normal(0.02), W^O = 0. They add exactly nothing at the start, yet W^O gets a
+gradient at once (ReZero's principle). With ``pinning="gated"`` each head mixes its positional
+attention with content attention through a gate g_h (:class:`~convit_convert.model.RelPosAttention`),
+0 for pinned heads (exact) and 1 for free ones; W^Q, W^K trunc-normal(0.02).
+
 Exactness needs only v_dim ≥ d; qk_dim is free because W^Q = W^K = 0. A small random W^Q, W^K
 (``qk_init_std``) keeps the model exact while |q·k|/sqrt(qk_dim) ≪ margin, and moves phase 2 off the
 W^Q = W^K = 0 saddle.
@@ -44,6 +52,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from .config import ViTConfig
 from .errors import CmhsaError
@@ -148,42 +157,65 @@ def convert_block(
         if pinned is not None:
             table[r, pinned[0] + gh - 1, pinned[1] + gw - 1] = m
 
-    def qk_weight() -> torch.Tensor:
-        if qk_init_std == 0.0:  # W_Q = W_K = 0 as a broadcast view: no memory for 2/5 of the model
-            return torch.zeros((), dtype=dtype).expand(n_h * qk, d)
-        return (torch.randn(n_h * qk, d, generator=generator, dtype=torch.float64) * qk_init_std).to(dtype)
+    heads = pinned_heads(cfg)
+    free = [r for r, o in enumerate(heads) if o is None]  # alive: trainable, silent through W_O = 0
+    gated = cfg.pinning == "gated"
 
+    def init(shape: tuple[int, ...]) -> torch.Tensor:  # the layer's usual init, from the seeded generator
+        return nn.init.trunc_normal_(
+            torch.empty(shape, dtype=torch.float64), std=0.02, generator=generator
+        ).to(dtype)
+
+    def qk_weight() -> torch.Tensor:
+        if gated:  # W_Q, W_K only feed the content attention, which starts gated off
+            return init((n_h * qk, d))
+        if (
+            qk_init_std == 0.0 and not free
+        ):  # W_Q = W_K = 0 as a broadcast view: no memory for 2/5 of the model
+            return torch.zeros((), dtype=dtype).expand(n_h * qk, d)
+        w = (torch.randn(n_h * qk, d, generator=generator, dtype=torch.float64) * qk_init_std).to(dtype)
+        for r in free:
+            w[r * qk : (r + 1) * qk] = init((qk, d))
+        return w
+
+    v = torch.eye(vd, d, dtype=dtype).repeat(n_h, 1)  # W^V_r = (I_d; 0)
+    for r in free:
+        v[r * vd : (r + 1) * vd] = init((vd, d))
     out = {
         "q.weight": qk_weight(),
         "q.bias": torch.zeros(n_h * qk, dtype=dtype),
         "k.weight": qk_weight(),
         "k.bias": torch.zeros(n_h * qk, dtype=dtype),
-        "v.weight": torch.eye(vd, d, dtype=dtype).repeat(n_h, 1),  # W^V_r = (I_d; 0)
+        "v.weight": v,
         "v.bias": torch.zeros(n_h * vd, dtype=dtype),
         "proj.weight": proj.reshape(d, n_h * vd),
         "proj.bias": (torch.zeros(cfg.hidden_chans, dtype=dtype) if bias is None else bias).repeat(p * p),
         "rel_pos_bias": table,
     }
-    if cfg.sink:
-        out["sink"] = torch.full((n_h,), s, dtype=dtype)
+    if cfg.sink:  # a free head is not pulled to its sink: logit 0, one more key among N
+        out["sink"] = torch.tensor([0.0 if o is None else s for o in heads], dtype=dtype)
+    if gated:  # pinned heads start fully positional, free heads fully content
+        out["gate"] = torch.tensor([float(o is None) for o in heads], dtype=dtype)
+        out["content_bias"] = torch.zeros_like(table)
     return out
 
 
 def convert_state_dict(
     conv_sd: Mapping[str, torch.Tensor], cfg: ViTConfig, *, num_heads: int | None = None,
     qk_dim: int | None = None, v_dim: int | None = None, sink: bool = True, qk_init_std: float = 0.0,
-    margin: float = DEFAULT_MARGIN, seed: int = 0, path: object = None,
+    margin: float = DEFAULT_MARGIN, seed: int = 0, path: object = None, pinning: str = "hard",
 ) -> tuple[dict[str, torch.Tensor], ViTConfig]:  # fmt: skip
     """A conv-phase state dict -> (attn state dict, attn config) computing the same function.
 
     Tensors outside the token mixers are shared, not copied. ``num_heads`` defaults to the number
-    the construction needs; more is allowed (extra heads start with zero output weights), fewer is
-    refused. ``qk_dim`` and ``v_dim`` default to embed_dim (the paper's model).
+    the construction needs; more is allowed, fewer is refused. ``qk_dim`` and ``v_dim`` default to
+    embed_dim (the paper's model). ``pinning`` "gated" adds a gate per head (see
+    :class:`~convit_convert.model.RelPosAttention`).
     """
     needed = head_count(cfg.kernel_size, cfg.patch_size, cfg.dilation).patch_heads
     num_heads = needed if num_heads is None else num_heads
     check_heads(cfg, num_heads, path)
-    attn_cfg = cfg.with_attention(num_heads, qk_dim, v_dim, sink)
+    attn_cfg = cfg.with_attention(num_heads, qk_dim, v_dim, sink, pinning)  # type: ignore[arg-type]
     attn_cfg.validate(path)
     if attn_cfg.v_dim < cfg.embed_dim:
         raise CmhsaError(

@@ -129,11 +129,18 @@ class RelPosAttention(nn.Module):
     The sink is one extra key per head with zero key and zero value whose logit is the learnable
     scalar ``sink[h]``: a head can attend to "nothing" (output 0). That is what makes the converted
     model exact at the image border, where zero padding has no patch to attend to.
+
+    ``gated`` (pinning "gated", ConViT's gated positional self-attention started at the conv):
+
+        weights_h = (1 - g_h) · softmax(rel_pos_bias_h, sink_h) + g_h · softmax(q·k / sqrt(qk_dim) + content_bias_h)
+
+    with ``gate`` g_h used linearly, clamped to [0, 1] (the gradient passes the clamp unchanged, so
+    a gate pushed below 0 can come back). At g = 0 a head is exactly its positional attention.
     """
 
     def __init__(
         self, dim: int, grid_size: tuple[int, int], num_heads: int, qk_dim: int, v_dim: int,
-        sink: bool = True,
+        sink: bool = True, gated: bool = False,
     ) -> None:  # fmt: skip
         super().__init__()
         self.num_heads, self.qk_dim, self.v_dim = num_heads, qk_dim, v_dim
@@ -145,11 +152,24 @@ class RelPosAttention(nn.Module):
         gh, gw = grid_size
         self.rel_pos_bias = nn.Parameter(torch.zeros(num_heads, 2 * gh - 1, 2 * gw - 1))
         self.sink = nn.Parameter(torch.zeros(num_heads)) if sink else None
+        self.gate = nn.Parameter(torch.zeros(num_heads)) if gated else None
+        self.content_bias = nn.Parameter(torch.zeros(num_heads, 2 * gh - 1, 2 * gw - 1)) if gated else None
         self.register_buffer("rel_pos_index", relative_position_index(grid_size), persistent=False)
+        self.record: list[torch.Tensor] | None = None  # convit_convert.analysis collects the weights here
 
-    def position_bias(self) -> torch.Tensor:
-        """(heads, N, N): the relative position bias gathered for every query/key pair."""
-        return self.rel_pos_bias.flatten(1)[:, self.rel_pos_index]
+    def position_bias(self, table: torch.Tensor | None = None) -> torch.Tensor:
+        """(heads, N, N): a relative position table (default ``rel_pos_bias``) gathered for every
+        query/key pair."""
+        return (self.rel_pos_bias if table is None else table).flatten(1)[:, self.rel_pos_index]
+
+    def gates(self) -> torch.Tensor:
+        """(heads,): the gates clamped to [0, 1], with the gradient passed straight through."""
+        g = self.gate
+        return g + (g.clamp(0, 1) - g).detach()
+
+    def positional_weights(self) -> torch.Tensor:
+        """(heads, N, N): the input-independent attention of the bias alone, sink in the denominator."""
+        return softmax_with_sink(self.position_bias(), self.sink)
 
     def attn_bias(self) -> torch.Tensor:
         """(heads, N, N) bias, or (heads, N, N+1) with the sink as the last key."""
@@ -192,13 +212,25 @@ class RelPosAttention(nn.Module):
         forms against each other.
         """
         q, k, v = self.qkv(x, pad_sink=False)
-        logits = (q @ k.transpose(-2, -1)) * self.qk_dim**-0.5 + self.position_bias()
-        if self.sink is None:
-            weights = logits.softmax(dim=-1)
+        qk = (q @ k.transpose(-2, -1)) * self.qk_dim**-0.5
+        if self.gate is None:
+            weights = softmax_with_sink(qk + self.position_bias(), self.sink)
         else:
-            lse = torch.logaddexp(logits.logsumexp(dim=-1, keepdim=True), self.sink.view(1, -1, 1, 1))
-            weights = (logits - lse).exp()
+            g = self.gates().view(1, -1, 1, 1)
+            content = (qk + self.position_bias(self.content_bias)).softmax(dim=-1)
+            weights = (1 - g) * self.positional_weights() + g * content
+        if self.record is not None:
+            self.record.append(weights.detach())
         return self.merge_heads(weights.to(v.dtype) @ v)
+
+
+def softmax_with_sink(logits: torch.Tensor, sink: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over the last axis of (..., heads, N, N) logits, with each head's sink logit (a key
+    of value zero) in the denominator only: exp(logits - lse), lse = log(e^sink + Σ_j e^logits_j)."""
+    if sink is None:
+        return logits.softmax(dim=-1)
+    lse = torch.logaddexp(logits.logsumexp(dim=-1, keepdim=True), sink.view(-1, 1, 1))
+    return (logits - lse).exp()
 
 
 class Block(nn.Module):
@@ -237,6 +269,10 @@ def init_weights(module: nn.Module) -> None:
             nn.init.zeros_(module.bias)
 
 
+ATTENTION_PARAMS = (".attn.q.weight", ".attn.q.bias", ".attn.k.weight", ".attn.k.bias", ".attn.gate",
+                    ".attn.content_bias", ".attn.rel_pos_bias", ".attn.sink")  # fmt: skip # where attention looks
+
+
 class VisionTransformer(nn.Module):
     """patch_embed -> depth × Block(mixer) -> norm -> mean over tokens -> head.
 
@@ -267,8 +303,9 @@ class VisionTransformer(nn.Module):
     def _mixer(cfg: ViTConfig) -> nn.Module:
         if cfg.kind == "conv":
             return ConvMixer(cfg.hidden_chans, cfg.kernel_size, cfg.dilation, cfg.grid_size, cfg.patch_size)
+        gated = cfg.pinning == "gated"
         return RelPosAttention(
-            cfg.embed_dim, cfg.grid_size, cfg.num_heads, cfg.qk_dim, cfg.v_dim, bool(cfg.sink)
+            cfg.embed_dim, cfg.grid_size, cfg.num_heads, cfg.qk_dim, cfg.v_dim, bool(cfg.sink), gated
         )
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
@@ -294,7 +331,11 @@ class VisionTransformer(nn.Module):
 
     def no_weight_decay(self) -> set[str]:
         """Parameter names to exclude from weight decay (timm's create_optimizer_v2 reads this)."""
-        return {name for name, _ in self.named_parameters() if name.endswith(("rel_pos_bias", "sink"))}
+        return {
+            n
+            for n, _ in self.named_parameters()
+            if n.endswith(("rel_pos_bias", "sink", "gate", "content_bias"))
+        }
 
 
 # ---- deployment forms of the attention -------------------------------------------------------
@@ -306,20 +347,36 @@ class ExportAttention(nn.Module):
     logits_h = q_h k_h^T / sqrt(qk_dim) + B_h,   B = attn_bias(): (heads, N, N[+1])
 
     With a sink, keys and values end with a zero row (as in training), so the last logit column
-    is q·0 + sink_h = sink_h and its value is zero.
+    is q·0 + sink_h = sink_h and its value is zero. A gated layer's positional attention does not
+    depend on the input: it is one constant too, and the content softmax is written out beside it.
     """
 
     def __init__(self, attn: RelPosAttention) -> None:
         super().__init__()
         self.attn = attn
         self.scale = attn.qk_dim**-0.5
+        self.gated = attn.gate is not None
         with torch.no_grad():
-            self.register_buffer("bias", attn.attn_bias().detach().clone().unsqueeze(0))  # (1, h, N, N[+1])
+            if self.gated:
+                g = attn.gates().detach().view(1, -1, 1, 1)
+                self.register_buffer(
+                    "bias", attn.position_bias(attn.content_bias).detach().clone().unsqueeze(0)
+                )
+                self.register_buffer(
+                    "mixed_pos", ((1 - g) * attn.positional_weights().detach().unsqueeze(0)).clone()
+                )
+                self.register_buffer("g", g.clone())
+            else:
+                self.register_buffer(
+                    "bias", attn.attn_bias().detach().clone().unsqueeze(0)
+                )  # (1, h, N, N[+1])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(B, N, dim) -> (B, N, dim)."""
-        q, k, v = self.attn.qkv(x)
+        q, k, v = self.attn.qkv(x, pad_sink=not self.gated)
         weights = torch.softmax((q @ k.transpose(-2, -1)) * self.scale + self.bias, dim=-1)
+        if self.gated:
+            weights = self.mixed_pos + self.g * weights
         return self.attn.merge_heads(weights @ v)
 
 
@@ -373,8 +430,16 @@ class FusedRelPosAttention(nn.Module):
             else:
                 self.q, self.k = attn.q, attn.k
                 self.qk_dim = qk
-            self.register_buffer("bias", attn.position_bias())  # a fresh (h, N, N) tensor
-            self.register_buffer("sink", None if attn.sink is None else attn.sink.detach().clone())
+            self.gated = attn.gate is not None
+            if self.gated:  # content logits carry the content bias; the positional part is a constant
+                g = attn.gates().detach().view(1, -1, 1, 1)
+                self.register_buffer("bias", attn.position_bias(attn.content_bias))
+                self.register_buffer("mixed_pos", (1 - g) * attn.positional_weights())
+                self.register_buffer("g", g.clone())
+                self.register_buffer("sink", None)
+            else:
+                self.register_buffer("bias", attn.position_bias())  # a fresh (h, N, N) tensor
+                self.register_buffer("sink", None if attn.sink is None else attn.sink.detach().clone())
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """(B, N, d) -> (B, heads, N, N) attention logits, bias included: products in x's dtype,
@@ -421,7 +486,10 @@ class FusedRelPosAttention(nn.Module):
         denom = p.sum(-1, keepdim=True)
         if self.sink is not None:
             denom = denom + (self.sink.view(1, -1, 1, 1) - m).exp()
-        p = p.div_(denom).to(dtype)  # (B, h, N, N)
+        p = p.div_(denom)
+        if self.gated:
+            p = self.mixed_pos + self.g * p
+        p = p.to(dtype)  # (B, h, N, N)
         y = x @ self.u.to(dtype)  # (B, N, h·d): X U_h for every head, one GEMM
         out = (p.sum(-1).transpose(1, 2) @ self.c.to(dtype)).add_(self.proj_bias.to(dtype))  # off the sink
         for i in range(self.num_heads):

@@ -28,6 +28,7 @@ class TrainConfig:
     data_dir: str | None = None
     download: bool = False
     num_classes: int = 10  # synthetic data only; the others know theirs
+    train_samples: int | None = None  # a fixed, seeded subset of the training set (short runs)
     # model (the paper's CMHSA-5)
     img_size: int = 224
     in_chans: int = 3  # 3: RGB, 1: grayscale (images are converted to what the model takes)
@@ -43,6 +44,9 @@ class TrainConfig:
     heads: int | None = None  # default: as many as the conversion needs
     qk_dim: int | None = None  # default: embed_dim (the paper's)
     sink: bool = True
+    pinning: str = "hard"  # "gated": each converted head also gets content attention behind a gate
+    freeze_attention: bool = False  # ablation: W_Q, W_K, biases, sinks and gates stay as converted
+    attn_lr_mult: float = 1.0  # learning-rate multiplier of W_Q, W_K, the gates and the biases
     qk_init_std: float = 0.0
     margin: float = 40.0
     verify_tol: float = 1e-5

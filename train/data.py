@@ -16,11 +16,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 
 from ..errors import CmhsaError
 
-DATASETS = ("cifar10", "cifar100", "imagefolder", "digits", "synthetic")
+DATASETS = ("cifar10", "cifar100", "imagefolder", "digits", "fashion-mnist", "synthetic")
+FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"  # Debian's dataset-fashion-mnist
 MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: spreads (seed, epoch, index) over the seed space
 
 
@@ -92,6 +93,48 @@ def synthetic(
     return DataSpec(make(n_train), make(n_val), num_classes)
 
 
+def read_idx(path: Path) -> np.ndarray:
+    """An IDX file (gzipped or not) as a uint8 array: the format MNIST and Fashion-MNIST ship in."""
+    import gzip
+
+    opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise CmhsaError(f"cannot read ({e.strerror or e})", path) from None
+    if len(data) < 4 or data[:2] != b"\0\0" or data[2] != 8:
+        raise CmhsaError("not an IDX file of unsigned bytes", path)
+    rank = data[3]
+    dims = [int.from_bytes(data[4 + 4 * i : 8 + 4 * i], "big") for i in range(rank)]
+    body = np.frombuffer(data, np.uint8, offset=4 + 4 * rank)
+    if body.size != int(np.prod(dims)):
+        raise CmhsaError(f"IDX header says {dims} but the file holds {body.size} bytes of data", path)
+    return body.reshape(dims)
+
+
+def fashion_mnist(root: Path) -> DataSpec:
+    """Fashion-MNIST's official 60k / 10k split, 28×28 grey, 10 classes (MIT licence), from IDX files."""
+    names = {"train": "train-images-idx3-ubyte", "train_labels": "train-labels-idx1-ubyte",
+             "val": "t10k-images-idx3-ubyte", "val_labels": "t10k-labels-idx1-ubyte"}  # fmt: skip
+    found = {}
+    for key, name in names.items():
+        path = next((root / n for n in (name + ".gz", name) if (root / n).is_file()), None)
+        if path is None:
+            raise CmhsaError(
+                f"no {name}[.gz] here: install Fashion-MNIST with `apt-get install dataset-fashion-mnist` "
+                "or give `data_dir` a folder with its four IDX files",
+                root,
+            )
+        found[key] = read_idx(path)
+    for split in ("train", "val"):
+        if len(found[split]) != len(found[split + "_labels"]) or found[split].ndim != 3:
+            raise CmhsaError(f"{split} images and labels do not match", root)
+    return DataSpec(
+        ArrayImages(found["train"], found["train_labels"]), ArrayImages(found["val"], found["val_labels"]), 10
+    )
+
+
 def cifar(name: str, root: Path, download: bool) -> DataSpec:
     from torchvision.datasets import CIFAR10, CIFAR100
 
@@ -122,15 +165,41 @@ def image_folder(root: Path) -> DataSpec:
 
 def build_data(
     name: str, data_dir: str | Path | None, img_size: tuple[int, int], *, download: bool = False,
-    num_classes: int = 10, seed: int = 0,
+    num_classes: int = 10, seed: int = 0, train_samples: int | None = None,
 ) -> DataSpec:  # fmt: skip
-    """The named dataset's train and val splits, untransformed. Bad folders raise CmhsaError."""
+    """The named dataset's train and val splits, untransformed; with ``train_samples``, a fixed
+    subset of that many training images (seeded by ``seed``). Bad folders raise CmhsaError."""
+    spec = _build_data(name, data_dir, img_size, download, num_classes, seed)
+    if train_samples is not None:
+        n = len(spec.train)  # type: ignore[arg-type]
+        if not 0 < train_samples <= n:
+            raise CmhsaError(f"`train_samples` must be in 1..{n} for `data` {name}, got {train_samples}")
+        keep = np.sort(np.random.default_rng(seed).permutation(n)[:train_samples])
+        spec.train = Subset(spec.train, keep.tolist())
+    return spec
+
+
+def _build_data(
+    name: str,
+    data_dir: str | Path | None,
+    img_size: tuple[int, int],
+    download: bool,
+    num_classes: int,
+    seed: int,
+) -> DataSpec:
     if name not in DATASETS:
         raise CmhsaError(f"`data` must be one of {', '.join(DATASETS)}, got {name!r}")
     if name == "digits":
         return digits(seed=0)
     if name == "synthetic":
         return synthetic(img_size, num_classes, seed=seed)
+    if name == "fashion-mnist":
+        root = Path(data_dir or FASHION_MNIST_DIR).expanduser()
+        if not root.is_dir():
+            raise CmhsaError(
+                "no such folder: install Fashion-MNIST with `apt-get install dataset-fashion-mnist`", root
+            )
+        return fashion_mnist(root)
     if data_dir is None:
         raise CmhsaError(f"`data` {name} needs `data_dir`")
     root = Path(data_dir).expanduser()

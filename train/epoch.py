@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..analysis import attention_stats
 from ..errors import CheckFailed
 from .config import TrainConfig
 from .data import sample_seed
@@ -45,6 +46,7 @@ class Loop:
     criterion: nn.Module
     state: RunState
     reporter: Any
+    probe: torch.Tensor | None = None  # attn models: fixed val images for the per-epoch attention metrics
 
 
 def seed_everything(seed: int) -> None:
@@ -154,6 +156,8 @@ def train_one_epoch(loop: Loop, stop: Any, stop_after_steps: int | None = None) 
     if st.ema is not None:
         em = evaluate(st.ema.module, loop.val_loader, device, loop.dtype, ctx)
         row.update(ema_val_loss=em["val_loss"], ema_top1=em["top1"], ema_top5=em["top5"])
+    if loop.probe is not None:  # what the attention does: pinned share, distance, gate per block
+        row.update(attention_stats(st.model, [loop.probe]).block_means())
     st.metrics.append(row)
     st.epoch, st.step, st.rng = epoch + 1, 0, None
     return True

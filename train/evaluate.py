@@ -1,4 +1,5 @@
-"""``cmhsa eval``: top-1 / top-5 of any checkpoint on a dataset's validation split."""
+"""``cmhsa eval`` and ``cmhsa attention``: a checkpoint on a dataset's validation split (top-1 /
+top-5, or what its attention does)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from ..analysis import AttentionReport, attention_stats
 from ..api import load_checkpoint
 from ..errors import CmhsaError
 from .data import build_data, build_loader, build_transform, image_mode
@@ -46,3 +48,32 @@ def evaluate_checkpoint(
     )  # fmt: skip
     metrics = evaluate(ckpt.model(dtype=torch.float32).to(dev), loader, dev, dtype)
     return EvalReport(ckpt.kind, len(spec.val), metrics["top1"], metrics["top5"], metrics["val_loss"])
+
+
+def attention_on_data(
+    path: str | Path, *, data: str, data_dir: str | None = None, images: int = 1000, batch_size: int = 100,
+    device: str = "auto", workers: int = 0, crop_pct: float = 0.875, seed: int = 0,
+) -> AttentionReport:  # fmt: skip
+    """:func:`convit_convert.analysis.attention_stats` over the first ``images`` validation images."""
+    ckpt = load_checkpoint(path)
+    cfg = ckpt.config
+    if ckpt.kind != "attn":
+        raise CmhsaError("is a conv checkpoint; attention statistics need an attn checkpoint", ckpt.path)
+    if images < 1 or batch_size < 1:
+        raise CmhsaError(f"`images` and `batch_size` must be positive, got {images} and {batch_size}")
+    spec = build_data(data, data_dir, cfg.img_size, num_classes=cfg.num_classes, seed=seed)
+    image_mode(cfg.in_chans, ckpt.path)
+    tf = build_transform(cfg.img_size, False, None, cfg.in_chans, crop_pct=crop_pct)
+    dev = pick_device(device)
+    loader = build_loader(spec.val, tf, training=False, batch_size=batch_size, seed=seed, workers=workers,
+                          in_chans=cfg.in_chans)  # fmt: skip
+
+    def batches():  # the first `images` validation images
+        left = images
+        for x, _ in loader:
+            if left <= 0:
+                return
+            yield x[:left]
+            left -= len(x)
+
+    return attention_stats(ckpt.model(dtype=torch.float32).to(dev), batches())

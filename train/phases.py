@@ -16,7 +16,7 @@ from typing import Any
 from ..api import as_float32, convert_checkpoint, load_checkpoint
 from ..config import ViTConfig
 from ..errors import CheckFailed, CmhsaError
-from ..model import VisionTransformer
+from ..model import ATTENTION_PARAMS, VisionTransformer
 from ..theory import head_count
 from .config import TrainConfig
 from .data import image_mode
@@ -53,7 +53,7 @@ def model_flags(mcfg: ViTConfig) -> dict[str, Any]:
         kernel_size=mcfg.kernel_size, dilation=mcfg.dilation,
     )  # fmt: skip
     if mcfg.num_heads is not None:
-        flags.update(heads=mcfg.num_heads, qk_dim=mcfg.qk_dim, sink=bool(mcfg.sink))
+        flags.update(heads=mcfg.num_heads, qk_dim=mcfg.qk_dim, sink=bool(mcfg.sink), pinning=mcfg.pinning)
     return flags
 
 
@@ -70,6 +70,13 @@ def _check_explicit(cfg: TrainConfig, ckpt_cfg: ViTConfig, num_classes: int, pat
     image_mode(ckpt_cfg.in_chans, path)  # 1 or 3: the loader converts every image to it
 
 
+def freeze_attention(model: VisionTransformer) -> None:
+    """The ablation's model: where attention looks stays as converted; values, outputs, MLPs train."""
+    for name, p in model.named_parameters():
+        if name.endswith(ATTENTION_PARAMS):
+            p.requires_grad_(False)
+
+
 def build_phase_model(cfg: TrainConfig, num_classes: int, log: Any = print) -> PhaseModel:
     if cfg.phase == "phase1":
         mcfg = flag_config(cfg, num_classes)
@@ -79,7 +86,7 @@ def build_phase_model(cfg: TrainConfig, num_classes: int, log: Any = print) -> P
         heads = (
             cfg.heads or head_count(conv_cfg.kernel_size, conv_cfg.patch_size, conv_cfg.dilation).patch_heads
         )
-        mcfg = conv_cfg.with_attention(heads, cfg.qk_dim, None, cfg.sink)
+        mcfg = conv_cfg.with_attention(heads, cfg.qk_dim, None, cfg.sink, cfg.pinning)  # type: ignore[arg-type]
         mcfg.validate()
         return PhaseModel(VisionTransformer(mcfg, cfg.drop_path), mcfg, {"init": "random"})
 
@@ -91,14 +98,15 @@ def build_phase_model(cfg: TrainConfig, num_classes: int, log: Any = print) -> P
         return PhaseModel(model, ckpt.config, {"init": str(cfg.init), "init_kind": "attn"})
     # the same conversion and verification as `cmhsa convert`
     conv = convert_checkpoint(
-        ckpt, heads=cfg.heads, qk_dim=cfg.qk_dim, sink=cfg.sink, qk_init_std=cfg.qk_init_std,
+        ckpt, heads=cfg.heads, qk_dim=cfg.qk_dim, sink=cfg.sink, pinning=cfg.pinning, qk_init_std=cfg.qk_init_std,
         margin=cfg.margin, seed=cfg.seed, tol=cfg.verify_tol,
     )  # fmt: skip
     mcfg, result = conv.config, conv.verification
     assert result is not None
     worst = result.worst
     log(
-        f"converted {cfg.init}: {mcfg.num_heads} heads, qk_dim {mcfg.qk_dim}, sink {'on' if mcfg.sink else 'off'}; "
+        f"converted {cfg.init}: {mcfg.num_heads} heads ({conv.summary()['pinned_heads']} pinned), qk_dim {mcfg.qk_dim}, "
+        f"sink {'on' if mcfg.sink else 'off'}, pinning {mcfg.pinning}; "
         f"verified: worst relative error {worst.rel:.2e} ({worst.tensor}, {worst.region}), tol {cfg.verify_tol:g}"
     )
     if not result.passed:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 from pathlib import Path
+from typing import Any
 
 from ..errors import CmhsaError
 from ..io.atomic import atomic_path
@@ -24,7 +25,7 @@ def read_metrics(run: Path) -> list[dict[str, float]]:
         raise CmhsaError(f"malformed metrics.csv ({e})", path) from None
 
 
-def plot_runs(runs: list[Path], output: Path) -> None:
+def _pyplot() -> Any:
     try:
         import matplotlib
 
@@ -34,18 +35,65 @@ def plot_runs(runs: list[Path], output: Path) -> None:
         raise CmhsaError(
             "plotting needs matplotlib: pip install 'cmhsa[plot]' (in a source checkout: pip install -e '.[plot]')"
         ) from None
+    return plt
+
+
+def _save(fig: Any, output: Path) -> None:
+    fig.tight_layout()
+    suffix = output.suffix.lstrip(".") or "png"
+    with atomic_path(output) as tmp:
+        fig.savefig(tmp, format=suffix)
+    _pyplot().close(fig)
+
+
+def plot_runs(runs: list[Path], output: Path) -> None:
+    """Validation loss and top-1; with phase-2 runs, also each block's pinned share and gate."""
+    plt = _pyplot()
     data = {run: read_metrics(run) for run in runs}
-    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(11, 4))
+    attn = sorted({k for rows in data.values() for k in (rows[0] if rows else {}) if k.startswith("attn")})
+    fig, axes = plt.subplots(1, 3 if attn else 2, figsize=(16 if attn else 11, 4))
+    ax_loss, ax_acc = axes[0], axes[1]
     for run, rows in data.items():
         epochs = [r["epoch"] for r in rows]
         ax_loss.plot(epochs, [r["val_loss"] for r in rows], label=run.name)
         ax_acc.plot(epochs, [r["top1"] for r in rows], label=run.name)
+        for key in attn:
+            if not key.endswith("_dist_px") and all(key in r for r in rows):
+                style = "--" if key.endswith("_gate") else "-"
+                axes[2].plot(epochs, [r[key] for r in rows], style, label=f"{run.name} {key}")
     ax_loss.set(xlabel="epoch", ylabel="validation loss")
     ax_acc.set(xlabel="epoch", ylabel="top-1 (%)")
-    for ax in (ax_loss, ax_acc):
+    if attn:
+        axes[2].set(xlabel="epoch", ylabel="pinned share (solid), gate (dashed)")
+    for ax in axes:
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
+        ax.legend(fontsize=7)
+    _save(fig, output)
+
+
+def plot_attention(report: Any, output: Path, title: str = "") -> None:
+    """One heat map per block and head: the mean attention weight at each relative offset."""
+    plt = _pyplot()
+    blocks = report.blocks
+    heads = max(len(b) for b in blocks)
+    fig, axes = plt.subplots(len(blocks), heads, figsize=(1.9 * heads, 2.0 * len(blocks)), squeeze=False)
+    gh, gw = report.grid_size
+    for i, block in enumerate(blocks):
+        for j, h in enumerate(block):
+            ax = axes[i][j]
+            ax.imshow(h.offset_map, cmap="viridis", vmin=0, extent=(-gw + 0.5, gw - 0.5, gh - 0.5, -gh + 0.5))
+            off = "free" if h.offset is None else f"{h.offset[0]:+d},{h.offset[1]:+d}"
+            share = "" if h.pinned_share is None else f" {h.pinned_share:.2f}"
+            gate = "" if h.gate is None else f" g{h.gate:.2f}"
+            ax.set_title(f"b{i} h{j} {off}{share}{gate}\n{h.mean_distance_px:.1f}px", fontsize=7)
+            ax.set_xticks([])
+            ax.set_yticks([])
+        for j in range(len(block), heads):
+            axes[i][j].axis("off")
+    fig.suptitle(
+        title or f"mean attention by relative offset (dy down, dx right), {report.images} images", fontsize=9
+    )
+    _save(fig, output)
     suffix = output.suffix.lstrip(".") or "png"
     with atomic_path(output) as tmp:
         fig.savefig(tmp, format=suffix)

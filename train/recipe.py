@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from ..errors import CmhsaError
+from ..model import ATTENTION_PARAMS
 from .config import TrainConfig
 from .data import build_transform
 
@@ -51,12 +52,15 @@ def check_recipe(cfg: TrainConfig) -> None:
         ("`scale`", cfg.scale, 0 < cfg.scale[0] <= cfg.scale[1] <= 1, "0 < min <= max <= 1"),
         ("`mixup`", cfg.mixup, cfg.mixup >= 0, ">= 0"),
         ("`cutmix`", cfg.cutmix, cfg.cutmix >= 0, ">= 0"),
+        ("`attn_lr_mult`", cfg.attn_lr_mult, cfg.attn_lr_mult > 0, "> 0"),
     ]
     for flag, value, ok, want in numbers:
         if not ok or (isinstance(value, float) and not math.isfinite(value)):
             raise CmhsaError(f"{flag} must be {want}, got {value}")
     if cfg.batch_size < 1 or cfg.epochs < 1:
         raise CmhsaError(f"`batch_size` and `epochs` must be positive (got {cfg.batch_size}, {cfg.epochs})")
+    if cfg.pinning not in ("hard", "gated"):
+        raise CmhsaError(f"`pinning` must be hard or gated, got {cfg.pinning!r}")
     if (cfg.mixup > 0 or cfg.cutmix > 0) and cfg.batch_size % 2:
         raise CmhsaError(f"Mixup/CutMix need an even `batch_size`, got {cfg.batch_size}")
     known = list_optimizers()
@@ -106,6 +110,25 @@ def build_scheduler(
     return scheduler
 
 
+def param_groups(cfg: TrainConfig, model: nn.Module) -> Any:
+    """timm's weight-decay groups (model.no_weight_decay(), biases and norms undecayed); with
+    ``attn_lr_mult`` != 1 the attention parameters (W_Q, W_K, gates, biases, sinks) get their own
+    groups, whose ``lr_scale`` timm's schedulers apply."""
+    from timm.optim import param_groups_weight_decay
+
+    groups = param_groups_weight_decay(model, cfg.weight_decay, no_weight_decay_list=model.no_weight_decay())
+    if cfg.attn_lr_mult == 1.0:
+        return groups
+    attention = {id(p) for n, p in model.named_parameters() if n.endswith(ATTENTION_PARAMS)}
+    split = []
+    for g in groups:
+        for scaled in (False, True):
+            params = [p for p in g["params"] if (id(p) in attention) == scaled]
+            if params:
+                split.append({**g, "params": params, **({"lr_scale": cfg.attn_lr_mult} if scaled else {})})
+    return split
+
+
 def build_recipe(cfg: TrainConfig, model: nn.Module, num_classes: int, world: int, steps_per_epoch: int):
     """Optimizer, scheduler, Mixup/CutMix and loss, all timm's, with DeiT's settings."""
     from timm.data import Mixup
@@ -114,8 +137,9 @@ def build_recipe(cfg: TrainConfig, model: nn.Module, num_classes: int, world: in
 
     lr, min_lr, warmup_lr = scaled_lrs(cfg, world)
     optimizer = create_optimizer_v2(
-        model, opt=cfg.opt, lr=lr, weight_decay=cfg.weight_decay, eps=cfg.opt_eps, betas=tuple(cfg.opt_betas)
-    )  # reads model.no_weight_decay(); biases and norms get no decay either
+        param_groups(cfg, model), opt=cfg.opt, lr=lr, weight_decay=cfg.weight_decay, eps=cfg.opt_eps,
+        betas=tuple(cfg.opt_betas),
+    )  # fmt: skip
     scheduler = build_scheduler(cfg, optimizer, lr, min_lr, warmup_lr, steps_per_epoch)
     mixup = None
     if cfg.mixup > 0 or cfg.cutmix > 0:

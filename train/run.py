@@ -32,7 +32,7 @@ from .config import RUNTIME_FIELDS, TrainConfig
 from .data import build_data, build_loader, build_transform
 from .distributed import Context, barrier, setup, teardown
 from .epoch import Loop, seed_everything, train_one_epoch
-from .phases import PhaseModel, build_phase_model
+from .phases import PhaseModel, build_phase_model, freeze_attention
 from .progress import Reporter
 from .recipe import amp_dtype, build_recipe, build_scheduler, check_recipe, default_workers, scaled_lrs
 from .state import LAST, RunState, read_checkpoint
@@ -79,6 +79,7 @@ class StopRequest:
 
 def write_metrics(path: Path, rows: list[dict[str, Any]]) -> None:
     cols = list(METRICS) + [c for c in EMA_METRICS if rows and c in rows[0]]
+    cols += [c for c in (rows[0] if rows else {}) if c.startswith("attn")]
     buf = io.StringIO()
     w = csv.DictWriter(buf, fieldnames=cols, extrasaction="ignore", lineterminator="\n")
     w.writeheader()
@@ -196,7 +197,8 @@ def build(
 
     def data(download: bool):
         img = (cfg.img_size, cfg.img_size)
-        return build_data(cfg.data, cfg.data_dir, img, download=download, num_classes=cfg.num_classes, seed=cfg.seed)  # fmt: skip
+        return build_data(cfg.data, cfg.data_dir, img, download=download, num_classes=cfg.num_classes, seed=cfg.seed,
+                          train_samples=cfg.train_samples)  # fmt: skip
 
     if ctx.is_main:
         spec = data(cfg.download)
@@ -209,6 +211,8 @@ def build(
     else:  # weights come from the saved state below
         mcfg = ViTConfig.from_dict(saved["model_config"], saved["kind"])
         pm = PhaseModel(VisionTransformer(mcfg, cfg.drop_path), mcfg, saved["init"])
+    if cfg.freeze_attention:
+        freeze_attention(pm.model)
     model = pm.model.to(device).train()
     img, chans, pin = pm.config.img_size, pm.config.in_chans, device.type == "cuda"
     loaders = [
@@ -257,7 +261,10 @@ def build(
             f"{len(spec.train)} train / {len(spec.val)} val images; {ctx.world} process(es) on {device}, "
             f"amp {str(dtype).removeprefix('torch.') if dtype else 'none'}; {steps_per_epoch} steps/epoch"
         )
-    return Loop(cfg, ctx, out, dtype, fwd, *loaders, steps_per_epoch, mixup, criterion, state, reporter)
+    probe = next(iter(loaders[1]))[0][:64].to(device) if pm.config.kind == "attn" else None
+    return Loop(
+        cfg, ctx, out, dtype, fwd, *loaders, steps_per_epoch, mixup, criterion, state, reporter, probe
+    )
 
 
 def train(loop: Loop, stop_after_steps: int | None = None) -> RunResult:

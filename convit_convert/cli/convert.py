@@ -32,8 +32,9 @@ app = typer.Typer()
 def convert(
     input: Annotated[Path, path_arg("Conv-phase model: cmhsa .safetensors, an ONNX file (.onnx, read by its graph), or a bare state dict (.safetensors/.pt/.pth) with --img-size and --patch-size.")],
     output: Annotated[Path, path_opt("Attention checkpoint to write (.safetensors).", "--output", "-o")],
-    heads: Annotated[int | None, typer.Option(help="Attention heads (default: as many as the kernel needs; extra heads get zero output weights).")] = None,
+    heads: Annotated[int | None, typer.Option(help="Attention heads (default: as many as the kernel needs); extra heads are free, trainable heads with zero output weights.")] = None,
     qk_dim: Annotated[int | None, typer.Option(help="Per-head query/key width (default: embed_dim, the paper's). Exactness does not depend on it.")] = None,
+    pinning: Annotated[str, typer.Option(help="hard: the exact construction, attention fixed; gated: each head also gets content attention behind a gate that starts at 0 (still exact).")] = "hard",
     sink: Annotated[bool, typer.Option("--sink/--no-sink", help="Give each head a sink so border patches are exact. --no-sink: the paper's construction (inexact at the border).")] = True,
     qk_init_std: Annotated[float, typer.Option(help="Std of a small random W_Q, W_K (0 = the paper's zeros); moves phase 2 off the W_Q = W_K = 0 saddle and stays exact.")] = 0.0,
     tol: Annotated[float, typer.Option(help="Largest relative error verification accepts (and, for ONNX input, the import check).")] = 1e-5,
@@ -55,7 +56,7 @@ def convert(
     with console.status(f"Converting {escape(str(input))} and verifying on {batch} random images..."):
         r = convert_file(
             input, output, report=report, img_size=parse_img_size(img_size), patch_size=patch_size,
-            dilation=dilation, norm_eps=norm_eps, dtype=dtype, device=device, heads=heads, qk_dim=qk_dim,
+            dilation=dilation, norm_eps=norm_eps, dtype=dtype, device=device, heads=heads, qk_dim=qk_dim, pinning=pinning,
             sink=sink, qk_init_std=qk_init_std, tol=tol, verify=verify, batch=batch, seed=seed,
         )  # fmt: skip
     c = r.conversion
@@ -64,7 +65,7 @@ def convert(
     console.print(
         f"Converted {escape(str(input))}: depth {cfg.depth}, {cfg.kernel_size}x{cfg.kernel_size} conv "
         f"(dilation {cfg.dilation}) on {cfg.patch_size}px patches -> {cfg.num_heads} heads "
-        f"({pinned} pinned), qk_dim {cfg.qk_dim}, v_dim {cfg.v_dim}, sink {'on' if cfg.sink else 'off'}"
+        f"({pinned} pinned), qk_dim {cfg.qk_dim}, v_dim {cfg.v_dim}, sink {'on' if cfg.sink else 'off'}, pinning {cfg.pinning}"
     )
     if c.verification is not None:
         print_verification(c.verification, "Verification: attention vs convolution")
@@ -135,7 +136,10 @@ def inspect(
     for i in range(cfg.depth):
         heads.add_column(f"block {i}", justify="center")
     for h in range(cfg.num_heads):
-        heads.add_row(str(h), *("free" if o[h] is None else f"{o[h][0]:+d},{o[h][1]:+d}" for o in r.pinned))
+        cells = ["free" if o[h] is None else f"{o[h][0]:+d},{o[h][1]:+d}" for o in r.pinned]
+        if r.gates is not None:
+            cells = [f"{c} g={g[h]:.2f}" for c, g in zip(cells, r.gates, strict=True)]
+        heads.add_row(str(h), *cells)
     console.print(heads)
     console.print(
         "[dim]a query patch at (y, x) reads the key patch at (y+dy, x+dx); free: not pinned to one patch[/]"

@@ -27,10 +27,11 @@ RUN = "Running"
 
 # (field, type, help, panel, phases); defaults come from TrainConfig
 FLAGS: list[tuple[str, Any, str, str, tuple[str, ...]]] = [
-    ("data", str, "cifar100, cifar10, imagefolder (DIR/train, DIR/val), digits (scikit-learn's), synthetic.", "Data", ("phase1", "phase2")),
+    ("data", str, "cifar100, cifar10, imagefolder (DIR/train, DIR/val), digits (scikit-learn's), fashion-mnist (Debian's dataset-fashion-mnist), synthetic.", "Data", ("phase1", "phase2")),
     ("data_dir", str, "Folder of the dataset (cifar*, imagefolder).", "Data", ("phase1", "phase2")),
     ("download", bool, "Let torchvision download CIFAR into --data-dir (never without this flag).", "Data", ("phase1", "phase2")),
     ("num_classes", int, "Classes of --data synthetic.", "Data", ("phase1", "phase2")),
+    ("train_samples", int, "Train on a fixed, seeded subset of this many training images (short runs).", "Data", ("phase1", "phase2")),
     ("img_size", int, "Image size (the data is resized to it).", MODEL, ("phase1", "phase2")),
     ("in_chans", int, "Image channels: 3 (RGB) or 1 (grayscale); every image is converted to it.", MODEL, ("phase1", "phase2")),
     ("patch_size", int, "Patch size P.", MODEL, ("phase1", "phase2")),
@@ -41,9 +42,12 @@ FLAGS: list[tuple[str, Any, str, str, tuple[str, ...]]] = [
     ("dilation", int, "Phase-1 convolution dilation.", MODEL, ("phase1", "phase2")),
     ("drop_path", float, "Stochastic depth rate.", MODEL, ("phase1", "phase2")),
     ("init", str, "Conv-phase checkpoint (converted exactly, verified), attention checkpoint, or 'random'.", PHASE2, ("phase2",)),
-    ("heads", int, "Attention heads (default: as many as the conversion needs).", PHASE2, ("phase2",)),
+    ("heads", int, "Attention heads (default: as many as the conversion needs); extra heads are free, trainable heads that start with zero output weights.", PHASE2, ("phase2",)),
     ("qk_dim", int, "Per-head query/key width (default: embed_dim).", PHASE2, ("phase2",)),
     ("sink", bool, "Per-head sink (exact borders); --no-sink is the paper's construction.", PHASE2, ("phase2",)),
+    ("pinning", str, "hard: the exact construction (attention fixed by a saturated bias); gated: each head also gets content attention behind a gate that starts at 0 (still exact).", PHASE2, ("phase2",)),
+    ("freeze_attention", bool, "Ablation: keep W_Q, W_K, the biases, sinks and gates as converted (W_V, W_O and the MLPs still train).", PHASE2, ("phase2",)),
+    ("attn_lr_mult", float, "Learning-rate multiplier for W_Q, W_K, the gates and the relative-position biases.", PHASE2, ("phase2",)),
     ("qk_init_std", float, "Std of a random W_Q, W_K at conversion (0: the paper's zeros, where their gradients vanish).", PHASE2, ("phase2",)),
     ("margin", float, "Pinning logit margin of the conversion (smaller: softer attention, less exact).", PHASE2, ("phase2",)),
     ("verify_tol", float, "Largest relative error of the converted model before training starts.", PHASE2, ("phase2",)),
@@ -163,7 +167,7 @@ for _phase in ("phase1", "phase2"):
 @handles_errors
 def eval_command(
     checkpoint: Annotated[Path, typer.Argument(help="Model checkpoint (.safetensors, conv or attn).", show_default=False)],
-    data: Annotated[str, typer.Option(help="cifar100, cifar10, imagefolder, digits, synthetic.")] = "cifar100",
+    data: Annotated[str, typer.Option(help="cifar100, cifar10, imagefolder, digits, fashion-mnist, synthetic.")] = "cifar100",
     data_dir: Annotated[Optional[str], typer.Option(help="Folder of the dataset.")] = None,  # noqa: UP045
     download: Annotated[bool, typer.Option(help="Let torchvision download CIFAR.")] = False,
     batch_size: Annotated[int, typer.Option(help="Batch size.")] = 128,
@@ -193,6 +197,53 @@ def eval_command(
 
 # fmt: off
 @handles_errors
+def attention_command(
+    checkpoint: Annotated[Path, typer.Argument(help="Attention checkpoint (.safetensors).", show_default=False)],
+    output: Annotated[Path, typer.Option("--output", "-o", help="Folder for attention.json and attention.png (created).", show_default=False)],
+    data: Annotated[str, typer.Option(help="cifar100, cifar10, imagefolder, digits, fashion-mnist, synthetic.")] = "cifar100",
+    data_dir: Annotated[Optional[str], typer.Option(help="Folder of the dataset.")] = None,  # noqa: UP045
+    images: Annotated[int, typer.Option(help="Validation images to average over.")] = 1000,
+    batch_size: Annotated[int, typer.Option(help="Batch size.")] = 100,
+    device: Annotated[str, typer.Option(help="auto, cuda, cuda:N or cpu.")] = "auto",
+    seed: Annotated[int, typer.Option(help="Seed of --data synthetic.")] = 0,
+) -> None:
+# fmt: on
+    """What each head attends to on real images: pinned share, attention distance, entropy, gate."""
+    import json
+
+    from rich.markup import escape
+    from rich.table import Table
+
+    from ..errors import CmhsaError
+    from ..io.atomic import atomic_write_text
+    from ..train.evaluate import attention_on_data
+    from ..train.plot import plot_attention
+
+    if output.exists() and not output.is_dir():
+        raise CmhsaError("is a file; give a folder for attention.json and attention.png", output)
+    r = attention_on_data(checkpoint, data=data, data_dir=data_dir, images=images, batch_size=batch_size,
+                          device=device, seed=seed)  # fmt: skip
+    try:
+        output.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CmhsaError(f"cannot create the folder ({e.strerror})", output) from None
+    atomic_write_text(output / "attention.json", json.dumps(r.to_dict(str(checkpoint)), indent=2) + "\n")
+    plot_attention(r, output / "attention.png", f"{checkpoint.name} on {data}: mean attention by relative offset, {r.images} images")
+    table = Table(title=f"{escape(str(checkpoint))} on {data} (val, {r.images} images)")
+    for col in ("block", "head", "offset", "pinned share", "distance px", "entropy", "gate"):
+        table.add_column(col, justify="right")
+    for i, block in enumerate(r.blocks):
+        for j, h in enumerate(block):
+            fmt = lambda v, f: "" if v is None else format(v, f)  # noqa: E731
+            off = "free" if h.offset is None else f"{h.offset[0]:+d},{h.offset[1]:+d}"
+            table.add_row(str(i), str(j), off, fmt(h.pinned_share, ".3f"), f"{h.mean_distance_px:.2f}",
+                          f"{h.entropy:.3f}", fmt(h.gate, ".3f"))  # fmt: skip
+    console.print(table)
+    console.print(f"wrote {escape(str(output / 'attention.json'))} and {escape(str(output / 'attention.png'))}")
+
+
+# fmt: off
+@handles_errors
 def plot_command(
     runs: Annotated[list[Path], typer.Argument(help="Run folders (each with metrics.csv).", show_default=False)],
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Image to write (.png, .pdf, .svg) \\[default: FIRST_RUN/curves.png].", show_default=False)] = None,  # noqa: UP045
@@ -210,3 +261,4 @@ app = typer.Typer()
 app.add_typer(train_app, name="train")
 app.command("eval")(eval_command)
 app.command("plot")(plot_command)
+app.command("attention")(attention_command)

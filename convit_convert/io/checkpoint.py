@@ -25,6 +25,7 @@ from .safetensors_writer import write_safetensors
 
 KIND_KEY = "cmhsa.kind"
 CONFIG_KEY = "cmhsa.config"
+FORMAT_KEY, FORMAT_VERSION = "cmhsa.format_version", 2  # docs/FORMAT.md; files without the key are version 1
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _BLOCK = re.compile(r"^blocks\.(\d+)\.")
 
@@ -280,6 +281,12 @@ def load_tensor_checkpoint(
             raise CmhsaError(f"metadata {KIND_KEY} must be 'conv' or 'attn', got {kind!r}", path)
         if CONFIG_KEY not in metadata:
             raise CmhsaError(f"metadata has {KIND_KEY} but no {CONFIG_KEY}", path)
+        version = metadata.get(FORMAT_KEY, "1")
+        if version not in [str(v) for v in range(1, FORMAT_VERSION + 1)]:
+            raise CmhsaError(
+                f"format version {version!r}: this cmhsa reads versions 1 to {FORMAT_VERSION} (upgrade cmhsa)",
+                path,
+            )
         cfg = ViTConfig.from_json(metadata[CONFIG_KEY], kind, path)
         check_geometry(cfg, img_size, patch_size, path, "file")
         source = "cmhsa"
@@ -303,7 +310,8 @@ def save_checkpoint(
 ) -> str:
     """Write a checkpoint atomically (temp file in the target folder, then rename); return its sha256."""
     cfg.validate(path)
-    metadata = {"format": "pt", KIND_KEY: cfg.kind, CONFIG_KEY: cfg.to_json(), "cmhsa.version": __version__}
+    metadata = {"format": "pt", KIND_KEY: cfg.kind, CONFIG_KEY: cfg.to_json(), FORMAT_KEY: str(FORMAT_VERSION),
+                "cmhsa.version": __version__}  # fmt: skip
     metadata.update(extra_metadata or {})
     tensors = {k: v.detach().to("cpu") for k, v in tensors.items()}
     with atomic_path(path) as tmp, open(tmp, "wb") as f:
