@@ -4,7 +4,8 @@
     python bench/train_step.py --device cuda --batch 128 --amp bf16 [--compile]
 
 The paper's model: 224 px, P = 16, d = 768, depth 6, MLP 3072, K = 5, 100 classes; phase 2 with
-9 heads and qk_dim 768 (the paper's) and 64. One step = forward, SoftTargetCrossEntropy on
+9 heads and qk_dim 768 (the paper's) and 64, and the trainable variants (gated pinning; 3 free extra
+heads). One step = forward, SoftTargetCrossEntropy on
 Mixup-style soft targets, backward, AdamW step (the training loop's work minus data loading).
 Reports seconds per step, images/s, the phase-2 / phase-1 ratio (the paper measured the attention
 phase about 3x slower per epoch), and on CUDA the model-FLOPs utilisation against --peak-tflops
@@ -34,6 +35,15 @@ def models() -> dict[str, tuple[str, ViTConfig]]:
         "phase 1: ConvViT, K=5": ("conv", conv),
         "phase 2: AttnViT, 9 heads, qk_dim 768": ("attn", conv.with_attention(9)),
         "phase 2: AttnViT, 9 heads, qk_dim 64": ("attn", conv.with_attention(9, qk_dim=64)),
+        "phase 2: AttnViT, 9 heads, qk_dim 768, gated pinning": (
+            "attn",
+            conv.with_attention(9, pinning="gated"),
+        ),
+        "phase 2: AttnViT, 9 heads, qk_dim 64, gated pinning": (
+            "attn",
+            conv.with_attention(9, qk_dim=64, pinning="gated"),
+        ),
+        "phase 2: AttnViT, 12 heads (3 free), qk_dim 64": ("attn", conv.with_attention(12, qk_dim=64)),
     }
 
 

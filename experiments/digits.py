@@ -76,10 +76,13 @@ def main() -> None:
         )
         p1 = train(args.out / tag / "both-p1", phase="phase1", epochs=half, lr=2e-3, **common)
         conv = str(args.out / tag / "both-p1" / "conv.safetensors")
-        p2 = train(args.out / tag / "both-p2", phase="phase2", init=conv, epochs=e - half, lr=2e-4, **common)
+        hard = dict(pinning="hard", attn_lr_mult=1.0)  # the exact construction, as this table measured it
+        p2 = train(
+            args.out / tag / "both-p2", phase="phase2", init=conv, epochs=e - half, lr=2e-4, **hard, **common
+        )
         soft = train(
             args.out / tag / "both-p2-soft", phase="phase2", init=conv, epochs=e - half, lr=2e-4,
-            margin=8.0, qk_init_std=0.02, verify_tol=0.05, **common,
+            margin=8.0, qk_init_std=0.02, verify_tol=0.05, **hard, **common,
         )  # fmt: skip
         for name, res, secs in (
             ("phase 1 only (conv)", p1_only, p1_only["seconds"]),

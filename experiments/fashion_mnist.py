@@ -38,11 +38,11 @@ MODEL = dict(img_size=28, in_chans=1, patch_size=4, hidden_chans=3, depth=2, mlp
 RECIPE = dict(aa="none", mixup=0.0, cutmix=0.0, reprob=0.0, scale=(0.5, 1.0), hflip=0.5, smoothing=0.1,
               drop_path=0.1, batch_size=64, lr_base_batch=64, workers=0, log_every=10_000)  # fmt: skip
 LR_SCRATCH, LR_PHASE2, ATTN_LR_MULT = 2e-3, 2e-4, 10.0  # the paper's 10:1 between its phase peaks
-SECOND_PHASE = {  # name -> phase-2 settings after the same phase-1 half
-    "hard": {},
-    "free heads": {"heads": 12, "attn_lr_mult": ATTN_LR_MULT},
+SECOND_PHASE = {  # name -> phase-2 settings after the same phase-1 half (explicit: the defaults follow this table)
+    "hard": {"pinning": "hard", "attn_lr_mult": 1.0},
+    "free heads": {"pinning": "hard", "heads": 12, "attn_lr_mult": ATTN_LR_MULT},
     "gated": {"pinning": "gated", "attn_lr_mult": ATTN_LR_MULT},
-    "frozen attention": {"freeze_attention": True},
+    "frozen attention": {"pinning": "hard", "freeze_attention": True, "attn_lr_mult": 1.0},
 }
 
 

@@ -201,3 +201,17 @@ def test_attention_learning_rate_multiplier_groups() -> None:
     assert "blocks.0.attn.v.weight" not in names and "head.weight" not in names
     lrs = {g.get("lr_scale", 1.0): g["lr"] for g in opt.param_groups}
     assert lrs[10.0] == pytest.approx(10 * lrs[1.0])  # timm's scheduler applies lr_scale
+
+
+def test_bad_pinning_is_one_line(tmp_path: Path) -> None:
+    fixture = str(Path(__file__).resolve().parent.parent / "fixtures" / "conv_digits.safetensors")
+    phase2 = ["train", "phase2", "--init", fixture, "--data", "digits", "--out", str(tmp_path / "r")]
+    for argv in (
+        ["convert", fixture, "-o", str(tmp_path / "v.safetensors"), "--pinning", "soft"],
+        [*phase2, "--pinning", "soft"],
+        [*phase2, "--attn-lr-mult", "0"],
+    ):
+        r = CliRunner().invoke(app, argv)
+        assert r.exit_code == 2 and len(r.stderr.strip().splitlines()) == 1, r.output
+        assert "--pinning" in r.stderr or "--attn-lr-mult" in r.stderr, r.stderr
+    assert not list(tmp_path.iterdir())

@@ -44,9 +44,11 @@ class TrainConfig:
     heads: int | None = None  # default: as many as the conversion needs
     qk_dim: int | None = None  # default: embed_dim (the paper's)
     sink: bool = True
-    pinning: str = "hard"  # "gated": each converted head also gets content attention behind a gate
+    pinning: str | None = None  # default: "gated" from a checkpoint, "hard" from random init (EXPERIMENTS.md)
     freeze_attention: bool = False  # ablation: W_Q, W_K, biases, sinks and gates stay as converted
-    attn_lr_mult: float = 1.0  # learning-rate multiplier of W_Q, W_K, the gates and the biases
+    attn_lr_mult: float | None = (
+        None  # lr multiplier of W_Q, W_K, gates, biases; default 10 from a checkpoint, else 1
+    )
     qk_init_std: float = 0.0
     margin: float = 40.0
     verify_tol: float = 1e-5
@@ -94,6 +96,19 @@ class TrainConfig:
     # the fields set on purpose (the CLI: the flags typed). With --init they must agree with the
     # checkpoint; on --resume they are the ones that may differ from the saved run. Empty: all.
     given: frozenset[str] = frozenset()
+
+    @property
+    def from_checkpoint(self) -> bool:
+        """Phase 2 starting from a checkpoint (converted, or an attention model) rather than at random."""
+        return self.phase == "phase2" and self.init != "random"
+
+    @property
+    def pinning_used(self) -> str:
+        return self.pinning or ("gated" if self.from_checkpoint else "hard")
+
+    @property
+    def attn_lr_scale(self) -> float:
+        return self.attn_lr_mult if self.attn_lr_mult is not None else (10.0 if self.from_checkpoint else 1.0)
 
     @property
     def peak_lr(self) -> float:

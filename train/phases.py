@@ -86,7 +86,7 @@ def build_phase_model(cfg: TrainConfig, num_classes: int, log: Any = print) -> P
         heads = (
             cfg.heads or head_count(conv_cfg.kernel_size, conv_cfg.patch_size, conv_cfg.dilation).patch_heads
         )
-        mcfg = conv_cfg.with_attention(heads, cfg.qk_dim, None, cfg.sink, cfg.pinning)  # type: ignore[arg-type]
+        mcfg = conv_cfg.with_attention(heads, cfg.qk_dim, None, cfg.sink, cfg.pinning_used)  # type: ignore[arg-type]
         mcfg.validate()
         return PhaseModel(VisionTransformer(mcfg, cfg.drop_path), mcfg, {"init": "random"})
 
@@ -98,7 +98,7 @@ def build_phase_model(cfg: TrainConfig, num_classes: int, log: Any = print) -> P
         return PhaseModel(model, ckpt.config, {"init": str(cfg.init), "init_kind": "attn"})
     # the same conversion and verification as `cmhsa convert`
     conv = convert_checkpoint(
-        ckpt, heads=cfg.heads, qk_dim=cfg.qk_dim, sink=cfg.sink, pinning=cfg.pinning, qk_init_std=cfg.qk_init_std,
+        ckpt, heads=cfg.heads, qk_dim=cfg.qk_dim, sink=cfg.sink, pinning=cfg.pinning_used, qk_init_std=cfg.qk_init_std,
         margin=cfg.margin, seed=cfg.seed, tol=cfg.verify_tol,
     )  # fmt: skip
     mcfg, result = conv.config, conv.verification

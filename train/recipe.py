@@ -52,14 +52,14 @@ def check_recipe(cfg: TrainConfig) -> None:
         ("`scale`", cfg.scale, 0 < cfg.scale[0] <= cfg.scale[1] <= 1, "0 < min <= max <= 1"),
         ("`mixup`", cfg.mixup, cfg.mixup >= 0, ">= 0"),
         ("`cutmix`", cfg.cutmix, cfg.cutmix >= 0, ">= 0"),
-        ("`attn_lr_mult`", cfg.attn_lr_mult, cfg.attn_lr_mult > 0, "> 0"),
+        ("`attn_lr_mult`", cfg.attn_lr_mult, cfg.attn_lr_mult is None or cfg.attn_lr_mult > 0, "> 0"),
     ]
     for flag, value, ok, want in numbers:
         if not ok or (isinstance(value, float) and not math.isfinite(value)):
             raise CmhsaError(f"{flag} must be {want}, got {value}")
     if cfg.batch_size < 1 or cfg.epochs < 1:
         raise CmhsaError(f"`batch_size` and `epochs` must be positive (got {cfg.batch_size}, {cfg.epochs})")
-    if cfg.pinning not in ("hard", "gated"):
+    if cfg.pinning not in (None, "hard", "gated"):
         raise CmhsaError(f"`pinning` must be hard or gated, got {cfg.pinning!r}")
     if (cfg.mixup > 0 or cfg.cutmix > 0) and cfg.batch_size % 2:
         raise CmhsaError(f"Mixup/CutMix need an even `batch_size`, got {cfg.batch_size}")
@@ -112,12 +112,12 @@ def build_scheduler(
 
 def param_groups(cfg: TrainConfig, model: nn.Module) -> Any:
     """timm's weight-decay groups (model.no_weight_decay(), biases and norms undecayed); with
-    ``attn_lr_mult`` != 1 the attention parameters (W_Q, W_K, gates, biases, sinks) get their own
+    an attention learning-rate scale != 1 (``attn_lr_mult``; default 10 from a checkpoint) the attention parameters (W_Q, W_K, gates, biases, sinks) get their own
     groups, whose ``lr_scale`` timm's schedulers apply."""
     from timm.optim import param_groups_weight_decay
 
     groups = param_groups_weight_decay(model, cfg.weight_decay, no_weight_decay_list=model.no_weight_decay())
-    if cfg.attn_lr_mult == 1.0:
+    if cfg.attn_lr_scale == 1.0:
         return groups
     attention = {id(p) for n, p in model.named_parameters() if n.endswith(ATTENTION_PARAMS)}
     split = []
@@ -125,7 +125,7 @@ def param_groups(cfg: TrainConfig, model: nn.Module) -> Any:
         for scaled in (False, True):
             params = [p for p in g["params"] if (id(p) in attention) == scaled]
             if params:
-                split.append({**g, "params": params, **({"lr_scale": cfg.attn_lr_mult} if scaled else {})})
+                split.append({**g, "params": params, **({"lr_scale": cfg.attn_lr_scale} if scaled else {})})
     return split
 
 

@@ -45,7 +45,7 @@ FLAGS: list[tuple[str, Any, str, str, tuple[str, ...]]] = [
     ("heads", int, "Attention heads (default: as many as the conversion needs); extra heads are free, trainable heads that start with zero output weights.", PHASE2, ("phase2",)),
     ("qk_dim", int, "Per-head query/key width (default: embed_dim).", PHASE2, ("phase2",)),
     ("sink", bool, "Per-head sink (exact borders); --no-sink is the paper's construction.", PHASE2, ("phase2",)),
-    ("pinning", str, "hard: the exact construction (attention fixed by a saturated bias); gated: each head also gets content attention behind a gate that starts at 0 (still exact).", PHASE2, ("phase2",)),
+    ("pinning", str, "hard: the exact construction (attention fixed by a saturated bias); gated: each head also gets content attention behind a gate that starts at 0 (still exact; the default after Fashion-MNIST, EXPERIMENTS.md).", PHASE2, ("phase2",)),
     ("freeze_attention", bool, "Ablation: keep W_Q, W_K, the biases, sinks and gates as converted (W_V, W_O and the MLPs still train).", PHASE2, ("phase2",)),
     ("attn_lr_mult", float, "Learning-rate multiplier for W_Q, W_K, the gates and the relative-position biases.", PHASE2, ("phase2",)),
     ("qk_init_std", float, "Std of a random W_Q, W_K at conversion (0: the paper's zeros, where their gradients vanish).", PHASE2, ("phase2",)),
@@ -98,6 +98,8 @@ def _option(name: str, typ: Any, help_text: str, panel: str, default: Any) -> in
     shown = {
         "lr": "per phase: " + ", ".join(f"{k} {v:g}" for k, v in PHASE_LR.items()),
         "workers": "min(4, CPUs)",
+        "pinning": "gated from a conv-phase --init, hard from random init",
+        "attn_lr_mult": "10 from a checkpoint, 1 from random init",
     }.get(name, default)
     if isinstance(shown, tuple):
         shown = " ".join(map(str, shown))
