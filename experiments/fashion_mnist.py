@@ -66,6 +66,9 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--train-samples", type=int, default=4000)
     ap.add_argument("--out", type=Path, default=Path("experiments/out/fmnist"))
+    ap.add_argument(
+        "--compile", action="store_true", help="torch.compile the models (on a GPU; the device is auto)"
+    )
     args = ap.parse_args()
     torch.set_num_threads(2)
     e, half = args.epochs, args.epochs // 2
@@ -74,7 +77,9 @@ def main() -> None:
     for warm in (args.warmup, 0):
         for seed in args.seeds:
             d = args.out / f"warmup{warm}" / f"seed{seed}"
-            common = dict(seed=seed, warmup_epochs=warm, train_samples=args.train_samples)
+            common = dict(
+                seed=seed, warmup_epochs=warm, train_samples=args.train_samples, compile=args.compile
+            )
             res = {
                 "phase 1 only": train(d / "phase1-only", phase="phase1", epochs=e, lr=LR_SCRATCH, **common),
                 "phase 2 only (random init)": train(
