@@ -16,8 +16,12 @@ Token layout: patches in row-major order; a patch is flattened channel-last, fea
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from .config import ViTConfig
@@ -296,7 +300,8 @@ class VisionTransformer(nn.Module):
             Block(cfg.embed_dim, cfg.kind, self._mixer(cfg), cfg.mlp_hidden_dim, cfg.norm_eps, p) for p in dpr
         )
         self.norm = nn.LayerNorm(cfg.embed_dim, eps=cfg.norm_eps)
-        self.head = nn.Linear(cfg.embed_dim, cfg.num_classes)
+        self.head: nn.Module = nn.Linear(cfg.embed_dim, cfg.num_classes)
+        self.grad_checkpointing = False
         self.apply(init_weights)
 
     @staticmethod
@@ -317,7 +322,10 @@ class VisionTransformer(nn.Module):
             )
         x = self.patch_embed(x)
         for block in self.blocks:
-            x = block(x)
+            if self.grad_checkpointing and torch.is_grad_enabled():
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
         return self.norm(x)
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
@@ -328,6 +336,27 @@ class VisionTransformer(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(B, in_chans, H, W) -> (B, num_classes)."""
         return self.forward_head(self.forward_features(x))
+
+    def get_classifier(self) -> nn.Module:
+        return self.head
+
+    def reset_classifier(self, num_classes: int) -> None:
+        """A new, freshly initialised head for ``num_classes`` (0: none, forward returns features)."""
+        self.num_classes = num_classes
+        self.head = nn.Linear(self.cfg.embed_dim, num_classes) if num_classes > 0 else nn.Identity()
+        self.head.apply(init_weights)
+        if num_classes > 0:
+            self.cfg = dataclasses.replace(self.cfg, num_classes=num_classes)
+
+    def group_matcher(self, coarse: bool = False) -> dict[str, Any]:
+        """Parameter groups by name, for timm's layer-wise learning-rate decay."""
+        return {
+            "stem": r"^patch_embed",
+            "blocks": r"^blocks\.(\d+)" if coarse else [(r"^blocks\.(\d+)", None), (r"^norm", (99999,))],
+        }
+
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        self.grad_checkpointing = enable
 
     def no_weight_decay(self) -> set[str]:
         """Parameter names to exclude from weight decay (timm's create_optimizer_v2 reads this)."""
