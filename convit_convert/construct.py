@@ -101,12 +101,14 @@ def pinning_logits(num_patches: int, sink: bool, margin: float = DEFAULT_MARGIN)
     return (sink_logit + margin if sink else sink_logit), sink_logit
 
 
-def pinned_heads(cfg: ViTConfig) -> list[tuple[int, int] | None]:
+def pinned_heads(
+    cfg: ViTConfig, offsets: Sequence[tuple[int, int]] | None = None
+) -> list[tuple[int, int] | None]:
     """The offset δ_r head r of ``cfg`` (an attn config) is pinned to, or None where the head has
     nothing to read: an offset beyond the grid (it only ever reads padding, so its output weights are
-    zero) or a head beyond |Δ|."""
+    zero) or a head beyond the offsets (default Δ; an approximate conversion passes the ones it keeps)."""
     gh, gw = cfg.grid_size
-    offsets = patch_offsets(cfg.kernel_size, cfg.patch_size, cfg.dilation)
+    offsets = patch_offsets(cfg.kernel_size, cfg.patch_size, cfg.dilation) if offsets is None else offsets
     pinned = [(dy, dx) if abs(dy) < gh and abs(dx) < gw else None for dy, dx in offsets]
     return pinned + [None] * (cfg.num_heads - len(offsets))
 
@@ -132,11 +134,13 @@ def check_heads(cfg: ViTConfig, num_heads: int, path: object = None) -> None:
 def convert_block(
     weight: torch.Tensor, bias: torch.Tensor | None, cfg: ViTConfig, *,
     generator: torch.Generator | None = None, qk_init_std: float = 0.0, margin: float = DEFAULT_MARGIN,
+    offsets: Sequence[tuple[int, int]] | None = None, wo: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:  # fmt: skip
     """One conv mixer -> the tensors of one attention mixer (names relative to ``attn.``).
 
     ``cfg`` is the attn config (num_heads, qk_dim, v_dim, sink set). Zero W_Q and W_K come back
-    as broadcast views of one zero; ``.clone()`` them before editing in place.
+    as broadcast views of one zero; ``.clone()`` them before editing in place. ``offsets`` and
+    ``wo`` (d, len(offsets), d) replace Δ and the kernel's taps (an approximate conversion).
     """
     d, p = cfg.embed_dim, cfg.patch_size
     n_h, qk, vd = cfg.num_heads, cfg.qk_dim, cfg.v_dim
@@ -144,20 +148,21 @@ def convert_block(
     if vd < d:
         raise ValueError(f"exactness needs v_dim >= embed_dim ({vd} < {d})")
     dtype = weight.dtype
-    offsets = patch_offsets(cfg.kernel_size, p, cfg.dilation)
-    usable = [o is not None for o in pinned_heads(cfg)[: len(offsets)]]
-    wo = output_projection(weight, p, cfg.dilation, offsets).view(d, len(offsets), d)
-    wo = wo * torch.tensor(usable, dtype=dtype).view(1, -1, 1)
+    offsets = patch_offsets(cfg.kernel_size, p, cfg.dilation) if offsets is None else list(offsets)
+    heads = pinned_heads(cfg, offsets)
+    usable = [o is not None for o in heads[: len(offsets)]]
+    if wo is None:
+        wo = output_projection(weight, p, cfg.dilation, offsets).view(d, len(offsets), d)
+    wo = wo.to(dtype) * torch.tensor(usable, dtype=dtype).view(1, -1, 1)
     proj = torch.zeros(d, n_h, vd, dtype=dtype)  # extra heads and value dims: zero output weights
     proj[:, : len(offsets), :d] = wo
 
     m, s = pinning_logits(cfg.num_patches, bool(cfg.sink), margin)
     table = torch.zeros(n_h, 2 * gh - 1, 2 * gw - 1, dtype=dtype)
-    for r, pinned in enumerate(pinned_heads(cfg)):  # one entry per pinned head
+    for r, pinned in enumerate(heads):  # one entry per pinned head
         if pinned is not None:
             table[r, pinned[0] + gh - 1, pinned[1] + gw - 1] = m
 
-    heads = pinned_heads(cfg)
     free = [r for r, o in enumerate(heads) if o is None]  # alive: trainable, silent through W_O = 0
     gated = cfg.pinning == "gated"
 
@@ -204,6 +209,7 @@ def convert_state_dict(
     conv_sd: Mapping[str, torch.Tensor], cfg: ViTConfig, *, num_heads: int | None = None,
     qk_dim: int | None = None, v_dim: int | None = None, sink: bool = True, qk_init_std: float = 0.0,
     margin: float = DEFAULT_MARGIN, seed: int = 0, path: object = None, pinning: str = "hard",
+    overrides: Sequence[tuple[Sequence[tuple[int, int]], torch.Tensor]] | None = None,
 ) -> tuple[dict[str, torch.Tensor], ViTConfig]:  # fmt: skip
     """A conv-phase state dict -> (attn state dict, attn config) computing the same function.
 
@@ -214,7 +220,8 @@ def convert_state_dict(
     """
     needed = head_count(cfg.kernel_size, cfg.patch_size, cfg.dilation).patch_heads
     num_heads = needed if num_heads is None else num_heads
-    check_heads(cfg, num_heads, path)
+    if overrides is None:  # an approximate conversion (convit_convert.approximate) brings its own offsets
+        check_heads(cfg, num_heads, path)
     attn_cfg = cfg.with_attention(num_heads, qk_dim, v_dim, sink, pinning)  # type: ignore[arg-type]
     attn_cfg.validate(path)
     if attn_cfg.v_dim < cfg.embed_dim:
@@ -234,6 +241,7 @@ def convert_state_dict(
             generator=gen,
             qk_init_std=qk_init_std,
             margin=margin,
+            **({} if overrides is None else {"offsets": overrides[i][0], "wo": overrides[i][1]}),
         )
         out.update({f"blocks.{i}.attn.{k}": v for k, v in block.items()})
     return out, attn_cfg
