@@ -175,6 +175,13 @@ class RelPosAttention(nn.Module):
         """(heads, N, N): the input-independent attention of the bias alone, sink in the denominator."""
         return softmax_with_sink(self.position_bias(), self.sink)
 
+    @torch.no_grad()
+    def frozen_gate(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """For inference forms: the gates g as (1, heads, 1, 1) and the constant positional part
+        (1 − g)·positional_weights as (1, heads, N, N), both detached copies."""
+        g = self.gates().detach().view(1, -1, 1, 1).clone()
+        return g, ((1 - g) * self.positional_weights().unsqueeze(0)).detach().clone()
+
     def attn_bias(self) -> torch.Tensor:
         """(heads, N, N) bias, or (heads, N, N+1) with the sink as the last key."""
         bias = self.position_bias()
@@ -387,14 +394,12 @@ class ExportAttention(nn.Module):
         self.gated = attn.gate is not None
         with torch.no_grad():
             if self.gated:
-                g = attn.gates().detach().view(1, -1, 1, 1)
+                g, mixed_pos = attn.frozen_gate()
                 self.register_buffer(
                     "bias", attn.position_bias(attn.content_bias).detach().clone().unsqueeze(0)
                 )
-                self.register_buffer(
-                    "mixed_pos", ((1 - g) * attn.positional_weights().detach().unsqueeze(0)).clone()
-                )
-                self.register_buffer("g", g.clone())
+                self.register_buffer("mixed_pos", mixed_pos)
+                self.register_buffer("g", g)
             else:
                 self.register_buffer(
                     "bias", attn.attn_bias().detach().clone().unsqueeze(0)
@@ -461,10 +466,10 @@ class FusedRelPosAttention(nn.Module):
                 self.qk_dim = qk
             self.gated = attn.gate is not None
             if self.gated:  # content logits carry the content bias; the positional part is a constant
-                g = attn.gates().detach().view(1, -1, 1, 1)
+                g, mixed_pos = attn.frozen_gate()
                 self.register_buffer("bias", attn.position_bias(attn.content_bias))
-                self.register_buffer("mixed_pos", (1 - g) * attn.positional_weights())
-                self.register_buffer("g", g.clone())
+                self.register_buffer("mixed_pos", mixed_pos)
+                self.register_buffer("g", g)
                 self.register_buffer("sink", None)
             else:
                 self.register_buffer("bias", attn.position_bias())  # a fresh (h, N, N) tensor

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from timm.models import register_model
 
 from .api import load_checkpoint
@@ -59,9 +60,7 @@ def _create(
             raise CmhsaError(
                 f"is {article(ckpt.kind)} checkpoint; cmhsa_{kind} loads {article(kind)} one", file
             )
-        model = VisionTransformer(ckpt.config, drop_path_rate)
-        model.load_state_dict({k: v.float() for k, v in ckpt.model().state_dict().items()})
-        cfg = ckpt.config
+        model = ckpt.model(torch.float32, drop_path_rate).train()
     else:
         attn = {k: kwargs.pop(k) for k in _ATTN_ARGS if k in kwargs}
         cfg = ViTConfig.build(**kwargs, **({} if num_classes is None else {"num_classes": num_classes}))

@@ -11,6 +11,7 @@ import torch
 from ..analysis import AttentionReport, attention_stats
 from ..api import load_checkpoint
 from ..errors import CmhsaError
+from ..io.checkpoint import Checkpoint
 from .data import build_data, build_loader, build_transform, image_mode
 from .distributed import pick_device
 from .epoch import evaluate
@@ -26,28 +27,37 @@ class EvalReport:
     val_loss: float
 
 
-def evaluate_checkpoint(
-    path: str | Path, *, data: str, data_dir: str | None = None, download: bool = False,
-    batch_size: int = 128, device: str = "auto", amp: str = "none", workers: int = 2, crop_pct: float = 0.875,
-    seed: int = 0,
-) -> EvalReport:  # fmt: skip
-    ckpt = load_checkpoint(path)
+def _val_loader(
+    ckpt: Checkpoint, data: str, data_dir: str | None, download: bool, batch_size: int, dev: torch.device,
+    workers: int, crop_pct: float, seed: int,
+) -> tuple[torch.utils.data.DataLoader, int]:  # fmt: skip
+    """The validation loader of ``data`` preprocessed for ``ckpt``'s model, and the split's size."""
     cfg = ckpt.config
-    if batch_size < 1:
-        raise CmhsaError(f"`batch_size` must be positive, got {batch_size}")
     spec = build_data(data, data_dir, cfg.img_size, download=download, num_classes=cfg.num_classes, seed=seed)
     if spec.num_classes != cfg.num_classes:
         raise CmhsaError(f"has {cfg.num_classes} classes but `data` {data} has {spec.num_classes}", ckpt.path)
-    dev = pick_device(device)
-    dtype = amp_dtype(amp, dev)
     image_mode(cfg.in_chans, ckpt.path)  # RGB or grey: the loader converts every image to it
     tf = build_transform(cfg.img_size, False, None, cfg.in_chans, crop_pct=crop_pct)
     loader = build_loader(
         spec.val, tf, training=False, batch_size=batch_size, seed=seed, workers=workers,
         pin_memory=dev.type == "cuda", in_chans=cfg.in_chans,
     )  # fmt: skip
+    return loader, len(spec.val)
+
+
+def evaluate_checkpoint(
+    path: str | Path, *, data: str, data_dir: str | None = None, download: bool = False,
+    batch_size: int = 128, device: str = "auto", amp: str = "none", workers: int = 2, crop_pct: float = 0.875,
+    seed: int = 0,
+) -> EvalReport:  # fmt: skip
+    ckpt = load_checkpoint(path)
+    if batch_size < 1:
+        raise CmhsaError(f"`batch_size` must be positive, got {batch_size}")
+    dev = pick_device(device)
+    dtype = amp_dtype(amp, dev)
+    loader, n = _val_loader(ckpt, data, data_dir, download, batch_size, dev, workers, crop_pct, seed)
     metrics = evaluate(ckpt.model(dtype=torch.float32).to(dev), loader, dev, dtype)
-    return EvalReport(ckpt.kind, len(spec.val), metrics["top1"], metrics["top5"], metrics["val_loss"])
+    return EvalReport(ckpt.kind, n, metrics["top1"], metrics["top5"], metrics["val_loss"])
 
 
 def attention_on_data(
@@ -56,17 +66,12 @@ def attention_on_data(
 ) -> AttentionReport:  # fmt: skip
     """:func:`convit_convert.analysis.attention_stats` over the first ``images`` validation images."""
     ckpt = load_checkpoint(path)
-    cfg = ckpt.config
     if ckpt.kind != "attn":
         raise CmhsaError("is a conv checkpoint; attention statistics need an attn checkpoint", ckpt.path)
     if images < 1 or batch_size < 1:
         raise CmhsaError(f"`images` and `batch_size` must be positive, got {images} and {batch_size}")
-    spec = build_data(data, data_dir, cfg.img_size, num_classes=cfg.num_classes, seed=seed)
-    image_mode(cfg.in_chans, ckpt.path)
-    tf = build_transform(cfg.img_size, False, None, cfg.in_chans, crop_pct=crop_pct)
     dev = pick_device(device)
-    loader = build_loader(spec.val, tf, training=False, batch_size=batch_size, seed=seed, workers=workers,
-                          in_chans=cfg.in_chans)  # fmt: skip
+    loader, _ = _val_loader(ckpt, data, data_dir, False, batch_size, dev, workers, crop_pct, seed)
 
     def batches():  # the first `images` validation images
         left = images

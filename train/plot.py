@@ -25,7 +25,8 @@ def read_metrics(run: Path) -> list[dict[str, float]]:
         raise CmhsaError(f"malformed metrics.csv ({e})", path) from None
 
 
-def _pyplot() -> Any:
+def pyplot() -> Any:
+    """matplotlib.pyplot on the Agg backend, or a CmhsaError saying how to install it."""
     try:
         import matplotlib
 
@@ -43,12 +44,12 @@ def _save(fig: Any, output: Path) -> None:
     suffix = output.suffix.lstrip(".") or "png"
     with atomic_path(output) as tmp:
         fig.savefig(tmp, format=suffix)
-    _pyplot().close(fig)
+    pyplot().close(fig)
 
 
 def plot_runs(runs: list[Path], output: Path) -> None:
     """Validation loss and top-1; with phase-2 runs, also each block's pinned share and gate."""
-    plt = _pyplot()
+    plt = pyplot()
     data = {run: read_metrics(run) for run in runs}
     attn = sorted({k for rows in data.values() for k in (rows[0] if rows else {}) if k.startswith("attn")})
     fig, axes = plt.subplots(1, 3 if attn else 2, figsize=(16 if attn else 11, 4))
@@ -73,7 +74,7 @@ def plot_runs(runs: list[Path], output: Path) -> None:
 
 def plot_attention(report: Any, output: Path, title: str = "") -> None:
     """One heat map per block and head: the mean attention weight at each relative offset."""
-    plt = _pyplot()
+    plt = pyplot()
     blocks = report.blocks
     heads = max(len(b) for b in blocks)
     fig, axes = plt.subplots(len(blocks), heads, figsize=(1.9 * heads, 2.0 * len(blocks)), squeeze=False)

@@ -219,10 +219,11 @@ def attention_command(
     from ..errors import CmhsaError
     from ..io.atomic import atomic_write_text
     from ..train.evaluate import attention_on_data
-    from ..train.plot import plot_attention
+    from ..train.plot import plot_attention, pyplot
 
     if output.exists() and not output.is_dir():
         raise CmhsaError("is a file; give a folder for attention.json and attention.png", output)
+    pyplot()  # fail before the slow part, and before anything is written, if matplotlib is missing
     r = attention_on_data(checkpoint, data=data, data_dir=data_dir, images=images, batch_size=batch_size,
                           device=device, seed=seed)  # fmt: skip
     try:

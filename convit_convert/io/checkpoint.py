@@ -53,10 +53,10 @@ class Checkpoint:
     def num_params(self) -> int:
         return sum(t.numel() for t in self.tensors.values())
 
-    def model(self, dtype: torch.dtype | None = None) -> VisionTransformer:
+    def model(self, dtype: torch.dtype | None = None, drop_path_rate: float = 0.0) -> VisionTransformer:
         """The model this checkpoint describes, in eval mode, with its weights (a conv saved without
         bias gets a zero bias: the same function)."""
-        model = VisionTransformer(self.config)
+        model = VisionTransformer(self.config, drop_path_rate)
         tensors = dict(self.tensors)
         for i, block in enumerate(model.blocks):
             name = f"blocks.{i}.conv.bias"
