@@ -192,7 +192,7 @@ def attention_forms() -> dict[str, Callable]:
             q, F.pad(k, (0, 0, 0, 1)), F.pad(v, (0, 0, 0, 1)), attn_mask=full
         )
 
-    def sink_lse(q, k, v, bias, sink):  # the model's form: the sink joins the log-sum-exp only
+    def sink_lse(q, k, v, bias, sink):  # the model's previous form: the sink joins the log-sum-exp only
         d = q.shape[-1]
         s = (q @ k.transpose(-2, -1)) * d**-0.5 + bias
         lse = torch.logaddexp(s.logsumexp(-1, keepdim=True), sink.view(1, -1, 1, 1))
@@ -210,7 +210,22 @@ def attention_forms() -> dict[str, Callable]:
         lse = torch.logsumexp((q @ k.transpose(-2, -1)).float() * d**-0.5 + bias, -1, keepdim=True)
         return out * torch.sigmoid(lse - sink.view(1, -1, 1, 1)).to(out.dtype)
 
-    forms = {"pad_sdpa": pad_sdpa, "explicit": explicit, "sink_lse": sink_lse, "sdpa_lse": sdpa_lse}
+    def padded(q, k, v, bias, sink):  # the model's form now: keys padded to N_pad = 8·ceil((N+1)/8),
+        _, h, n, d = q.shape  # the sink the first padded key, the others at -inf: aligned rows for cuBLAS
+        npad = -(-(n + 1) // 8) * 8
+        full = torch.cat(
+            [bias, sink.view(h, 1, 1).expand(h, n, 1), bias.new_full((h, n, npad - n - 1), float("-inf"))], -1
+        )
+        s = (q @ F.pad(k, (0, 0, 0, npad - n)).transpose(-2, -1)) * d**-0.5 + full
+        return s.softmax(-1).to(v.dtype) @ F.pad(v, (0, 0, 0, npad - n))
+
+    forms = {
+        "pad_sdpa": pad_sdpa,
+        "explicit": explicit,
+        "sink_lse": sink_lse,
+        "sdpa_lse": sdpa_lse,
+        "padded": padded,
+    }
     try:
         from torch.nn.attention.flex_attention import flex_attention
 
@@ -285,8 +300,9 @@ def cuda_ms(fn: Callable[[], Any], warmup: int, iters: int) -> float:
     return statistics.median(times)
 
 
-def bench_models(kinds: list[str]) -> dict[str, Callable[[], Any]]:
-    """Paper-size models by label; timm's DeiTs at 100 classes."""
+def bench_models(kinds: list[str], exclude: tuple[str, ...] = ("gated",)) -> dict[str, Callable[[], Any]]:
+    """Paper-size models by label (those whose label contains one of ``kinds`` and none of
+    ``exclude``); timm's DeiTs at 100 classes."""
     import timm
 
     from convit_convert.config import ViTConfig
@@ -299,6 +315,12 @@ def bench_models(kinds: list[str]) -> dict[str, Callable[[], Any]]:
         "phase 2: AttnViT qk_dim 64": lambda: VisionTransformer(
             conv.with_attention(9, qk_dim=64), drop_path_rate=0.1
         ),
+        "phase 2: AttnViT qk_dim 768, gated pinning": lambda: VisionTransformer(
+            conv.with_attention(9, pinning="gated"), drop_path_rate=0.1
+        ),
+        "phase 2: AttnViT qk_dim 64, gated pinning": lambda: VisionTransformer(
+            conv.with_attention(9, qk_dim=64, pinning="gated"), drop_path_rate=0.1
+        ),
         "timm deit_base_patch16_224": lambda: timm.create_model(
             "deit_base_patch16_224", num_classes=100, drop_path_rate=0.1
         ),
@@ -306,7 +328,7 @@ def bench_models(kinds: list[str]) -> dict[str, Callable[[], Any]]:
             "deit_small_patch16_224", num_classes=100, drop_path_rate=0.1
         ),
     }
-    return {k: v for k, v in made.items() if any(s in k for s in kinds)}
+    return {k: v for k, v in made.items() if any(s in k for s in kinds) and not any(e in k for e in exclude)}
 
 
 def train_section(args: argparse.Namespace, peak: float | None) -> dict[str, Any]:
@@ -316,7 +338,7 @@ def train_section(args: argparse.Namespace, peak: float | None) -> dict[str, Any
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     rows = []
     for compiled in (False, True) if not args.no_compile else (False,):
-        for label, make in bench_models(["phase", "deit"]).items():
+        for label, make in bench_models(args.train_models.split(","), exclude=()).items():
             torch.manual_seed(0)
             row: dict[str, Any] = {"model": label, "compiled": compiled}
             try:
@@ -403,6 +425,29 @@ def profile_section(args: argparse.Namespace) -> dict[str, Any]:
             ]
             del model
             torch.cuda.empty_cache()
+    from convit_convert.model import fuse_attention
+
+    for label, make in bench_models(["qk_dim 64", "deit_base"]).items():  # inference, compiled
+        model = make().cuda().eval()
+        if "AttnViT" in label:
+            model, label = fuse_attention(model), label.replace("phase 2: ", "") + ", fused"
+        fn, x = torch.compile(model), torch.randn(args.batch, 3, 224, 224, device="cuda")
+        with torch.inference_mode(), torch.autocast("cuda", dtype=torch.bfloat16):
+            for _ in range(3):
+                fn(x)
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(3):
+                    fn(x)
+                torch.cuda.synchronize()
+        events = sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total)
+        total = sum(e.self_device_time_total for e in events) or 1.0
+        tables[f"inference: {label}, compiled (3 passes)"] = [
+            {"kernel": e.key[:90], "calls": e.count, "self_ms": e.self_device_time_total / 1e3,
+             "share": e.self_device_time_total / total}
+            for e in events[:12]
+        ]  # fmt: skip
+        del model, fn
+        torch.cuda.empty_cache()
     return {
         "settings": "6 profiled steps (2 warm-up + 3 timed + the counted one), batch 128, bf16",
         "tables": tables,
@@ -603,6 +648,11 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=10, help="Timed steps per measurement.")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--no-compile", action="store_true", help="Train section: eager only.")
+    ap.add_argument(
+        "--train-models",
+        default="phase,deit",
+        help="Train section: models whose label contains one of these.",
+    )
     ap.add_argument("--e2e-epochs", type=int, default=15)
     ap.add_argument("--e2e-device", default="cuda")
     ap.add_argument("--dry-run", action="store_true", help="Print the plan and exit (no GPU needed).")

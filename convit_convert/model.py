@@ -208,31 +208,52 @@ class RelPosAttention(nn.Module):
         b, h, n, vd = x.shape
         return self.proj(x.transpose(1, 2).reshape(b, n, h * vd))
 
+    def padded_bias(self, table: torch.Tensor | None = None, sink: bool = True) -> torch.Tensor:
+        """(heads, N, N_pad) float32: :meth:`position_bias` with key columns appended up to
+        ``N_pad = padded_keys(N, sink)``; with ``sink``, column N holds the sink logit, the rest −inf."""
+        bias = self.position_bias(table)
+        h, n, _ = bias.shape
+        with_sink = sink and self.sink is not None
+        pad = bias.new_full((h, n, padded_keys(n, with_sink) - n), float("-inf"))
+        if with_sink:
+            pad = torch.cat([self.sink.view(h, 1, 1).expand(h, n, 1).to(bias.dtype), pad[..., 1:]], -1)
+        return torch.cat([bias, pad], -1)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(B, N, dim) -> (B, N, dim).
 
         Written out rather than through ``F.scaled_dot_product_attention``: no fused kernel takes an
-        arbitrary bias with v_dim = 768 (SDPA falls back to its math path), and padding the
-        9·768-wide values for the sink costs a copy. The sink (logit s_h, value zero) only enlarges
-        the softmax's denominator, so it enters through the log-sum-exp:
+        arbitrary bias with v_dim = 768 (SDPA falls back to its math path). The keys and values are
+        padded with zeros to ``N_pad`` = N (+1 for the sink) rounded up to a multiple of 8:
 
-            weights = exp(logits - lse),   lse = log(exp(s_h) + Σ_j exp(logits_j))
+            weights = softmax([q k^T / sqrt(qk_dim) + B,  s_h,  −inf ...])    (B, h, N, N_pad)
 
-        which keeps the (B, h, N, N) weights contiguous for the P·V product. The logits stay in
-        float32 under autocast (the float32 bias promotes them). bench/gpu_suite.py measures the
-        forms against each other.
+        The sink is the first padded key (logit s_h, value zero), so it only enlarges the softmax's
+        denominator; the other padded keys have logit −inf and weight exactly 0. The padding keeps
+        every row of the (B, h, N, ·) logits and weights 16-byte aligned, so cuBLAS runs its aligned
+        kernels for q k^T and P·V and their gradients (N = 196 rows of bf16 are not). The logits
+        stay in float32 under autocast (the float32 bias promotes them). bench/gpu_suite.py
+        measures the forms against each other.
         """
         q, k, v = self.qkv(x, pad_sink=False)
+        n = x.shape[1]
+        npad = padded_keys(n, self.sink is not None and self.gate is None)
+        k, v = F.pad(k, (0, 0, 0, npad - n)), F.pad(v, (0, 0, 0, npad - n))  # v: the copy P·V needs anyway
         qk = (q @ k.transpose(-2, -1)) * self.qk_dim**-0.5
         if self.gate is None:
-            weights = softmax_with_sink(qk + self.position_bias(), self.sink)
+            weights = (qk + self.padded_bias()).softmax(dim=-1)
         else:
             g = self.gates().view(1, -1, 1, 1)
-            content = (qk + self.position_bias(self.content_bias)).softmax(dim=-1)
-            weights = (1 - g) * self.positional_weights() + g * content
+            content = (qk + self.padded_bias(self.content_bias, sink=False)).softmax(dim=-1)
+            weights = (1 - g) * F.pad(self.positional_weights(), (0, npad - n)) + g * content
         if self.record is not None:
-            self.record.append(weights.detach())
+            self.record.append(weights[..., :n].detach())
         return self.merge_heads(weights.to(v.dtype) @ v)
+
+
+def padded_keys(n: int, sink: bool) -> int:
+    """N keys (+1 for a sink) rounded up to a multiple of 8: rows of 2-byte floats 16-byte aligned."""
+    return -(-(n + int(sink)) // 8) * 8
 
 
 def softmax_with_sink(logits: torch.Tensor, sink: torch.Tensor | None) -> torch.Tensor:
@@ -424,16 +445,23 @@ def prepare_for_export(model: VisionTransformer) -> VisionTransformer:
 
 class FusedRelPosAttention(nn.Module):
     """The same function as a :class:`RelPosAttention`, with weight products folded, for inference
-    (like RepVGG's re-parameterisation). For head h with W_v,h (v_dim × d), W_o,h (d × v_dim) the columns of proj for that head:
+    (like RepVGG's re-parameterisation). For head h with W_v,h (v_dim × d), W_o,h (d × v_dim) the
+    columns of proj for that head:
 
         out_i = Σ_h Σ_j p_h(i, j) (W_o,h (W_v,h x_j + b_v,h)) + b_o
-              = Σ_h P_h · (X U_h) + (Σ_j p_h(i, j)) c_h + b_o,     U_h = W_v,h^T W_o,h^T (d × d),
-                                                                     c_h = W_o,h b_v,h
+              = [P_1 X̃, ..., P_H X̃] Ũ + b_o,      X̃ = [X, 1],   Ũ = [Ũ_1; ...; Ũ_H],
+        Ũ_h = [U_h; c_h] ((d+1) × d),  U_h = W_v,h^T W_o,h^T,  c_h = W_o,h b_v,h
 
-    (Σ_j p_h(i, j) < 1 where the sink takes weight). With qk_dim ≥ d/2 the query/key product folds
-    the same way: q_i·k_j = [x_i, 1] A_h [x_j, 1]^T with A_h = [W_q,h, b_q,h]^T [W_k,h, b_k,h], a
-    (d+1)² matrix instead of two qk_dim × d projections. The sink's key stays exactly zero: the
-    augmented key of the sink is the zero vector.
+    The column of ones carries each head's value bias c_h weighted by Σ_j p_h(i, j), which is < 1
+    where the sink takes weight (the sink's key row of X̃ is zero). The heads' P_h X̃ are written
+    side by side into one (B, N, H·d̃) tensor (:func:`head_products`) and a single GEMM with
+    reduction length H·d̃ sums the heads, so no (B, N, d) accumulator is read and written once per
+    head. With qk_dim ≥ d/2 the query/key product folds the same way: q_i·k_j = x̃_i A_h x̃_j^T
+    with A_h = [W_q,h, b_q,h]^T [W_k,h, b_k,h], a (d+1)² matrix instead of two qk_dim × d
+    projections. Keys are padded as in :meth:`RelPosAttention.forward` (the sink is the first
+    padded key) and X̃ with zero rows and columns to (N_pad, d̃), d̃ = d+1 rounded up to a
+    multiple of 8, so every product's rows are 16-byte aligned and its reduction length a
+    multiple of 8: cuBLAS runs its aligned kernels.
 
     This cuts d² · (2·heads) multiply-adds per token per block (v and proj become one product) and,
     with qk_dim = d, another d² · heads. The result equals the unfused model up to float rounding.
@@ -448,46 +476,52 @@ class FusedRelPosAttention(nn.Module):
         self.num_heads = h
         self.scale = qk**-0.5
         with torch.no_grad():
+            da = -(-(d + 1) // 8) * 8  # x̃ = [x, 1, 0 ...]: aligned rows
             wo = attn.proj.weight.view(d, h, vd).permute(1, 2, 0)  # (h, vd, d_out)
             u = attn.v.weight.view(h, vd, d).transpose(1, 2) @ wo  # (h, d_in, d_out)
-            self.register_buffer("u", u.permute(1, 0, 2).reshape(d, h * d).contiguous())  # x @ u = [X U_h]_h
-            self.register_buffer("c", torch.einsum("hv,hvd->hd", attn.v.bias.view(h, vd), wo).contiguous())
+            c = torch.einsum("hv,hvd->hd", attn.v.bias.view(h, vd), wo)  # (h, d_out)
+            u = F.pad(torch.cat([u, c[:, None]], 1), (0, 0, 0, da - d - 1))  # (h, d̃, d_out): [U_h; c_h; 0]
+            self.register_buffer("u", u.reshape(h * da, d).contiguous())  # [P_h X̃]_h @ u
             self.register_buffer("proj_bias", attn.proj.bias.detach().clone())
             self.fold_qk = 2 * qk >= d
             if self.fold_qk:
-                wq = torch.cat([attn.q.weight, attn.q.bias[:, None]], 1).view(h, qk, d + 1)
-                wk = torch.cat([attn.k.weight, attn.k.bias[:, None]], 1).view(h, qk, d + 1)
-                a = wq.transpose(1, 2) @ wk  # (h, d+1, d+1): q·k = [x,1] A_h [x,1]^T
-                self.register_buffer(
-                    "a", (a * self.scale).permute(1, 0, 2).reshape(d + 1, h * (d + 1)).contiguous()
+                wq = F.pad(torch.cat([attn.q.weight, attn.q.bias[:, None]], 1), (0, da - d - 1)).view(
+                    h, qk, da
                 )
+                wk = F.pad(torch.cat([attn.k.weight, attn.k.bias[:, None]], 1), (0, da - d - 1)).view(
+                    h, qk, da
+                )
+                a = wq.transpose(1, 2) @ wk  # (h, da, da): q·k = [x,1,0] A_h [x,1,0]^T
+                self.register_buffer("a", (a * self.scale).permute(1, 0, 2).reshape(da, h * da).contiguous())
             else:
                 self.q, self.k = attn.q, attn.k
                 self.qk_dim = qk
             self.gated = attn.gate is not None
             if self.gated:  # content logits carry the content bias; the positional part is a constant
                 g, mixed_pos = attn.frozen_gate()
-                self.register_buffer("bias", attn.position_bias(attn.content_bias))
-                self.register_buffer("mixed_pos", mixed_pos)
+                self.register_buffer("bias", attn.padded_bias(attn.content_bias, sink=False).detach().clone())
+                n, npad = mixed_pos.shape[-2], self.bias.shape[-1]
+                self.register_buffer("mixed_pos", F.pad(mixed_pos, (0, npad - n)))
                 self.register_buffer("g", g)
-                self.register_buffer("sink", None)
             else:
-                self.register_buffer("bias", attn.position_bias())  # a fresh (h, N, N) tensor
-                self.register_buffer("sink", None if attn.sink is None else attn.sink.detach().clone())
+                self.register_buffer("bias", attn.padded_bias().detach().clone())  # (h, N, N_pad)
 
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, N, d) -> (B, heads, N, N) attention logits, bias included: products in x's dtype,
-        the sum in float32 or wider (a bf16 bias would round the pinning margin)."""
-        b, n, d = x.shape
+    def logits(self, x: torch.Tensor, xa: torch.Tensor) -> torch.Tensor:
+        """(B, N, d) tokens and (B, N_pad, d̃) x̃ -> (B, heads, N, N_pad) attention logits, bias and
+        sink included: products in x's dtype, the sum in float32 or wider (a bf16 bias would round
+        the pinning margin)."""
+        b, n, _ = x.shape
         h, dtype = self.num_heads, x.dtype
+        npad = self.bias.shape[-1]
         acc = torch.promote_types(dtype, torch.float32)
+        bias = self.bias.to(acc).expand(b, h, n, npad)
         if self.fold_qk:
-            xa = torch.cat([x, x.new_ones(b, n, 1)], -1)  # (B, N, d+1)
-            z = xa @ self.a.to(dtype)  # (B, N, h·(d+1)); head h is a column block
-            xt = xa.transpose(1, 2)
-            out = self.bias.to(acc).expand(b, h, n, n).contiguous()
+            da = self.a.shape[0]
+            z = xa[:, :n] @ self.a.to(dtype)  # (B, N, h·d̃); head h is a column block
+            xt = xa.transpose(1, 2)  # (B, d̃, N_pad): zero padded keys
+            out = bias.contiguous()
             for i in range(h):
-                zi = z[:, :, i * (d + 1) : (i + 1) * (d + 1)]
+                zi = z[:, :, i * da : (i + 1) * da]
                 if dtype == acc:
                     out[:, i].baddbmm_(zi, xt)
                 else:
@@ -496,10 +530,10 @@ class FusedRelPosAttention(nn.Module):
         q = F.linear(x, self.q.weight.to(dtype), self.q.bias.to(dtype)).view(b, n, h, self.qk_dim)
         k = F.linear(x, self.k.weight.to(dtype), self.k.bias.to(dtype)).view(b, n, h, self.qk_dim)
         q = (q.transpose(1, 2) * self.scale).reshape(b * h, n, self.qk_dim)
-        k = k.transpose(1, 2).reshape(b * h, n, self.qk_dim).transpose(1, 2)
-        bias = self.bias.to(acc).expand(b, h, n, n).reshape(b * h, n, n)
+        k = F.pad(k.transpose(1, 2), (0, 0, 0, npad - n)).reshape(b * h, npad, self.qk_dim).transpose(1, 2)
+        bias = bias.reshape(b * h, n, npad)
         qk = torch.baddbmm(bias, q, k) if dtype == acc else torch.bmm(q, k).to(acc) + bias
-        return qk.view(b, h, n, n)
+        return qk.view(b, h, n, npad)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(B, N, d) -> (B, N, d). Under autocast the block runs its products in the autocast dtype
@@ -511,24 +545,53 @@ class FusedRelPosAttention(nn.Module):
         return self._forward(x)
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
-        d, dtype = x.shape[-1], x.dtype
-        logits = self.logits(x)
-        m = logits.amax(-1, keepdim=True)
-        if self.sink is not None:  # the null key: in the denominator, with zero value
-            m = torch.maximum(m, self.sink.view(1, -1, 1, 1))
-        p = (logits - m).exp_()
-        denom = p.sum(-1, keepdim=True)
-        if self.sink is not None:
-            denom = denom + (self.sink.view(1, -1, 1, 1) - m).exp()
-        p = p.div_(denom)
+        b, n, d = x.shape
+        dtype, npad, da = x.dtype, self.bias.shape[-1], self.u.shape[0] // self.num_heads
+        xa = F.pad(torch.cat([x, x.new_ones(b, n, 1)], -1), (0, da - d - 1, 0, npad - n))  # (B, N_pad, d̃)
+        p = self.logits(x, xa).softmax(-1)  # (B, h, N, N_pad); padded keys weigh 0, the sink's row of x̃ is 0
         if self.gated:
             p = self.mixed_pos + self.g * p
-        p = p.to(dtype)  # (B, h, N, N)
-        y = x @ self.u.to(dtype)  # (B, N, h·d): X U_h for every head, one GEMM
-        out = (p.sum(-1).transpose(1, 2) @ self.c.to(dtype)).add_(self.proj_bias.to(dtype))  # off the sink
-        for i in range(self.num_heads):
-            out.baddbmm_(p[:, i], y[:, :, i * d : (i + 1) * d])  # strided slice: no copy
-        return out
+        z = head_products(p.to(dtype), xa)  # (B, N, h·d̃): [P_1 X̃, ..., P_h X̃]
+        return torch.addmm(self.proj_bias.to(dtype), z.view(b * n, -1), self.u.to(dtype)).view(b, n, d)
+
+
+def head_products_loop(p: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """(B, h, N, K) weights and (B, K, e) rows -> (B, N, h·e) = [P_1 X, ..., P_h X]. Each head's
+    product reads its weights in place and writes its column block of the result, so nothing is
+    copied. Called through the custom op :data:`head_products`."""
+    b, h, n, _ = p.shape
+    e = x.shape[-1]
+    z = x.new_empty(b, n, h * e)
+    for i in range(h):
+        z[:, :, i * e : (i + 1) * e].baddbmm_(p[:, i], x, beta=0)
+    return z
+
+
+# A custom op so that torch.compile keeps the loop whole: traced, inductor copied every head's
+# weights into a block of its own, which made the compiled fused model 1.8x slower (BENCHMARKS.md).
+head_products = torch.library.custom_op(
+    "cmhsa::head_products", mutates_args=(), schema="(Tensor p, Tensor x) -> Tensor"
+)(head_products_loop)
+
+
+@head_products.register_fake
+def _(p: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(p.shape[0], p.shape[2], p.shape[1] * x.shape[2])
+
+
+def _head_products_setup(ctx: Any, inputs: tuple[torch.Tensor, torch.Tensor], output: torch.Tensor) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _head_products_backward(ctx: Any, gz: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """z_h = P_h X:  dP_h = dZ_h X^T,  dX = Σ_h P_h^T dZ_h."""
+    p, x = ctx.saved_tensors
+    b, h, n, _ = p.shape
+    gz = gz.view(b, n, h, x.shape[-1]).transpose(1, 2)  # (B, h, N, e)
+    return gz @ x.unsqueeze(1).transpose(-2, -1), (p.transpose(-2, -1) @ gz).sum(1)
+
+
+head_products.register_autograd(_head_products_backward, setup_context=_head_products_setup)
 
 
 @torch.no_grad()
