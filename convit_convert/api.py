@@ -11,12 +11,14 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from .approximate import RULES, Approximation, Calibration, choose, heldout_errors, noise_calibration
 from .config import PINNING, ViTConfig
 from .construct import DEFAULT_MARGIN, convert_state_dict, pinned_heads, pinned_offsets, pinning_logits
 from .errors import CmhsaError, article
@@ -24,7 +26,7 @@ from .io.atomic import atomic_write, check_writable
 from .io.checkpoint import Checkpoint, check_geometry, load_tensor_checkpoint, save_checkpoint
 from .io.report import default_report_path, environment, file_facts, write_report
 from .model import VisionTransformer
-from .theory import HeadCount, head_count
+from .theory import HeadCount, head_count, heads_needed
 from .verify import VerifyResult, verify_models
 
 
@@ -103,6 +105,7 @@ class Conversion:
     qk_init_std: float
     verification: VerifyResult | None
     timings: dict[str, float] = field(default_factory=dict)
+    approximation: Approximation | None = None  # fewer heads than the theorem needs
 
     @property
     def passed(self) -> bool:
@@ -121,6 +124,7 @@ class Conversion:
             "offset_logit": self.offset_logit,
             "sink_logit": self.sink_logit,
             "qk_init_std": self.qk_init_std,
+            "approximation": None if self.approximation is None else self.approximation.to_dict(),
         }
 
 
@@ -128,26 +132,56 @@ def convert_checkpoint(
     ckpt: Checkpoint, *, heads: int | None = None, qk_dim: int | None = None, sink: bool = True, pinning: str = "hard",
     qk_init_std: float = 0.0, margin: float = DEFAULT_MARGIN, seed: int = 0, verify: bool = True,
     tol: float = 1e-5, batch: int = 4, dtype: torch.dtype = torch.float32, device: str = "cpu",
+    approximate: bool = False, calibration: Calibration | None = None, rule: str = "greedy", refit: bool = True,
 ) -> Conversion:  # fmt: skip
     """Convert a conv checkpoint and (unless ``verify`` is False) verify it against the conv model
-    on ``batch`` random images: every relative error must be <= ``tol``."""
+    on ``batch`` random images: every relative error must be <= ``tol``.
+
+    ``approximate`` with ``heads`` below what the kernel needs keeps the ``heads`` offsets chosen by
+    ``rule`` and refits their W^O on ``calibration`` (default: noise images), then measures the
+    result on its held-out images (:mod:`convit_convert.approximate`); with enough heads it is the
+    exact conversion. Verification still judges against ``tol``."""
     if ckpt.kind != "conv":
         raise CmhsaError(
             f"is {article(ckpt.kind)} checkpoint already; convert takes a conv-phase one", ckpt.path
         )
     if pinning not in PINNING:
         raise CmhsaError(f"`pinning` must be hard or gated, got {pinning!r}")
+    if rule not in RULES:
+        raise CmhsaError(f"`rule` must be one of {', '.join(RULES)}, got {rule!r}")
+    if heads is not None and heads < 1:
+        raise CmhsaError(f"`heads` must be at least 1, got {heads}")
     check_tol(tol)
     check_tol(qk_init_std, "qk_init_std")
     check_batch(batch)
     t = time.perf_counter()
+    src = ckpt.config
+    approx = None
+    if (
+        approximate
+        and heads is not None
+        and heads < heads_needed(src.kernel_size, src.patch_size, src.dilation)
+    ):
+        calibration = calibration or noise_calibration(src, seed=seed)
+        blocks = choose(
+            ckpt.model(torch.float32), heads, calibration.images.float(), rule, refit
+        )  # lstsq in float64
+        approx = Approximation(rule, refit, calibration.source, len(calibration.images), blocks)
     tensors, cfg = convert_state_dict(
-        ckpt.tensors, ckpt.config, num_heads=heads, qk_dim=qk_dim, sink=sink,
-        qk_init_std=qk_init_std, margin=margin, seed=seed, path=ckpt.path, pinning=pinning,
+        ckpt.tensors, src, num_heads=heads, qk_dim=qk_dim, sink=sink, qk_init_std=qk_init_std,
+        margin=margin, seed=seed, path=ckpt.path, pinning=pinning,
+        overrides=None if approx is None else [(c.kept, c.wo.to(ckpt.dtype)) for c in approx.blocks],
     )  # fmt: skip
     m, s = pinning_logits(cfg.num_patches, sink, margin)
-    conv = Conversion(ckpt, cfg, tensors, pinned_heads(cfg), m, s if sink else None, qk_init_std, None)
+    pinned = pinned_heads(cfg) if approx is None else list(approx.blocks[0].kept)
+    conv = Conversion(
+        ckpt, cfg, tensors, pinned, m, s if sink else None, qk_init_std, None, approximation=approx
+    )
     conv.timings["convert_s"] = time.perf_counter() - t
+    if approx is not None:
+        t = time.perf_counter()
+        approx.heldout = heldout_errors(ckpt.model(), conv.model(), calibration.heldout, calibration.labels)  # type: ignore[union-attr]
+        conv.timings["heldout_s"] = time.perf_counter() - t
     if verify:
         t = time.perf_counter()
         conv.verification = verify_models(
@@ -155,6 +189,36 @@ def convert_checkpoint(
         )
         conv.timings["verify_s"] = time.perf_counter() - t
     return conv
+
+
+def heads_sweep(
+    ckpt: Checkpoint, calibration: Calibration | None = None, rule: str = "greedy", seed: int = 0
+) -> list[dict[str, Any]]:
+    """``cmhsa heads --checkpoint``: for every N from 1 to the bound, the approximate conversion's
+    errors (worst block, calibration set: plain dropping and refit; held-out: mixer, logits, top-1)."""
+    if ckpt.kind != "conv":
+        raise CmhsaError(f"is {article(ckpt.kind)} checkpoint; the sweep needs a conv-phase one", ckpt.path)
+    cfg = ckpt.config
+    calibration = calibration or noise_calibration(cfg, seed=seed)
+    rows = []
+    for n in range(1, heads_needed(cfg.kernel_size, cfg.patch_size, cfg.dilation) + 1):
+        c = convert_checkpoint(
+            ckpt, heads=n, approximate=True, calibration=calibration, rule=rule, verify=False, seed=seed
+        )
+        a, h = c.approximation, None
+        if a is None:  # N = the bound: the exact conversion
+            h = heldout_errors(ckpt.model(), c.model(), calibration.heldout, calibration.labels)
+        else:
+            h = a.heldout
+        rows.append({
+            "heads": n,
+            "calib_drop_error": 0.0 if a is None else max(b.drop_error for b in a.blocks),
+            "calib_refit_error": 0.0 if a is None else max(b.refit_error for b in a.blocks),
+            "heldout_mixer_error": max(h.mixer_errors), "heldout_logits_error": h.logits_error,
+            "conv_top1": h.conv_top1, "attn_top1": h.attn_top1,
+            "kept": [[list(o) for o in b.kept] for b in a.blocks] if a is not None else "all",
+        })  # fmt: skip
+    return rows
 
 
 @dataclass
@@ -194,10 +258,11 @@ class ConvertReport:
 def convert_file(
     input: Path, output: Path, *, report: Path | None = None, img_size: tuple[int, int] | None = None,
     patch_size: int | None = None, dilation: int = 1, norm_eps: float = 1e-6, dtype: str = "float32",
-    device: str = "auto", **options: Any,
+    device: str = "auto", calibrate: Callable[[ViTConfig], Calibration] | None = None, **options: Any,
 ) -> ConvertReport:  # fmt: skip
     """``cmhsa convert``: load, convert and verify (``options`` as :func:`convert_checkpoint`), write
-    the attention checkpoint if verification passed, and the JSON report either way."""
+    the attention checkpoint if verification passed, and the JSON report either way. ``calibrate``
+    makes the calibration images from the loaded model's config, when an approximation needs them."""
     report_path = report or default_report_path(output)
     check_outputs(input, output, report_path, ".safetensors", "a safetensors checkpoint (export writes ONNX)")
     tol = options.get("tol", 1e-5)
@@ -208,6 +273,10 @@ def convert_file(
     ckpt = load_checkpoint(input, img_size=img_size, patch_size=patch_size, dilation=dilation, norm_eps=norm_eps, onnx_tol=tol)  # fmt: skip
     timings = {"load_s": time.perf_counter() - t}
     input_facts = file_facts(input)
+    cfg, heads = ckpt.config, options.get("heads")
+    needed = heads_needed(cfg.kernel_size, cfg.patch_size, cfg.dilation)
+    if calibrate and options.get("approximate") and heads is not None and 1 <= heads < needed:
+        options["calibration"] = calibrate(cfg)
     conv = convert_checkpoint(ckpt, dtype=verify_dtype, device=verify_device, **options)
     timings.update(conv.timings)
     output_facts = None

@@ -6,25 +6,33 @@ y = conv(u) − b its output, a head pinned to offset δ contributes X_δ W_δ^T
 q + δ (zero outside the image, where the sink answers 0). The exact construction uses every δ ∈ Δ
 with W_δ the kernel's taps. With N < |Δ| heads:
 
-1. *Choice*, greedy by measurement: starting from Δ, drop the offset whose removal leaves the
-   smallest residual ||y − Σ_{δ∈S} X_δ W_δ^T|| (taps fixed), until N remain.
-2. *Refit*: W_S = argmin ||Φ_S W − y||² + λ||W − T_S||², Φ_S = [X_δ]_{δ∈S}, T_S the kept taps
-   (ridge towards the taps, λ = 1e-3 · mean diag(Φ_SᵀΦ_S), float64). At W = T_S the objective is
-   plain dropping's error, so on the calibration set the refit is never worse; the ridge keeps
-   it at the taps where the calibration set cannot tell (fewer rows than N·d, or all of Δ kept).
+1. *Choice*. ``rule="greedy"`` (by measurement): starting from Δ, drop the offset whose removal
+   leaves the smallest residual ||y − Σ_{δ∈S} X_δ W_δ^T|| (taps fixed), until N remain.
+   ``rule="corner"`` (the fixed rule to compare with): drop the offsets farthest from the centre
+   first (the diagonals, then the sides; ties row-major), whatever the data.
+2. *Refit* (``refit=True``): W_S = argmin ||Φ_S W − y||² + λ||W − T_S||², Φ_S = [X_δ]_{δ∈S}, T_S
+   the kept taps (ridge towards the taps, λ = 1e-3 · mean diag(Φ_SᵀΦ_S), float64). At W = T_S the
+   objective is plain dropping's error, so on the calibration set the refit is never worse; the
+   ridge keeps it at the taps where the calibration set cannot tell (fewer rows than N·d, or all
+   of Δ kept). ``refit=False`` keeps the taps: plain dropping.
 
-Errors are relative: ||residual|| / ||y|| (Frobenius), on the calibration images.
+Errors are relative: ||residual|| / ||y|| (Frobenius). :func:`heldout_errors` measures a converted
+model on other images: each block's mixer on the conv model's own activations, the logits, and
+top-1 against labels when there are any.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from .config import ViTConfig
 from .construct import output_projection
+from .errors import CmhsaError
 from .model import VisionTransformer
 from .theory import patch_offsets
 
@@ -32,10 +40,11 @@ from .theory import patch_offsets
 @dataclass
 class BlockChoice:
     kept: list[tuple[int, int]]
-    dropped: list[tuple[int, int]]  # in the order they were dropped (least harmful first)
-    wo: torch.Tensor  # (d, len(kept), d): the refit W^O of each kept head
-    drop_error: float  # relative mixer error, kept taps unchanged (plain dropping)
-    refit_error: float  # relative mixer error after the least-squares refit
+    dropped: list[tuple[int, int]]  # in the order they were dropped (greedy: least harmful first)
+    steps: list[float]  # relative mixer error (taps unchanged) after each drop, in that order: the why
+    wo: torch.Tensor  # (d, len(kept), d): W^O of each kept head (refit, or the taps)
+    drop_error: float  # relative mixer error, kept taps unchanged (plain dropping), calibration set
+    refit_error: float  # relative mixer error with ``wo``, calibration set (= drop_error without refit)
 
 
 def neighbours(x: torch.Tensor, grid: tuple[int, int], offsets: Sequence[tuple[int, int]]) -> torch.Tensor:
@@ -48,8 +57,32 @@ def neighbours(x: torch.Tensor, grid: tuple[int, int], offsets: Sequence[tuple[i
     return torch.stack(cols, 3).reshape(b * n, len(offsets), d)
 
 
+RULES = ("greedy", "corner")
+
+
+def drop_order(parts: torch.Tensor, target: torch.Tensor, offsets: Sequence[tuple[int, int]], rule: str,
+               num_heads: int) -> tuple[list[int], list[float]]:  # fmt: skip
+    """Indices into ``offsets`` to drop, in order, down to ``num_heads`` kept, and the relative
+    residual after each drop. ``parts``: (|Δ|, M, d) each offset's contribution to ``target``."""
+    norm = target.norm().clamp_min(1e-300)
+    residual = target - parts.sum(0)
+    kept, order, steps = list(range(len(offsets))), [], []
+    corner = sorted(kept, key=lambda k: (-max(map(abs, offsets[k])), -sum(map(abs, offsets[k])), k))
+    while len(kept) > num_heads:
+        if rule == "greedy":
+            errs = [(residual + parts[k]).norm().item() for k in kept]
+            k = kept[min(range(len(kept)), key=errs.__getitem__)]
+        else:
+            k = corner[len(order)]
+        residual = residual + parts[k]
+        kept.remove(k)
+        order.append(k)
+        steps.append((residual.norm() / norm).item())
+    return order, steps
+
+
 def choose_block(u: torch.Tensor, y: torch.Tensor, conv_weight: torch.Tensor, model: VisionTransformer,
-                 num_heads: int, ridge: float = 1e-3) -> BlockChoice:  # fmt: skip
+                 num_heads: int, rule: str = "greedy", refit: bool = True, ridge: float = 1e-3) -> BlockChoice:  # fmt: skip
     """Offsets and W^O for ``num_heads`` heads of one block (module docstring); float64 inside."""
     cfg = model.cfg
     offsets = patch_offsets(cfg.kernel_size, cfg.patch_size, cfg.dilation)
@@ -61,37 +94,142 @@ def choose_block(u: torch.Tensor, y: torch.Tensor, conv_weight: torch.Tensor, mo
     target = y.double().reshape(-1, d)
     parts = torch.einsum("mki,oki->kmo", x, taps)  # each offset's contribution, (|Δ|, M, d)
     norm = target.norm().clamp_min(1e-300)
-    kept, dropped = list(range(len(offsets))), []
-    residual = target - parts.sum(0)
-    while len(kept) > num_heads:
-        errs = [(residual + parts[k]).norm().item() for k in kept]
-        k = kept[min(range(len(kept)), key=errs.__getitem__)]
-        residual = residual + parts[k]
-        kept.remove(k)
-        dropped.append(k)
-    phi = x[:, kept].reshape(x.shape[0], -1)  # (M, N·d)
+    dropped, steps = drop_order(parts, target, offsets, rule, num_heads)
+    kept = [k for k in range(len(offsets)) if k not in dropped]
+    drop_error = ((target - parts[kept].sum(0)).norm() / norm).item()
     t = taps[:, kept].permute(1, 2, 0).reshape(-1, d)  # the kept taps, as (N·d, d)
-    gram = phi.T @ phi
-    lam = ridge * gram.diagonal().mean().clamp_min(1e-300)
-    eye = torch.eye(gram.shape[0], dtype=gram.dtype)
-    w = torch.linalg.solve(gram + lam * eye, phi.T @ target + lam * t)  # (N·d, d)
-    refit = target - phi @ w
+    w, refit_error = t, drop_error
+    if refit:
+        phi = x[:, kept].reshape(x.shape[0], -1)  # (M, N·d)
+        gram = phi.T @ phi
+        lam = ridge * gram.diagonal().mean().clamp_min(1e-300)
+        eye = torch.eye(gram.shape[0], dtype=gram.dtype)
+        w = torch.linalg.solve(gram + lam * eye, phi.T @ target + lam * t)  # (N·d, d)
+        refit_error = ((target - phi @ w).norm() / norm).item()
     return BlockChoice(
-        kept=[offsets[k] for k in kept], dropped=[offsets[k] for k in dropped],
+        kept=[offsets[k] for k in kept], dropped=[offsets[k] for k in dropped], steps=steps,
         wo=w.view(len(kept), d, d).permute(2, 0, 1).to(conv_weight.dtype),
-        drop_error=(residual.norm() / norm).item(), refit_error=(refit.norm() / norm).item(),
+        drop_error=drop_error, refit_error=refit_error,
     )  # fmt: skip
 
 
 @torch.no_grad()
-def choose(conv: VisionTransformer, num_heads: int, images: torch.Tensor) -> list[BlockChoice]:
+def choose(conv: VisionTransformer, num_heads: int, images: torch.Tensor, rule: str = "greedy",
+           refit: bool = True) -> list[BlockChoice]:  # fmt: skip
     """Every block's choice, on the calibration ``images`` run through the conv model itself."""
+    if rule not in RULES:
+        raise CmhsaError(f"`rule` must be one of {', '.join(RULES)}, got {rule!r}")
     conv = conv.eval()
     x = conv.patch_embed(images.to(next(conv.parameters()).dtype))
     out = []
     for block in conv.blocks:
         u = block.norm1(x)
         y = block.conv(u) - block.conv.bias.repeat(conv.cfg.patch_size**2)  # the bias stays in proj.bias
-        out.append(choose_block(u, y, block.conv.weight, conv, num_heads))
+        out.append(choose_block(u, y, block.conv.weight, conv, num_heads, rule, refit))
         x = block(x)
     return out
+
+
+@dataclass
+class HeldOut:
+    """A converted model against its conv model on held-out images."""
+
+    images: int
+    mixer_errors: list[float]  # per block: relative error of the attention mixer on the conv's activations
+    logits_error: float  # relative error of the logits (Frobenius)
+    conv_top1: float | None  # percent, with labels
+    attn_top1: float | None
+
+    @property
+    def accuracy_drop(self) -> float | None:
+        return None if self.conv_top1 is None else self.conv_top1 - self.attn_top1  # type: ignore[operator]
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "images": self.images, "mixer_errors": self.mixer_errors, "logits_error": self.logits_error,
+            "conv_top1": self.conv_top1, "attn_top1": self.attn_top1, "accuracy_drop": self.accuracy_drop,
+        }  # fmt: skip
+
+
+@torch.no_grad()
+def heldout_errors(conv: VisionTransformer, attn: VisionTransformer, images: torch.Tensor,
+                   labels: torch.Tensor | None = None, batch: int = 256) -> HeldOut:  # fmt: skip
+    """Each block's mixer (fed the conv model's own activations, so errors do not compound), the
+    logits, and top-1 with ``labels``; on float32 copies of both models (the errors measured here
+    are those of dropped heads, orders above float32's rounding), sums in float64."""
+    conv, attn = copy.deepcopy(conv).eval().float(), copy.deepcopy(attn).eval().float()
+    sq = [[0.0, 0.0] for _ in conv.blocks]
+    lg, correct_c, correct_a = [0.0, 0.0], 0, 0
+    for i in range(0, len(images), batch):
+        x = conv.patch_embed(images[i : i + batch].float())
+        for k, (cb, ab) in enumerate(zip(conv.blocks, attn.blocks, strict=True)):
+            u = cb.norm1(x)
+            ref = cb.conv(u)
+            sq[k][0] += (ab.attn(u) - ref).double().square().sum().item()
+            sq[k][1] += ref.double().square().sum().item()
+            x = cb(x)
+        lc = conv.forward_head(conv.norm(x))
+        la = attn(images[i : i + batch].float())
+        lg[0] += (la - lc).double().square().sum().item()
+        lg[1] += lc.double().square().sum().item()
+        if labels is not None:
+            y = labels[i : i + batch]
+            correct_c += (lc.argmax(-1) == y).sum().item()
+            correct_a += (la.argmax(-1) == y).sum().item()
+    n = len(images)
+    top = (lambda c: 100.0 * c / n) if labels is not None else (lambda c: None)
+    return HeldOut(
+        n, [(a / max(b, 1e-300)) ** 0.5 for a, b in sq], (lg[0] / max(lg[1], 1e-300)) ** 0.5,
+        top(correct_c), top(correct_a),
+    )  # fmt: skip
+
+
+@dataclass
+class Calibration:
+    """Images to choose and refit on, and held-out images (with labels, if any) to measure on."""
+
+    images: torch.Tensor  # (M, C, H, W), preprocessed as the model expects
+    heldout: torch.Tensor
+    labels: torch.Tensor | None
+    source: str  # what they are, for the report
+
+
+def noise_calibration(cfg: ViTConfig, images: int = 256, heldout: int = 512, seed: int = 0) -> Calibration:
+    """Standard normal images: the statistics of normalised inputs (mean 0, std 1 per channel)."""
+    if images < 1 or heldout < 1:
+        raise CmhsaError(f"`calib_images` and `heldout_images` must be positive, got {images} and {heldout}")
+    g = torch.Generator().manual_seed(seed)
+    shape = (cfg.in_chans, *cfg.img_size)
+    return Calibration(
+        torch.randn(images, *shape, generator=g), torch.randn(heldout, *shape, generator=g), None,
+        "synthetic N(0, 1) images (normalised-input statistics)",
+    )  # fmt: skip
+
+
+@dataclass
+class Approximation:
+    """What an approximate conversion kept and dropped per block, and what it measured."""
+
+    rule: str
+    refit: bool
+    calibration: str
+    calib_images: int
+    blocks: list[BlockChoice]
+    heldout: HeldOut | None = None
+
+    def to_dict(self) -> dict[str, object]:
+        def off(o: tuple[int, int]) -> list[int]:
+            return [o[0], o[1]]
+
+        return {
+            "rule": self.rule, "refit": self.refit, "calibration": self.calibration,
+            "calib_images": self.calib_images,
+            "blocks": [
+                {"kept": [off(o) for o in c.kept], "dropped": [off(o) for o in c.dropped],
+                 "error_after_each_drop": c.steps, "calib_drop_error": c.drop_error,
+                 "calib_refit_error": c.refit_error,
+                 "heldout_mixer_error": None if self.heldout is None else self.heldout.mixer_errors[i]}
+                for i, c in enumerate(self.blocks)
+            ],
+            "heldout": None if self.heldout is None else self.heldout.to_dict(),
+        }  # fmt: skip

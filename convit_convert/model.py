@@ -356,6 +356,29 @@ class VisionTransformer(nn.Module):
                 x = block(x)
         return self.norm(x)
 
+    def forward_intermediates(
+        self, x: torch.Tensor, indices: int | list[int] | None = None, norm: bool = False,
+        stop_early: bool = False, output_fmt: str = "NCHW", intermediates_only: bool = False,
+    ) -> list[torch.Tensor] | tuple[torch.Tensor, list[torch.Tensor]]:  # fmt: skip
+        """timm's feature API: the outputs of the blocks ``indices`` (an int n: the last n; default:
+        all), as (B, embed_dim, gh, gw) ("NCHW") or (B, N, embed_dim) ("NLC"), after the final norm
+        with ``norm``; and, unless ``intermediates_only``, the final normalised tokens."""
+        depth = len(self.blocks)
+        take = list(range(depth))[-indices:] if isinstance(indices, int) else list(indices or range(depth))
+        if any(not -depth <= i < depth for i in take) or output_fmt not in ("NCHW", "NLC"):
+            raise ValueError(f"indices must be blocks of 0..{depth - 1} and output_fmt NCHW or NLC")
+        take = [i % depth for i in take]
+        b = x.shape[0]
+        gh, gw = self.cfg.grid_size
+        out, feats = self.patch_embed(x), []
+        last = max(take) if stop_early or intermediates_only else depth - 1
+        for i, block in enumerate(self.blocks[: last + 1]):
+            out = block(out)
+            if i in take:
+                f = self.norm(out) if norm else out
+                feats.append(f if output_fmt == "NLC" else f.transpose(1, 2).reshape(b, -1, gh, gw))
+        return feats if intermediates_only else (self.norm(out), feats)
+
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
         """(B, N, embed_dim) -> (B, num_classes) logits, or the pooled (B, embed_dim) features."""
         x = x.mean(dim=1)

@@ -84,3 +84,61 @@ def test_refusals(attn_file: Path) -> None:
         timm.create_model(
             "cmhsa_attn", pretrained=True, pretrained_cfg_overlay=dict(file=str(attn_file)), depth=3
         )
+
+
+def test_timm_validate_on_an_imagefolder_equals_cmhsa_eval(tmp_path: Path) -> None:
+    """examples/timm_validate.py (timm's dataset, loader and preprocessing from pretrained_cfg)
+    gives the same top-1 as ``cmhsa eval --data imagefolder`` on the same folder."""
+    import importlib.util
+
+    from PIL import Image
+    from sklearn.datasets import load_digits
+    from typer.testing import CliRunner
+
+    from convit_convert.cli import app
+
+    digits = load_digits()
+    for split, start in (("train", 0), ("val", 1000)):
+        for i in range(start, start + 60):  # 60 images, about 6 per class
+            folder = tmp_path / split / str(digits.target[i])
+            folder.mkdir(parents=True, exist_ok=True)
+            img = Image.fromarray((digits.images[i] * 255 / 16).astype("uint8"), mode="L")
+            # every other image rotated: the model gets those wrong in ways that depend on the pixels
+            (img.transpose(Image.Transpose.ROTATE_90) if i % 2 else img).save(folder / f"{i}.png")
+    attn = tmp_path / "vit.safetensors"
+    runner = CliRunner()
+    assert runner.invoke(app, ["convert", str(FIXTURE), "-o", str(attn)]).exit_code == 0
+    r = runner.invoke(app, ["eval", str(attn), "--data", "imagefolder", "--data-dir", str(tmp_path),
+                            "--workers", "0", "--device", "cpu"])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    cmhsa_top1 = float(next(line for line in r.output.splitlines() if line.startswith("│")).split("│")[2])
+    path = Path(__file__).resolve().parent.parent / "examples" / "timm_validate.py"
+    spec = importlib.util.spec_from_file_location("timm_validate", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    timm_top1 = module.validate(str(attn), str(tmp_path / "val"), "cmhsa_attn")
+    assert 30 < cmhsa_top1 < 90  # neither all right nor all wrong: the rows must agree image by image
+    assert round(timm_top1, 2) == cmhsa_top1, (timm_top1, cmhsa_top1)
+
+
+def test_forward_intermediates_is_what_the_blocks_compute() -> None:
+    """Against the blocks run one by one here; NCHW is the token grid; the final output is forward_features'."""
+    torch.manual_seed(0)
+    m = timm.create_model(
+        "cmhsa_attn", img_size=16, patch_size=4, depth=3, num_classes=4, kernel_size=3
+    ).eval()
+    x = torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        tokens, ref = m.patch_embed(x), []
+        for block in m.blocks:
+            tokens = block(tokens)
+            ref.append(tokens)
+        final, feats = m.forward_intermediates(x, indices=2)
+        assert torch.equal(final, m.forward_features(x)) and len(feats) == 2
+        for f, r in zip(feats, ref[1:], strict=True):
+            assert f.shape == (2, 48, 4, 4)
+            assert torch.equal(f[:, :, 1, 2], r[:, 1 * 4 + 2])  # row-major patches: (y, x) is token 4y + x
+        only = m.forward_intermediates(x, indices=[0], output_fmt="NLC", intermediates_only=True, norm=True)
+        assert len(only) == 1 and torch.equal(only[0], m.norm(ref[0]))
+    with pytest.raises(ValueError, match="indices"):
+        m.forward_intermediates(x, indices=[3])

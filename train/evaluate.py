@@ -1,18 +1,22 @@
 """``cmhsa eval`` and ``cmhsa attention``: a checkpoint on a dataset's validation split (top-1 /
-top-5, or what its attention does)."""
+top-5, or what its attention does); and a dataset's images for calibrating an approximate conversion."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
+from torch.utils.data import Subset
 
 from ..analysis import AttentionReport, attention_stats
 from ..api import load_checkpoint
+from ..approximate import Calibration
+from ..config import ViTConfig
 from ..errors import CmhsaError
 from ..io.checkpoint import Checkpoint
-from .data import build_data, build_loader, build_transform, image_mode
+from .data import DATASETS, build_data, build_loader, build_transform, image_mode
 from .distributed import pick_device
 from .epoch import evaluate
 from .recipe import amp_dtype
@@ -82,3 +86,34 @@ def attention_on_data(
             left -= len(x)
 
     return attention_stats(ckpt.model(dtype=torch.float32).to(dev), batches())
+
+
+def calibration_from_data(
+    cfg: ViTConfig, *, data: str, data_dir: str | None = None, images: int = 256, heldout: int = 512,
+    crop_pct: float = 0.875, seed: int = 0,
+) -> Calibration:  # fmt: skip
+    """Calibration images for ``cmhsa convert --approximate`` / ``cmhsa heads --checkpoint``: a
+    seeded random ``images`` of ``data``'s training split, and the first ``heldout`` validation
+    images with their labels, preprocessed as ``cmhsa eval`` does."""
+    if images < 1 or heldout < 1:
+        raise CmhsaError(f"`calib_images` and `heldout_images` must be positive, got {images} and {heldout}")
+    if data not in DATASETS:
+        raise CmhsaError(f"`calib` must be one of {', '.join(DATASETS)}, got {data!r}")
+    spec = build_data(data, data_dir, cfg.img_size, num_classes=cfg.num_classes, seed=seed)
+    if spec.num_classes != cfg.num_classes:
+        raise CmhsaError(f"the model has {cfg.num_classes} classes but `calib` {data} has {spec.num_classes}")
+    image_mode(cfg.in_chans)
+    tf = build_transform(cfg.img_size, False, None, cfg.in_chans, crop_pct=crop_pct)
+    g = torch.Generator().manual_seed(seed)
+    pick = torch.randperm(len(spec.train), generator=g)[: min(images, len(spec.train))].tolist()
+
+    def load(ds: Any, idx: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        loader = build_loader(
+            Subset(ds, idx), tf, training=False, batch_size=256, seed=seed, in_chans=cfg.in_chans
+        )
+        xs, ys = zip(*loader, strict=True)
+        return torch.cat(xs), torch.cat(ys)
+
+    x, _ = load(spec.train, pick)
+    hx, hy = load(spec.val, list(range(min(heldout, len(spec.val)))))
+    return Calibration(x, hx, hy, f"{data}: {len(x)} training images; held out: {len(hx)} validation images")

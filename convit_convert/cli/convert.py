@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.markup import escape
@@ -22,6 +22,10 @@ from .common import (
     print_verification,
     print_written,
 )
+
+if TYPE_CHECKING:
+    from ..approximate import Approximation, Calibration
+    from ..config import ViTConfig
 
 app = typer.Typer()
 
@@ -48,16 +52,33 @@ def convert(
     batch: Annotated[int, typer.Option(help="Verification batch size.")] = 4,
     seed: Annotated[int, typer.Option(help="Seed for the verification images and any random W_Q, W_K.")] = 0,
     device: Annotated[str, typer.Option(help="Verification device: auto, cpu, cuda, cuda:N.")] = "auto",
+    approximate: Annotated[bool, typer.Option("--approximate", help="With --heads below what the kernel needs: keep the offsets that matter most on calibration images and refit their W_O (the paper's open problem; measured, not exact: verification still judges against --tol).")] = False,
+    rule: Annotated[str, typer.Option(help="--approximate: greedy (drop the offset whose loss hurts least, measured, one at a time) or corner (drop the farthest offsets first, whatever the data).")] = "greedy",
+    refit: Annotated[bool, typer.Option("--refit/--no-refit", help="--approximate: refit the kept heads' W_O by least squares (--no-refit: plain dropping).")] = True,
+    calib: Annotated[str | None, typer.Option(help="--approximate: calibration data, as train's --data (digits, fashion-mnist, cifar10, cifar100, imagefolder, synthetic); default: N(0, 1) noise images.")] = None,
+    data_dir: Annotated[str | None, typer.Option(help="--calib: the dataset's folder, as train's --data-dir.")] = None,
+    calib_images: Annotated[int, typer.Option(help="--approximate: calibration images (from the training split).")] = 256,
+    heldout_images: Annotated[int, typer.Option(help="--approximate: held-out images the report measures on (the validation split, with its labels).")] = 512,
 ) -> None:  # fmt: skip
 # fmt: on
     """Convert a conv-phase ViT into the attention ViT that computes the same function (Theorem 1)."""
     from ..api import convert_file
+
+    def calibrate(cfg: ViTConfig) -> Calibration:  # called only when an approximation needs images
+        from ..approximate import noise_calibration
+
+        if calib is None:
+            return noise_calibration(cfg, calib_images, heldout_images, seed)
+        from ..train.evaluate import calibration_from_data  # torchvision loads here, not before
+
+        return calibration_from_data(cfg, data=calib, data_dir=data_dir, images=calib_images, heldout=heldout_images, seed=seed)
 
     with console.status(f"Converting {escape(str(input))} and verifying on {batch} random images..."):
         r = convert_file(
             input, output, report=report, img_size=parse_img_size(img_size), patch_size=patch_size,
             dilation=dilation, norm_eps=norm_eps, dtype=dtype, device=device, heads=heads, qk_dim=qk_dim, pinning=pinning,
             sink=sink, qk_init_std=qk_init_std, tol=tol, verify=verify, batch=batch, seed=seed,
+            approximate=approximate, rule=rule, refit=refit, calibrate=calibrate,
         )  # fmt: skip
     c = r.conversion
     cfg, pinned = c.config, c.summary()["pinned_heads"]
@@ -67,11 +88,38 @@ def convert(
         f"(dilation {cfg.dilation}) on {cfg.patch_size}px patches -> {cfg.num_heads} heads "
         f"({pinned} pinned), qk_dim {cfg.qk_dim}, v_dim {cfg.v_dim}, sink {'on' if cfg.sink else 'off'}, pinning {cfg.pinning}"
     )
+    if approximate and c.approximation is None:
+        console.print(f"--approximate: {cfg.num_heads} heads are enough for this kernel, so the conversion is exact")
+    if c.approximation is not None:
+        print_approximation(c.approximation)
     if c.verification is not None:
         print_verification(c.verification, "Verification: attention vs convolution")
     print_written(r.passed, output, r.report_path, "verification")
     if not r.passed:
         raise typer.Exit(EXIT_FAIL)
+
+
+def print_approximation(a: Approximation) -> None:
+    """Per block: what was kept and dropped (with the error after each drop), and what it measured."""
+    off = lambda o: f"{o[0]:+d}{o[1]:+d}"  # noqa: E731
+    h = a.heldout
+    console.print(
+        f"Approximate: {len(a.blocks[0].kept)} heads per block, rule {a.rule}, "
+        f"{'W_O refit' if a.refit else 'taps kept (no refit)'}; calibration: {escape(a.calibration)}"
+    )
+    table = Table(caption="offsets as dy dx; errors relative; held-out: the mixer on the conv model's activations")
+    for col in ("block", "kept", "dropped: calib. error after each", "drop", "refit", "held-out"):
+        table.add_column(col)
+    for i, b in enumerate(a.blocks):
+        dropped = " ".join(f"{off(o)}:{e:.3f}" for o, e in zip(b.dropped, b.steps, strict=True))
+        table.add_row(str(i), " ".join(off(o) for o in b.kept), dropped, f"{b.drop_error:.4f}",
+                      f"{b.refit_error:.4f}", "" if h is None else f"{h.mixer_errors[i]:.4f}")  # fmt: skip
+    console.print(table)
+    if h is not None:
+        acc = "" if h.conv_top1 is None else (
+            f"; top-1 {h.attn_top1:.2f}% against the conv model's {h.conv_top1:.2f}% (drop {h.accuracy_drop:.2f} points)"
+        )
+        console.print(f"Held out ({h.images} images): logits relative error {h.logits_error:.4f}{acc}")
 
 
 # fmt: off
@@ -150,15 +198,35 @@ def inspect(
 @app.command()
 @handles_errors
 def heads(
-    kernel: Annotated[int, typer.Option("--kernel", "-k", help="Kernel size K.", show_default=False)],
-    patch: Annotated[int, typer.Option("--patch", "-p", help="Patch size P.", show_default=False)],
+    kernel: Annotated[int | None, typer.Option("--kernel", "-k", help="Kernel size K (or --checkpoint).", show_default=False)] = None,
+    patch: Annotated[int | None, typer.Option("--patch", "-p", help="Patch size P (or --checkpoint).", show_default=False)] = None,
     dilation: Annotated[int, typer.Option("--dilation", "-d", help="Dilation D.")] = 1,
     channels: Annotated[int | None, typer.Option(help="Channels C (Theorem 5's pixel-input bound is min(K², C)).")] = None,
+    checkpoint: Annotated[Path | None, path_opt("A conv-phase checkpoint: also measure, for every N from 1 to the bound, the error of an approximate conversion with N heads (as convert --approximate).")] = None,
+    rule: Annotated[str, typer.Option(help="--checkpoint: greedy or corner (see convert --rule).")] = "greedy",
+    calib: Annotated[str | None, typer.Option(help="--checkpoint: calibration data, as train's --data; default: N(0, 1) noise images.")] = None,
+    data_dir: Annotated[str | None, typer.Option(help="--calib: the dataset's folder.")] = None,
+    calib_images: Annotated[int, typer.Option(help="--checkpoint: calibration images.")] = 256,
+    heldout_images: Annotated[int, typer.Option(help="--checkpoint: held-out images.")] = 512,
+    seed: Annotated[int, typer.Option(help="--checkpoint: seed of the calibration images.")] = 0,
 ) -> None:
 # fmt: on
-    """How many heads an MHSA layer needs to express a KxK convolution, and why."""
+    """How many heads an MHSA layer needs to express a KxK convolution, and why; with --checkpoint,
+    what fewer heads cost that checkpoint, measured."""
     from ..theory import head_count, same_padding
 
+    ckpt = None
+    if checkpoint is not None:
+        from ..api import load_checkpoint
+
+        ckpt = load_checkpoint(checkpoint)
+        cfg = ckpt.config
+        if (kernel, patch) != (None, None) and (kernel, patch) != (cfg.kernel_size, cfg.patch_size):
+            raise CmhsaError(f"has K = {cfg.kernel_size}, P = {cfg.patch_size}; drop --kernel/--patch or match them", checkpoint)
+        kernel, patch, dilation = cfg.kernel_size, cfg.patch_size, cfg.dilation
+        channels = cfg.hidden_chans if channels is None else channels
+    if kernel is None or patch is None:
+        raise CmhsaError("give --kernel and --patch, or --checkpoint")
     if min(kernel, patch, dilation) < 1 or (channels is not None and channels < 1):
         raise CmhsaError("--kernel, --patch, --dilation and --channels must be positive")
     hc = head_count(kernel, patch, dilation, channels)
@@ -180,3 +248,45 @@ def heads(
         for dy in ys
     )
     console.print(f"Patch offsets (dy, dx), one head each, row-major:\n{grid}")
+    if ckpt is not None:
+        print_sweep(ckpt, rule, calib, data_dir, calib_images, heldout_images, seed)
+
+
+def print_sweep(ckpt: Any, rule: str, calib: str | None, data_dir: str | None, images: int, heldout: int, seed: int) -> None:
+    """``heads --checkpoint``: the measured error of N heads, N = 1 … the bound."""
+    from ..api import heads_sweep
+
+    cfg = ckpt.config
+    calibration = None
+    if calib is not None:
+        from ..train.evaluate import calibration_from_data
+
+        calibration = calibration_from_data(cfg, data=calib, data_dir=data_dir, images=images, heldout=heldout, seed=seed)
+    elif min(images, heldout) < 1:
+        raise CmhsaError(f"--calib-images and --heldout-images must be positive, got {images} and {heldout}")
+    else:
+        from ..approximate import noise_calibration
+
+        calibration = noise_calibration(cfg, images, heldout, seed)
+    with console.status(f"Converting with 1, 2, ... heads up to the bound, measuring each on {heldout} held-out images..."):
+        rows = heads_sweep(ckpt, calibration, rule=rule, seed=seed)
+    table = Table(
+        title=f"{escape(str(ckpt.path))}: N heads per block (rule {rule}, W_O refit); calibration: {escape(calibration.source)}",
+        title_justify="left",
+    )
+    labelled = rows[0]["conv_top1"] is not None
+    cols = ["N", "calib: drop", "calib: refit", "held-out mixer", "held-out logits"] + (["top-1 %"] if labelled else [])
+    for col in cols:
+        table.add_column(col, justify="right")
+    for r in rows:
+        cells = [str(r["heads"]), f"{r['calib_drop_error']:.4f}", f"{r['calib_refit_error']:.4f}",
+                 f"{r['heldout_mixer_error']:.4f}", f"{r['heldout_logits_error']:.4f}"]  # fmt: skip
+        if labelled:
+            cells.append(f"{r['attn_top1']:.2f}")
+        table.add_row(*cells)
+    console.print(table)
+    console.print(
+        "[dim]errors are relative (Frobenius), worst block; calib: on the calibration images, with the kept "
+        "taps (drop) or refit W_O; held-out: each block's mixer on the conv model's activations, and the logits"
+        + (f"; the conv model's top-1 is {rows[0]['conv_top1']:.2f}%" if labelled else "") + "[/]"
+    )

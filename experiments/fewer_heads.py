@@ -1,0 +1,109 @@
+"""Fewer heads than the theorem needs, measured on Fashion-MNIST (the paper's open problem).
+
+    python experiments/fewer_heads.py [--seeds 0 1] [--finetune-epochs 1] [--out experiments/out/fewer_heads]
+
+The phase-1 models are experiments/fashion_mnist.py's "phase 1 only" runs (28 px, P = 4, d = 48,
+depth 2, K = 5: 9 offsets, 8 epochs on 4000 training images, warm-up 1), trained here with the same
+settings if missing. For every N = 1 … 9 heads and three ways to build N heads:
+
+- greedy + refit: cmhsa's ``convert --approximate`` (offsets dropped one at a time by measured
+  mixer error on 256 calibration images from the training split, kept heads' W_O refit);
+- greedy + taps (plain dropping): the same offsets, the kernel's taps kept (``--no-refit``);
+- corner-first + taps (plain dropping): the fixed rule (diagonals first, then the sides);
+
+it reports top-1 on the 10k validation images right after conversion, and after a short phase-2
+fine-tune of the converted model (``--finetune-epochs``, lr 2e-4, no warm-up, hard pinning, the
+fashion_mnist.py recipe). Prints the markdown table for EXPERIMENTS.md and writes results.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fashion_mnist import LR_PHASE2, LR_SCRATCH, train
+
+from convit_convert.api import convert_checkpoint, load_checkpoint
+from convit_convert.io.checkpoint import save_checkpoint
+from convit_convert.train.evaluate import calibration_from_data, evaluate_checkpoint
+
+METHODS = {  # name -> (rule, refit)
+    "greedy + refit": ("greedy", True),
+    "greedy + taps": ("greedy", False),
+    "corner-first + taps": ("corner", False),
+}
+
+
+def top1(path: Path) -> float:
+    return evaluate_checkpoint(path, data="fashion-mnist", workers=0, batch_size=500, device="cpu").top1
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    ap.add_argument("--finetune-epochs", type=int, default=1)
+    ap.add_argument("--finetune", default="greedy + refit,corner-first + taps",
+                    help="methods to fine-tune (comma list; N = 9 always is)")  # fmt: skip
+    ap.add_argument("--heads", type=int, nargs="+", default=list(range(1, 10)))
+    ap.add_argument("--fmnist-out", type=Path, default=Path("experiments/out/fmnist"))
+    ap.add_argument("--out", type=Path, default=Path("experiments/out/fewer_heads"))
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+    t0 = time.time()
+    rows: dict[tuple[str, int], dict[str, list[float]]] = {}
+    for seed in args.seeds:
+        p1 = args.fmnist_out / "warmup1" / f"seed{seed}" / "phase1-only"
+        train(p1, phase="phase1", epochs=8, lr=LR_SCRATCH, seed=seed, warmup_epochs=1, train_samples=4000)
+        conv_file = p1 / "conv.safetensors"
+        ckpt = load_checkpoint(conv_file)
+        calib = calibration_from_data(ckpt.config, data="fashion-mnist", images=256, heldout=1, seed=seed)
+        conv_top1 = top1(conv_file)
+        for n in args.heads:
+            for name, (rule, refit) in METHODS.items():
+                if n == 9 and name != "greedy + refit":
+                    continue  # 9 heads: the exact conversion, whatever the method
+                d = args.out / f"seed{seed}" / f"n{n}-{rule}-{'refit' if refit else 'drop'}"
+                d.mkdir(parents=True, exist_ok=True)
+                vit = d / "vit.safetensors"
+                if not vit.is_file():
+                    c = convert_checkpoint(ckpt, heads=n, approximate=True, calibration=calib, rule=rule,
+                                           refit=refit, verify=False, seed=seed)  # fmt: skip
+                    save_checkpoint(vit, c.config, c.tensors)
+                r = rows.setdefault((name, n), {"conv": [], "converted": [], "finetuned": []})
+                r["conv"].append(conv_top1)
+                r["converted"].append(top1(vit))
+                if name in args.finetune.split(",") or n == 9:
+                    ft = train(d / "finetune", phase="phase2", init=str(vit), epochs=args.finetune_epochs,
+                               lr=LR_PHASE2, seed=seed, warmup_epochs=0, train_samples=4000, attn_lr_mult=1.0)  # fmt: skip
+                    r["finetuned"].append(ft["final"]["top1"])
+                print(f"seed {seed} N {n} {name}: {r['converted'][-1]:.2f}"
+                      + (f" -> {r['finetuned'][-1]:.2f}" if r["finetuned"] else "")
+                      + f"  ({time.time() - t0:.0f} s)", flush=True)  # fmt: skip
+
+    def stat(v: list[float]) -> str:
+        return "" if not v else f"{statistics.mean(v):.2f} ± {(max(v) - min(v)) / 2:.2f}"
+
+    conv = [v for r in rows.values() for v in r["conv"]]
+    print(f"\nFashion-MNIST phase-1 models (seeds {' '.join(map(str, args.seeds))}): conv top-1 "
+          f"{stat(sorted(set(conv)))}; fine-tune {args.finetune_epochs} epoch(s) of phase 2 on 4000 images\n")  # fmt: skip
+    print("| heads N | method | top-1 % after conversion | after fine-tune |")
+    print("|---:|---|---:|---:|")
+    for (name, n), r in sorted(rows.items(), key=lambda kv: (kv[0][1], list(METHODS).index(kv[0][0]))):
+        print(
+            f"| {n} | {'exact (Theorem 1)' if n == 9 else name} | {stat(r['converted'])} | {stat(r['finetuned'])} |"
+        )
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "results.json").write_text(
+        json.dumps({f"{k[0]} | N={k[1]}": v for k, v in rows.items()}, indent=2)
+    )
+
+
+if __name__ == "__main__":
+    main()
