@@ -34,6 +34,7 @@ __all__ = [
     "axis_offsets",
     "head_count",
     "heads_needed",
+    "offset_tap_share",
     "patch_offsets",
     "same_padding",
 ]
@@ -51,6 +52,20 @@ def axis_offsets(kernel_size: int, patch_size: int, dilation: int = 1) -> list[i
     left, _ = same_padding(kernel_size, dilation)
     taps = range(kernel_size)
     return sorted({(t - left + dilation * k) // patch_size for t in range(patch_size) for k in taps})
+
+
+def offset_tap_share(kernel_size: int, patch_size: int, dilation: int = 1) -> dict[tuple[int, int], float]:
+    """The share of the (output pixel, kernel tap) pairs of a patch that read from the patch at
+    each offset δ: what a head pinned to δ carries, and what dropping it loses when the taps are
+    of equal size. Separable: the product of the two axes' shares."""
+    left, _ = same_padding(kernel_size, dilation)
+    count: dict[int, int] = {}
+    for t in range(patch_size):
+        for k in range(kernel_size):
+            o = (t - left + dilation * k) // patch_size
+            count[o] = count.get(o, 0) + 1
+    total = patch_size * kernel_size
+    return {(dy, dx): count[dy] * count[dx] / total**2 for dy in sorted(count) for dx in sorted(count)}
 
 
 def patch_offsets(kernel_size: int, patch_size: int, dilation: int = 1) -> list[tuple[int, int]]:

@@ -3,7 +3,7 @@
     python experiments/fewer_heads.py [--seeds 0 1] [--finetune-epochs 1] [--out experiments/out/fewer_heads]
 
 The phase-1 models are experiments/fashion_mnist.py's "phase 1 only" runs (28 px, P = 4, d = 48,
-depth 2, K = 5: 9 offsets, 8 epochs on 4000 training images, warm-up 1), trained here with the same
+depth 2, K = 5: 9 offsets, 6 epochs on 4000 training images, warm-up 1), trained here with the same
 settings if missing. For every N = 1 … 9 heads and three ways to build N heads:
 
 - greedy + refit: cmhsa's ``convert --approximate`` (offsets dropped one at a time by measured
@@ -31,7 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fashion_mnist import LR_PHASE2, LR_SCRATCH, train
 
 from convit_convert.api import convert_checkpoint, load_checkpoint
+from convit_convert.construct import pinned_offsets
 from convit_convert.io.checkpoint import save_checkpoint
+from convit_convert.theory import offset_tap_share
 from convit_convert.train.evaluate import calibration_from_data, evaluate_checkpoint
 
 METHODS = {  # name -> (rule, refit)
@@ -54,13 +56,17 @@ def main() -> None:
     ap.add_argument("--heads", type=int, nargs="+", default=list(range(1, 10)))
     ap.add_argument("--fmnist-out", type=Path, default=Path("experiments/out/fmnist"))
     ap.add_argument("--out", type=Path, default=Path("experiments/out/fewer_heads"))
+    ap.add_argument("--summarize", action="store_true", help="only print the table from OUT/results.json")
     args = ap.parse_args()
+    if args.summarize:
+        summarize(args.out, args.seeds, args.finetune_epochs)
+        return
     torch.set_num_threads(2)
     t0 = time.time()
     rows: dict[tuple[str, int], dict[str, list[float]]] = {}
     for seed in args.seeds:
         p1 = args.fmnist_out / "warmup1" / f"seed{seed}" / "phase1-only"
-        train(p1, phase="phase1", epochs=8, lr=LR_SCRATCH, seed=seed, warmup_epochs=1, train_samples=4000)
+        train(p1, phase="phase1", epochs=6, lr=LR_SCRATCH, seed=seed, warmup_epochs=1, train_samples=4000)
         conv_file = p1 / "conv.safetensors"
         ckpt = load_checkpoint(conv_file)
         calib = calibration_from_data(ckpt.config, data="fashion-mnist", images=256, heldout=1, seed=seed)
@@ -87,22 +93,54 @@ def main() -> None:
                       + (f" -> {r['finetuned'][-1]:.2f}" if r["finetuned"] else "")
                       + f"  ({time.time() - t0:.0f} s)", flush=True)  # fmt: skip
 
-    def stat(v: list[float]) -> str:
-        return "" if not v else f"{statistics.mean(v):.2f} ± {(max(v) - min(v)) / 2:.2f}"
-
-    conv = [v for r in rows.values() for v in r["conv"]]
-    print(f"\nFashion-MNIST phase-1 models (seeds {' '.join(map(str, args.seeds))}): conv top-1 "
-          f"{stat(sorted(set(conv)))}; fine-tune {args.finetune_epochs} epoch(s) of phase 2 on 4000 images\n")  # fmt: skip
-    print("| heads N | method | top-1 % after conversion | after fine-tune |")
-    print("|---:|---|---:|---:|")
-    for (name, n), r in sorted(rows.items(), key=lambda kv: (kv[0][1], list(METHODS).index(kv[0][0]))):
-        print(
-            f"| {n} | {'exact (Theorem 1)' if n == 9 else name} | {stat(r['converted'])} | {stat(r['finetuned'])} |"
-        )
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(
         json.dumps({f"{k[0]} | N={k[1]}": v for k, v in rows.items()}, indent=2)
     )
+    summarize(args.out, args.seeds, args.finetune_epochs)
+
+
+def taps_dropped(vit: Path) -> float:
+    """Percent of the kernel's (pixel, tap) pairs whose offsets the file's heads no longer read,
+    mean over blocks (offsets read back from the pinning biases)."""
+    ckpt = load_checkpoint(vit)
+    cfg = ckpt.config
+    share = offset_tap_share(cfg.kernel_size, cfg.patch_size, cfg.dilation)
+    lost = []
+    for i in range(cfg.depth):
+        kept = set(
+            pinned_offsets(
+                ckpt.tensors[f"blocks.{i}.attn.rel_pos_bias"], ckpt.tensors.get(f"blocks.{i}.attn.sink")
+            )
+        )
+        lost.append(100 * sum(v for o, v in share.items() if o not in kept))
+    return statistics.mean(lost)
+
+
+def summarize(out: Path, seeds: list[int], epochs: int) -> None:
+    """The markdown table from results.json and the converted files."""
+    rows = json.loads((out / "results.json").read_text())
+
+    def stat(v: list[float], fmt: str = ".2f") -> str:
+        return "" if not v else f"{statistics.mean(v):{fmt}} ± {(max(v) - min(v)) / 2:{fmt}}"
+
+    conv = sorted({v for r in rows.values() for v in r["conv"]})
+    print(f"\nFashion-MNIST phase-1 models (seeds {' '.join(map(str, seeds))}): conv top-1 {stat(conv)}; "
+          f"fine-tune: {epochs} epoch(s) of phase 2 on 4000 images; mean ± half-range over seeds\n")  # fmt: skip
+    print("| heads N | method | kernel taps dropped % | top-1 % after conversion | after fine-tune |")
+    print("|---:|---|---:|---:|---:|")
+    for key, r in sorted(
+        rows.items(), key=lambda kv: (int(kv[0].split("N=")[1]), list(METHODS).index(kv[0].split(" | ")[0]))
+    ):
+        name, n = key.split(" | ")[0], int(key.split("N=")[1])
+        rule, refit = METHODS[name]
+        vits = [
+            out / f"seed{s}" / f"n{n}-{rule}-{'refit' if refit else 'drop'}" / "vit.safetensors"
+            for s in seeds
+        ]
+        taps = stat([taps_dropped(v) for v in vits], ".1f")
+        label = "exact (Theorem 1)" if n == 9 else name
+        print(f"| {n} | {label} | {taps} | {stat(r['converted'])} | {stat(r['finetuned'])} |")
 
 
 if __name__ == "__main__":

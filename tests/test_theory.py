@@ -92,3 +92,26 @@ def test_theory_does_not_import_torch() -> None:
         ).stdout.strip()
         == "False"
     )
+
+
+def test_offset_tap_share_matches_the_corner_rule_figures() -> None:
+    """Dropping the 4 diagonal offsets loses 0.17% of the taps at K = 3, P = 16, 9% at K = 5, P = 4
+    (counted here by brute force over pixels and taps)."""
+    from convit_convert.theory import offset_tap_share
+
+    for k, p, expected in ((3, 16, 4 / 48**2), (5, 4, 4 * (3 / 20) ** 2)):
+        share = offset_tap_share(k, p)
+        assert sum(share.values()) == pytest.approx(1.0)
+        diagonal = sum(v for (dy, dx), v in share.items() if dy and dx)
+        assert diagonal == pytest.approx(expected)
+    assert round(100 * sum(v for (dy, dx), v in offset_tap_share(3, 16).items() if dy and dx), 2) == 0.17
+    assert round(100 * sum(v for (dy, dx), v in offset_tap_share(5, 4).items() if dy and dx)) == 9
+    # brute force at K = 5, P = 4, dilation 2: every (pixel, tap) pair counted once
+    share, pairs = offset_tap_share(5, 4, 2), {}
+    for ty in range(4):
+        for tx in range(4):
+            for ky in range(5):
+                for kx in range(5):
+                    o = ((ty - 4 + 2 * ky) // 4, (tx - 4 + 2 * kx) // 4)
+                    pairs[o] = pairs.get(o, 0) + 1
+    assert share == pytest.approx({o: n / 400 for o, n in pairs.items()})
