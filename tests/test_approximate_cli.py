@@ -39,6 +39,8 @@ def test_refusals(tmp_path: Path) -> None:
     assert r.exit_code == 2 and "9 patch offsets" in r.stderr
     r = run("convert", FIXTURE, "-o", out, "--heads", "4", "--approximate", "--calib", "mnist")
     assert r.exit_code == 2 and "--calib must be one of" in r.stderr and not out.exists()
+    r = run("convert", FIXTURE, "-o", out, "--calib", "digits")
+    assert r.exit_code == 2 and "add --approximate" in r.stderr
     assert not list(tmp_path.iterdir())
 
 

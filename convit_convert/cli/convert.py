@@ -64,6 +64,9 @@ def convert(
     """Convert a conv-phase ViT into the attention ViT that computes the same function (Theorem 1)."""
     from ..api import convert_file
 
+    if not approximate and (calib is not None or data_dir is not None):
+        raise CmhsaError("--calib and --data-dir calibrate an approximate conversion: add --approximate and --heads N")
+
     def calibrate(cfg: ViTConfig) -> Calibration:  # called only when an approximation needs images
         from ..approximate import noise_calibration
 
