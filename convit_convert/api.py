@@ -132,15 +132,17 @@ def convert_checkpoint(
     ckpt: Checkpoint, *, heads: int | None = None, qk_dim: int | None = None, sink: bool = True, pinning: str = "hard",
     qk_init_std: float = 0.0, margin: float = DEFAULT_MARGIN, seed: int = 0, verify: bool = True,
     tol: float = 1e-5, batch: int = 4, dtype: torch.dtype = torch.float32, device: str = "cpu",
-    approximate: bool = False, calibration: Calibration | None = None, rule: str = "greedy", refit: bool = True,
+    approximate: bool = False, calibrate: Callable[[ViTConfig], Calibration] | None = None, rule: str = "greedy",
+    refit: bool = True,
 ) -> Conversion:  # fmt: skip
     """Convert a conv checkpoint and (unless ``verify`` is False) verify it against the conv model
     on ``batch`` random images: every relative error must be <= ``tol``.
 
     ``approximate`` with ``heads`` below what the kernel needs keeps the ``heads`` offsets chosen by
-    ``rule`` and refits their W^O on ``calibration`` (default: noise images), then measures the
-    result on its held-out images (:mod:`convit_convert.approximate`); with enough heads it is the
-    exact conversion. Verification still judges against ``tol``."""
+    ``rule`` and refits their W^O on the images ``calibrate(config)`` makes (called only then;
+    default: noise images), then measures the result on its held-out images
+    (:mod:`convit_convert.approximate`); with enough heads it is the exact conversion.
+    Verification still judges against ``tol``."""
     if ckpt.kind != "conv":
         raise CmhsaError(
             f"is {article(ckpt.kind)} checkpoint already; convert takes a conv-phase one", ckpt.path
@@ -162,7 +164,7 @@ def convert_checkpoint(
         and heads is not None
         and heads < heads_needed(src.kernel_size, src.patch_size, src.dilation)
     ):
-        calibration = calibration or noise_calibration(src, seed=seed)
+        calibration = calibrate(src) if calibrate else noise_calibration(src, seed=seed)
         blocks = choose(
             ckpt.model(torch.float32), heads, calibration.images.float(), rule, refit
         )  # lstsq in float64
@@ -203,7 +205,13 @@ def heads_sweep(
     rows = []
     for n in range(1, heads_needed(cfg.kernel_size, cfg.patch_size, cfg.dilation) + 1):
         c = convert_checkpoint(
-            ckpt, heads=n, approximate=True, calibration=calibration, rule=rule, verify=False, seed=seed
+            ckpt,
+            heads=n,
+            approximate=True,
+            calibrate=lambda _: calibration,
+            rule=rule,
+            verify=False,
+            seed=seed,
         )
         a, h = c.approximation, None
         if a is None:  # N = the bound: the exact conversion
@@ -258,11 +266,10 @@ class ConvertReport:
 def convert_file(
     input: Path, output: Path, *, report: Path | None = None, img_size: tuple[int, int] | None = None,
     patch_size: int | None = None, dilation: int = 1, norm_eps: float = 1e-6, dtype: str = "float32",
-    device: str = "auto", calibrate: Callable[[ViTConfig], Calibration] | None = None, **options: Any,
+    device: str = "auto", **options: Any,
 ) -> ConvertReport:  # fmt: skip
     """``cmhsa convert``: load, convert and verify (``options`` as :func:`convert_checkpoint`), write
-    the attention checkpoint if verification passed, and the JSON report either way. ``calibrate``
-    makes the calibration images from the loaded model's config, when an approximation needs them."""
+    the attention checkpoint if verification passed, and the JSON report either way."""
     report_path = report or default_report_path(output)
     check_outputs(input, output, report_path, ".safetensors", "a safetensors checkpoint (export writes ONNX)")
     tol = options.get("tol", 1e-5)
@@ -273,10 +280,6 @@ def convert_file(
     ckpt = load_checkpoint(input, img_size=img_size, patch_size=patch_size, dilation=dilation, norm_eps=norm_eps, onnx_tol=tol)  # fmt: skip
     timings = {"load_s": time.perf_counter() - t}
     input_facts = file_facts(input)
-    cfg, heads = ckpt.config, options.get("heads")
-    needed = heads_needed(cfg.kernel_size, cfg.patch_size, cfg.dilation)
-    if calibrate and options.get("approximate") and heads is not None and 1 <= heads < needed:
-        options["calibration"] = calibrate(cfg)
     conv = convert_checkpoint(ckpt, dtype=verify_dtype, device=verify_device, **options)
     timings.update(conv.timings)
     output_facts = None

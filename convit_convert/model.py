@@ -251,9 +251,14 @@ class RelPosAttention(nn.Module):
         return self.merge_heads(weights.to(v.dtype) @ v)
 
 
+def aligned(n: int) -> int:
+    """``n`` rounded up to a multiple of 8: rows of 2-byte floats 16-byte aligned (cuBLAS's aligned kernels)."""
+    return -(-n // 8) * 8
+
+
 def padded_keys(n: int, sink: bool) -> int:
-    """N keys (+1 for a sink) rounded up to a multiple of 8: rows of 2-byte floats 16-byte aligned."""
-    return -(-(n + int(sink)) // 8) * 8
+    """N keys, +1 for a sink, :func:`aligned`."""
+    return aligned(n + int(sink))
 
 
 def softmax_with_sink(logits: torch.Tensor, sink: torch.Tensor | None) -> torch.Tensor:
@@ -499,7 +504,7 @@ class FusedRelPosAttention(nn.Module):
         self.num_heads = h
         self.scale = qk**-0.5
         with torch.no_grad():
-            da = -(-(d + 1) // 8) * 8  # x̃ = [x, 1, 0 ...]: aligned rows
+            da = aligned(d + 1)  # x̃ = [x, 1, 0 ...]
             wo = attn.proj.weight.view(d, h, vd).permute(1, 2, 0)  # (h, vd, d_out)
             u = attn.v.weight.view(h, vd, d).transpose(1, 2) @ wo  # (h, d_in, d_out)
             c = torch.einsum("hv,hvd->hd", attn.v.bias.view(h, vd), wo)  # (h, d_out)

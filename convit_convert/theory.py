@@ -46,24 +46,29 @@ def same_padding(kernel_size: int, dilation: int = 1) -> tuple[int, int]:
     return total // 2, total - total // 2
 
 
-def axis_offsets(kernel_size: int, patch_size: int, dilation: int = 1) -> list[int]:
-    """Patch offsets one axis of the kernel touches: {floor((t - left + D·k) / P)} over the patch's
-    pixels t ∈ [0, P) and taps k ∈ [0, K). Contiguous, [-ceil(left/P), ceil(right/P)], when D ≤ P."""
-    left, _ = same_padding(kernel_size, dilation)
-    taps = range(kernel_size)
-    return sorted({(t - left + dilation * k) // patch_size for t in range(patch_size) for k in taps})
-
-
-def offset_tap_share(kernel_size: int, patch_size: int, dilation: int = 1) -> dict[tuple[int, int], float]:
-    """The share of the (output pixel, kernel tap) pairs of a patch that read from the patch at
-    each offset δ: what a head pinned to δ carries, and what dropping it loses when the taps are
-    of equal size. Separable: the product of the two axes' shares."""
+def axis_reads(kernel_size: int, patch_size: int, dilation: int = 1) -> dict[int, int]:
+    """Per patch offset one axis of the kernel touches, floor((t - left + D·k) / P), how many
+    (pixel t ∈ [0, P), tap k ∈ [0, K)) pairs read from it."""
     left, _ = same_padding(kernel_size, dilation)
     count: dict[int, int] = {}
     for t in range(patch_size):
         for k in range(kernel_size):
             o = (t - left + dilation * k) // patch_size
             count[o] = count.get(o, 0) + 1
+    return count
+
+
+def axis_offsets(kernel_size: int, patch_size: int, dilation: int = 1) -> list[int]:
+    """Patch offsets one axis of the kernel touches (:func:`axis_reads`). Contiguous,
+    [-ceil(left/P), ceil(right/P)], when D ≤ P."""
+    return sorted(axis_reads(kernel_size, patch_size, dilation))
+
+
+def offset_tap_share(kernel_size: int, patch_size: int, dilation: int = 1) -> dict[tuple[int, int], float]:
+    """The share of the (output pixel, kernel tap) pairs of a patch that read from the patch at
+    each offset δ: what a head pinned to δ carries, and what dropping it loses when the taps are
+    of equal size. Separable: the product of the two axes' shares."""
+    count = axis_reads(kernel_size, patch_size, dilation)
     total = patch_size * kernel_size
     return {(dy, dx): count[dy] * count[dx] / total**2 for dy in sorted(count) for dx in sorted(count)}
 

@@ -79,7 +79,7 @@ def main() -> None:
                 d.mkdir(parents=True, exist_ok=True)
                 vit = d / "vit.safetensors"
                 if not vit.is_file():
-                    c = convert_checkpoint(ckpt, heads=n, approximate=True, calibration=calib, rule=rule,
+                    c = convert_checkpoint(ckpt, heads=n, approximate=True, calibrate=lambda _, c=calib: c, rule=rule,
                                            refit=refit, verify=False, seed=seed)  # fmt: skip
                     save_checkpoint(vit, c.config, c.tensors)
                 r = rows.setdefault((name, n), {"conv": [], "converted": [], "finetuned": []})

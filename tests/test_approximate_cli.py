@@ -138,3 +138,9 @@ def test_heads_checkpoint_sweep(tmp_path: Path) -> None:
     assert r.exit_code == 2 and "K = 5" in r.stderr
     r = run("heads")
     assert r.exit_code == 2 and "give --kernel and --patch, or --checkpoint" in r.stderr
+    for bad, why in (
+        (("--rule", "x"), "--rule must be one of"),
+        (("--heldout-images", "0"), "must be positive"),
+    ):
+        r = run("heads", "--checkpoint", FIXTURE, *bad)
+        assert r.exit_code == 2 and why in r.stderr and not r.stdout  # refused before anything is printed

@@ -16,7 +16,7 @@ from ..approximate import Calibration
 from ..config import ViTConfig
 from ..errors import CmhsaError
 from ..io.checkpoint import Checkpoint
-from .data import DATASETS, build_data, build_loader, build_transform, image_mode
+from .data import DATASETS, DataSpec, build_data, build_loader, build_transform, image_mode
 from .distributed import pick_device
 from .epoch import evaluate
 from .recipe import amp_dtype
@@ -31,17 +31,29 @@ class EvalReport:
     val_loss: float
 
 
+def _dataset(
+    cfg: ViTConfig, data: str, data_dir: str | None, *, download: bool = False, crop_pct: float, seed: int,
+    path: object = None, param: str = "data",
+) -> tuple[DataSpec, Any]:  # fmt: skip
+    """``data`` (the value of library parameter ``param``) for a model of ``cfg``, and the evaluation
+    transform for it; a dataset whose classes or images do not fit the model is refused."""
+    if data not in DATASETS:
+        raise CmhsaError(f"`{param}` must be one of {', '.join(DATASETS)}, got {data!r}")
+    spec = build_data(data, data_dir, cfg.img_size, download=download, num_classes=cfg.num_classes, seed=seed)
+    if spec.num_classes != cfg.num_classes:
+        msg = f"has {cfg.num_classes} classes but `{param}` {data} has {spec.num_classes}"
+        raise CmhsaError(msg if path else f"the model {msg}", path)
+    image_mode(cfg.in_chans, path)  # RGB or grey: the loader converts every image to it
+    return spec, build_transform(cfg.img_size, False, None, cfg.in_chans, crop_pct=crop_pct)
+
+
 def _val_loader(
     ckpt: Checkpoint, data: str, data_dir: str | None, download: bool, batch_size: int, dev: torch.device,
     workers: int, crop_pct: float, seed: int,
 ) -> tuple[torch.utils.data.DataLoader, int]:  # fmt: skip
     """The validation loader of ``data`` preprocessed for ``ckpt``'s model, and the split's size."""
     cfg = ckpt.config
-    spec = build_data(data, data_dir, cfg.img_size, download=download, num_classes=cfg.num_classes, seed=seed)
-    if spec.num_classes != cfg.num_classes:
-        raise CmhsaError(f"has {cfg.num_classes} classes but `data` {data} has {spec.num_classes}", ckpt.path)
-    image_mode(cfg.in_chans, ckpt.path)  # RGB or grey: the loader converts every image to it
-    tf = build_transform(cfg.img_size, False, None, cfg.in_chans, crop_pct=crop_pct)
+    spec, tf = _dataset(cfg, data, data_dir, download=download, crop_pct=crop_pct, seed=seed, path=ckpt.path)
     loader = build_loader(
         spec.val, tf, training=False, batch_size=batch_size, seed=seed, workers=workers,
         pin_memory=dev.type == "cuda", in_chans=cfg.in_chans,
@@ -97,13 +109,7 @@ def calibration_from_data(
     images with their labels, preprocessed as ``cmhsa eval`` does."""
     if images < 1 or heldout < 1:
         raise CmhsaError(f"`calib_images` and `heldout_images` must be positive, got {images} and {heldout}")
-    if data not in DATASETS:
-        raise CmhsaError(f"`calib` must be one of {', '.join(DATASETS)}, got {data!r}")
-    spec = build_data(data, data_dir, cfg.img_size, num_classes=cfg.num_classes, seed=seed)
-    if spec.num_classes != cfg.num_classes:
-        raise CmhsaError(f"the model has {cfg.num_classes} classes but `calib` {data} has {spec.num_classes}")
-    image_mode(cfg.in_chans)
-    tf = build_transform(cfg.img_size, False, None, cfg.in_chans, crop_pct=crop_pct)
+    spec, tf = _dataset(cfg, data, data_dir, crop_pct=crop_pct, seed=seed, param="calib")
     g = torch.Generator().manual_seed(seed)
     pick = torch.randperm(len(spec.train), generator=g)[: min(images, len(spec.train))].tolist()
 

@@ -68,13 +68,7 @@ def convert(
         raise CmhsaError("--calib and --data-dir calibrate an approximate conversion: add --approximate and --heads N")
 
     def calibrate(cfg: ViTConfig) -> Calibration:  # called only when an approximation needs images
-        from ..approximate import noise_calibration
-
-        if calib is None:
-            return noise_calibration(cfg, calib_images, heldout_images, seed)
-        from ..train.evaluate import calibration_from_data  # torchvision loads here, not before
-
-        return calibration_from_data(cfg, data=calib, data_dir=data_dir, images=calib_images, heldout=heldout_images, seed=seed)
+        return calibration(cfg, calib, data_dir, calib_images, heldout_images, seed)
 
     with console.status(f"Converting {escape(str(input))} and verifying on {batch} random images..."):
         r = convert_file(
@@ -100,6 +94,18 @@ def convert(
     print_written(r.passed, output, r.report_path, "verification")
     if not r.passed:
         raise typer.Exit(EXIT_FAIL)
+
+
+def calibration(cfg: ViTConfig, calib: str | None, data_dir: str | None, images: int, heldout: int,
+                seed: int) -> Calibration:  # fmt: skip
+    """``--calib D`` images from a dataset (torchvision loads only then), else N(0, 1) noise."""
+    if calib is None:
+        from ..approximate import noise_calibration
+
+        return noise_calibration(cfg, images, heldout, seed)
+    from ..train.evaluate import calibration_from_data
+
+    return calibration_from_data(cfg, data=calib, data_dir=data_dir, images=images, heldout=heldout, seed=seed)
 
 
 def print_approximation(a: Approximation) -> None:
@@ -228,6 +234,11 @@ def heads(
             raise CmhsaError(f"has K = {cfg.kernel_size}, P = {cfg.patch_size}; drop --kernel/--patch or match them", checkpoint)
         kernel, patch, dilation = cfg.kernel_size, cfg.patch_size, cfg.dilation
         channels = cfg.hidden_chans if channels is None else channels
+        from ..approximate import RULES
+
+        if rule not in RULES:  # bad input fails before anything is printed
+            raise CmhsaError(f"--rule must be one of {', '.join(RULES)}, got {rule!r}")
+        calib_set = calibration(cfg, calib, data_dir, calib_images, heldout_images, seed)
     if kernel is None or patch is None:
         raise CmhsaError("give --kernel and --patch, or --checkpoint")
     if min(kernel, patch, dilation) < 1 or (channels is not None and channels < 1):
@@ -252,29 +263,17 @@ def heads(
     )
     console.print(f"Patch offsets (dy, dx), one head each, row-major:\n{grid}")
     if ckpt is not None:
-        print_sweep(ckpt, rule, calib, data_dir, calib_images, heldout_images, seed)
+        print_sweep(ckpt, rule, calib_set, seed)
 
 
-def print_sweep(ckpt: Any, rule: str, calib: str | None, data_dir: str | None, images: int, heldout: int, seed: int) -> None:
+def print_sweep(ckpt: Any, rule: str, calib_set: Calibration, seed: int) -> None:
     """``heads --checkpoint``: the measured error of N heads, N = 1 … the bound."""
     from ..api import heads_sweep
 
-    cfg = ckpt.config
-    calibration = None
-    if calib is not None:
-        from ..train.evaluate import calibration_from_data
-
-        calibration = calibration_from_data(cfg, data=calib, data_dir=data_dir, images=images, heldout=heldout, seed=seed)
-    elif min(images, heldout) < 1:
-        raise CmhsaError(f"--calib-images and --heldout-images must be positive, got {images} and {heldout}")
-    else:
-        from ..approximate import noise_calibration
-
-        calibration = noise_calibration(cfg, images, heldout, seed)
-    with console.status(f"Converting with 1, 2, ... heads up to the bound, measuring each on {heldout} held-out images..."):
-        rows = heads_sweep(ckpt, calibration, rule=rule, seed=seed)
+    with console.status(f"Converting with 1, 2, ... heads up to the bound, measuring each on {len(calib_set.heldout)} held-out images..."):
+        rows = heads_sweep(ckpt, calib_set, rule=rule, seed=seed)
     table = Table(
-        title=f"{escape(str(ckpt.path))}: N heads per block (rule {rule}, W_O refit); calibration: {escape(calibration.source)}",
+        title=f"{escape(str(ckpt.path))}: N heads per block (rule {rule}, W_O refit); calibration: {escape(calib_set.source)}",
         title_justify="left",
     )
     labelled = rows[0]["conv_top1"] is not None
