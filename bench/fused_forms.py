@@ -2,10 +2,10 @@
 
     PYTHONPATH=. python bench/fused_forms.py [--batch 128] [--steps 8] [--no-compile]
 
-Each form computes the fused attention's [P_1 X̃, ..., P_h X̃] (convit_convert.model.head_products)
-its own way: "model" is the model's custom op, which torch.compile keeps whole; "plain_loop" is
-the same loop as plain torch code that inductor traces into; "cat" concatenates the heads'
-products. The model is the attention ViT at the paper's size (qk_dim 64), fused, bf16 autocast,
+Each form computes the fused attention's [P_1 X̃, ..., P_h X̃] its own way: "model" is the
+model's custom op (convit_convert.kernels.head_products), which torch.compile keeps whole;
+"plain_loop" is the same loop as plain torch code that inductor traces into; "cat" concatenates
+the heads' products. The model is the attention ViT at the paper's size (qk_dim 64), fused, bf16 autocast,
 inference_mode, against timm's deit_base_patch16_224 run the same way. Needs a CUDA device.
 """
 
@@ -19,6 +19,7 @@ from gpu_suite import cuda_ms  # bench/gpu_suite.py, beside this script
 
 import convit_convert.model as model_mod
 from convit_convert.config import ViTConfig
+from convit_convert.kernels import head_products_loop
 from convit_convert.model import VisionTransformer, fuse_attention
 
 
@@ -29,7 +30,7 @@ def cat(p: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 FORMS: dict[str, Callable] = {
     "model": model_mod.head_products,
-    "plain_loop": model_mod.head_products_loop,
+    "plain_loop": head_products_loop,
     "cat": cat,
 }
 

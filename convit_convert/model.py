@@ -25,6 +25,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from .config import ViTConfig
+from .kernels import head_products, head_values
 
 
 def patchify(x: torch.Tensor, patch_size: int) -> torch.Tensor:
@@ -223,8 +224,8 @@ class RelPosAttention(nn.Module):
         """(B, N, dim) -> (B, N, dim).
 
         Written out rather than through ``F.scaled_dot_product_attention``: no fused kernel takes an
-        arbitrary bias with v_dim = 768 (SDPA falls back to its math path). The keys and values are
-        padded with zeros to ``N_pad`` = N (+1 for the sink) rounded up to a multiple of 8:
+        arbitrary bias with v_dim = 768 (SDPA falls back to its math path). The keys are padded
+        with zeros to ``N_pad`` = N (+1 for the sink) rounded up to a multiple of 8:
 
             weights = softmax([q k^T / sqrt(qk_dim) + B,  s_h,  −inf ...])    (B, h, N, N_pad)
 
@@ -233,13 +234,13 @@ class RelPosAttention(nn.Module):
         every row of the (B, h, N, ·) logits and weights 16-byte aligned, so cuBLAS runs its aligned
         kernels for q k^T and P·V and their gradients (N = 196 rows of bf16 are not). The logits
         stay in float32 under autocast (the float32 bias promotes them). bench/gpu_suite.py
-        measures the forms against each other.
+        measures the forms against each other. The padded keys' values are zero, so P·V
+        (:data:`attend_values`) needs only the weights' first N columns.
         """
         q, k, v = self.qkv(x, pad_sink=False)
         n = x.shape[1]
         npad = padded_keys(n, self.sink is not None and self.gate is None)
-        k, v = F.pad(k, (0, 0, 0, npad - n)), F.pad(v, (0, 0, 0, npad - n))  # v: the copy P·V needs anyway
-        qk = (q @ k.transpose(-2, -1)) * self.qk_dim**-0.5
+        qk = (q @ F.pad(k, (0, 0, 0, npad - n)).transpose(-2, -1)) * self.qk_dim**-0.5
         if self.gate is None:
             weights = (qk + self.padded_bias()).softmax(dim=-1)
         else:
@@ -248,7 +249,28 @@ class RelPosAttention(nn.Module):
             weights = (1 - g) * F.pad(self.positional_weights(), (0, npad - n)) + g * content
         if self.record is not None:
             self.record.append(weights[..., :n].detach())
-        return self.merge_heads(weights.to(v.dtype) @ v)
+        return self.proj(attend_values(weights.to(v.dtype), v))
+
+
+def attend_values_padded(weights: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """(B, h, N, N_pad) weights and (B, h, N, v_dim) values -> (B, N, h·v_dim) = [P_1 V_1, ...]:
+    values padded with zero rows to N_pad, one batched product, heads merged. Padding and merging
+    each copy the values' size (the (B, N, h·v_dim) ↔ (B, h, N, v_dim) layouts)."""
+    b, _, n, _ = v.shape
+    v = F.pad(v, (0, 0, 0, weights.shape[-1] - n))
+    return (weights @ v).transpose(1, 2).reshape(b, n, -1)
+
+
+def attend_values_by_head(weights: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """:func:`attend_values_padded` through the custom op :data:`~convit_convert.kernels.head_values`:
+    each head's product reads its values and writes its result in place (no layout copies), the
+    padded keys' zero values skipped."""
+    b, _, n, _ = v.shape
+    return head_values(weights, v.transpose(1, 2).reshape(b, n, -1))  # a view: v's own layout
+
+
+# The form RelPosAttention.forward uses: bench/train_forms.py times both on a GPU.
+attend_values = attend_values_padded
 
 
 def aligned(n: int) -> int:
@@ -581,46 +603,6 @@ class FusedRelPosAttention(nn.Module):
             p = self.mixed_pos + self.g * p
         z = head_products(p.to(dtype), xa)  # (B, N, h·d̃): [P_1 X̃, ..., P_h X̃]
         return torch.addmm(self.proj_bias.to(dtype), z.view(b * n, -1), self.u.to(dtype)).view(b, n, d)
-
-
-def head_products_loop(p: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """(B, h, N, K) weights and (B, K, e) rows -> (B, N, h·e) = [P_1 X, ..., P_h X]. Each head's
-    product reads its weights in place and writes its column block of the result, so nothing is
-    copied. Called through the custom op :data:`head_products`."""
-    b, h, n, _ = p.shape
-    e = x.shape[-1]
-    z = x.new_empty(b, n, h * e)
-    for i in range(h):
-        z[:, :, i * e : (i + 1) * e].baddbmm_(p[:, i], x, beta=0)
-    return z
-
-
-# A custom op so that torch.compile keeps the loop whole: traced, inductor copied every head's
-# weights into a block of its own, which made the compiled fused model 2.1x slower (BENCHMARKS.md:
-# 5095 against 10958 images/s on an H100).
-head_products = torch.library.custom_op(
-    "cmhsa::head_products", mutates_args=(), schema="(Tensor p, Tensor x) -> Tensor"
-)(head_products_loop)
-
-
-@head_products.register_fake
-def _(p: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    return x.new_empty(p.shape[0], p.shape[2], p.shape[1] * x.shape[2])
-
-
-def _head_products_setup(ctx: Any, inputs: tuple[torch.Tensor, torch.Tensor], output: torch.Tensor) -> None:
-    ctx.save_for_backward(*inputs)
-
-
-def _head_products_backward(ctx: Any, gz: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """z_h = P_h X:  dP_h = dZ_h X^T,  dX = Σ_h P_h^T dZ_h."""
-    p, x = ctx.saved_tensors
-    b, h, n, _ = p.shape
-    gz = gz.view(b, n, h, x.shape[-1]).transpose(1, 2)  # (B, h, N, e)
-    return gz @ x.unsqueeze(1).transpose(-2, -1), (p.transpose(-2, -1) @ gz).sum(1)
-
-
-head_products.register_autograd(_head_products_backward, setup_context=_head_products_setup)
 
 
 @torch.no_grad()

@@ -1,0 +1,118 @@
+"""Forms of the training attention's P·V, timed in training steps of the paper-size phase-2 model.
+
+    PYTHONPATH=. python bench/train_forms.py --device cuda [--batch 128] [--no-compile] [--profile]
+    PYTHONPATH=. python bench/train_forms.py                # CPU: batch 8, 2 threads, eager
+
+Each form is a value of convit_convert.model.attend_values (the one RelPosAttention.forward calls):
+"padded" pads the values to N_pad keys and multiplies all heads in one batched product, which
+costs two copies of the values' size each way (the (B, N, h·v_dim) ↔ (B, h, N, v_dim) layouts);
+"by_head" is the custom op convit_convert.kernels.head_values, each head's product read and
+written in place. The model is the attention ViT at the paper's size, qk_dim 64 (and 768 with
+--qk-dims), one step = forward, SoftTargetCrossEntropy, backward, AdamW (bench/train_step.py);
+on CUDA bf16 autocast and TF32, MFU against the H100's dense bf16 peak. The first step's loss of
+each form is printed beside the first form's: the forms are one function.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from collections.abc import Callable
+
+import torch
+from train_step import H100_BF16_TFLOPS, time_steps  # bench/train_step.py, beside this script
+
+import convit_convert.model as model_mod
+from convit_convert.config import ViTConfig
+from convit_convert.model import VisionTransformer
+
+FORMS: dict[str, Callable] = {
+    "padded": model_mod.attend_values_padded,
+    "by_head": model_mod.attend_values_by_head,
+}
+
+
+def first_loss(cfg: ViTConfig, dev: torch.device, dtype: torch.dtype | None, batch: int) -> float:
+    """The loss of the freshly initialised model (seed 0) on one fixed batch."""
+    torch.manual_seed(0)
+    model = VisionTransformer(cfg).to(dev)
+    x = torch.randn(batch, 3, *cfg.img_size, generator=torch.Generator().manual_seed(1)).to(dev)
+    with torch.no_grad(), torch.autocast(dev.type, dtype=dtype, enabled=dtype is not None):
+        return model(x).float().logsumexp(-1).mean().item()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--batch", type=int, default=None, help="Default: 128 on CUDA, 8 on CPU.")
+    ap.add_argument("--steps", type=int, default=None, help="Timed steps. Default: 10 on CUDA, 3 on CPU.")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2, help="CPU threads.")
+    ap.add_argument("--no-compile", action="store_true", help="Eager only (always so on CPU).")
+    ap.add_argument("--qk-dims", default="64", help="Comma list of the models' qk_dim.")
+    ap.add_argument("--forms", default=",".join(FORMS), help=f"Comma list of {', '.join(FORMS)}.")
+    ap.add_argument("--profile", action="store_true", help="CUDA: also the top kernels of each compiled run.")
+    args = ap.parse_args()
+    dev = torch.device(args.device)
+    cuda = dev.type == "cuda"
+    batch = args.batch or (128 if cuda else 8)
+    steps = args.steps or (10 if cuda else 3)
+    dtype = torch.bfloat16 if cuda else None
+    if cuda:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+        print(f"device: {torch.cuda.get_device_name(dev)}, torch {torch.__version__}")
+    else:
+        torch.set_num_threads(args.threads)
+        print(f"device: CPU, {args.threads} threads, torch {torch.__version__}")
+    unknown = [f for f in args.forms.split(",") if f not in FORMS]
+    if unknown:
+        ap.error(f"unknown form(s) {unknown}; choose from {', '.join(FORMS)}")
+    default = model_mod.attend_values
+    try:
+        for qk in [int(q) for q in args.qk_dims.split(",")]:
+            cfg = ViTConfig.build().with_attention(9, qk_dim=qk)
+            for compiled in (False, True) if cuda and not args.no_compile else (False,):
+                ref = None
+                for name in args.forms.split(","):
+                    model_mod.attend_values = FORMS[name]
+                    torch._dynamo.reset()  # compiled code is cached by code object, not by the patched function
+                    loss = first_loss(cfg, dev, dtype, min(batch, 8))
+                    ref = loss if ref is None else ref
+                    torch.manual_seed(0)
+                    t = time_steps(
+                        VisionTransformer(cfg, drop_path_rate=0.1), img_size=cfg.img_size,
+                        num_classes=cfg.num_classes, batch=batch, steps=steps, warmup=args.warmup,
+                        compile=compiled, dev=dev, dtype=dtype,
+                    )  # fmt: skip
+                    med = statistics.median(t.times)
+                    mfu = f", MFU {100 * t.flops / med / (H100_BF16_TFLOPS * 1e12):.1f}%" if cuda else ""
+                    print(f"qk_dim {qk:3d} {name:8s} {'compiled' if compiled else 'eager':8s} "
+                          f"{med * 1e3:8.1f} ms/step  {batch / med:7.1f} img/s{mfu}  "
+                          f"first loss {loss:.6f} (first form {ref:.6f})", flush=True)  # fmt: skip
+                    if args.profile and compiled:
+                        profile(cfg, dev, batch)
+                    if cuda:
+                        torch.cuda.empty_cache()
+    finally:
+        model_mod.attend_values = default
+
+
+def profile(cfg: ViTConfig, dev: torch.device, batch: int) -> None:
+    """The top CUDA kernels over 3 compiled training steps (after 2 warm-up) of the current form."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    torch.manual_seed(0)
+    model = VisionTransformer(cfg, drop_path_rate=0.1).to(dev)
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        time_steps(
+            model, img_size=cfg.img_size, num_classes=cfg.num_classes, batch=batch, steps=3, warmup=2,
+            compile=True, dev=dev, dtype=torch.bfloat16,
+        )  # fmt: skip
+    events = sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total)
+    for e in events[:14]:  # 6 steps profiled: the counted one, 2 warm-up, 3 timed
+        print(f"    {e.self_device_time_total / 6e3:7.3f} ms/step {e.count // 6:4d} calls  {e.key[:100]}")
+
+
+if __name__ == "__main__":
+    main()
