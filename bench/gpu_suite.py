@@ -300,7 +300,9 @@ def cuda_ms(fn: Callable[[], Any], warmup: int, iters: int) -> float:
     return statistics.median(times)
 
 
-def bench_models(kinds: list[str], exclude: tuple[str, ...] = ("gated",)) -> dict[str, Callable[[], Any]]:
+def bench_models(
+    kinds: list[str], exclude: tuple[str, ...] = ("gated", "free")
+) -> dict[str, Callable[[], Any]]:
     """Paper-size models by label (those whose label contains one of ``kinds`` and none of
     ``exclude``); timm's DeiTs at 100 classes."""
     import timm
@@ -320,6 +322,9 @@ def bench_models(kinds: list[str], exclude: tuple[str, ...] = ("gated",)) -> dic
         ),
         "phase 2: AttnViT qk_dim 64, gated pinning": lambda: VisionTransformer(
             conv.with_attention(9, qk_dim=64, pinning="gated"), drop_path_rate=0.1
+        ),
+        "phase 2: AttnViT qk_dim 64, 12 heads (3 free)": lambda: VisionTransformer(
+            conv.with_attention(12, qk_dim=64), drop_path_rate=0.1
         ),
         "timm deit_base_patch16_224": lambda: timm.create_model(
             "deit_base_patch16_224", num_classes=100, drop_path_rate=0.1

@@ -1,23 +1,23 @@
-"""Forms of the training attention's P·V, timed in training steps of the paper-size phase-2 model.
+"""Forms of the training attention's products, timed in training steps of the paper-size phase-2 model.
 
     PYTHONPATH=. python bench/train_forms.py --device cuda [--batch 128] [--no-compile] [--profile]
     PYTHONPATH=. python bench/train_forms.py                # CPU: batch 8, 2 threads, eager
 
-Each form is a value of convit_convert.model.attend_values (the one RelPosAttention.forward calls):
-"padded" pads the values to N_pad keys and multiplies all heads in one batched product, which
-costs two copies of the values' size each way (the (B, N, h·v_dim) ↔ (B, h, N, v_dim) layouts);
-"by_head" is the custom op convit_convert.kernels.head_values, each head's product read and
-written in place. The model is the attention ViT at the paper's size, qk_dim 64 (and 768 with
---qk-dims), one step = forward, SoftTargetCrossEntropy, backward, AdamW (bench/train_step.py);
-on CUDA bf16 autocast and TF32, MFU against the H100's dense bf16 peak. The first step's loss of
-each form is printed beside the first form's: the forms are one function.
+Each form is a convit_convert.model.AttentionForm (RelPosAttention.forward uses
+``model.attention_form``): "padded" splits the heads out of the (B, N, h·e) projections, pads the
+keys and values to N_pad and multiplies all heads in one batched product per side, which costs
+copies of q, k and the values (and their gradients) between the (B, N, h·e) and (B, h, N, e)
+layouts; "by_head" is the custom ops convit_convert.kernels.head_logits and head_values, each
+head's product read and written in place. The model is the attention ViT at the paper's size,
+qk_dim 64 (and 768 with --qk-dims); one step = forward, SoftTargetCrossEntropy, backward, AdamW
+(bench/train_step.py); on CUDA bf16 autocast and TF32, MFU against the H100's dense bf16 peak.
+The first step's loss of each form is printed beside the first form's: the forms are one function.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-from collections.abc import Callable
 
 import torch
 from train_step import H100_BF16_TFLOPS, time_steps  # bench/train_step.py, beside this script
@@ -26,10 +26,7 @@ import convit_convert.model as model_mod
 from convit_convert.config import ViTConfig
 from convit_convert.model import VisionTransformer
 
-FORMS: dict[str, Callable] = {
-    "padded": model_mod.attend_values_padded,
-    "by_head": model_mod.attend_values_by_head,
-}
+FORMS: dict[str, model_mod.AttentionForm] = {"padded": model_mod.PADDED, "by_head": model_mod.BY_HEAD}
 
 
 def first_loss(cfg: ViTConfig, dev: torch.device, dtype: torch.dtype | None, batch: int) -> float:
@@ -67,14 +64,14 @@ def main() -> None:
     unknown = [f for f in args.forms.split(",") if f not in FORMS]
     if unknown:
         ap.error(f"unknown form(s) {unknown}; choose from {', '.join(FORMS)}")
-    default = model_mod.attend_values
+    default = model_mod.attention_form
     try:
         for qk in [int(q) for q in args.qk_dims.split(",")]:
             cfg = ViTConfig.build().with_attention(9, qk_dim=qk)
             for compiled in (False, True) if cuda and not args.no_compile else (False,):
                 ref = None
                 for name in args.forms.split(","):
-                    model_mod.attend_values = FORMS[name]
+                    model_mod.attention_form = FORMS[name]
                     torch._dynamo.reset()  # compiled code is cached by code object, not by the patched function
                     loss = first_loss(cfg, dev, dtype, min(batch, 8))
                     ref = loss if ref is None else ref
@@ -94,7 +91,7 @@ def main() -> None:
                     if cuda:
                         torch.cuda.empty_cache()
     finally:
-        model_mod.attend_values = default
+        model_mod.attention_form = default
 
 
 def profile(cfg: ViTConfig, dev: torch.device, batch: int) -> None:

@@ -17,7 +17,8 @@ Token layout: patches in row-major order; a patch is flattened channel-last, fea
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +26,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from .config import ViTConfig
-from .kernels import head_products, head_values
+from .kernels import head_logits, head_products, head_values
 
 
 def patchify(x: torch.Tensor, patch_size: int) -> torch.Tensor:
@@ -234,13 +235,13 @@ class RelPosAttention(nn.Module):
         every row of the (B, h, N, ·) logits and weights 16-byte aligned, so cuBLAS runs its aligned
         kernels for q k^T and P·V and their gradients (N = 196 rows of bf16 are not). The logits
         stay in float32 under autocast (the float32 bias promotes them). bench/gpu_suite.py
-        measures the forms against each other. The padded keys' values are zero, so P·V
-        (:data:`attend_values`) needs only the weights' first N columns.
+        measures the forms against each other. The two products, q k^T and P·V, are computed
+        by :data:`attention_form` (``PADDED`` unless set).
         """
-        q, k, v = self.qkv(x, pad_sink=False)
         n = x.shape[1]
         npad = padded_keys(n, self.sink is not None and self.gate is None)
-        qk = (q @ F.pad(k, (0, 0, 0, npad - n)).transpose(-2, -1)) * self.qk_dim**-0.5
+        form = attention_form
+        qk = form.logits(self.q(x), self.k(x), self.num_heads, npad) * self.qk_dim**-0.5
         if self.gate is None:
             weights = (qk + self.padded_bias()).softmax(dim=-1)
         else:
@@ -249,28 +250,49 @@ class RelPosAttention(nn.Module):
             weights = (1 - g) * F.pad(self.positional_weights(), (0, npad - n)) + g * content
         if self.record is not None:
             self.record.append(weights[..., :n].detach())
-        return self.proj(attend_values(weights.to(v.dtype), v))
+        v = self.v(x)
+        return self.proj(form.values(weights.to(v.dtype), v))
 
 
-def attend_values_padded(weights: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """(B, h, N, N_pad) weights and (B, h, N, v_dim) values -> (B, N, h·v_dim) = [P_1 V_1, ...]:
-    values padded with zero rows to N_pad, one batched product, heads merged. Padding and merging
-    each copy the values' size (the (B, N, h·v_dim) ↔ (B, h, N, v_dim) layouts)."""
-    b, _, n, _ = v.shape
-    v = F.pad(v, (0, 0, 0, weights.shape[-1] - n))
+class AttentionForm(NamedTuple):
+    """How :meth:`RelPosAttention.forward` computes its two products from the projections, each
+    (B, N, h·e) as ``nn.Linear`` makes them (head h is column block h):
+
+    - ``logits(q, k, heads, keys)`` -> (B, h, N, keys): Q_h K_h^T, zero in the columns past N (the
+      sink and the alignment padding are zero keys);
+    - ``values(weights, v)`` -> (B, N, h·v_dim): [P_1 V_1, ..., P_h V_h] with the weights' first N
+      columns (the padded keys' values are zero).
+    """
+
+    logits: Callable[[torch.Tensor, torch.Tensor, int, int], torch.Tensor]
+    values: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def logits_padded(q: torch.Tensor, k: torch.Tensor, heads: int, keys: int) -> torch.Tensor:
+    """Heads split to (B, h, N, e), keys padded with zero rows, one batched product."""
+    b, n, _ = q.shape
+    q = q.view(b, n, heads, -1).transpose(1, 2)
+    k = F.pad(k.view(b, n, heads, -1).transpose(1, 2), (0, 0, 0, keys - n))
+    return q @ k.transpose(-2, -1)
+
+
+def values_padded(weights: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Values split to (B, h, N, v_dim) and padded with zero rows, one batched product, heads
+    merged. Padding and merging each copy the values' size."""
+    b, h, n, keys = weights.shape
+    v = F.pad(v.view(b, n, h, -1).transpose(1, 2), (0, 0, 0, keys - n))
     return (weights @ v).transpose(1, 2).reshape(b, n, -1)
 
 
-def attend_values_by_head(weights: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """:func:`attend_values_padded` through the custom op :data:`~convit_convert.kernels.head_values`:
-    each head's product reads its values and writes its result in place (no layout copies), the
-    padded keys' zero values skipped."""
-    b, _, n, _ = v.shape
-    return head_values(weights, v.transpose(1, 2).reshape(b, n, -1))  # a view: v's own layout
-
-
-# The form RelPosAttention.forward uses: bench/train_forms.py times both on a GPU.
-attend_values = attend_values_padded
+# Batched products over heads split out of (B, N, h·e): the layout copies around them are the
+# compiled training step's largest non-GEMM cost on an H100 (BENCHMARKS.md).
+PADDED = AttentionForm(logits_padded, values_padded)
+# Per-head products read and written in place by custom ops (convit_convert.kernels): no copies.
+BY_HEAD = AttentionForm(head_logits, head_values)
+# The form the model uses. PADDED until a GPU has compared the two (bench/train_forms.py): on the
+# CPU, BY_HEAD took 0.90x (qk_dim 64) and 0.72x (qk_dim 768) PADDED's time per training step at the
+# paper's size, but 1.04-1.29x on the digits demo's model, where its per-head calls dominate.
+attention_form: AttentionForm = PADDED
 
 
 def aligned(n: int) -> int:

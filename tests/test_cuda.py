@@ -174,3 +174,42 @@ def _metrics(run_dir: Path) -> list[dict[str, float]]:
 
     with open(run_dir / "metrics.csv") as f:
         return [{k: float(v) for k, v in r.items()} for r in csv.DictReader(f)]
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_attention_forms_agree_on_cuda(monkeypatch: pytest.MonkeyPatch, compiled: bool) -> None:
+    """The by-head custom ops (model.BY_HEAD) against the padded batched products (model.PADDED) on
+    CUDA, eager and through inductor, float32 with TF32 off: outputs and every gradient of a
+    gated layer (both softmaxes) and a hard one with a sink (padded key columns). 1e-5: both are
+    float32 GEMMs over the same products, summed in different orders (fp32 unit roundoff 6e-8)."""
+    tf32, torch.backends.cuda.matmul.allow_tf32 = torch.backends.cuda.matmul.allow_tf32, False
+    try:
+        forms_agree(monkeypatch, compiled)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+
+
+def forms_agree(monkeypatch: pytest.MonkeyPatch, compiled: bool) -> None:
+    import convit_convert.model as model_mod
+    from convit_convert.model import RelPosAttention
+
+    for gated in (False, True):
+        torch.manual_seed(0)
+        attn = RelPosAttention(48, (7, 7), num_heads=9, qk_dim=16, v_dim=48, gated=gated).cuda()
+        for t in attn.parameters():
+            torch.nn.init.normal_(t, std=0.3)
+        if gated:
+            torch.nn.init.constant_(attn.gate, 0.5)
+        x = torch.randn(4, 49, 48, device="cuda")
+        results = []
+        for form in (model_mod.PADDED, model_mod.BY_HEAD):
+            monkeypatch.setattr(model_mod, "attention_form", form)
+            torch._dynamo.reset()
+            fn = torch.compile(attn) if compiled else attn
+            attn.zero_grad()
+            out = fn(x)
+            out.square().sum().backward()
+            results.append(
+                torch.cat([out.detach().flatten()] + [t.grad.flatten() for t in attn.parameters()])
+            )
+        assert rel_err(results[1], results[0]) < 1e-5, gated

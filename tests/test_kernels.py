@@ -10,7 +10,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import convit_convert.model as model_mod
 from conftest import rel_err
-from convit_convert.kernels import head_products, head_values, head_values_grad
+from convit_convert.kernels import head_logits, head_logits_grad, head_products, head_values, head_values_grad
 from convit_convert.model import RelPosAttention
 
 
@@ -41,37 +41,76 @@ def test_head_values_against_einsum_and_gradcheck() -> None:
     assert torch.autograd.gradcheck(head_values, (p, v))  # also: dP is 0 in the skipped columns
 
 
-@pytest.mark.parametrize("op", ["head_values", "head_values_grad"])
-def test_head_values_opcheck(op: str) -> None:
+def logits_inputs(dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Queries for N = 5 patches, keys for M = 5 of L = 8 columns, 3 heads of width 4."""
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 5, 12, generator=g, dtype=dtype, requires_grad=True)
+    k = torch.randn(2, 5, 12, generator=g, dtype=dtype, requires_grad=True)
+    return q, k
+
+
+def test_head_logits_against_einsum_and_gradcheck() -> None:
+    q, k = logits_inputs()
+    ref = torch.einsum("bnhe,bmhe->bhnm", q.view(2, 5, 3, 4), k.view(2, 5, 3, 4))
+    s = head_logits(q, k, 3, 8)
+    assert s.shape == (2, 3, 5, 8)
+    assert torch.allclose(s[..., :5], ref, rtol=0, atol=1e-12)
+    assert (s[..., 5:] == 0).all()  # the zero keys' columns
+    assert torch.autograd.gradcheck(lambda q, k: head_logits(q, k, 3, 8), (q, k))
+
+
+OPCHECKS = {
+    "head_values": lambda: (head_values, values_inputs(torch.float32)),
+    "head_values_grad": lambda: (
+        head_values_grad,
+        (torch.randn(2, 5, 12), *(t.detach() for t in values_inputs(torch.float32))),
+    ),
+    "head_logits": lambda: (head_logits, (*logits_inputs(torch.float32), 3, 8)),
+    "head_logits_grad": lambda: (
+        head_logits_grad,
+        (torch.randn(2, 3, 5, 8), *(t.detach() for t in logits_inputs(torch.float32))),
+    ),
+}
+
+
+@pytest.mark.parametrize("op", OPCHECKS)
+def test_training_ops_opcheck(op: str) -> None:
     """Fake-tensor kernels, autograd registration and AOT dispatch: what torch.compile traces."""
-    p, v = values_inputs(torch.float32)
-    if op == "head_values":
-        checks = torch.library.opcheck(head_values, (p, v))
-    else:
-        checks = torch.library.opcheck(head_values_grad, (torch.randn(2, 5, 12), p.detach(), v.detach()))
+    fn, args = OPCHECKS[op]()
+    checks = torch.library.opcheck(fn, args)
     assert all(r == "SUCCESS" for r in checks.values()), checks
 
 
-def test_head_values_flops_equal_per_head_bmm() -> None:
-    """The FLOP counter (bench MFU) sees the op, not its bmms: its formulas must count what the
+def test_flop_formulas_equal_per_head_bmm() -> None:
+    """The FLOP counter (bench MFU) sees the ops, not their bmms: the formulas must count what the
     same products count written as plain per-head bmm, forward and backward."""
 
-    def plain(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def plain_values(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return torch.cat([torch.bmm(p[:, i, :, :6], v[:, :, 4 * i : 4 * i + 4]) for i in range(3)], -1)
 
-    counts = []
-    for fn in (head_values, plain):
-        p, v = values_inputs()
-        with FlopCounterMode(display=False) as fc:
-            fn(p, v).sum().backward()
-        counts.append(fc.get_total_flops())
-    assert counts[0] == counts[1] == 3 * 2 * 2 * 5 * 6 * 12
+    def plain_logits(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        return torch.stack(
+            [torch.bmm(q[..., 4 * i : 4 * i + 4], k[..., 4 * i : 4 * i + 4].mT) for i in range(3)], 1
+        )
+
+    cases = [
+        ((head_values, plain_values), values_inputs, 3 * 2 * 2 * 5 * 6 * 12),
+        ((lambda q, k: head_logits(q, k, 3, 8), plain_logits), logits_inputs, 3 * 2 * 2 * 5 * 5 * 12),
+    ]
+    for fns, inputs, expected in cases:
+        counts = []
+        for fn in fns:
+            a, b = inputs()
+            with FlopCounterMode(display=False) as fc:
+                fn(a, b).sum().backward()
+            counts.append(fc.get_total_flops())
+        assert counts[0] == counts[1] == expected
 
 
 @pytest.mark.parametrize("gated", [False, True])
 def test_value_forms_agree_in_the_model(monkeypatch: pytest.MonkeyPatch, gated: bool) -> None:
-    """RelPosAttention with P·V by head (custom op) and by padding (batched bmm): outputs and every
-    parameter's gradient agree (float64)."""
+    """RelPosAttention with its products by head (custom ops) and padded (batched bmm): outputs
+    and every parameter's gradient agree (float64)."""
     torch.manual_seed(0)
     attn = RelPosAttention(12, (4, 4), num_heads=3, qk_dim=4, v_dim=5, gated=gated).double()
     for t in attn.parameters():
@@ -80,8 +119,8 @@ def test_value_forms_agree_in_the_model(monkeypatch: pytest.MonkeyPatch, gated: 
         torch.nn.init.constant_(attn.gate, 0.5)
     x = torch.randn(2, 16, 12, dtype=torch.float64)
     results = []
-    for form in (model_mod.attend_values_padded, model_mod.attend_values_by_head):
-        monkeypatch.setattr(model_mod, "attend_values", form)
+    for form in (model_mod.PADDED, model_mod.BY_HEAD):
+        monkeypatch.setattr(model_mod, "attention_form", form)
         attn.zero_grad()
         out = attn(x)
         out.square().sum().backward()
@@ -102,8 +141,8 @@ def test_by_head_form_traces_whole(monkeypatch: pytest.MonkeyPatch) -> None:
         torch.nn.init.normal_(t, std=0.5)
     x = torch.randn(2, 16, 12)
     results = []
-    for form, compiled in ((model_mod.attend_values_padded, False), (model_mod.attend_values_by_head, True)):
-        monkeypatch.setattr(model_mod, "attend_values", form)
+    for form, compiled in ((model_mod.PADDED, False), (model_mod.BY_HEAD, True)):
+        monkeypatch.setattr(model_mod, "attention_form", form)
         torch._dynamo.reset()
         fn = torch.compile(attn, backend="aot_eager", fullgraph=True) if compiled else attn
         attn.zero_grad()
