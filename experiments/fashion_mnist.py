@@ -1,6 +1,7 @@
 """The paper's comparisons on real data at CPU scale: Fashion-MNIST, equal total epochs, several seeds.
 
     python experiments/fashion_mnist.py [--epochs 8] [--seeds 0 1] [--train-samples 4000] [--out experiments/out/fmnist]
+                                        [--data-dir DIR] [--compile]
 
 Fashion-MNIST (Debian's dataset-fashion-mnist: 60k / 10k, 28×28 grey, 10 classes), a fixed seeded
 subset of the training images, the full 10k validation images. The model: 28 px, P = 4 (a 7×7 grid),
@@ -69,6 +70,9 @@ def main() -> None:
     ap.add_argument(
         "--compile", action="store_true", help="torch.compile the models (on a GPU; the device is auto)"
     )
+    ap.add_argument(
+        "--data-dir", default=None, help="Folder of the four IDX .gz files (default: Debian's package's)."
+    )
     args = ap.parse_args()
     torch.set_num_threads(2)
     e, half = args.epochs, args.epochs // 2
@@ -78,8 +82,9 @@ def main() -> None:
         for seed in args.seeds:
             d = args.out / f"warmup{warm}" / f"seed{seed}"
             common = dict(
-                seed=seed, warmup_epochs=warm, train_samples=args.train_samples, compile=args.compile
-            )
+                seed=seed, warmup_epochs=warm, train_samples=args.train_samples, compile=args.compile,
+                data_dir=args.data_dir,
+            )  # fmt: skip
             res = {
                 "phase 1 only": train(d / "phase1-only", phase="phase1", epochs=e, lr=LR_SCRATCH, **common),
                 "phase 2 only (random init)": train(
