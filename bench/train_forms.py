@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python bench/train_forms.py --device cuda [--batch 128] [--no-compile] [--profile]
     PYTHONPATH=. python bench/train_forms.py                # CPU: batch 8, 2 threads, eager
+    PYTHONPATH=. python bench/train_forms.py --model digits # the README demo's model: batch 64, 20 steps
 
 Each form is a convit_convert.model.AttentionForm (RelPosAttention.forward uses
 ``model.attention_form``): "padded" splits the heads out of the (B, N, h·e) projections, pads the
@@ -46,14 +47,22 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2, help="CPU threads.")
     ap.add_argument("--no-compile", action="store_true", help="Eager only (always so on CPU).")
-    ap.add_argument("--qk-dims", default="64", help="Comma list of the models' qk_dim.")
+    ap.add_argument(
+        "--model",
+        choices=("paper", "digits"),
+        default="paper",
+        help="paper: 224 px, P 16, d 768, depth 6, K 5; digits: the README demo's (32 px, P 4, "
+        "d 48, depth 2, K 5, gated pinning, 10 classes).",
+    )
+    ap.add_argument("--qk-dims", default="64", help="Comma list of the models' qk_dim (paper model).")
     ap.add_argument("--forms", default=",".join(FORMS), help=f"Comma list of {', '.join(FORMS)}.")
     ap.add_argument("--profile", action="store_true", help="CUDA: also the top kernels of each compiled run.")
     args = ap.parse_args()
     dev = torch.device(args.device)
     cuda = dev.type == "cuda"
-    batch = args.batch or (128 if cuda else 8)
-    steps = args.steps or (10 if cuda else 3)
+    digits = args.model == "digits"
+    batch = args.batch or (64 if digits else 128 if cuda else 8)
+    steps = args.steps or (20 if digits else 10 if cuda else 3)
     dtype = torch.bfloat16 if cuda else None
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
@@ -66,8 +75,13 @@ def main() -> None:
         ap.error(f"unknown form(s) {unknown}; choose from {', '.join(FORMS)}")
     default = model_mod.attention_form
     try:
-        for qk in [int(q) for q in args.qk_dims.split(",")]:
-            cfg = ViTConfig.build().with_attention(9, qk_dim=qk)
+        small = ViTConfig.build(img_size=32, patch_size=4, depth=2, num_classes=10)
+        for qk in [48] if digits else [int(q) for q in args.qk_dims.split(",")]:
+            cfg = (
+                small.with_attention(9, pinning="gated")
+                if digits
+                else ViTConfig.build().with_attention(9, qk_dim=qk)
+            )
             for compiled in (False, True) if cuda and not args.no_compile else (False,):
                 ref = None
                 for name in args.forms.split(","):

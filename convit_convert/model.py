@@ -291,7 +291,7 @@ PADDED = AttentionForm(logits_padded, values_padded)
 BY_HEAD = AttentionForm(head_logits, head_values)
 # The form the model uses. PADDED until a GPU has compared the two (bench/train_forms.py): on the
 # CPU, BY_HEAD took 0.90x (qk_dim 64) and 0.72x (qk_dim 768) PADDED's time per training step at the
-# paper's size, but 1.04-1.29x on the digits demo's model, where its per-head calls dominate.
+# paper's size, but 1.09x on the README digits demo's model, where its per-head calls dominate.
 attention_form: AttentionForm = PADDED
 
 
