@@ -15,7 +15,7 @@ import argparse
 from collections.abc import Callable
 
 import torch
-from gpu_suite import cuda_ms  # bench/gpu_suite.py, beside this script
+from gpu_suite import cuda_ms, print_top_kernels  # bench/gpu_suite.py, beside this script
 
 import convit_convert.model as model_mod
 from convit_convert.config import ViTConfig
@@ -82,11 +82,7 @@ def main() -> None:
                     for _ in range(3):
                         fwd()
                     torch.cuda.synchronize()
-                events = sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total)
-                for e in events[:14]:
-                    print(
-                        f"    {e.self_device_time_total / 3e3:7.3f} ms/pass {e.count // 3:4d} calls  {e.key[:100]}"
-                    )
+                print_top_kernels(prof, 3, "pass")
             del model, fn
             torch.cuda.empty_cache()
     model_mod.head_products = FORMS["model"]

@@ -399,6 +399,28 @@ def train_goals(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return goals
 
 
+def top_kernels(prof: Any, count: int = 12, passes: int = 1) -> list[dict[str, Any]]:
+    """The ``count`` CUDA kernels with the most self time in a torch.profiler run over ``passes``
+    steps or passes: calls and milliseconds per pass, and share of all kernel time."""
+    events = sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total)
+    total = sum(e.self_device_time_total for e in events) or 1.0
+    return [
+        {
+            "kernel": e.key[:90],
+            "calls": e.count // passes,
+            "self_ms": e.self_device_time_total / 1e3 / passes,
+            "share": e.self_device_time_total / total,
+        }
+        for e in events[:count]
+    ]
+
+
+def print_top_kernels(prof: Any, passes: int, unit: str) -> None:
+    """:func:`top_kernels` (14 of them) as indented lines, per ``unit`` ('pass', 'step')."""
+    for k in top_kernels(prof, 14, passes):
+        print(f"    {k['self_ms']:7.3f} ms/{unit} {k['calls']:4d} calls  {k['kernel']}")
+
+
 def profile_section(args: argparse.Namespace) -> dict[str, Any]:
     """torch.profiler over training steps of the phase-2 model (qk_dim 64), eager and compiled:
     the CUDA kernels that take the time."""
@@ -417,17 +439,7 @@ def profile_section(args: argparse.Namespace) -> dict[str, Any]:
                     model, img_size=(224, 224), num_classes=100, batch=args.batch, steps=3, warmup=2,
                     compile=compiled, dev=torch.device("cuda"), dtype=torch.bfloat16,
                 )  # fmt: skip
-            events = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)
-            total = sum(e.self_device_time_total for e in events) or 1.0
-            tables[f"{label}, {'compiled' if compiled else 'eager'}"] = [
-                {
-                    "kernel": e.key[:90],
-                    "calls": e.count,
-                    "self_ms": e.self_device_time_total / 1e3,
-                    "share": e.self_device_time_total / total,
-                }
-                for e in sorted(events, key=lambda e: -e.self_device_time_total)[:12]
-            ]
+            tables[f"{label}, {'compiled' if compiled else 'eager'}"] = top_kernels(prof)
             del model
             torch.cuda.empty_cache()
     from convit_convert.model import fuse_attention
@@ -444,13 +456,7 @@ def profile_section(args: argparse.Namespace) -> dict[str, Any]:
                 for _ in range(3):
                     fn(x)
                 torch.cuda.synchronize()
-        events = sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total)
-        total = sum(e.self_device_time_total for e in events) or 1.0
-        tables[f"inference: {label}, compiled (3 passes)"] = [
-            {"kernel": e.key[:90], "calls": e.count, "self_ms": e.self_device_time_total / 1e3,
-             "share": e.self_device_time_total / total}
-            for e in events[:12]
-        ]  # fmt: skip
+        tables[f"inference: {label}, compiled (3 passes)"] = top_kernels(prof)
         del model, fn
         torch.cuda.empty_cache()
     return {

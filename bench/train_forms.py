@@ -10,9 +10,10 @@ keys and values to N_pad and multiplies all heads in one batched product per sid
 copies of q, k and the values (and their gradients) between the (B, N, h·e) and (B, h, N, e)
 layouts; "by_head" is the custom ops convit_convert.kernels.head_logits and head_values, each
 head's product read and written in place. The model is the attention ViT at the paper's size,
-qk_dim 64 (and 768 with --qk-dims); one step = forward, SoftTargetCrossEntropy, backward, AdamW
+qk_dim 64 (and 768 with --qk-dims), or with --model digits the README demo's; one step = forward, SoftTargetCrossEntropy, backward, AdamW
 (bench/train_step.py); on CUDA bf16 autocast and TF32, MFU against the H100's dense bf16 peak.
-The first step's loss of each form is printed beside the first form's: the forms are one function.
+Each form's mean log-sum-exp of a fresh model's logits on one fixed batch is printed beside the
+first form's: the forms compute one function.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ import argparse
 import statistics
 
 import torch
-from train_step import H100_BF16_TFLOPS, time_steps  # bench/train_step.py, beside this script
+from gpu_suite import print_top_kernels  # bench/, beside this script
+from train_step import H100_BF16_TFLOPS, time_steps
 
 import convit_convert.model as model_mod
 from convit_convert.config import ViTConfig
@@ -30,8 +32,9 @@ from convit_convert.model import VisionTransformer
 FORMS: dict[str, model_mod.AttentionForm] = {"padded": model_mod.PADDED, "by_head": model_mod.BY_HEAD}
 
 
-def first_loss(cfg: ViTConfig, dev: torch.device, dtype: torch.dtype | None, batch: int) -> float:
-    """The loss of the freshly initialised model (seed 0) on one fixed batch."""
+def logits_lse(cfg: ViTConfig, dev: torch.device, dtype: torch.dtype | None, batch: int) -> float:
+    """The mean log-sum-exp of the logits of the freshly initialised model (seed 0) on one fixed
+    batch: a fingerprint of the function the form computes."""
     torch.manual_seed(0)
     model = VisionTransformer(cfg).to(dev)
     x = torch.randn(batch, 3, *cfg.img_size, generator=torch.Generator().manual_seed(1)).to(dev)
@@ -87,8 +90,8 @@ def main() -> None:
                 for name in args.forms.split(","):
                     model_mod.attention_form = FORMS[name]
                     torch._dynamo.reset()  # compiled code is cached by code object, not by the patched function
-                    loss = first_loss(cfg, dev, dtype, min(batch, 8))
-                    ref = loss if ref is None else ref
+                    lse = logits_lse(cfg, dev, dtype, min(batch, 8))
+                    ref = lse if ref is None else ref
                     torch.manual_seed(0)
                     t = time_steps(
                         VisionTransformer(cfg, drop_path_rate=0.1), img_size=cfg.img_size,
@@ -99,7 +102,7 @@ def main() -> None:
                     mfu = f", MFU {100 * t.flops / med / (H100_BF16_TFLOPS * 1e12):.1f}%" if cuda else ""
                     print(f"qk_dim {qk:3d} {name:8s} {'compiled' if compiled else 'eager':8s} "
                           f"{med * 1e3:8.1f} ms/step  {batch / med:7.1f} img/s{mfu}  "
-                          f"first loss {loss:.6f} (first form {ref:.6f})", flush=True)  # fmt: skip
+                          f"logits lse {lse:.6f} (first form {ref:.6f})", flush=True)  # fmt: skip
                     if args.profile and compiled:
                         profile(cfg, dev, batch)
                     if cuda:
@@ -120,9 +123,7 @@ def profile(cfg: ViTConfig, dev: torch.device, batch: int) -> None:
             model, img_size=cfg.img_size, num_classes=cfg.num_classes, batch=batch, steps=3, warmup=2,
             compile=True, dev=dev, dtype=torch.bfloat16,
         )  # fmt: skip
-    events = sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total)
-    for e in events[:14]:  # 6 steps profiled: the counted one, 2 warm-up, 3 timed
-        print(f"    {e.self_device_time_total / 6e3:7.3f} ms/step {e.count // 6:4d} calls  {e.key[:100]}")
+    print_top_kernels(prof, 6, "step")  # 6 steps profiled: the counted one, 2 warm-up, 3 timed
 
 
 if __name__ == "__main__":

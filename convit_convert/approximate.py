@@ -194,10 +194,15 @@ class Calibration:
     source: str  # what they are, for the report
 
 
-def noise_calibration(cfg: ViTConfig, images: int = 256, heldout: int = 512, seed: int = 0) -> Calibration:
-    """Standard normal images: the statistics of normalised inputs (mean 0, std 1 per channel)."""
+def check_image_counts(images: int, heldout: int) -> None:
+    """A calibration set's sizes must be positive."""
     if images < 1 or heldout < 1:
         raise CmhsaError(f"`calib_images` and `heldout_images` must be positive, got {images} and {heldout}")
+
+
+def noise_calibration(cfg: ViTConfig, images: int = 256, heldout: int = 512, seed: int = 0) -> Calibration:
+    """Standard normal images: the statistics of normalised inputs (mean 0, std 1 per channel)."""
+    check_image_counts(images, heldout)
     g = torch.Generator().manual_seed(seed)
     shape = (cfg.in_chans, *cfg.img_size)
     return Calibration(

@@ -291,7 +291,7 @@ PADDED = AttentionForm(logits_padded, values_padded)
 BY_HEAD = AttentionForm(head_logits, head_values)
 # The form the model uses. PADDED until a GPU has compared the two (bench/train_forms.py): on the
 # CPU, BY_HEAD took 0.90x (qk_dim 64) and 0.72x (qk_dim 768) PADDED's time per training step at the
-# paper's size, but 1.09x on the README digits demo's model, where its per-head calls dominate.
+# paper's size, but 1.06-1.28x on the README digits demo's model, where its per-head calls dominate.
 attention_form: AttentionForm = PADDED
 
 
@@ -557,13 +557,13 @@ class FusedRelPosAttention(nn.Module):
             self.register_buffer("proj_bias", attn.proj.bias.detach().clone())
             self.fold_qk = 2 * qk >= d
             if self.fold_qk:
-                wq = F.pad(torch.cat([attn.q.weight, attn.q.bias[:, None]], 1), (0, da - d - 1)).view(
-                    h, qk, da
-                )
-                wk = F.pad(torch.cat([attn.k.weight, attn.k.bias[:, None]], 1), (0, da - d - 1)).view(
-                    h, qk, da
-                )
-                a = wq.transpose(1, 2) @ wk  # (h, da, da): q·k = [x,1,0] A_h [x,1,0]^T
+
+                def augmented(lin: nn.Linear) -> torch.Tensor:  # [W, b, 0] per head: (h, qk, d̃)
+                    return F.pad(torch.cat([lin.weight, lin.bias[:, None]], 1), (0, da - d - 1)).view(
+                        h, qk, da
+                    )
+
+                a = augmented(attn.q).transpose(1, 2) @ augmented(attn.k)  # (h, d̃, d̃): q·k = x̃ A_h x̃^T
                 self.register_buffer("a", (a * self.scale).permute(1, 0, 2).reshape(da, h * da).contiguous())
             else:
                 self.q, self.k = attn.q, attn.k

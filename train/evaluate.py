@@ -12,7 +12,7 @@ from torch.utils.data import Subset
 
 from ..analysis import AttentionReport, attention_stats
 from ..api import load_checkpoint
-from ..approximate import Calibration
+from ..approximate import Calibration, check_image_counts
 from ..config import ViTConfig
 from ..errors import CmhsaError
 from ..io.checkpoint import Checkpoint
@@ -107,8 +107,7 @@ def calibration_from_data(
     """Calibration images for ``cmhsa convert --approximate`` / ``cmhsa heads --checkpoint``: a
     seeded random ``images`` of ``data``'s training split, and the first ``heldout`` validation
     images with their labels, preprocessed as ``cmhsa eval`` does."""
-    if images < 1 or heldout < 1:
-        raise CmhsaError(f"`calib_images` and `heldout_images` must be positive, got {images} and {heldout}")
+    check_image_counts(images, heldout)
     spec, tf = _dataset(cfg, data, data_dir, crop_pct=crop_pct, seed=seed, param="calib")
     g = torch.Generator().manual_seed(seed)
     pick = torch.randperm(len(spec.train), generator=g)[: min(images, len(spec.train))].tolist()
