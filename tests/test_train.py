@@ -160,11 +160,12 @@ def test_recipe_is_deits(tmp_path: Path) -> None:
 # runs --------------------------------------------------------------------------------------------
 
 
-def test_resume_mid_epoch_equals_uninterrupted(tmp_path: Path) -> None:
+@pytest.mark.parametrize("loader", ["device", "workers"])
+def test_resume_mid_epoch_equals_uninterrupted(tmp_path: Path, loader: str) -> None:
     """4 epochs straight vs stopped in epoch 2 and resumed: same metrics, same weights, bit for bit
     (full DeiT augmentation, Mixup/CutMix, EMA and drop path on: depth 2, since one block's drop
     rate is 0; every RNG has to be restored, and the loader must not draw from drop path's)."""
-    kw = dict(epochs=4, depth=2, model_ema=True, model_ema_decay=0.9, drop_path=0.1)
+    kw = dict(epochs=4, depth=2, model_ema=True, model_ema_decay=0.9, drop_path=0.1, loader=loader)
     straight = run(tiny(tmp_path, "a", **kw))
     first = run(tiny(tmp_path, "b", **kw), stop_after_steps=24)  # 16 steps/epoch: mid epoch 2
     assert first.stopped == "limit" and len(first.rows) == 1
@@ -188,7 +189,7 @@ def test_resume_mid_epoch_equals_uninterrupted(tmp_path: Path) -> None:
 
 def test_workers_do_not_change_the_result(tmp_path: Path) -> None:
     """0 vs 2 data-loading workers (persistent), full recipe with drop path: the same weights."""
-    kw = dict(epochs=2, depth=2, drop_path=0.1)
+    kw = dict(epochs=2, depth=2, drop_path=0.1, loader="workers")
     a = run(tiny(tmp_path, "w0", workers=0, **kw))
     b = run(tiny(tmp_path, "w2", workers=2, **kw))
     wa, wb = (load_file(str(r.out / "conv.safetensors")) for r in (a, b))
@@ -231,7 +232,8 @@ def test_default_workers_follow_the_machine(tmp_path: Path, monkeypatch) -> None
     cfg = tiny(tmp_path, epochs=1, **PLAIN)
     cfg.workers = None
     run(cfg)
-    assert json.loads((tmp_path / "run" / "config.json").read_text())["workers"] == 1
+    doc = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert (doc["workers"], doc["threads"], doc["threads_used"], doc["loader_used"]) == (1, 1, 1, "device")
 
 
 def test_keep_and_existing_run_guard(tmp_path: Path) -> None:
@@ -396,7 +398,15 @@ def test_cli_refuses_bad_training_input(tmp_path: Path, monkeypatch) -> None:
             2,
             "--interpolation 'foo': timm's create_transform",
         ),
-        (["train", "phase1", *CLI_TINY, "--workers", "-1"], 2, "--workers must be >= 0, got -1"),
+        (["train", "phase1", *CLI_TINY, "--workers", "-1"], 2, "--workers must be in 0.."),
+        (["train", "phase1", *CLI_TINY, "--workers", "100000"], 2, "--workers must be in 0.."),
+        (["train", "phase1", *CLI_TINY, "--threads", "0"], 2, "--threads must be in 1.."),
+        (
+            ["train", "phase1", *CLI_TINY, "--loader", "gpu"],
+            2,
+            "--loader must be one of auto, device, workers",
+        ),
+        (["train", "phase1", *CLI_TINY, "--loader", "device", "--aa", "original"], 2, "use --loader workers"),
         (["train", "phase1", *CLI_TINY, "--lr", "-1"], 2, "--lr must be > 0, got -1.0"),
         (["train", "phase1", *CLI_TINY, "--in-chans", "4"], 2, "takes 4-channel images"),
         (

@@ -15,8 +15,9 @@ from typing import Any
 
 PHASE_LR = {"phase1": 5e-4, "phase2": 5e-5}  # peak learning rates the paper used (Appendix B)
 # fields that change how a run executes but not what it computes: a resumed run may change them
-RUNTIME_FIELDS = ("device", "workers", "compile", "resume", "log_every", "keep", "out", "export_onnx", "deterministic",
-                  "given")  # fmt: skip
+RUNTIME_FIELDS = ("device", "workers", "threads", "compile", "resume", "log_every", "keep", "out", "export_onnx",
+                  "deterministic", "given")  # fmt: skip
+LOADERS = ("auto", "device", "workers")
 
 
 @dataclass
@@ -29,6 +30,9 @@ class TrainConfig:
     download: bool = False
     num_classes: int = 10  # synthetic data only; the others know theirs
     train_samples: int | None = None  # a fixed, seeded subset of the training set (short runs)
+    # auto: the data held on the device and augmented per batch (train/held.py) when it fits, else
+    # timm's per-image transforms in worker processes (train/data.py)
+    loader: str = "auto"
     # model (the paper's CMHSA-5)
     img_size: int = 224
     in_chans: int = 3  # 3: RGB, 1: grayscale (images are converted to what the model takes)
@@ -88,7 +92,8 @@ class TrainConfig:
     amp: str = "auto"  # auto = bf16 on CUDA, none on CPU
     compile: bool = False
     deterministic: bool = False  # deterministic CUDA kernels (CPU runs are deterministic anyway)
-    workers: int | None = None  # default: min(4, CPUs this process may use)
+    workers: int | None = None  # workers loader only; default: train/recipe.default_workers
+    threads: int | None = None  # torch CPU threads; default: train/recipe.default_threads
     resume: bool = False
     keep: int = 0
     log_every: int = 50

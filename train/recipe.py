@@ -13,7 +13,8 @@ from torch import nn
 
 from ..errors import CmhsaError
 from ..model import ATTENTION_PARAMS
-from .config import TrainConfig
+from .augment import check_supported
+from .config import LOADERS, TrainConfig
 from .data import build_transform
 
 AMP = {"bf16": torch.bfloat16, "fp16": torch.float16, "none": None}
@@ -25,11 +26,21 @@ def scaled_lrs(cfg: TrainConfig, world: int) -> tuple[float, float, float]:
     return cfg.peak_lr * scale, cfg.min_lr * scale, cfg.warmup_lr * scale
 
 
+def cpus() -> int:
+    """The CPUs this process may use."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def default_workers() -> int:
-    """Data-loading workers when `workers` is not given: up to 4, never more than the CPUs this
-    process may use (PyTorch warns above that)."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return min(4, cpus)
+    """Workers of the workers loader when `workers` is not given: up to 4, never more than the CPUs
+    this process may use (PyTorch warns above that)."""
+    return min(4, cpus())
+
+
+def default_threads() -> int:
+    """torch CPU threads when `threads` is not given: every CPU this process may use (BENCHMARKS.md,
+    'Threads and workers': on 2 cores, 2 threads beat 1 with the device loader)."""
+    return cpus()
 
 
 def check_recipe(cfg: TrainConfig) -> None:
@@ -44,7 +55,18 @@ def check_recipe(cfg: TrainConfig) -> None:
         ("`warmup_lr`", cfg.warmup_lr, cfg.warmup_lr >= 0, ">= 0"),
         ("`warmup_epochs`", cfg.warmup_epochs, cfg.warmup_epochs >= 0, ">= 0"),
         ("`weight_decay`", cfg.weight_decay, cfg.weight_decay >= 0, ">= 0"),
-        ("`workers`", cfg.workers, cfg.workers is None or cfg.workers >= 0, ">= 0"),
+        (
+            "`workers`",
+            cfg.workers,
+            cfg.workers is None or 0 <= cfg.workers <= 4 * cpus(),
+            f"in 0..{4 * cpus()}",
+        ),
+        (
+            "`threads`",
+            cfg.threads,
+            cfg.threads is None or 1 <= cfg.threads <= 4 * cpus(),
+            f"in 1..{4 * cpus()}",
+        ),
         ("`drop_path`", cfg.drop_path, 0 <= cfg.drop_path < 1, "in [0, 1)"),
         ("`smoothing`", cfg.smoothing, 0 <= cfg.smoothing < 1, "in [0, 1)"),
         ("`reprob`", cfg.reprob, 0 <= cfg.reprob <= 1, "in [0, 1]"),
@@ -59,6 +81,10 @@ def check_recipe(cfg: TrainConfig) -> None:
             raise CmhsaError(f"{flag} must be {want}, got {value}")
     if cfg.batch_size < 1 or cfg.epochs < 1:
         raise CmhsaError(f"`batch_size` and `epochs` must be positive (got {cfg.batch_size}, {cfg.epochs})")
+    if cfg.loader not in LOADERS:
+        raise CmhsaError(f"`loader` must be one of {', '.join(LOADERS)}, got {cfg.loader!r}")
+    if cfg.loader == "device":
+        check_supported(cfg.aa, cfg.interpolation, cfg.remode)
     if cfg.pinning not in (None, "hard", "gated"):
         raise CmhsaError(f"`pinning` must be hard or gated, got {cfg.pinning!r}")
     if (cfg.mixup > 0 or cfg.cutmix > 0) and cfg.batch_size % 2:

@@ -28,13 +28,23 @@ from ..errors import CmhsaError
 from ..io.atomic import atomic_write_text, check_writable
 from ..io.checkpoint import save_checkpoint
 from ..model import VisionTransformer
+from .augment import augment_spec, check_supported
 from .config import RUNTIME_FIELDS, TrainConfig
-from .data import build_data, build_loader, build_transform
+from .data import DataSpec, EpochSampler, build_data, build_loader, build_transform, channel_stats, image_mode
 from .distributed import Context, barrier, setup, teardown
 from .epoch import Loop, seed_everything, train_one_epoch
+from .held import HeldEvalLoader, HeldLoader, eval_view, hold, holdable
 from .phases import PhaseModel, build_phase_model, freeze_attention
 from .progress import Reporter
-from .recipe import amp_dtype, build_recipe, build_scheduler, check_recipe, default_workers, scaled_lrs
+from .recipe import (
+    amp_dtype,
+    build_recipe,
+    build_scheduler,
+    check_recipe,
+    default_threads,
+    default_workers,
+    scaled_lrs,
+)
 from .state import LAST, RunState, read_checkpoint
 
 METRICS = ("epoch", "train_loss", "val_loss", "top1", "top5", "lr", "epoch_seconds", "images_per_s")
@@ -91,11 +101,12 @@ def write_metrics(path: Path, rows: list[dict[str, Any]]) -> None:
 def run(cfg: TrainConfig, *, console: Any = None, stop_after_steps: int | None = None) -> RunResult:
     """Train one phase as ``cfg`` says. ``stop_after_steps`` stops (and saves) like a SIGTERM
     would after that many optimizer steps in total: tests use it to interrupt a run."""
-    ctx = setup(cfg.device)
+    ctx, threads = setup(cfg.device), torch.get_num_threads()
     try:
         with deterministic_kernels(cfg.deterministic):
             return _run(cfg, ctx, console, stop_after_steps)
     finally:
+        torch.set_num_threads(threads)  # `threads` is this run's, not the caller's
         teardown(ctx)
 
 
@@ -154,6 +165,9 @@ def _run(cfg: TrainConfig, ctx: Context, console: Any, stop_after_steps: int | N
     check_recipe(cfg)
     if cfg.workers is None:
         cfg.workers = default_workers()
+    if cfg.threads is None:
+        cfg.threads = default_threads()
+    torch.set_num_threads(cfg.threads)
     if out.exists() and not out.is_dir():
         raise CmhsaError("`out` names an existing file; give a folder for the run", out)
     created = not out.exists()
@@ -214,12 +228,10 @@ def build(
     if cfg.freeze_attention:
         freeze_attention(pm.model)
     model = pm.model.to(device).train()
-    img, chans, pin = pm.config.img_size, pm.config.in_chans, device.type == "cuda"
-    loaders = [
-        build_loader(split, build_transform(img, training, cfg, chans), training=training, batch_size=cfg.batch_size,
-                     seed=cfg.seed, rank=ctx.rank, world=ctx.world, workers=cfg.workers, pin_memory=pin, in_chans=chans)
-        for split, training in ((spec.train, True), (spec.val, False))
-    ]  # fmt: skip
+    loader, why = choose_loader(cfg, spec, pm.config.in_chans)
+    if why:
+        reporter.log(f"loader workers: {why}")
+    loaders = build_loaders(cfg, spec, pm.config, ctx, loader)
     steps_per_epoch = len(loaders[0].sampler) // cfg.batch_size
 
     fwd: nn.Module = model
@@ -253,18 +265,61 @@ def build(
         kind = pm.config.kind
         doc = {**cfg.to_dict(), "model": pm.config.to_dict(), "kind": kind, "init_info": pm.init}
         doc["world_size"], doc["backend"] = ctx.world, ctx.backend
+        doc["loader_used"], doc["threads_used"] = loader, torch.get_num_threads()
         doc["scaled_lr"] = dict(zip(("lr", "min_lr", "warmup_lr"), scaled_lrs(cfg, ctx.world), strict=True))
         atomic_write_text(out / "config.json", json.dumps(doc, indent=2) + "\n")
         n_params = sum(p.numel() for p in model.parameters())
         reporter.log(
             f"{cfg.phase}: {kind} model, {n_params / 1e6:.2f} M parameters, {spec.num_classes} classes; "
             f"{len(spec.train)} train / {len(spec.val)} val images; {ctx.world} process(es) on {device}, "
-            f"amp {str(dtype).removeprefix('torch.') if dtype else 'none'}; {steps_per_epoch} steps/epoch"
+            f"amp {str(dtype).removeprefix('torch.') if dtype else 'none'}; {steps_per_epoch} steps/epoch; "
+            f"loader {loader}"
+            + (f" ({cfg.workers} workers)" if loader == "workers" else "")
+            + f", {torch.get_num_threads()} threads"
         )
     probe = next(iter(loaders[1]))[0][:64].to(device) if pm.config.kind == "attn" else None
     return Loop(
         cfg, ctx, out, dtype, fwd, *loaders, steps_per_epoch, mixup, criterion, state, reporter, probe
     )
+
+
+def choose_loader(cfg: TrainConfig, spec: DataSpec, in_chans: int) -> tuple[str, str]:
+    """The loader ``cfg.loader`` resolves to, and why ``auto`` fell back to workers ('' if not)."""
+    if cfg.loader != "auto":
+        return cfg.loader, ""
+    try:
+        check_supported(cfg.aa, cfg.interpolation, cfg.remode)
+    except CmhsaError as e:
+        return "workers", str(e).split(";")[0]
+    why = holdable(spec.train, in_chans) or holdable(spec.val, in_chans)
+    return ("workers", why) if why else ("device", "")
+
+
+def build_loaders(cfg: TrainConfig, spec: DataSpec, mcfg: ViTConfig, ctx: Context, loader: str) -> list[Any]:
+    """Training and validation loaders of ``loader`` kind for a model of ``mcfg``."""
+    img, chans, device = mcfg.img_size, mcfg.in_chans, ctx.device
+    image_mode(chans)  # RGB or grey: what both loaders convert every image to
+    if loader == "workers":
+        return [
+            build_loader(split, build_transform(img, training, cfg, chans), training=training,
+                         batch_size=cfg.batch_size, seed=cfg.seed, rank=ctx.rank, world=ctx.world,
+                         workers=cfg.workers, pin_memory=device.type == "cuda", in_chans=chans)
+            for split, training in ((spec.train, True), (spec.val, False))
+        ]  # fmt: skip
+    mean, std = channel_stats(chans)
+    x, y = hold(spec.train, chans, device)
+    sampler = EpochSampler(len(y), rank=ctx.rank, world=ctx.world, batch_size=cfg.batch_size, seed=cfg.seed,
+                           shuffle=True)  # fmt: skip
+    if len(sampler) == 0:
+        raise CmhsaError(
+            f"the training set ({len(y)} images over {ctx.world} process(es)) is smaller than one batch of {cfg.batch_size}"
+        )
+    vx, vy = hold(spec.val, chans, device)
+    vx = eval_view(vx, img, cfg.crop_pct, cfg.interpolation)
+    return [
+        HeldLoader(x, y, sampler, augment_spec(cfg, img, mean, std), cfg.seed),
+        HeldEvalLoader(vx, vy, cfg.batch_size, mean, std, ctx.rank, ctx.world),
+    ]
 
 
 def train(loop: Loop, stop_after_steps: int | None = None) -> RunResult:

@@ -32,6 +32,7 @@ FLAGS: list[tuple[str, Any, str, str, tuple[str, ...]]] = [
     ("download", bool, "Let torchvision download CIFAR into --data-dir (never without this flag).", "Data", ("phase1", "phase2")),
     ("num_classes", int, "Classes of --data synthetic.", "Data", ("phase1", "phase2")),
     ("train_samples", int, "Train on a fixed, seeded subset of this many training images (short runs).", "Data", ("phase1", "phase2")),
+    ("loader", str, "device: the data held as one tensor on the training device, augmented per batch there (train/held.py); workers: timm's per-image transforms in worker processes (any dataset, any timm augmentation); auto: device when the data fits (2 GiB decoded, one image size) and the augmentation is one it runs.", "Data", ("phase1", "phase2")),
     ("img_size", int, "Image size (the data is resized to it).", MODEL, ("phase1", "phase2")),
     ("in_chans", int, "Image channels: 3 (RGB) or 1 (grayscale); every image is converted to it.", MODEL, ("phase1", "phase2")),
     ("patch_size", int, "Patch size P.", MODEL, ("phase1", "phase2")),
@@ -84,7 +85,8 @@ FLAGS: list[tuple[str, Any, str, str, tuple[str, ...]]] = [
     ("amp", str, "auto (bf16 on CUDA, none on CPU), bf16, fp16 or none.", RUN, ("phase1", "phase2")),
     ("compile", bool, "torch.compile the model.", RUN, ("phase1", "phase2")),
     ("deterministic", bool, "Deterministic CUDA kernels: bit-identical re-runs and resumes on a GPU, somewhat slower (CPU runs are deterministic anyway).", RUN, ("phase1", "phase2")),
-    ("workers", int, "Data-loading worker processes per process (default: min(4, CPUs)).", RUN, ("phase1", "phase2")),
+    ("workers", int, "Data-loading worker processes per process, workers loader only.", RUN, ("phase1", "phase2")),
+    ("threads", int, "torch CPU threads per process.", RUN, ("phase1", "phase2")),
     ("resume", bool, "Continue the run in --out from checkpoint-last.pt (a larger --epochs extends it; a new --lr restarts the schedule from there).", RUN, ("phase1", "phase2")),
     ("keep", int, "Also keep the newest N end-of-epoch checkpoints.", RUN, ("phase1", "phase2")),
     ("log_every", int, "Steps between log lines when not on a terminal.", RUN, ("phase1", "phase2")),
@@ -98,6 +100,7 @@ def _option(name: str, typ: Any, help_text: str, panel: str, default: Any) -> in
     shown = {
         "lr": "per phase: " + ", ".join(f"{k} {v:g}" for k, v in PHASE_LR.items()),
         "workers": "min(4, CPUs)",
+        "threads": "the CPUs this process may use",
         "pinning": "gated from a conv-phase --init, hard from random init",
         "attn_lr_mult": "10 from a checkpoint, 1 from random init",
     }.get(name, default)
