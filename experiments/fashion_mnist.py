@@ -1,7 +1,8 @@
 """The paper's comparisons on real data at CPU scale: Fashion-MNIST, equal total epochs, several seeds.
 
     python experiments/fashion_mnist.py [--epochs 8] [--seeds 0 1] [--train-samples 4000] [--out experiments/out/fmnist]
-                                        [--data-dir DIR] [--compile]
+                                        [--data-dir DIR] [--compile] [--device auto|cpu|cuda]
+                                        [--parallel N] [--time-budget SECONDS]
 
 Fashion-MNIST (Debian's dataset-fashion-mnist: 60k / 10k, 28×28 grey, 10 classes), a fixed seeded
 subset of the training images, the full 10k validation images. The model: 28 px, P = 4 (a 7×7 grid),
@@ -16,8 +17,10 @@ equal total epochs E, each with and without the recipe's warm-up (Section 4.3):
   only W_V, W_O and the MLPs train).
 
 Every run keeps its run folder (metrics.csv with the per-epoch attention metrics, config.json,
-checkpoint-last.pt): a run that finished is skipped, one that was stopped is resumed, so a long
-table can be completed in several sittings. Prints a markdown table of mean ± spread over seeds.
+checkpoint-last.pt, log.txt): a run that finished is skipped, one that was stopped is resumed, so a
+long table can be completed in several sittings (convit_convert/train/arms.py): ``--parallel N``
+runs N arms at once, ``--time-budget S`` stops every arm cleanly before S seconds (exit code 3:
+run the same command again). Prints a markdown table of mean ± spread over seeds once all are done.
 """
 
 from __future__ import annotations
@@ -29,10 +32,8 @@ import statistics
 import time
 from pathlib import Path
 
-import torch
-
+from convit_convert.train.arms import DONE, Arm, run_arms
 from convit_convert.train.config import TrainConfig
-from convit_convert.train.run import run
 
 MODEL = dict(img_size=28, in_chans=1, patch_size=4, hidden_chans=3, depth=2, mlp_ratio=4.0, kernel_size=5)
 # cut to fit 2 cores: no RandAugment, Mixup/CutMix or random erasing (they need far more epochs)
@@ -47,17 +48,45 @@ SECOND_PHASE = {  # name -> phase-2 settings after the same phase-1 half (explic
 }
 
 
-def train(out: Path, **kw) -> dict:
-    """Run (or resume, or skip if finished) one training run; its final row and CPU seconds."""
-    model_file = out / ("conv.safetensors" if kw["phase"] == "phase1" else "vit.safetensors")
-    if not model_file.is_file():
-        t = time.process_time()
-        run(TrainConfig(out=str(out), data="fashion-mnist", resume=(out / "checkpoint-last.pt").is_file(),
-                        **MODEL, **RECIPE, **kw))  # fmt: skip
-        (out / "cpu_seconds.txt").write_text(f"{time.process_time() - t:.1f}\n")
+def arms_for(args: argparse.Namespace) -> tuple[list[Arm], dict[tuple[str, int], list[str]]]:
+    """Every run of the table as an arm, and which arms make each table row (one per seed)."""
+    e, half = args.epochs, args.epochs // 2
+    arms: list[Arm] = []
+    rows: dict[tuple[str, int], list[str]] = {}
+
+    def add(row: str, warm: int, name: str, after: tuple[str, ...] = (), **kw) -> None:
+        cfg = TrainConfig(out=str(args.out / name), data="fashion-mnist", **MODEL, **RECIPE, **kw)
+        arms.append(Arm(name, cfg, after))
+        if row:
+            rows.setdefault((row, warm), []).append(name)
+
+    for warm in (args.warmup, 0):
+        for seed in args.seeds:
+            d = f"warmup{warm}/seed{seed}"
+            common = dict(
+                seed=seed, warmup_epochs=warm, train_samples=args.train_samples, compile=args.compile,
+                data_dir=args.data_dir, device=args.device,
+            )  # fmt: skip
+            add("phase 1 only", warm, f"{d}/phase1-only", phase="phase1", epochs=e, lr=LR_SCRATCH, **common)
+            add("phase 2 only (random init)", warm, f"{d}/phase2-only", phase="phase2", init="random", epochs=e,
+                lr=LR_SCRATCH, **common)  # fmt: skip
+            add("phase 1 half (before conversion)", warm, f"{d}/both-p1", phase="phase1", epochs=half,
+                lr=LR_SCRATCH, **common)  # fmt: skip
+            conv = str(args.out / d / "both-p1" / "conv.safetensors")
+            for name, extra in SECOND_PHASE.items():
+                add(f"both phases, {name}", warm, f"{d}/both-p2-{name.replace(' ', '-')}", (f"{d}/both-p1",),
+                    phase="phase2", init=conv, epochs=e - half, lr=LR_PHASE2, **common, **extra)  # fmt: skip
+    return arms, rows
+
+
+def result(out: Path, before: Path | None = None) -> dict:
+    """A finished arm's final and first metrics rows and its CPU seconds (plus ``before``'s)."""
     with open(out / "metrics.csv", newline="") as f:
         rows = [{k: float(v) for k, v in r.items() if v} for r in csv.DictReader(f)]
-    return {"final": rows[-1], "first": rows[0], "seconds": float((out / "cpu_seconds.txt").read_text())}
+    seconds = float((out / "cpu_seconds.txt").read_text())
+    if before is not None:
+        seconds += float((before / "cpu_seconds.txt").read_text())
+    return {"final": rows[-1], "first": rows[0], "seconds": seconds}
 
 
 def main() -> None:
@@ -73,35 +102,34 @@ def main() -> None:
     ap.add_argument(
         "--data-dir", default=None, help="Folder of the four IDX .gz files (default: Debian's package's)."
     )
+    ap.add_argument("--device", default="auto", help="auto, cpu, cuda")
+    ap.add_argument("--parallel", type=int, default=1, help="arms run at once, each in its own process")
+    ap.add_argument("--time-budget", type=float, default=None,
+                    help="seconds: stop cleanly before this (unfinished arms resume on the next call)")  # fmt: skip
     args = ap.parse_args()
-    torch.set_num_threads(2)
-    e, half = args.epochs, args.epochs // 2
-    results: dict[tuple[str, int], list[dict]] = {}
+    arms, table_rows = arms_for(args)
     t0 = time.time()
-    for warm in (args.warmup, 0):
-        for seed in args.seeds:
-            d = args.out / f"warmup{warm}" / f"seed{seed}"
-            common = dict(
-                seed=seed, warmup_epochs=warm, train_samples=args.train_samples, compile=args.compile,
-                data_dir=args.data_dir,
-            )  # fmt: skip
-            res = {
-                "phase 1 only": train(d / "phase1-only", phase="phase1", epochs=e, lr=LR_SCRATCH, **common),
-                "phase 2 only (random init)": train(
-                    d / "phase2-only", phase="phase2", init="random", epochs=e, lr=LR_SCRATCH, **common
-                ),
-            }
-            p1 = train(d / "both-p1", phase="phase1", epochs=half, lr=LR_SCRATCH, **common)
-            conv = str(d / "both-p1" / "conv.safetensors")
-            for name, extra in SECOND_PHASE.items():
-                p2 = train(d / f"both-p2-{name.replace(' ', '-')}", phase="phase2", init=conv, epochs=e - half,
-                           lr=LR_PHASE2, **common, **extra)  # fmt: skip
-                p2["seconds"] += p1["seconds"]
-                res[f"both phases, {name}"] = p2
-            res["phase 1 half (before conversion)"] = p1
-            for name, r in res.items():
-                results.setdefault((name, warm), []).append(r)
-            print(f"done warm-up {warm}, seed {seed}: {time.time() - t0:.0f} s", flush=True)
+
+    def report(arm: Arm) -> None:
+        print(f"{time.time() - t0:6.0f} s  {arm.status:8s} {arm.name}  epochs {arm.progress()}"
+              + (f"  ({arm.note})" if arm.note else ""), flush=True)  # fmt: skip
+
+    run_arms(arms, parallel=args.parallel, time_budget=args.time_budget, report=report)
+    left = [a for a in arms if a.status != DONE]
+    if left:
+        print(f"\n{len(arms) - len(left)}/{len(arms)} arms done; unfinished: "
+              + ", ".join(f"{a.name} ({a.status}, epochs {a.progress()})" for a in left)
+              + "\nrun the same command again to continue")  # fmt: skip
+        raise SystemExit(3)
+    by_name = {a.name: a for a in arms}
+    results = {
+        key: [
+            result(by_name[n].out, by_name[by_name[n].after[0]].out if by_name[n].after else None)
+            for n in names
+        ]
+        for key, names in table_rows.items()
+    }
+    e = args.epochs
 
     def stat(vals: list[float], fmt: str = ".2f") -> str:
         if not vals:

@@ -1,0 +1,60 @@
+"""experiments' arms runner (train/arms.py): parallel processes, dependencies, skip what is done,
+a time budget that stops arms cleanly and a second call that resumes them."""
+
+from __future__ import annotations
+
+import csv
+import json
+import time
+from pathlib import Path
+
+from convit_convert.train.arms import BLOCKED, DONE, FAILED, STOPPED, Arm, run_arms
+from convit_convert.train.config import TrainConfig
+
+TINY = dict(data="synthetic", img_size=16, patch_size=4, depth=1, kernel_size=3, batch_size=32,
+            warmup_epochs=0, lr=4e-3, lr_base_batch=32, log_every=1000, device="cpu")  # fmt: skip
+
+
+def epochs_done(out: Path) -> list[int]:
+    with open(out / "metrics.csv", newline="") as f:
+        return [int(r["epoch"]) for r in csv.DictReader(f)]
+
+
+def test_parallel_arms_with_a_dependency_and_skipping_what_is_done(tmp_path: Path) -> None:
+    a = Arm("a", TrainConfig(out=str(tmp_path / "a"), phase="phase1", epochs=2, **TINY))
+    init = str(tmp_path / "a" / "conv.safetensors")
+    b = Arm(
+        "b", TrainConfig(out=str(tmp_path / "b"), phase="phase2", init=init, epochs=1, **TINY), after=("a",)
+    )
+    c = Arm("c", TrainConfig(out=str(tmp_path / "c"), phase="phase1", epochs=1, seed=3, **TINY))
+    bad = Arm(
+        "bad", TrainConfig(out=str(tmp_path / "bad"), phase="phase1", epochs=1, **{**TINY, "img_size": 15})
+    )
+    after_bad = Arm("after", TrainConfig(out=str(tmp_path / "x"), phase="phase1", epochs=1, **TINY), ("bad",))
+    seen: list[str] = []
+    run_arms(
+        [a, b, c, bad, after_bad], parallel=2, report=lambda arm: seen.append(f"{arm.name} {arm.status}")
+    )
+    assert [x.status for x in (a, b, c, bad, after_bad)] == [DONE, DONE, DONE, FAILED, BLOCKED]
+    assert "img_size" in bad.note and "Traceback" not in (tmp_path / "bad" / "log.txt").read_text()
+    assert seen.index("a done") < seen.index("b done")
+    assert json.loads((tmp_path / "b" / "config.json").read_text())["init"] == init
+    assert json.loads((tmp_path / "c" / "config.json").read_text())["threads_used"] == 1  # 2 CPUs / 2 arms
+    t = time.monotonic()
+    again = run_arms([a, b, c], parallel=2)
+    assert [x.status for x in again] == [DONE] * 3 and time.monotonic() - t < 2  # nothing re-run
+
+
+def test_time_budget_stops_cleanly_and_the_next_call_resumes(tmp_path: Path) -> None:
+    cfg = TrainConfig(out=str(tmp_path / "long"), phase="phase1", epochs=30, batch_size=256, **{
+        k: v for k, v in TINY.items() if k != "batch_size"})  # fmt: skip
+    arm = Arm("long", cfg)
+    t = time.monotonic()
+    run_arms([arm], time_budget=14, margin=4)
+    assert time.monotonic() - t < 14
+    assert arm.status == STOPPED and (tmp_path / "long" / "checkpoint-last.pt").is_file()
+    first = epochs_done(tmp_path / "long") if (tmp_path / "long" / "metrics.csv").is_file() else []
+    assert len(first) < 30
+    run_arms([arm])
+    assert arm.status == DONE and epochs_done(tmp_path / "long") == list(range(1, 31))
+    assert "resumed" in (tmp_path / "long" / "log.txt").read_text()
