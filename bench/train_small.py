@@ -13,6 +13,11 @@ excluded), and the run's wall seconds (data loading, every epoch's training and 
 checkpoints). ``--rows threads`` adds the sweep behind the defaults: threads 1 and 2 with the
 device loader, workers 0, 1 and 2 with the workers loader.
 
+``--rows accuracy`` answers whether the device loader trains as well as the workers loader: phase
+1, 6 epochs, seeds 0 and 1, each loader, with the experiments recipe (lr 2e-3 at batch 64) and
+the DeiT recipe at the same learning rate, run through convit_convert.train.arms (``--parallel``,
+resumable in ``--out``); it prints the final top-1 of each run and each loader's mean ± half-range.
+
 Recipes: ``deit`` is the paper's (RandAugment rand-m9-mstd0.5-inc1, random erasing 0.25,
 Mixup/CutMix, smoothing); ``experiments`` is experiments/fashion_mnist.py's (crop and flip only).
 """
@@ -20,6 +25,7 @@ Mixup/CutMix, smoothing); ``experiments`` is experiments/fashion_mnist.py's (cro
 from __future__ import annotations
 
 import argparse
+import csv
 import shutil
 import tempfile
 import time
@@ -49,15 +55,76 @@ def one_run(out: Path, phase: str, loader: str, threads: int, workers: int, args
     return {"ips": [r["images_per_s"] for r in res.rows], "top1": res.rows[-1]["top1"], "wall": wall}
 
 
+def ceilings(args: argparse.Namespace) -> list[str]:
+    """What bounds a run's speed: each phase's bare training step (fixed batch, no loader, no
+    Mixup) and forward pass at batch 128, and the device loader's batch augmentation alone."""
+    from timm.loss import SoftTargetCrossEntropy
+
+    from convit_convert.config import ViTConfig
+    from convit_convert.model import VisionTransformer
+    from convit_convert.train.augment import augment_spec
+    from convit_convert.train.data import EpochSampler, build_data, channel_stats
+    from convit_convert.train.held import HeldLoader, hold
+
+    def rate(fn, images: int, n: int = 10) -> float:
+        for _ in range(3):
+            fn()
+        t = time.perf_counter()
+        for _ in range(n):
+            fn()
+        return n * images / (time.perf_counter() - t)
+
+    lines = []
+    conv = ViTConfig.build(
+        img_size=(28, 28), num_classes=10, **{k: v for k, v in MODEL.items() if k != "img_size"}
+    )
+    for name, cfg in (("phase 1", conv), ("phase 2 (gated)", conv.with_attention(9, pinning="gated"))):
+        model = VisionTransformer(cfg, 0.1)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        x, y = torch.randn(128, 1, 28, 28), torch.softmax(torch.randn(128, 10), 1)
+
+        def step(model=model, opt=opt, x=x, y=y) -> None:
+            loss = SoftTargetCrossEntropy()(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+        train = rate(step, 128)
+        model.eval()
+        with torch.inference_mode():
+            fwd = rate(lambda model=model, x=x: model(x), 128)
+        lines.append(
+            f"{name}: bare training step {train:.0f} images/s, forward {fwd:.0f} images/s (batch 128)"
+        )
+    spec = build_data("fashion-mnist", args.data_dir, (28, 28), train_samples=4096)
+    images, labels = hold(spec.train, 1, torch.device(args.device))
+    mean, std = channel_stats(1)
+    for recipe in ("deit", "experiments"):
+        sampler = EpochSampler(len(labels), rank=0, world=1, batch_size=128, seed=0, shuffle=True)
+        aug = augment_spec(TrainConfig(**RECIPES[recipe]), (28, 28), mean, std)
+        loader = HeldLoader(images, labels, sampler, aug, seed=0)
+        lines.append(
+            f"device loader, recipe {recipe}: augmentation alone {rate(lambda loader=loader: list(loader), 4096, 3):.0f} images/s"
+        )
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data-dir", default=None)
     ap.add_argument("--recipe", choices=sorted(RECIPES), default="deit")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--rows", choices=("main", "threads", "all"), default="main")
+    ap.add_argument("--rows", choices=("main", "threads", "all", "accuracy"), default="main")
+    ap.add_argument("--parallel", type=int, default=2, help="--rows accuracy: runs at once")
+    ap.add_argument(
+        "--out", type=Path, default=Path("bench/out/loader_accuracy"), help="--rows accuracy: run folders"
+    )
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--train-samples", type=int, default=4096)
     args = ap.parse_args()
+    if args.rows == "accuracy":
+        accuracy(args)
+        return
     cpus = torch.get_num_threads()
     root = Path(tempfile.mkdtemp(prefix="train_small-"))
     rows: list[tuple[str, str, str, dict]] = []
@@ -88,6 +155,8 @@ def main() -> None:
             print(f"{name}, phase 2: {r2}", flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    if args.rows in ("main", "all"):
+        print("\n" + "\n".join(ceilings(args)))
     print(f"\n{args.device}, {cpus} threads available, torch {torch.__version__}; {args.epochs} epochs, "
           f"{args.train_samples} training images, 10k validation images, batch 128, recipe {args.recipe}\n")  # fmt: skip
     print("| loader | phase | train images/s, epoch 1 / 2 | run wall s | top-1 % |")
@@ -103,6 +172,41 @@ def main() -> None:
         b, d = base[ph], dev[ph]
         print(f"{ph}: device / workers: training images/s {d['ips'][-1] / b['ips'][-1]:.2f}x (last epoch), "
               f"run wall time {b['wall'] / d['wall']:.2f}x faster")  # fmt: skip
+
+
+def accuracy(args: argparse.Namespace) -> None:
+    from statistics import mean
+
+    from convit_convert.train.arms import Arm, run_arms
+
+    arms = []
+    for recipe in ("experiments", "deit"):
+        for loader in ("workers", "device"):
+            for seed in (0, 1):
+                cfg = TrainConfig(
+                    out=str(args.out / recipe / loader / f"seed{seed}"), phase="phase1", data="fashion-mnist",
+                    data_dir=args.data_dir, train_samples=4000, epochs=6, warmup_epochs=1, batch_size=64,
+                    lr=2e-3, lr_base_batch=64, loader=loader, seed=seed, device=args.device, log_every=10_000,
+                    **MODEL, **RECIPES[recipe],
+                )  # fmt: skip
+                arms.append(Arm(f"{recipe}/{loader}/seed{seed}", cfg))
+    run_arms(
+        arms,
+        parallel=args.parallel,
+        report=lambda a: print(f"{a.status} {a.name} {a.seconds:.0f} s", flush=True),
+    )
+    top1 = {}
+    for a in arms:
+        with open(a.out / "metrics.csv") as f:
+            top1[a.name] = float(list(csv.DictReader(f))[-1]["top1"])
+    print("\n| recipe | loader | top-1 seed 0 / 1 | mean ± half-range |")
+    print("|---|---|---:|---:|")
+    for recipe in ("experiments", "deit"):
+        for loader in ("workers", "device"):
+            v = [top1[f"{recipe}/{loader}/seed{s}"] for s in (0, 1)]
+            print(
+                f"| {recipe} | {loader} | {v[0]:.2f} / {v[1]:.2f} | {mean(v):.2f} ± {(max(v) - min(v)) / 2:.2f} |"
+            )
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """The paper's comparisons on real data at CPU scale: Fashion-MNIST, equal total epochs, several seeds.
 
     python experiments/fashion_mnist.py [--epochs 8] [--seeds 0 1] [--train-samples 4000] [--out experiments/out/fmnist]
-                                        [--data-dir DIR] [--compile] [--device auto|cpu|cuda]
+                                        [--data-dir DIR] [--compile] [--device auto|cpu|cuda] [--loader auto|device|workers]
                                         [--parallel N] [--time-budget SECONDS]
 
 Fashion-MNIST (Debian's dataset-fashion-mnist: 60k / 10k, 28×28 grey, 10 classes), a fixed seeded
@@ -60,12 +60,12 @@ def arms_for(args: argparse.Namespace) -> tuple[list[Arm], dict[tuple[str, int],
         if row:
             rows.setdefault((row, warm), []).append(name)
 
-    for warm in (args.warmup, 0):
+    for warm in dict.fromkeys((args.warmup, 0)):  # --warmup 0: one setting, not two
         for seed in args.seeds:
             d = f"warmup{warm}/seed{seed}"
             common = dict(
                 seed=seed, warmup_epochs=warm, train_samples=args.train_samples, compile=args.compile,
-                data_dir=args.data_dir, device=args.device,
+                data_dir=args.data_dir, device=args.device, loader=args.loader,
             )  # fmt: skip
             add("phase 1 only", warm, f"{d}/phase1-only", phase="phase1", epochs=e, lr=LR_SCRATCH, **common)
             add("phase 2 only (random init)", warm, f"{d}/phase2-only", phase="phase2", init="random", epochs=e,
@@ -103,6 +103,7 @@ def main() -> None:
         "--data-dir", default=None, help="Folder of the four IDX .gz files (default: Debian's package's)."
     )
     ap.add_argument("--device", default="auto", help="auto, cpu, cuda")
+    ap.add_argument("--loader", default="auto", help="auto, device, workers (README: Loader)")
     ap.add_argument("--parallel", type=int, default=1, help="arms run at once, each in its own process")
     ap.add_argument("--time-budget", type=float, default=None,
                     help="seconds: stop cleanly before this (unfinished arms resume on the next call)")  # fmt: skip

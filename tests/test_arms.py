@@ -4,9 +4,14 @@ a time budget that stops arms cleanly and a second call that resumes them."""
 from __future__ import annotations
 
 import csv
+import gzip
 import json
+import subprocess
+import sys
 import time
 from pathlib import Path
+
+import numpy as np
 
 from convit_convert.train.arms import BLOCKED, DONE, FAILED, STOPPED, Arm, run_arms
 from convit_convert.train.config import TrainConfig
@@ -58,3 +63,31 @@ def test_time_budget_stops_cleanly_and_the_next_call_resumes(tmp_path: Path) -> 
     run_arms([arm])
     assert arm.status == DONE and epochs_done(tmp_path / "long") == list(range(1, 31))
     assert "resumed" in (tmp_path / "long" / "log.txt").read_text()
+
+
+def write_idx(path: Path, array: np.ndarray) -> None:
+    """An IDX file of unsigned bytes, the format Fashion-MNIST ships in (gzipped)."""
+    header = bytes([0, 0, 8, array.ndim]) + b"".join(int(d).to_bytes(4, "big") for d in array.shape)
+    with gzip.open(path, "wb") as f:
+        f.write(header + array.astype(np.uint8).tobytes())
+
+
+def test_fashion_mnist_experiment_in_budgeted_calls(tmp_path: Path) -> None:
+    """experiments/fashion_mnist.py on tiny IDX files: a call whose budget is too short stops its
+    arms and exits 3, the next call finishes the table from where it stopped."""
+    rng = np.random.default_rng(0)
+    data = tmp_path / "fm"
+    data.mkdir()
+    for split, n in (("train", 128), ("t10k", 64)):
+        write_idx(data / f"{split}-images-idx3-ubyte.gz", rng.integers(0, 256, (n, 28, 28)))
+        write_idx(data / f"{split}-labels-idx1-ubyte.gz", rng.integers(0, 10, n))
+    script = Path(__file__).resolve().parent.parent / "experiments" / "fashion_mnist.py"
+    cmd = [sys.executable, str(script), "--data-dir", str(data), "--epochs", "2", "--seeds", "0", "--warmup", "0",
+           "--train-samples", "128", "--device", "cpu", "--parallel", "2", "--out", str(tmp_path / "out")]  # fmt: skip
+    first = subprocess.run([*cmd, "--time-budget", "8"], capture_output=True, text=True, timeout=120)
+    assert first.returncode == 3, first.stdout[-2000:] + first.stderr[-2000:]
+    assert "run the same command again" in first.stdout
+    second = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-2000:]
+    assert "| phase 1 only | 0 |" in second.stdout and "| both phases, gated | 0 |" in second.stdout
+    assert json.loads((tmp_path / "out" / "results.json").read_text())

@@ -32,9 +32,12 @@ def cpus() -> int:
 
 
 def default_workers() -> int:
-    """Workers of the workers loader when `workers` is not given: up to 4, never more than the CPUs
-    this process may use (PyTorch warns above that)."""
-    return min(4, cpus())
+    """Workers of the workers loader when `workers` is not given: none on 2 CPUs or fewer, where
+    workers only compete with the training threads (BENCHMARKS.md, 'Small-data training': 0
+    workers ran a 2-epoch Fashion-MNIST run in 28 s, 1 or 2 in 31-33 s); else up to 4, never more
+    than the CPUs this process may use (PyTorch warns above that)."""
+    n = cpus()
+    return 0 if n <= 2 else min(4, n)
 
 
 def default_threads() -> int:
