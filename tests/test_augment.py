@@ -184,21 +184,26 @@ def test_ops_match_timms_pil_ops(name: str, arg: float, chans: int) -> None:
     assert diff.max() <= (0 if exact else 1), (name, diff.max())
 
 
-def test_resize_and_flip_match_pil() -> None:
-    """The random-resized crop's resampling: a whole-image box is PIL's resize (bilinear, 13 -> 28
-    px upsampling), a flipped one its mirror; a crop box matches PIL's crop + resize away from the
-    box edge (PIL clamps at the crop's edge, grid_sample reads the pixels beyond it)."""
+@pytest.mark.parametrize("mode", ["bicubic", "bilinear"])
+def test_resized_crop_and_flip_match_pil(mode: str) -> None:
+    """The random-resized crop's resampling against torchvision's resized_crop on a PIL image
+    (crop, then PIL's resize): a whole image and a crop upsampled 13 -> 28 px, a crop shrunk
+    40×30 -> 16 px (PIL antialiases), and a flipped one; within one grey level (PIL computes in
+    fixed point)."""
+    from torchvision.transforms import InterpolationMode
+    from torchvision.transforms import functional as TF
+
     rng = np.random.default_rng(1)
-    img = rng.integers(0, 256, size=(13, 13, 3), dtype=np.uint8)
-    x = torch.from_numpy(img).permute(2, 0, 1)[None].float().repeat(3, 1, 1, 1)
-    box = torch.tensor([[0, 0, 13, 13], [0, 0, 13, 13], [2, 3, 8, 9]])
-    out = A.resized_crop(x, box, torch.tensor([False, True, False]), (28, 28), "bilinear").permute(0, 2, 3, 1)
-    pil = Image.fromarray(img)
-    ref = np.asarray(pil.resize((28, 28), Image.BILINEAR)).astype(int)
-    assert np.abs(out[0].numpy() - ref).max() <= 1
-    assert np.abs(out[1].numpy() - ref[:, ::-1]).max() <= 1
-    crop = np.asarray(pil.crop((3, 2, 12, 10)).resize((28, 28), Image.BILINEAR)).astype(int)
-    assert np.abs(out[2].numpy()[3:-3, 3:-3] - crop[3:-3, 3:-3]).max() <= 1
+    for size_in, out, boxes in (((13, 13), (28, 28), [[0, 0, 13, 13], [2, 3, 8, 9], [2, 3, 8, 9]]),
+                                ((64, 50), (16, 16), [[5, 7, 40, 30], [0, 0, 64, 50], [20, 1, 44, 49]])):  # fmt: skip
+        img = rng.integers(0, 256, size=(*size_in, 3), dtype=np.uint8)
+        x = torch.from_numpy(img).permute(2, 0, 1)[None].float().repeat(3, 1, 1, 1)
+        flip = torch.tensor([False, False, True])
+        ours = A.resized_crop(x, torch.tensor(boxes), flip, out, mode).permute(0, 2, 3, 1).numpy()
+        for k, (top, left, h, w) in enumerate(boxes):
+            ref = TF.resized_crop(Image.fromarray(img), top, left, h, w, list(out), InterpolationMode(mode))
+            ref = np.asarray(TF.hflip(ref) if flip[k] else ref).astype(int)
+            assert np.abs(ours[k] - ref).max() <= 1, (size_in, boxes[k])
 
 
 def test_eval_view_matches_timms_eval_transform() -> None:

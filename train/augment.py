@@ -11,11 +11,11 @@ What is the same as timm, and tested against it (tests/test_augment.py): the par
 distributions (crop boxes from torchvision's rejection sampler, flip rate, RandAugment's op choice,
 probability, magnitude noise and level functions read from timm's own parsed policy, colour
 jitter's factors and order, erasing's rate, area and aspect ratio) and each RandAugment op's pixel
-function against timm's PIL op. What differs: resampling uses ``grid_sample``, whose bicubic
-kernel is a = -0.75 (PIL's is -0.5) and which does not antialias when a crop is shrunk (every
-in-memory dataset here is upsampled: 8, 28 or 32 px images to the model's size); rotate, shear and
-translate fill outside the image with timm's fill colour as PIL does, but sample the edge pixels
-with border clamping.
+function against timm's PIL op. The random-resized crop is PIL's own two-pass resize written as
+two batched matrix products (bicubic a = −0.5 or bilinear, antialiased when a crop shrinks),
+within one grey level of PIL. What differs: RandAugment's rotate, shear and translate resample
+with ``grid_sample``, whose bicubic kernel is a = −0.75 (PIL's is −0.5); they fill outside the
+image with timm's fill colour as PIL does, but sample the edge pixels with border clamping.
 
 Why not kornia: its RandAugment and random-resized crop sample their own distributions from the
 global RNG of the data's device (not timm's, and not reproducible across ranks), and it needs a
@@ -419,22 +419,64 @@ def apply_op(name: str, x: torch.Tensor, arg: torch.Tensor, spec: AugmentSpec) -
 # the batch -----------------------------------------------------------------------------------------
 
 
+def _pil_filter(t: torch.Tensor, mode: str) -> torch.Tensor:
+    """PIL's resampling filters: bicubic with a = −0.5 (support 2), bilinear (support 1)."""
+    t = t.abs()
+    if mode == "bilinear":
+        return (1 - t).clamp(min=0)
+    a = -0.5
+    near = ((a + 2) * t - (a + 3)) * t * t + 1
+    far = (((t - 5) * t + 8) * t - 4) * a
+    return torch.where(t < 1, near, torch.where(t < 2, far, torch.zeros_like(t)))
+
+
+def resize_weights(
+    start: torch.Tensor, length: torch.Tensor, size_in: int, size_out: int, mode: str
+) -> torch.Tensor:
+    """(n, size_out, size_in) weights of PIL's resize of each crop [start, start + length) of an
+    axis to ``size_out`` (Resample.c's precompute_coeffs): output u is centred at (u + 0.5)·scale
+    in the crop, taps within the filter's support (scaled by ``scale`` when shrinking: antialiased)
+    and inside the crop, normalised to sum 1. Computed once per distinct crop length, then shifted
+    to each crop's start."""
+    support = 2.0 if mode == "bicubic" else 1.0
+    lengths, which = torch.unique(length, return_inverse=True)
+    scale = (lengths.double() / size_out)[:, None, None]  # (L, 1, 1)
+    fscale = scale.clamp(min=1.0)
+    centre = (torch.arange(size_out, dtype=torch.float64)[None, :, None] + 0.5) * scale  # (L, out, 1)
+    pos = torch.arange(size_in, dtype=torch.float64)[None, None, :]  # in the crop
+    lo = torch.trunc(centre - support * fscale + 0.5).clamp(min=0)
+    hi = torch.minimum(torch.trunc(centre + support * fscale + 0.5), lengths.double()[:, None, None])
+    w = _pil_filter((pos - centre + 0.5) / fscale, mode) * ((pos >= lo) & (pos < hi))
+    table = (w / w.sum(-1, keepdim=True)).float()  # (L, out, size_in), crop coordinates
+    rel = torch.arange(size_in)[None, :] - start[:, None]  # (n, size_in): image position in each crop
+    inside = (rel >= 0)[:, None, :]
+    idx = rel.clamp(min=0)[:, None, :].expand(-1, size_out, -1)
+    return table[which].gather(2, idx) * inside
+
+
 def resized_crop(x: torch.Tensor, box: torch.Tensor, flip: torch.Tensor, size: tuple[int, int], mode: str):
-    """Each image's box resized to ``size`` (PIL's resize of the crop: output pixel centre u reads
-    left + (u + 0.5)·width/W_out), mirrored where ``flip``; rounded to uint8 levels."""
-    n, _, h_in, w_in = x.shape
+    """Each image's box resized to ``size`` as torchvision's ``resized_crop`` does on a PIL image
+    (crop, then PIL's two-pass resize: horizontal, rounded to uint8, then vertical, rounded), then
+    mirrored where ``flip``. Bicubic and bilinear are PIL's filters (antialiased when a crop
+    shrinks); nearest reads the pixel under each output centre."""
+    _, _, h_in, w_in = x.shape
     h, w = size
-    b = box.to(device=x.device, dtype=torch.float32)
-    u = torch.arange(w, device=x.device, dtype=torch.float32) + 0.5
-    v = torch.arange(h, device=x.device, dtype=torch.float32) + 0.5
-    u = torch.where(flip.to(x.device)[:, None], w - u, u)  # (n, w)
-    sx = b[:, 1, None] + u * (b[:, 3, None] / w)
-    sy = b[:, 0, None] + v * (b[:, 2, None] / h)
-    grid = torch.stack(
-        [(2 * sx / w_in - 1)[:, None, :].expand(n, h, w), (2 * sy / h_in - 1)[:, :, None].expand(n, h, w)], -1
-    )
-    out = F.grid_sample(x, grid, mode=mode, padding_mode="border", align_corners=False)
-    return torch.floor(out.clamp(0, 255) + 0.5)
+    dev = x.device
+    if mode == "nearest":
+        b = box.to(device=dev, dtype=torch.float32)
+        u = torch.arange(w, device=dev, dtype=torch.float32) + 0.5
+        v = torch.arange(h, device=dev, dtype=torch.float32) + 0.5
+        cols = (b[:, 1, None] + u * (b[:, 3, None] / w)).floor().long().clamp(0, w_in - 1)  # (n, w)
+        rows = (b[:, 0, None] + v * (b[:, 2, None] / h)).floor().long().clamp(0, h_in - 1)  # (n, h)
+        out = x.gather(2, rows[:, None, :, None].expand(-1, x.shape[1], -1, w_in))
+        out = out.gather(3, cols[:, None, None, :].expand(-1, x.shape[1], h, -1))
+    else:
+        wx = resize_weights(box[:, 1], box[:, 3], w_in, w, mode).to(dev)
+        wy = resize_weights(box[:, 0], box[:, 2], h_in, h, mode).to(dev)
+        out = torch.floor(torch.matmul(x, wx.transpose(1, 2)[:, None]).clamp(0, 255) + 0.5)  # (n, C, H, w)
+        out = torch.floor(torch.matmul(wy[:, None], out).clamp(0, 255) + 0.5)  # (n, C, h, w)
+    flip = flip.to(dev).view(-1, 1, 1, 1)
+    return torch.where(flip, out.flip(-1), out)
 
 
 def augment(images: torch.Tensor, p: Params, spec: AugmentSpec, noise: torch.Tensor | None) -> torch.Tensor:
