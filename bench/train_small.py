@@ -14,12 +14,13 @@ checkpoints). ``--rows threads`` adds the sweep behind the defaults: threads 1 a
 device loader, workers 0, 1 and 2 with the workers loader.
 
 ``--rows accuracy`` answers whether the device loader trains as well as the workers loader: phase
-1, 6 epochs, seeds 0 and 1, each loader, with the experiments recipe (lr 2e-3 at batch 64) and
+1, 6 epochs, seeds 0 and 1 (``--seeds``), each loader, with the experiments recipe (lr 2e-3 at batch 64) and
 the DeiT recipe at the same learning rate, run through convit_convert.train.arms (``--parallel``,
 resumable in ``--out``); it prints the final top-1 of each run and each loader's mean ± half-range.
 
 Recipes: ``deit`` is the paper's (RandAugment rand-m9-mstd0.5-inc1, random erasing 0.25,
-Mixup/CutMix, smoothing); ``experiments`` is experiments/fashion_mnist.py's (crop and flip only).
+Mixup/CutMix, smoothing); ``experiments`` is experiments/fashion_mnist.py's (crop, flip and colour
+jitter only).
 """
 
 from __future__ import annotations
@@ -116,6 +117,8 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--rows", choices=("main", "threads", "all", "accuracy"), default="main")
     ap.add_argument("--parallel", type=int, default=2, help="--rows accuracy: runs at once")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="--rows accuracy: seeds")
+    ap.add_argument("--recipes", nargs="+", default=["experiments", "deit"], help="--rows accuracy: recipes")
     ap.add_argument(
         "--out", type=Path, default=Path("bench/out/loader_accuracy"), help="--rows accuracy: run folders"
     )
@@ -180,9 +183,9 @@ def accuracy(args: argparse.Namespace) -> None:
     from convit_convert.train.arms import Arm, run_arms
 
     arms = []
-    for recipe in ("experiments", "deit"):
+    for recipe in args.recipes:
         for loader in ("workers", "device"):
-            for seed in (0, 1):
+            for seed in args.seeds:
                 cfg = TrainConfig(
                     out=str(args.out / recipe / loader / f"seed{seed}"), phase="phase1", data="fashion-mnist",
                     data_dir=args.data_dir, train_samples=4000, epochs=6, warmup_epochs=1, batch_size=64,
@@ -199,14 +202,14 @@ def accuracy(args: argparse.Namespace) -> None:
     for a in arms:
         with open(a.out / "metrics.csv") as f:
             top1[a.name] = float(list(csv.DictReader(f))[-1]["top1"])
-    print("\n| recipe | loader | top-1 seed 0 / 1 | mean ± half-range |")
+    seeds = " / ".join(map(str, args.seeds))
+    print(f"\n| recipe | loader | top-1, seeds {seeds} | mean ± half-range |")
     print("|---|---|---:|---:|")
-    for recipe in ("experiments", "deit"):
+    for recipe in args.recipes:
         for loader in ("workers", "device"):
-            v = [top1[f"{recipe}/{loader}/seed{s}"] for s in (0, 1)]
-            print(
-                f"| {recipe} | {loader} | {v[0]:.2f} / {v[1]:.2f} | {mean(v):.2f} ± {(max(v) - min(v)) / 2:.2f} |"
-            )
+            v = [top1[f"{recipe}/{loader}/seed{s}"] for s in args.seeds]
+            cells = " / ".join(f"{x:.2f}" for x in v)
+            print(f"| {recipe} | {loader} | {cells} | {mean(v):.2f} ± {(max(v) - min(v)) / 2:.2f} |")
 
 
 if __name__ == "__main__":
