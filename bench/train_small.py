@@ -2,7 +2,7 @@
 loader (data held as a tensor, augmented per batch), whole runs of the EXPERIMENTS.md model.
 
     python bench/train_small.py [--data-dir DIR] [--recipe deit|experiments] [--device cpu|cuda]
-                                [--rows main|threads|all] [--epochs 2] [--train-samples 4096]
+                                [--rows main|threads|all|accuracy] [--repeat N] [--epochs 2] [--train-samples 4096]
 
 Fashion-MNIST (Debian's dataset-fashion-mnist, or --data-dir), 28 px, P 4, d 48, depth 2, K 5,
 batch 128, 4,096 training images, the 10k validation images evaluated after every epoch. Each row
@@ -31,6 +31,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
+from statistics import median
 
 import torch
 
@@ -123,58 +124,62 @@ def main() -> None:
         "--out", type=Path, default=Path("bench/out/loader_accuracy"), help="--rows accuracy: run folders"
     )
     ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument("--repeat", type=int, default=1, help="repetitions of every row (this VM's timings vary)")
     ap.add_argument("--train-samples", type=int, default=4096)
     args = ap.parse_args()
     if args.rows == "accuracy":
         accuracy(args)
         return
     cpus = torch.get_num_threads()
-    root = Path(tempfile.mkdtemp(prefix="train_small-"))
-    rows: list[tuple[str, str, str, dict]] = []
-    try:
-        conv = None
-        settings = []
-        if args.rows in ("main", "all"):
-            settings += [("workers", cpus, min(4, cpus)), ("device", cpus, 0)]
-        if args.rows in ("threads", "all"):
-            settings += [("device", 1, 0)] + [("workers", cpus, w) for w in range(0, min(4, cpus) + 1)]
-        for i, (loader, threads, workers) in enumerate(dict.fromkeys(settings)):
-            name = (
-                f"{loader}" + (f", {workers} workers" if loader == "workers" else "") + f", {threads} threads"
-            )
-            r1 = one_run(root / f"p1-{i}", "phase1", loader, threads, workers, args)
-            rows.append((name, "phase 1", args.recipe, r1))
-            print(f"{name}, phase 1: {r1}", flush=True)
-            if conv is None or (loader == "device" and threads == cpus):
-                conv = root / f"p1-{i}" / "conv.safetensors"
-        for i, (loader, threads, workers) in enumerate(dict.fromkeys(settings)):
-            name = (
-                f"{loader}" + (f", {workers} workers" if loader == "workers" else "") + f", {threads} threads"
-            )
-            r2 = one_run(
-                root / f"p2-{i}", "phase2", loader, threads, workers, args, init=str(conv), pinning="gated"
-            )
-            rows.append((name, "phase 2 (gated)", args.recipe, r2))
-            print(f"{name}, phase 2: {r2}", flush=True)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+    settings = []
+    if args.rows in ("main", "all"):
+        settings += [("workers", cpus, min(4, cpus)), ("device", cpus, 0)]
+    if args.rows in ("threads", "all"):
+        settings += [("device", 1, 0)] + [("workers", cpus, w) for w in range(0, min(4, cpus) + 1)]
+    settings = list(dict.fromkeys(settings))
+    results: dict[tuple[str, str], list[dict]] = {}  # (setting, phase) -> one result per repetition
+    for rep in range(args.repeat):
+        root = Path(tempfile.mkdtemp(prefix="train_small-"))
+        try:
+            conv = None
+            for phase in ("phase 1", "phase 2 (gated)"):
+                for i, (loader, threads, workers) in enumerate(settings):
+                    name = f"{loader}" + (f", {workers} workers" if loader == "workers" else "")
+                    name += f", {threads} threads"
+                    kw = {} if phase == "phase 1" else {"init": str(conv), "pinning": "gated"}
+                    out = root / f"{phase[:7].replace(' ', '')}-{i}"
+                    run_phase = "phase1" if phase == "phase 1" else "phase2"
+                    r = one_run(out, run_phase, loader, threads, workers, args, **kw)
+                    results.setdefault((name, phase), []).append(r)
+                    print(f"repetition {rep + 1}: {name}, {phase}: {r}", flush=True)
+                    if phase == "phase 1" and (conv is None or (loader == "device" and threads == cpus)):
+                        conv = out / "conv.safetensors"
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
     if args.rows in ("main", "all"):
         print("\n" + "\n".join(ceilings(args)))
     print(f"\n{args.device}, {cpus} threads available, torch {torch.__version__}; {args.epochs} epochs, "
-          f"{args.train_samples} training images, 10k validation images, batch 128, recipe {args.recipe}\n")  # fmt: skip
-    print("| loader | phase | train images/s, epoch 1 / 2 | run wall s | top-1 % |")
-    print("|---|---|---:|---:|---:|")
-    for name, phase, _, r in rows:
-        ips = " / ".join(f"{v:.0f}" for v in r["ips"])
-        print(f"| {name} | {phase} | {ips} | {r['wall']:.1f} | {r['top1']:.2f} |")
-    base = {
-        ph: r for n, ph, _, r in rows if n.startswith("workers") and f"{min(4, cpus)} workers, {cpus}" in n
-    }
-    dev = {ph: r for n, ph, _, r in rows if n == f"device, {cpus} threads"}
-    for ph in base.keys() & dev.keys():
-        b, d = base[ph], dev[ph]
-        print(f"{ph}: device / workers: training images/s {d['ips'][-1] / b['ips'][-1]:.2f}x (last epoch), "
-              f"run wall time {b['wall'] / d['wall']:.2f}x faster")  # fmt: skip
+          f"{args.train_samples} training images, 10k validation images, batch 128, recipe {args.recipe}; "
+          f"{args.repeat} repetition(s), each cell one per repetition, then the median\n")  # fmt: skip
+    print("| loader | phase | train images/s (mean of the epochs) | median | run wall s | median | top-1 % |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+
+    def ips(r: dict) -> float:
+        return sum(r["ips"]) / len(r["ips"])
+
+    for (name, phase), rs in results.items():
+        a, w = [ips(r) for r in rs], [r["wall"] for r in rs]
+        print(f"| {name} | {phase} | {' / '.join(f'{v:.0f}' for v in a)} | {median(a):.0f} | "
+              f"{' / '.join(f'{v:.1f}' for v in w)} | {median(w):.1f} | {rs[0]['top1']:.2f} |")  # fmt: skip
+    base_name, dev_name = f"workers, {min(4, cpus)} workers, {cpus} threads", f"device, {cpus} threads"
+    for phase in ("phase 1", "phase 2 (gated)"):
+        b, d = results.get((base_name, phase)), results.get((dev_name, phase))
+        if b and d:
+            ratio = [ips(y) / ips(x) for x, y in zip(b, d, strict=True)]
+            faster = [x["wall"] / y["wall"] for x, y in zip(b, d, strict=True)]
+            print(f"{phase}: device / workers: training images/s {' / '.join(f'{v:.2f}' for v in ratio)}x "
+                  f"(median {median(ratio):.2f}x); run wall time {' / '.join(f'{v:.2f}' for v in faster)}x "
+                  f"faster (median {median(faster):.2f}x)")  # fmt: skip
 
 
 def accuracy(args: argparse.Namespace) -> None:

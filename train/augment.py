@@ -378,26 +378,28 @@ def affine(x: torch.Tensor, m: torch.Tensor, fill: tuple[int, ...], mode: str) -
     return torch.where(inside, out, f)
 
 
-def geometric(name: str, x: torch.Tensor, a: torch.Tensor, fill: tuple[int, ...], mode: str) -> torch.Tensor:
-    """timm's rotate / shear / translate as PIL affine matrices (output -> input)."""
-    _k, _, h, w = x.shape
+def affine_matrix(name: str, a: torch.Tensor, h: int, w: int) -> torch.Tensor:
+    """(k, 6) PIL affine matrices (output -> input) of timm's rotate / shear / translate ``name``
+    with arguments ``a`` on h×w images."""
     one, zero = torch.ones_like(a), torch.zeros_like(a)
     if name == "Rotate":  # PIL Image.rotate: counter-clockwise about the centre
         t = -torch.deg2rad(a)
         cos, sin = torch.cos(t), torch.sin(t)
         cx, cy = w / 2.0, h / 2.0
-        m = torch.stack([cos, sin, cx - cos * cx - sin * cy, -sin, cos, cy + sin * cx - cos * cy], 1)
-    elif name == "ShearX":
-        m = torch.stack([one, a, zero, zero, one, zero], 1)
-    elif name == "ShearY":
-        m = torch.stack([one, zero, zero, a, one, zero], 1)
-    else:
-        rel = name.endswith("Rel")
-        if name.startswith("TranslateX"):
-            m = torch.stack([one, zero, a * (w if rel else 1), zero, one, zero], 1)
-        else:
-            m = torch.stack([one, zero, zero, zero, one, a * (h if rel else 1)], 1)
-    return affine(x, m, fill, mode)
+        return torch.stack([cos, sin, cx - cos * cx - sin * cy, -sin, cos, cy + sin * cx - cos * cy], 1)
+    if name == "ShearX":
+        return torch.stack([one, a, zero, zero, one, zero], 1)
+    if name == "ShearY":
+        return torch.stack([one, zero, zero, a, one, zero], 1)
+    rel = name.endswith("Rel")
+    if name.startswith("TranslateX"):
+        return torch.stack([one, zero, a * (w if rel else 1), zero, one, zero], 1)
+    return torch.stack([one, zero, zero, zero, one, a * (h if rel else 1)], 1)
+
+
+def geometric(name: str, x: torch.Tensor, a: torch.Tensor, fill: tuple[int, ...], mode: str) -> torch.Tensor:
+    """One of timm's rotate / shear / translate on k images with their k arguments."""
+    return affine(x, affine_matrix(name, a, x.shape[2], x.shape[3]), fill, mode)
 
 
 POINT_OPS = {
@@ -488,11 +490,20 @@ def augment(images: torch.Tensor, p: Params, spec: AugmentSpec, noise: torch.Ten
     ra = spec.randaugment
     if ra is not None:
         for layer in range(ra.num_layers):
-            op, applied = p.ra_op[:, layer], p.ra_apply[:, layer]
-            for j in torch.unique(op[applied]).tolist():
+            op, applied, arg = p.ra_op[:, layer], p.ra_apply[:, layer], p.ra_arg[:, layer]
+            geo = torch.tensor([name in GEOMETRIC for name in ra.ops])[op] & applied
+            if geo.any():  # every geometric op of this layer in one resampling
+                sel = torch.nonzero(geo)[:, 0]
+                m = torch.zeros(len(sel), 6, dtype=torch.float64)
+                for j in torch.unique(op[sel]).tolist():
+                    rows = op[sel] == j
+                    m[rows] = affine_matrix(ra.ops[j], arg[sel][rows], *spec.out_size)
+                sd = sel.to(dev)
+                x[sd] = affine(x[sd], m, spec.fill, spec.interpolation)
+            for j in torch.unique(op[applied & ~geo]).tolist():
                 sel = torch.nonzero(applied & (op == j))[:, 0]
                 sd = sel.to(dev)
-                x[sd] = apply_op(ra.ops[j], x[sd], p.ra_arg[sel, layer].to(dev), spec)
+                x[sd] = apply_op(ra.ops[j], x[sd], arg[sel].to(dev), spec)
     elif spec.color_jitter:
         jit = p.jitter.to(dev)
         for slot in range(3):
