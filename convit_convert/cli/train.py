@@ -99,7 +99,7 @@ def _option(name: str, typ: Any, help_text: str, panel: str, default: Any) -> in
     decls = [f"{flag}/--no-{name.replace('_', '-')}"] if typ is bool else [flag]
     shown = {
         "lr": "per phase: " + ", ".join(f"{k} {v:g}" for k, v in PHASE_LR.items()),
-        "workers": "0 on 2 CPUs or fewer, else min(4, CPUs)",
+        "workers": "min(4, CPUs)",
         "threads": "the CPUs this process may use",
         "pinning": "gated from a conv-phase --init, hard from random init",
         "attn_lr_mult": "10 from a checkpoint, 1 from random init",
