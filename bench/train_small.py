@@ -1,7 +1,7 @@
 """Small-data training speed: the workers loader (timm's per-image transforms) against the device
 loader (data held as a tensor, augmented per batch), whole runs of the EXPERIMENTS.md model.
 
-    python bench/train_small.py [--data-dir DIR] [--recipe deit|experiments] [--device cpu|cuda]
+    python bench/train_small.py [--data-dir DIR] [--recipe deit|experiments] [--device cpu|cuda] [--compile]
                                 [--rows main|threads|all|accuracy] [--repeat N] [--epochs 2] [--train-samples 4096]
 
 Fashion-MNIST (Debian's dataset-fashion-mnist, or --data-dir), 28 px, P 4, d 48, depth 2, K 5,
@@ -49,7 +49,7 @@ def one_run(out: Path, phase: str, loader: str, threads: int, workers: int, args
     cfg = TrainConfig(
         out=str(out), phase=phase, data="fashion-mnist", data_dir=args.data_dir, train_samples=args.train_samples,
         epochs=args.epochs, warmup_epochs=1, batch_size=128, loader=loader, threads=threads, workers=workers,
-        device=args.device, log_every=10_000, **MODEL, **RECIPES[args.recipe], **kw,
+        device=args.device, compile=args.compile, log_every=10_000, **MODEL, **RECIPES[args.recipe], **kw,
     )  # fmt: skip
     t = time.perf_counter()
     res = run(cfg)
@@ -116,6 +116,9 @@ def main() -> None:
     ap.add_argument("--data-dir", default=None)
     ap.add_argument("--recipe", choices=sorted(RECIPES), default="deit")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument(
+        "--compile", action="store_true", help="torch.compile the models (a GPU run: bf16 by default)"
+    )
     ap.add_argument("--rows", choices=("main", "threads", "all", "accuracy"), default="main")
     ap.add_argument("--parallel", type=int, default=2, help="--rows accuracy: runs at once")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="--rows accuracy: seeds")
