@@ -275,3 +275,30 @@ def test_augmented_images_match_timms_in_distribution(aa: str) -> None:
     assert ours.std().item() == pytest.approx(ref.std().item(), rel=0.03)
     sharp = lambda t: (t[..., 1:] - t[..., :-1]).abs().mean().item()  # noqa: E731
     assert sharp(ours) == pytest.approx(sharp(ref), rel=0.03)
+
+
+def test_auto_loader_holds_what_fits_and_says_why_not(tmp_path) -> None:
+    """`loader` auto: one-size image folders are held (as PIL converts them: grey from RGB by
+    PIL's weights), mixed sizes and unsupported augmentation fall back to workers with a reason."""
+    from convit_convert.train.data import build_data
+    from convit_convert.train.held import hold
+    from convit_convert.train.run import choose_loader
+
+    rng = np.random.default_rng(0)
+    for split in ("train", "val"):
+        for c in ("a", "b"):
+            (tmp_path / split / c).mkdir(parents=True)
+            for i in range(2):
+                Image.fromarray(rng.integers(0, 256, (10, 12, 3), dtype=np.uint8)).save(
+                    tmp_path / split / c / f"{i}.png"
+                )
+    spec = build_data("imagefolder", tmp_path, (16, 16))
+    assert choose_loader(TrainConfig(), spec, 3) == ("device", "")
+    x, y = hold(spec.train, 1, torch.device("cpu"))
+    path, label = spec.train.samples[0]
+    assert x.shape == (4, 1, 10, 12) and y[0] == label
+    assert torch.equal(x[0, 0], torch.from_numpy(np.array(Image.open(path).convert("L"))))
+    assert choose_loader(TrainConfig(aa="original"), spec, 3)[0] == "workers"
+    Image.fromarray(np.zeros((5, 5, 3), dtype=np.uint8)).save(tmp_path / "train" / "a" / "small.png")
+    loader, why = choose_loader(TrainConfig(), build_data("imagefolder", tmp_path, (16, 16)), 3)
+    assert loader == "workers" and "not all one size" in why

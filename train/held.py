@@ -70,6 +70,11 @@ def holdable(ds: Dataset, in_chans: int) -> str | None:
     if isinstance(imgs, np.ndarray):
         hw = imgs.shape[1:3]
     else:
+        from PIL import Image
+
+        with Image.open(imgs[idx[0]]) as im:  # a first estimate, before reading every header
+            if len(idx) * im.height * im.width * in_chans > MAX_BYTES:
+                return f"its {len(idx)} images need more than {MAX_BYTES / 2**30:.0f} GiB decoded"
         size = _folder_size(imgs, idx)
         if size is None:
             return "its images are not all one size"
