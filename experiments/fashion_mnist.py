@@ -79,6 +79,16 @@ def arms_for(args: argparse.Namespace) -> tuple[list[Arm], dict[tuple[str, int],
     return arms, rows
 
 
+def train(out: Path, **kw) -> dict:
+    """One run of this script's model and recipe, run, resumed or skipped as an arm (fewer_heads.py
+    uses it); its :func:`result`."""
+    arm = Arm(out.name, TrainConfig(out=str(out), data="fashion-mnist", **MODEL, **RECIPE, **kw))
+    run_arms([arm])
+    if arm.status != DONE:
+        raise SystemExit(f"{out}: {arm.status} {arm.note}")
+    return result(out)
+
+
 def result(out: Path, before: Path | None = None) -> dict:
     """A finished arm's final and first metrics rows and its CPU seconds (plus ``before``'s)."""
     with open(out / "metrics.csv", newline="") as f:
