@@ -1,6 +1,7 @@
 """The paper's comparisons (Table 1's last rows, Figure 2) at small scale, on CPU, on digits.
 
-    python experiments/digits.py [--epochs 30] [--seed 0] [--out experiments/out]
+    python experiments/digits.py [--epochs 30] [--seed 0] [--out experiments/out] [--loader auto|device|workers]
+                                 [--parallel N] [--time-budget SECONDS]
 
 scikit-learn's 8×8 digits upsampled to 32×32, 4-pixel patches (an 8×8 grid), identity patch
 embedding (d = 48), 2 blocks, MLP ratio 4, K = 5 (so 9 heads), DeiT's augmentation and
@@ -15,45 +16,37 @@ regularisation as in the paper. At equal total epochs E:
 each with the recipe's warm-up (3 epochs at this scale) and without (Section 4.3). Learning rates
 at this scale: 2e-3 when training from scratch, 2e-4 for phase 2 after phase 1 (the paper's 10:1
 ratio between its phase-1 and phase-2 peaks); batch 64. Prints a markdown table (EXPERIMENTS.md).
-About 17 minutes on 2 CPU cores.
+About 17 minutes on 2 CPU cores with the per-image loader (``--loader workers``, which measured the
+table). Runs are kept in ``--out``: finished ones are skipped, stopped ones resumed
+(``--parallel``, ``--time-budget``: convit_convert/train/arms.py); delete ``--out`` to start over.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import json
-import shutil
 import time
 from pathlib import Path
 
-import torch
-
+from convit_convert.train.arms import DONE, Arm, run_arms
 from convit_convert.train.config import TrainConfig
-from convit_convert.train.run import run
 
 MODEL = dict(img_size=32, patch_size=4, hidden_chans=3, depth=2, mlp_ratio=4.0, kernel_size=5)
 
 
-def train(out: Path, **kw) -> dict:
-    cfg = TrainConfig(
-        out=str(out),
-        data="digits",
-        batch_size=64,
-        lr_base_batch=64,
-        workers=0,
-        log_every=10_000,
-        **MODEL,
-        **kw,
-    )
-    t = time.perf_counter()
-    result = run(cfg)
-    rows = result.rows
-    return {
-        "rows": rows,
-        "seconds": time.perf_counter() - t,
-        "final": rows[-1],
-        "best_top1": max(r["top1"] for r in rows),
-    }
+def arm(out: Path, name: str, after: tuple[str, ...] = (), **kw) -> Arm:
+    cfg = TrainConfig(out=str(out / name), data="digits", batch_size=64, lr_base_batch=64, workers=0,
+                      log_every=10_000, **MODEL, **kw)  # fmt: skip
+    return Arm(name, cfg, after)
+
+
+def result(run_dir: Path) -> dict:
+    """A finished run's metrics rows, final row, best top-1 and CPU seconds."""
+    with open(run_dir / "metrics.csv", newline="") as f:
+        rows = [{k: float(v) for k, v in r.items() if v} for r in csv.DictReader(f)]
+    seconds = float((run_dir / "cpu_seconds.txt").read_text())
+    return {"rows": rows, "seconds": seconds, "final": rows[-1], "best_top1": max(r["top1"] for r in rows)}
 
 
 def main() -> None:
@@ -62,50 +55,61 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3, help="warm-up epochs of the 'with warm-up' runs")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("experiments/out"))
+    ap.add_argument("--loader", default="auto", help="auto, device, workers (README: Loader)")
+    ap.add_argument("--parallel", type=int, default=1, help="runs at once, each in its own process")
+    ap.add_argument("--time-budget", type=float, default=None,
+                    help="seconds: stop cleanly before this (unfinished runs resume on the next call)")  # fmt: skip
     args = ap.parse_args()
-    torch.set_num_threads(2)
-    shutil.rmtree(args.out, ignore_errors=True)
     e, half = args.epochs, args.epochs // 2
-    results = []
-    for warm in (args.warmup, 0):
-        tag = f"warmup{warm}"
-        common = dict(seed=args.seed, warmup_epochs=warm)
-        p1_only = train(args.out / tag / "phase1-only", phase="phase1", epochs=e, lr=2e-3, **common)
-        p2_only = train(
-            args.out / tag / "phase2-only", phase="phase2", init="random", epochs=e, lr=2e-3, **common
-        )
-        p1 = train(args.out / tag / "both-p1", phase="phase1", epochs=half, lr=2e-3, **common)
-        conv = str(args.out / tag / "both-p1" / "conv.safetensors")
+    arms = []
+    for warm in dict.fromkeys((args.warmup, 0)):
+        t = f"warmup{warm}"
+        common = dict(seed=args.seed, warmup_epochs=warm, loader=args.loader)
         hard = dict(pinning="hard", attn_lr_mult=1.0)  # the exact construction, as this table measured it
-        p2 = train(
-            args.out / tag / "both-p2", phase="phase2", init=conv, epochs=e - half, lr=2e-4, **hard, **common
-        )
-        soft = train(
-            args.out / tag / "both-p2-soft", phase="phase2", init=conv, epochs=e - half, lr=2e-4,
-            margin=8.0, qk_init_std=0.02, verify_tol=0.05, **hard, **common,
-        )  # fmt: skip
+        conv = str(args.out / t / "both-p1" / "conv.safetensors")
+        arms += [
+            arm(args.out, f"{t}/phase1-only", phase="phase1", epochs=e, lr=2e-3, **common),
+            arm(args.out, f"{t}/phase2-only", phase="phase2", init="random", epochs=e, lr=2e-3, **common),
+            arm(args.out, f"{t}/both-p1", phase="phase1", epochs=half, lr=2e-3, **common),
+            arm(args.out, f"{t}/both-p2", (f"{t}/both-p1",), phase="phase2", init=conv, epochs=e - half, lr=2e-4,
+                **hard, **common),
+            arm(args.out, f"{t}/both-p2-soft", (f"{t}/both-p1",), phase="phase2", init=conv, epochs=e - half,
+                lr=2e-4, margin=8.0, qk_init_std=0.02, verify_tol=0.05, **hard, **common),
+        ]  # fmt: skip
+    t0 = time.time()
+    run_arms(arms, parallel=args.parallel, time_budget=args.time_budget,
+             report=lambda a: print(f"{time.time() - t0:6.0f} s  {a.status:8s} {a.name}  epochs {a.progress()}"
+                                    + (f"  ({a.note})" if a.note else ""), flush=True))  # fmt: skip
+    left = [a for a in arms if a.status != DONE]
+    if left:
+        print(f"\n{len(arms) - len(left)}/{len(arms)} runs done; run the same command again to continue")
+        raise SystemExit(3)
+    results = []
+    for warm in dict.fromkeys((args.warmup, 0)):
+        r = {name: result(args.out / f"warmup{warm}" / name) for name in
+             ("phase1-only", "phase2-only", "both-p1", "both-p2", "both-p2-soft")}  # fmt: skip
+        p1 = r["both-p1"]
         for name, res, secs in (
-            ("phase 1 only (conv)", p1_only, p1_only["seconds"]),
-            ("phase 2 only (attention, random init)", p2_only, p2_only["seconds"]),
-            (f"both phases ({half} + {e - half})", p2, p1["seconds"] + p2["seconds"]),
-            (f"both phases ({half} + {e - half}), soft pinning", soft, p1["seconds"] + soft["seconds"]),
-        ):
+            ("phase 1 only (conv)", r["phase1-only"], r["phase1-only"]["seconds"]),
+            ("phase 2 only (attention, random init)", r["phase2-only"], r["phase2-only"]["seconds"]),
+            (f"both phases ({half} + {e - half})", r["both-p2"], p1["seconds"] + r["both-p2"]["seconds"]),
+            (f"both phases ({half} + {e - half}), soft pinning", r["both-p2-soft"],
+             p1["seconds"] + r["both-p2-soft"]["seconds"]),
+            ("phase 1 half (before conversion)", p1, p1["seconds"]),
+        ):  # fmt: skip
             f = res["final"]
             results.append(
                 {"setting": name, "warmup": warm, "top1": f["top1"], "top5": f["top5"], "val_loss": f["val_loss"],
                  "best_top1": res["best_top1"], "seconds": secs}
             )  # fmt: skip
-        results.append({"setting": "phase 1 half (before conversion)", "warmup": warm, "top1": p1["final"]["top1"],
-                        "top5": p1["final"]["top5"], "val_loss": p1["final"]["val_loss"],
-                        "best_top1": p1["best_top1"], "seconds": p1["seconds"]})  # fmt: skip
     (args.out / "results.json").write_text(json.dumps(results, indent=2))
     print(f"\ndigits, 32 px, P 4, d 48, depth 2, K 5, {e} epochs in all, seed {args.seed}\n")
-    print("| setting | warm-up epochs | top-1 % (final) | best top-1 % | top-5 % | val loss | CPU time |")
+    print("| setting | warm-up epochs | top-1 % (final) | best top-1 % | top-5 % | val loss | CPU s |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for r in results:
         print(
             f"| {r['setting']} | {r['warmup']} | {r['top1']:.2f} | {r['best_top1']:.2f} | {r['top5']:.2f} | "
-            f"{r['val_loss']:.4f} | {r['seconds']:.0f} s |"
+            f"{r['val_loss']:.4f} | {r['seconds']:.0f} |"
         )
 
 

@@ -7,8 +7,8 @@ from (``after``). An arm whose model file exists is done and skipped; one with a
 resumed; the others start once everything they depend on is done. Up to ``parallel`` arms run
 at once, each in its own process (``python -m convit_convert.train.arms ARM.json``) with
 ``threads`` = CPUs / parallel, so several small runs share the cores, or one GPU. With a
-``time_budget``, no arm starts in the last ``margin`` seconds and every running arm gets SIGTERM
-then: it finishes its step, saves ``checkpoint-last.pt`` and exits, and the same command later
+``time_budget``, no arm starts in the last ``margin`` seconds (30, or a quarter of a shorter
+budget) and every running arm gets SIGTERM then: it finishes its step, saves ``checkpoint-last.pt`` and exits, and the same command later
 resumes it. A child's output goes to ``log.txt`` in its run folder.
 """
 
@@ -70,12 +70,13 @@ class _Running:
 
 
 def run_arms(
-    arms: list[Arm], *, parallel: int = 1, time_budget: float | None = None, margin: float = 30.0,
+    arms: list[Arm], *, parallel: int = 1, time_budget: float | None = None, margin: float | None = None,
     report: Callable[[Arm], None] | None = None, poll: float = 0.5,
 ) -> list[Arm]:  # fmt: skip
     """Run what is unfinished of ``arms`` (see the module docstring); each arm's ``status`` says how
     it ended: done, stopped (by the budget: resume with the same call), failed (``note``: the last
-    line of its log), blocked (an arm it depends on failed) or waiting (the budget ran out first)."""
+    line of its log), blocked (an arm it depends on failed) or waiting (the budget ran out first).
+    ``margin`` (default: 30 s, or a quarter of a shorter budget) is left for the arms to save."""
     names = {a.name for a in arms}
     if len(names) != len(arms):
         raise CmhsaError("two arms share a name")
@@ -90,6 +91,8 @@ def run_arms(
     threads = max(1, cpus() // parallel)
     start = time.monotonic()
     deadline = None if time_budget is None else start + time_budget
+    if time_budget is not None and margin is None:
+        margin = min(30.0, time_budget / 4)
     running: list[_Running] = []
     stopping = False
     while True:
@@ -117,7 +120,7 @@ def run_arms(
                 if report:
                     report(a)
         now = time.monotonic()
-        if deadline is not None and now >= deadline - margin and not stopping:
+        if deadline is not None and now >= deadline - margin and not stopping:  # type: ignore[operator]
             stopping = True
             for r in running:
                 r.proc.send_signal(signal.SIGTERM)
