@@ -26,7 +26,6 @@ jitter only).
 from __future__ import annotations
 
 import argparse
-import csv
 import shutil
 import tempfile
 import time
@@ -206,10 +205,7 @@ def accuracy(args: argparse.Namespace) -> None:
         parallel=args.parallel,
         report=lambda a: print(f"{a.status} {a.name} {a.seconds:.0f} s", flush=True),
     )
-    top1 = {}
-    for a in arms:
-        with open(a.out / "metrics.csv") as f:
-            top1[a.name] = float(list(csv.DictReader(f))[-1]["top1"])
+    top1 = {a.name: a.rows()[-1]["top1"] for a in arms}
     seeds = " / ".join(map(str, args.seeds))
     print(f"\n| recipe | loader | top-1, seeds {seeds} | mean ± half-range |")
     print("|---|---|---:|---:|")

@@ -24,12 +24,12 @@ table). Runs are kept in ``--out``: finished ones are skipped, stopped ones resu
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import time
 from pathlib import Path
 
-from convit_convert.train.arms import DONE, Arm, run_arms
+from convit_convert.errors import CmhsaError
+from convit_convert.train.arms import Arm, run_arms, unfinished
 from convit_convert.train.config import TrainConfig
 
 MODEL = dict(img_size=32, patch_size=4, hidden_chans=3, depth=2, mlp_ratio=4.0, kernel_size=5)
@@ -41,12 +41,10 @@ def arm(out: Path, name: str, after: tuple[str, ...] = (), **kw) -> Arm:
     return Arm(name, cfg, after)
 
 
-def result(run_dir: Path) -> dict:
-    """A finished run's metrics rows, final row, best top-1 and CPU seconds."""
-    with open(run_dir / "metrics.csv", newline="") as f:
-        rows = [{k: float(v) for k, v in r.items() if v} for r in csv.DictReader(f)]
-    seconds = float((run_dir / "cpu_seconds.txt").read_text())
-    return {"rows": rows, "seconds": seconds, "final": rows[-1], "best_top1": max(r["top1"] for r in rows)}
+def result(a: Arm) -> dict:
+    """A finished run's final row, best top-1 and CPU seconds."""
+    rows = a.rows()
+    return {"final": rows[-1], "seconds": a.cpu_seconds(), "best_top1": max(r["top1"] for r in rows)}
 
 
 def main() -> None:
@@ -77,16 +75,18 @@ def main() -> None:
                 lr=2e-4, margin=8.0, qk_init_std=0.02, verify_tol=0.05, **hard, **common),
         ]  # fmt: skip
     t0 = time.time()
-    run_arms(arms, parallel=args.parallel, time_budget=args.time_budget,
-             report=lambda a: print(f"{time.time() - t0:6.0f} s  {a.status:8s} {a.name}  epochs {a.progress()}"
-                                    + (f"  ({a.note})" if a.note else ""), flush=True))  # fmt: skip
-    left = [a for a in arms if a.status != DONE]
-    if left:
-        print(f"\n{len(arms) - len(left)}/{len(arms)} runs done; run the same command again to continue")
+    try:
+        run_arms(arms, parallel=args.parallel, time_budget=args.time_budget,
+                 report=lambda a: print(a.status_line(time.time() - t0), flush=True))  # fmt: skip
+    except CmhsaError as e:
+        raise SystemExit(f"error: {e}") from None
+    if (left := unfinished(arms)) is not None:
+        print("\n" + left)
         raise SystemExit(3)
+    by_name = {a.name: a for a in arms}
     results = []
     for warm in dict.fromkeys((args.warmup, 0)):
-        r = {name: result(args.out / f"warmup{warm}" / name) for name in
+        r = {name: result(by_name[f"warmup{warm}/{name}"]) for name in
              ("phase1-only", "phase2-only", "both-p1", "both-p2", "both-p2-soft")}  # fmt: skip
         p1 = r["both-p1"]
         for name, res, secs in (

@@ -26,13 +26,13 @@ run the same command again). Prints a markdown table of mean ± spread over seed
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import statistics
 import time
 from pathlib import Path
 
-from convit_convert.train.arms import DONE, Arm, run_arms
+from convit_convert.errors import CmhsaError
+from convit_convert.train.arms import DONE, Arm, run_arms, unfinished
 from convit_convert.train.config import TrainConfig
 
 MODEL = dict(img_size=28, in_chans=1, patch_size=4, hidden_chans=3, depth=2, mlp_ratio=4.0, kernel_size=5)
@@ -55,8 +55,7 @@ def arms_for(args: argparse.Namespace) -> tuple[list[Arm], dict[tuple[str, int],
     rows: dict[tuple[str, int], list[str]] = {}
 
     def add(row: str, warm: int, name: str, after: tuple[str, ...] = (), **kw) -> None:
-        cfg = TrainConfig(out=str(args.out / name), data="fashion-mnist", **MODEL, **RECIPE, **kw)
-        arms.append(Arm(name, cfg, after))
+        arms.append(Arm(name, config(args.out / name, **kw), after))
         if row:
             rows.setdefault((row, warm), []).append(name)
 
@@ -79,23 +78,24 @@ def arms_for(args: argparse.Namespace) -> tuple[list[Arm], dict[tuple[str, int],
     return arms, rows
 
 
+def config(out: Path, **kw) -> TrainConfig:
+    """A run of this script's model and recipe on Fashion-MNIST."""
+    return TrainConfig(out=str(out), data="fashion-mnist", **MODEL, **RECIPE, **kw)
+
+
 def train(out: Path, **kw) -> dict:
-    """One run of this script's model and recipe, run, resumed or skipped as an arm (fewer_heads.py
-    uses it); its :func:`result`."""
-    arm = Arm(out.name, TrainConfig(out=str(out), data="fashion-mnist", **MODEL, **RECIPE, **kw))
+    """One run, run, resumed or skipped as an arm (fewer_heads.py uses it); its :func:`result`."""
+    arm = Arm(out.name, config(out, **kw))
     run_arms([arm])
     if arm.status != DONE:
         raise SystemExit(f"{out}: {arm.status} {arm.note}")
-    return result(out)
+    return result(arm)
 
 
-def result(out: Path, before: Path | None = None) -> dict:
+def result(arm: Arm, before: Arm | None = None) -> dict:
     """A finished arm's final and first metrics rows and its CPU seconds (plus ``before``'s)."""
-    with open(out / "metrics.csv", newline="") as f:
-        rows = [{k: float(v) for k, v in r.items() if v} for r in csv.DictReader(f)]
-    seconds = float((out / "cpu_seconds.txt").read_text())
-    if before is not None:
-        seconds += float((before / "cpu_seconds.txt").read_text())
+    rows = arm.rows()
+    seconds = arm.cpu_seconds() + (before.cpu_seconds() if before is not None else 0.0)
     return {"final": rows[-1], "first": rows[0], "seconds": seconds}
 
 
@@ -120,24 +120,17 @@ def main() -> None:
     args = ap.parse_args()
     arms, table_rows = arms_for(args)
     t0 = time.time()
-
-    def report(arm: Arm) -> None:
-        print(f"{time.time() - t0:6.0f} s  {arm.status:8s} {arm.name}  epochs {arm.progress()}"
-              + (f"  ({arm.note})" if arm.note else ""), flush=True)  # fmt: skip
-
-    run_arms(arms, parallel=args.parallel, time_budget=args.time_budget, report=report)
-    left = [a for a in arms if a.status != DONE]
-    if left:
-        print(f"\n{len(arms) - len(left)}/{len(arms)} arms done; unfinished: "
-              + ", ".join(f"{a.name} ({a.status}, epochs {a.progress()})" for a in left)
-              + "\nrun the same command again to continue")  # fmt: skip
+    try:
+        run_arms(arms, parallel=args.parallel, time_budget=args.time_budget,
+                 report=lambda a: print(a.status_line(time.time() - t0), flush=True))  # fmt: skip
+    except CmhsaError as e:
+        raise SystemExit(f"error: {e}") from None
+    if (left := unfinished(arms)) is not None:
+        print("\n" + left)
         raise SystemExit(3)
     by_name = {a.name: a for a in arms}
     results = {
-        key: [
-            result(by_name[n].out, by_name[by_name[n].after[0]].out if by_name[n].after else None)
-            for n in names
-        ]
+        key: [result(by_name[n], by_name[by_name[n].after[0]] if by_name[n].after else None) for n in names]
         for key, names in table_rows.items()
     }
     e = args.epochs

@@ -12,7 +12,9 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
+from convit_convert.errors import CmhsaError
 from convit_convert.train.arms import BLOCKED, DONE, FAILED, STOPPED, Arm, run_arms
 from convit_convert.train.config import TrainConfig
 
@@ -45,6 +47,9 @@ def test_parallel_arms_with_a_dependency_and_skipping_what_is_done(tmp_path: Pat
     assert seen.index("a done") < seen.index("b done")
     assert json.loads((tmp_path / "b" / "config.json").read_text())["init"] == init
     assert json.loads((tmp_path / "c" / "config.json").read_text())["threads_used"] == 1  # 2 CPUs / 2 arms
+    for bad in (dict(parallel=0), dict(time_budget=float("nan")), dict(time_budget=-1.0)):
+        with pytest.raises(CmhsaError, match=r"`(parallel|time_budget)` must be"):
+            run_arms([a], **bad)
     t = time.monotonic()
     again = run_arms([a, b, c], parallel=2)
     assert [x.status for x in again] == [DONE] * 3 and time.monotonic() - t < 2  # nothing re-run

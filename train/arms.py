@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 import signal
 import subprocess
@@ -51,14 +52,38 @@ class Arm:
     def model(self) -> Path:
         return self.out / OUTPUT[self.config.phase]
 
-    def progress(self) -> str:
-        """Epochs finished / planned, from metrics.csv."""
+    def rows(self) -> list[dict[str, float]]:
+        """metrics.csv's rows as numbers, one per finished epoch ([] before the first)."""
         try:
             with open(self.out / "metrics.csv", newline="") as f:
-                done = sum(1 for _ in csv.DictReader(f))
+                return [{k: float(v) for k, v in r.items() if v} for r in csv.DictReader(f)]
         except OSError:
-            done = 0
-        return f"{done}/{self.config.epochs}"
+            return []
+
+    def cpu_seconds(self) -> float:
+        """CPU seconds of every process that trained this arm (cpu_seconds.txt)."""
+        return float((self.out / "cpu_seconds.txt").read_text())
+
+    def progress(self) -> str:
+        """Epochs finished / planned."""
+        return f"{len(self.rows())}/{self.config.epochs}"
+
+    def status_line(self, elapsed: float) -> str:
+        """One line for a report: seconds since the start, status, name, epochs, why it failed."""
+        note = f"  ({self.note})" if self.note else ""
+        return f"{elapsed:6.0f} s  {self.status:8s} {self.name}  epochs {self.progress()}{note}"
+
+
+def unfinished(arms: list[Arm]) -> str | None:
+    """What to tell a user when some arms are not done (None when all are)."""
+    left = [a for a in arms if a.status != DONE]
+    if not left:
+        return None
+    return (
+        f"{len(arms) - len(left)}/{len(arms)} runs done; unfinished: "
+        + ", ".join(f"{a.name} ({a.status}, epochs {a.progress()})" for a in left)
+        + "\nrun the same command again to continue"
+    )
 
 
 @dataclass
@@ -85,6 +110,8 @@ def run_arms(
             raise CmhsaError(f"arm {a.name!r} waits for unknown arms {sorted(set(a.after) - names)}")
     if parallel < 1:
         raise CmhsaError(f"`parallel` must be >= 1, got {parallel}")
+    if time_budget is not None and not (math.isfinite(time_budget) and time_budget > 0):
+        raise CmhsaError(f"`time_budget` must be a positive number of seconds, got {time_budget}")
     by_name = {a.name: a for a in arms}
     for a in arms:
         a.status = DONE if a.model.is_file() else WAITING

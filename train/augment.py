@@ -481,6 +481,12 @@ def resized_crop(x: torch.Tensor, box: torch.Tensor, flip: torch.Tensor, size: t
     return torch.where(flip, out.flip(-1), out)
 
 
+def normalise(x: torch.Tensor, mean: tuple[float, ...], std: tuple[float, ...]) -> torch.Tensor:
+    """ToTensor + Normalize on 0..255 values: (x / 255 − mean) / std, per channel."""
+    m = torch.tensor(mean, device=x.device).view(1, -1, 1, 1) * 255
+    return (x - m) / (torch.tensor(std, device=x.device).view(1, -1, 1, 1) * 255)
+
+
 def augment(images: torch.Tensor, p: Params, spec: AugmentSpec, noise: torch.Tensor | None) -> torch.Tensor:
     """(n, C, H, W) uint8 images -> (n, C, h, w) float32, augmented as ``p`` says and normalised.
     ``noise``: (n, C, h, w) standard normals for erasing in mode pixel (its first channel-column
@@ -510,9 +516,7 @@ def augment(images: torch.Tensor, p: Params, spec: AugmentSpec, noise: torch.Ten
             which = p.jitter_order[:, slot].to(dev).view(-1, 1, 1, 1)
             outs = [fn(x, jit[:, k]) for k, fn in enumerate((brightness, contrast, color))]
             x = torch.where(which == 0, outs[0], torch.where(which == 1, outs[1], outs[2]))
-    mean = torch.tensor(spec.mean, device=dev).view(1, -1, 1, 1) * 255
-    std = torch.tensor(spec.std, device=dev).view(1, -1, 1, 1) * 255
-    x = (x - mean) / std
+    x = normalise(x, spec.mean, spec.std)
     if spec.reprob > 0:
         x = erase(x, p.erase.to(dev), spec.remode, noise)
     return x

@@ -356,22 +356,25 @@ class EpochSampler(Sampler):
         return max(0, n - self.start)
 
 
+def epoch_sampler(
+    n: int, *, training: bool, batch_size: int, seed: int, rank: int, world: int
+) -> EpochSampler:
+    """The sampler of a split of ``n`` images (both loaders use it); a training split smaller than
+    one global batch is refused."""
+    sampler = EpochSampler(n, rank=rank, world=world, batch_size=batch_size, seed=seed, shuffle=training)
+    if training and len(sampler) == 0:
+        raise CmhsaError(
+            f"the training set ({n} images over {world} process(es)) is smaller than one batch of {batch_size}"
+        )
+    return sampler
+
+
 def build_loader(
     dataset: Dataset, transform: Any, *, training: bool, batch_size: int, seed: int, rank: int = 0,
     world: int = 1, workers: int = 0, pin_memory: bool = False, in_chans: int = 3,
 ) -> DataLoader:  # fmt: skip
-    sampler = EpochSampler(
-        len(dataset),  # type: ignore[arg-type]
-        rank=rank,
-        world=world,
-        batch_size=batch_size,
-        seed=seed,
-        shuffle=training,
-    )
-    if training and len(sampler) == 0:
-        raise CmhsaError(
-            f"the training set ({len(dataset)} images over {world} process(es)) is smaller than one batch of {batch_size}"  # type: ignore[arg-type]
-        )
+    n = len(dataset)  # type: ignore[arg-type]
+    sampler = epoch_sampler(n, training=training, batch_size=batch_size, seed=seed, rank=rank, world=world)
     return DataLoader(
         Seeded(dataset, transform, seed, image_mode(in_chans)),
         batch_size=batch_size,

@@ -21,7 +21,7 @@ import torch
 from torch.utils.data import Dataset, Subset
 
 from ..errors import CmhsaError
-from .augment import AugmentSpec, augment, grey, sample_params
+from .augment import AugmentSpec, augment, grey, normalise, sample_params
 from .data import ArrayImages, EpochSampler, sample_seed
 
 MAX_BYTES = 2 << 30  # hold at most 2 GiB of decoded images; larger sets use the workers loader
@@ -87,11 +87,13 @@ def holdable(ds: Dataset, in_chans: int) -> str | None:
 
 def hold(ds: Dataset, in_chans: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(N, C, H, W) uint8 images converted to ``in_chans`` as PIL converts them, and (N,) int64
-    labels, on ``device``."""
-    why = holdable(ds, in_chans)
-    if why is not None:
-        raise CmhsaError(f"cannot hold the data on the device: {why}; use `loader` workers")
-    imgs, labels, idx = _array_source(ds)  # type: ignore[misc]
+    labels, on ``device``. The caller has asked :func:`holdable` (``run.choose_loader`` does)."""
+    src = _array_source(ds)
+    if src is None:
+        raise CmhsaError(
+            "cannot hold the data on the device: it is not an in-memory array or an image folder"
+        )
+    imgs, labels, idx = src
     if isinstance(imgs, np.ndarray):
         x = torch.from_numpy(np.ascontiguousarray(imgs[idx]))
     else:
@@ -180,12 +182,9 @@ class HeldEvalLoader:
     world: int = 1
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        dev = self.images.device
-        mean = torch.tensor(self.mean, device=dev).view(1, -1, 1, 1) * 255
-        std = torch.tensor(self.std, device=dev).view(1, -1, 1, 1) * 255
-        idx = torch.arange(self.rank, len(self.labels), self.world, device=dev)
+        idx = torch.arange(self.rank, len(self.labels), self.world, device=self.images.device)
         for chunk in idx.split(self.batch_size):
-            yield (self.images[chunk].float() - mean) / std, self.labels[chunk]
+            yield normalise(self.images[chunk].float(), self.mean, self.std), self.labels[chunk]
 
     def __len__(self) -> int:
         return -(-len(range(self.rank, len(self.labels), self.world)) // self.batch_size)

@@ -30,7 +30,15 @@ from ..io.checkpoint import save_checkpoint
 from ..model import VisionTransformer
 from .augment import augment_spec, check_supported
 from .config import RUNTIME_FIELDS, TrainConfig
-from .data import DataSpec, EpochSampler, build_data, build_loader, build_transform, channel_stats, image_mode
+from .data import (
+    DataSpec,
+    build_data,
+    build_loader,
+    build_transform,
+    channel_stats,
+    epoch_sampler,
+    image_mode,
+)
 from .distributed import Context, barrier, setup, teardown
 from .epoch import Loop, seed_everything, train_one_epoch
 from .held import HeldEvalLoader, HeldLoader, eval_view, hold, holdable
@@ -265,7 +273,7 @@ def build(
         kind = pm.config.kind
         doc = {**cfg.to_dict(), "model": pm.config.to_dict(), "kind": kind, "init_info": pm.init}
         doc["world_size"], doc["backend"] = ctx.world, ctx.backend
-        doc["loader_used"], doc["threads_used"] = loader, torch.get_num_threads()
+        doc["loader_used"], doc["threads_used"] = loader, cfg.threads
         doc["scaled_lr"] = dict(zip(("lr", "min_lr", "warmup_lr"), scaled_lrs(cfg, ctx.world), strict=True))
         atomic_write_text(out / "config.json", json.dumps(doc, indent=2) + "\n")
         n_params = sum(p.numel() for p in model.parameters())
@@ -275,7 +283,7 @@ def build(
             f"amp {str(dtype).removeprefix('torch.') if dtype else 'none'}; {steps_per_epoch} steps/epoch; "
             f"loader {loader}"
             + (f" ({cfg.workers} workers)" if loader == "workers" else "")
-            + f", {torch.get_num_threads()} threads"
+            + f", {cfg.threads} threads"
         )
     probe = next(iter(loaders[1]))[0][:64].to(device) if pm.config.kind == "attn" else None
     return Loop(
@@ -284,14 +292,19 @@ def build(
 
 
 def choose_loader(cfg: TrainConfig, spec: DataSpec, in_chans: int) -> tuple[str, str]:
-    """The loader ``cfg.loader`` resolves to, and why ``auto`` fell back to workers ('' if not)."""
-    if cfg.loader != "auto":
-        return cfg.loader, ""
+    """The loader ``cfg.loader`` resolves to, and why ``auto`` fell back to workers ('' if not).
+    The one place that asks whether the data can be held: ``loader`` device is refused here when not."""
+    if cfg.loader == "workers":
+        return "workers", ""
     try:
         check_supported(cfg.aa, cfg.interpolation, cfg.remode)
     except CmhsaError as e:
+        if cfg.loader == "device":
+            raise
         return "workers", str(e).split(";")[0]
     why = holdable(spec.train, in_chans) or holdable(spec.val, in_chans)
+    if why and cfg.loader == "device":
+        raise CmhsaError(f"cannot hold the data on the device: {why}; use `loader` workers")
     return ("workers", why) if why else ("device", "")
 
 
@@ -307,13 +320,9 @@ def build_loaders(cfg: TrainConfig, spec: DataSpec, mcfg: ViTConfig, ctx: Contex
             for split, training in ((spec.train, True), (spec.val, False))
         ]  # fmt: skip
     mean, std = channel_stats(chans)
+    sampler = epoch_sampler(len(spec.train), training=True, batch_size=cfg.batch_size, seed=cfg.seed,  # type: ignore[arg-type]
+                            rank=ctx.rank, world=ctx.world)  # fmt: skip
     x, y = hold(spec.train, chans, device)
-    sampler = EpochSampler(len(y), rank=ctx.rank, world=ctx.world, batch_size=cfg.batch_size, seed=cfg.seed,
-                           shuffle=True)  # fmt: skip
-    if len(sampler) == 0:
-        raise CmhsaError(
-            f"the training set ({len(y)} images over {ctx.world} process(es)) is smaller than one batch of {cfg.batch_size}"
-        )
     vx, vy = hold(spec.val, chans, device)
     vx = eval_view(vx, img, cfg.crop_pct, cfg.interpolation)
     return [
