@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
-from convit_convert.errors import CmhsaError
-from convit_convert.train.arms import Arm, run_arms, unfinished
+from arms_cli import add_arm_flags, run_or_exit
+
+from convit_convert.train.arms import Arm
 from convit_convert.train.config import TrainConfig
 
 MODEL = dict(img_size=32, patch_size=4, hidden_chans=3, depth=2, mlp_ratio=4.0, kernel_size=5)
@@ -53,10 +53,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3, help="warm-up epochs of the 'with warm-up' runs")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("experiments/out"))
-    ap.add_argument("--loader", default="auto", help="auto, device, workers (README: Loader)")
-    ap.add_argument("--parallel", type=int, default=1, help="runs at once, each in its own process")
-    ap.add_argument("--time-budget", type=float, default=None,
-                    help="seconds: stop cleanly before this (unfinished runs resume on the next call)")  # fmt: skip
+    add_arm_flags(ap)
     args = ap.parse_args()
     e, half = args.epochs, args.epochs // 2
     arms = []
@@ -74,15 +71,7 @@ def main() -> None:
             arm(args.out, f"{t}/both-p2-soft", (f"{t}/both-p1",), phase="phase2", init=conv, epochs=e - half,
                 lr=2e-4, margin=8.0, qk_init_std=0.02, verify_tol=0.05, **hard, **common),
         ]  # fmt: skip
-    t0 = time.time()
-    try:
-        run_arms(arms, parallel=args.parallel, time_budget=args.time_budget,
-                 report=lambda a: print(a.status_line(time.time() - t0), flush=True))  # fmt: skip
-    except CmhsaError as e:
-        raise SystemExit(f"error: {e}") from None
-    if (left := unfinished(arms)) is not None:
-        print("\n" + left)
-        raise SystemExit(3)
+    run_or_exit(arms, args)
     by_name = {a.name: a for a in arms}
     results = []
     for warm in dict.fromkeys((args.warmup, 0)):

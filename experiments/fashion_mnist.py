@@ -28,11 +28,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 
-from convit_convert.errors import CmhsaError
-from convit_convert.train.arms import DONE, Arm, run_arms, unfinished
+from arms_cli import add_arm_flags, run_or_exit
+
+from convit_convert.train.arms import DONE, Arm, run_arms
 from convit_convert.train.config import TrainConfig
 
 MODEL = dict(img_size=28, in_chans=1, patch_size=4, hidden_chans=3, depth=2, mlp_ratio=4.0, kernel_size=5)
@@ -113,21 +113,10 @@ def main() -> None:
         "--data-dir", default=None, help="Folder of the four IDX .gz files (default: Debian's package's)."
     )
     ap.add_argument("--device", default="auto", help="auto, cpu, cuda")
-    ap.add_argument("--loader", default="auto", help="auto, device, workers (README: Loader)")
-    ap.add_argument("--parallel", type=int, default=1, help="arms run at once, each in its own process")
-    ap.add_argument("--time-budget", type=float, default=None,
-                    help="seconds: stop cleanly before this (unfinished arms resume on the next call)")  # fmt: skip
+    add_arm_flags(ap)
     args = ap.parse_args()
     arms, table_rows = arms_for(args)
-    t0 = time.time()
-    try:
-        run_arms(arms, parallel=args.parallel, time_budget=args.time_budget,
-                 report=lambda a: print(a.status_line(time.time() - t0), flush=True))  # fmt: skip
-    except CmhsaError as e:
-        raise SystemExit(f"error: {e}") from None
-    if (left := unfinished(arms)) is not None:
-        print("\n" + left)
-        raise SystemExit(3)
+    run_or_exit(arms, args)
     by_name = {a.name: a for a in arms}
     results = {
         key: [result(by_name[n], by_name[by_name[n].after[0]] if by_name[n].after else None) for n in names]

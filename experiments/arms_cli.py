@@ -1,0 +1,34 @@
+"""What the experiment scripts share for running their arms: the flags and the call that runs them.
+
+add_arm_flags(ap)          # --loader, --parallel, --time-budget
+run_or_exit(arms, args)    # prints a line per arm; exits 3 while some are unfinished
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from convit_convert.errors import CmhsaError
+from convit_convert.train.arms import Arm, run_arms, unfinished
+
+
+def add_arm_flags(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--loader", default="auto", help="auto, device, workers (README: Loader)")
+    ap.add_argument("--parallel", type=int, default=1, help="runs at once, each in its own process")
+    ap.add_argument("--time-budget", type=float, default=None,
+                    help="seconds: stop cleanly before this (unfinished runs resume on the next call)")  # fmt: skip
+
+
+def run_or_exit(arms: list[Arm], args: argparse.Namespace) -> None:
+    """Run what is unfinished of ``arms`` (convit_convert.train.arms), a status line as each ends;
+    bad flags exit 1 with one line, unfinished arms exit 3 with what to do."""
+    t0 = time.time()
+    try:
+        run_arms(arms, parallel=args.parallel, time_budget=args.time_budget,
+                 report=lambda a: print(a.status_line(time.time() - t0), flush=True))  # fmt: skip
+    except CmhsaError as e:
+        raise SystemExit(f"error: {e}") from None
+    if (left := unfinished(arms)) is not None:
+        print("\n" + left)
+        raise SystemExit(3)
