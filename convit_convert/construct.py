@@ -144,7 +144,6 @@ def convert_block(
     """
     d, p = cfg.embed_dim, cfg.patch_size
     n_h, qk, vd = cfg.num_heads, cfg.qk_dim, cfg.v_dim
-    gh, gw = cfg.grid_size
     if vd < d:
         raise ValueError(f"exactness needs v_dim >= embed_dim ({vd} < {d})")
     dtype = weight.dtype
@@ -156,12 +155,6 @@ def convert_block(
     wo = wo.to(dtype) * torch.tensor(usable, dtype=dtype).view(1, -1, 1)
     proj = torch.zeros(d, n_h, vd, dtype=dtype)  # extra heads and value dims: zero output weights
     proj[:, : len(offsets), :d] = wo
-
-    m, s = pinning_logits(cfg.num_patches, bool(cfg.sink), margin)
-    table = torch.zeros(n_h, 2 * gh - 1, 2 * gw - 1, dtype=dtype)
-    for r, pinned in enumerate(heads):  # one entry per pinned head
-        if pinned is not None:
-            table[r, pinned[0] + gh - 1, pinned[1] + gw - 1] = m
 
     free = [r for r, o in enumerate(heads) if o is None]  # alive: trainable, silent through W_O = 0
     gated = cfg.pinning == "gated"
@@ -195,11 +188,29 @@ def convert_block(
         "v.bias": torch.zeros(n_h * vd, dtype=dtype),
         "proj.weight": proj.reshape(d, n_h * vd),
         "proj.bias": (torch.zeros(cfg.hidden_chans, dtype=dtype) if bias is None else bias).repeat(p * p),
-        "rel_pos_bias": table,
     }
-    if cfg.sink:  # a free head is not pulled to its sink: logit 0, one more key among N
+    return out | positional_attention(cfg, heads, margin, dtype)
+
+
+def positional_attention(
+    cfg: ViTConfig, heads: Sequence[tuple[int, int] | None], margin: float = DEFAULT_MARGIN,
+    dtype: torch.dtype = torch.float32,
+) -> dict[str, torch.Tensor]:  # fmt: skip
+    """Where each head of an attention layer looks (names relative to ``attn.``): ``rel_pos_bias``
+    (heads, 2Gh-1, 2Gw-1) with the pinning logit M at head r's offset ``heads[r]`` (Lemma 2),
+    ``sink`` (S for a pinned head, 0 for a free one: not pulled to its sink, one more key among N)
+    and, with gated pinning, ``gate`` (0 pinned: fully positional; 1 free: fully content) and a
+    zero ``content_bias``."""
+    gh, gw = cfg.grid_size
+    m, s = pinning_logits(cfg.num_patches, bool(cfg.sink), margin)
+    table = torch.zeros(len(heads), 2 * gh - 1, 2 * gw - 1, dtype=dtype)
+    for r, pinned in enumerate(heads):  # one entry per pinned head
+        if pinned is not None:
+            table[r, pinned[0] + gh - 1, pinned[1] + gw - 1] = m
+    out = {"rel_pos_bias": table}
+    if cfg.sink:
         out["sink"] = torch.tensor([0.0 if o is None else s for o in heads], dtype=dtype)
-    if gated:  # pinned heads start fully positional, free heads fully content
+    if cfg.pinning == "gated":
         out["gate"] = torch.tensor([float(o is None) for o in heads], dtype=dtype)
         out["content_bias"] = torch.zeros_like(table)
     return out

@@ -79,15 +79,21 @@ def write_idx(path: Path, array: np.ndarray) -> None:
         f.write(header + array.astype(np.uint8).tobytes())
 
 
-def test_fashion_mnist_experiment_in_budgeted_calls(tmp_path: Path) -> None:
-    """experiments/fashion_mnist.py on tiny IDX files: a call whose budget is too short stops its
-    arms and exits 3, the next call finishes the table from where it stopped."""
+def tiny_fashion_mnist(tmp_path: Path) -> Path:
+    """A folder of Fashion-MNIST's four IDX files holding 128 training and 64 validation images of noise."""
     rng = np.random.default_rng(0)
     data = tmp_path / "fm"
     data.mkdir()
     for split, n in (("train", 128), ("t10k", 64)):
         write_idx(data / f"{split}-images-idx3-ubyte.gz", rng.integers(0, 256, (n, 28, 28)))
         write_idx(data / f"{split}-labels-idx1-ubyte.gz", rng.integers(0, 10, n))
+    return data
+
+
+def test_fashion_mnist_experiment_in_budgeted_calls(tmp_path: Path) -> None:
+    """experiments/fashion_mnist.py on tiny IDX files: a call whose budget is too short stops its
+    arms and exits 3, the next call finishes the table from where it stopped."""
+    data = tiny_fashion_mnist(tmp_path)
     script = Path(__file__).resolve().parent.parent / "experiments" / "fashion_mnist.py"
     cmd = [sys.executable, str(script), "--data-dir", str(data), "--epochs", "2", "--seeds", "0", "--warmup", "0",
            "--train-samples", "128", "--device", "cpu", "--parallel", "2", "--out", str(tmp_path / "out")]  # fmt: skip
@@ -98,3 +104,25 @@ def test_fashion_mnist_experiment_in_budgeted_calls(tmp_path: Path) -> None:
     assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-2000:]
     assert "| phase 1 only | 0 |" in second.stdout and "| both phases, gated | 0 |" in second.stdout
     assert json.loads((tmp_path / "out" / "results.json").read_text())
+
+
+def test_init_comparison_runs_every_start_and_writes_table_curves_and_raw_results(tmp_path: Path) -> None:
+    """experiments/init_comparison.py on tiny IDX files, 2 epochs: every setting in the table, each
+    final model evaluated on the whole (64-image) validation split, the curves and raw results written."""
+    data = tiny_fashion_mnist(tmp_path)
+    script = Path(__file__).resolve().parent.parent / "experiments" / "init_comparison.py"
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(script), "--data-dir", str(data), "--epochs", "2", "--seeds", "0",
+           "--train-samples", "128", "--val-samples", "32", "--device", "cpu", "--parallel", "2", "--out", str(out)]  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    for setting in ("phase 1 only", "phase 2 only, mimetic init", "phase 2 only, impulse init (random offsets)",
+                    "two-phase, free extra heads", "two-phase, gated pinning, no warm-up in phase 2"):  # fmt: skip
+        assert f"| {setting} |" in r.stdout, r.stdout
+    results = json.loads((out / "results.json").read_text())
+    assert len(results["runs"]) == 11
+    for name, run in results["runs"].items():
+        assert run["final"]["images"] == 64 and len(run["rows"]) == (1 if "half" in name or name.endswith(
+            ("/hard", "/gated", "/free-heads", "/gated-nowarm")) else 2), name  # fmt: skip
+    assert results["runs"]["seed0/impulse"]["final"]["attention"][0]["pinned_share"] > 0.5
+    assert (out / "curves.png").read_bytes()[:4] == b"\x89PNG"

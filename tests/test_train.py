@@ -65,6 +65,16 @@ def test_digits_and_synthetic_sources() -> None:
     assert set(s1.train.labels) == {0, 1, 2, 3}
 
 
+def test_val_samples_are_the_first_validation_images_for_every_seed() -> None:
+    full = build_data("digits", None, (8, 8))
+    for seed in (0, 1):
+        d = build_data("digits", None, (8, 8), seed=seed, val_samples=50)
+        assert len(d.val) == 50 and len(d.train) == len(full.train)
+        assert all(np.array_equal(np.asarray(d.val[i][0]), np.asarray(full.val[i][0])) for i in (0, 49))
+    with pytest.raises(CmhsaError, match=r"`val_samples` must be in 1\.\.359 for `data` digits, got 0"):
+        build_data("digits", None, (8, 8), val_samples=0)
+
+
 def test_imagefolder_and_bad_folders(tmp_path: Path) -> None:
     from PIL import Image
 

@@ -18,6 +18,7 @@ PHASE_LR = {"phase1": 5e-4, "phase2": 5e-5}  # peak learning rates the paper use
 RUNTIME_FIELDS = ("device", "workers", "threads", "compile", "resume", "log_every", "keep", "out", "export_onnx",
                   "deterministic", "given")  # fmt: skip
 LOADERS = ("auto", "device", "workers")
+INIT_STARTS = ("mimetic", "impulse")  # phase-2 starts built without a checkpoint (convit_convert/starts.py)
 
 
 @dataclass
@@ -30,6 +31,7 @@ class TrainConfig:
     download: bool = False
     num_classes: int = 10  # synthetic data only; the others know theirs
     train_samples: int | None = None  # a fixed, seeded subset of the training set (short runs)
+    val_samples: int | None = None  # the first images of the validation set (cheaper per-epoch evaluation)
     # auto: the data held on the device and augmented per batch (train/held.py) when it fits, else
     # timm's per-image transforms in worker processes (train/data.py)
     loader: str = "auto"
@@ -44,11 +46,14 @@ class TrainConfig:
     dilation: int = 1
     drop_path: float = 0.1
     # phase 2
-    init: str = "random"  # conv checkpoint, attn checkpoint, or "random"
+    init: str = "random"  # conv checkpoint, attn checkpoint, "random", or a start: "mimetic", "impulse"
+    mimetic_alpha: float = 0.7  # init mimetic: W_Q,hᵀ W_K,h = α(Z + I); Trockman & Kolter's α₁ = β₁
+    mimetic_beta: float = 0.4  # init mimetic: Σ_h W_V,hᵀ W_O,hᵀ = β(Z − I); their α₂ = β₂
+    impulse_offsets: str = "conversion"  # init impulse: heads pinned to Δ in order, or "random" offsets in Δ
     heads: int | None = None  # default: as many as the conversion needs
     qk_dim: int | None = None  # default: embed_dim (the paper's)
     sink: bool = True
-    pinning: str | None = None  # default: "gated" from a checkpoint, "hard" from random init (EXPERIMENTS.md)
+    pinning: str | None = None  # default: "gated" from a checkpoint or impulse, else "hard" (EXPERIMENTS.md)
     freeze_attention: bool = False  # ablation: W_Q, W_K, biases, sinks and gates stay as converted
     attn_lr_mult: float | None = (
         None  # lr multiplier of W_Q, W_K, gates, biases; default 10 from a checkpoint, else 1
@@ -105,11 +110,11 @@ class TrainConfig:
     @property
     def from_checkpoint(self) -> bool:
         """Phase 2 starting from a checkpoint (converted, or an attention model) rather than at random."""
-        return self.phase == "phase2" and self.init != "random"
+        return self.phase == "phase2" and self.init not in ("random", *INIT_STARTS)
 
     @property
     def pinning_used(self) -> str:
-        return self.pinning or ("gated" if self.from_checkpoint else "hard")
+        return self.pinning or ("gated" if self.from_checkpoint or self.init == "impulse" else "hard")
 
     @property
     def attn_lr_scale(self) -> float:

@@ -165,17 +165,24 @@ def image_folder(root: Path) -> DataSpec:
 
 def build_data(
     name: str, data_dir: str | Path | None, img_size: tuple[int, int], *, download: bool = False,
-    num_classes: int = 10, seed: int = 0, train_samples: int | None = None,
+    num_classes: int = 10, seed: int = 0, train_samples: int | None = None, val_samples: int | None = None,
 ) -> DataSpec:  # fmt: skip
     """The named dataset's train and val splits, untransformed; with ``train_samples``, a fixed
-    subset of that many training images (seeded by ``seed``). Bad folders raise CmhsaError."""
+    subset of that many training images (seeded by ``seed``); with ``val_samples``, the first that
+    many validation images (the same for every seed, so runs are compared on the same images). Bad
+    folders raise CmhsaError."""
     spec = _build_data(name, data_dir, img_size, download, num_classes, seed)
-    if train_samples is not None:
-        n = len(spec.train)  # type: ignore[arg-type]
-        if not 0 < train_samples <= n:
-            raise CmhsaError(f"`train_samples` must be in 1..{n} for `data` {name}, got {train_samples}")
-        keep = np.sort(np.random.default_rng(seed).permutation(n)[:train_samples])
-        spec.train = Subset(spec.train, keep.tolist())
+    for flag, count in (("train_samples", train_samples), ("val_samples", val_samples)):
+        if count is None:
+            continue
+        split = spec.train if flag == "train_samples" else spec.val
+        n = len(split)  # type: ignore[arg-type]
+        if not 0 < count <= n:
+            raise CmhsaError(f"`{flag}` must be in 1..{n} for `data` {name}, got {count}")
+        if flag == "train_samples":
+            spec.train = Subset(split, np.sort(np.random.default_rng(seed).permutation(n)[:count]).tolist())
+        else:
+            spec.val = Subset(split, list(range(count)))
     return spec
 
 

@@ -4,7 +4,8 @@ Phase 1: a randomly initialised ConvViT. Phase 2: an attention ViT from ``--init
 - a conv-phase checkpoint: converted in memory (Theorem 1) and verified against the conv model
   before the first step; a conversion that is not exact within ``verify_tol`` aborts the run;
 - an attention checkpoint: loaded as it is;
-- ``random``: the paper's "2nd phase only" baseline.
+- ``random``: the paper's "2nd phase only" baseline;
+- ``mimetic`` or ``impulse``: random init with attention started local (:mod:`convit_convert.starts`).
 With a checkpoint, the architecture is the checkpoint's; model flags given explicitly must agree.
 """
 
@@ -17,6 +18,7 @@ from ..api import as_float32, convert_checkpoint, load_checkpoint
 from ..config import ViTConfig
 from ..errors import CheckFailed, CmhsaError
 from ..model import ATTENTION_PARAMS, VisionTransformer
+from ..starts import start_model
 from ..theory import head_count
 from .config import TrainConfig
 from .data import image_mode
@@ -81,14 +83,22 @@ def build_phase_model(cfg: TrainConfig, num_classes: int, log: Any = print) -> P
     if cfg.phase == "phase1":
         mcfg = flag_config(cfg, num_classes)
         return PhaseModel(VisionTransformer(mcfg, cfg.drop_path), mcfg, {"init": "random"})
-    if cfg.init == "random":
+    if not cfg.from_checkpoint:
         conv_cfg = flag_config(cfg, num_classes)
         heads = (
             cfg.heads or head_count(conv_cfg.kernel_size, conv_cfg.patch_size, conv_cfg.dilation).patch_heads
         )
         mcfg = conv_cfg.with_attention(heads, cfg.qk_dim, None, cfg.sink, cfg.pinning_used)  # type: ignore[arg-type]
         mcfg.validate()
-        return PhaseModel(VisionTransformer(mcfg, cfg.drop_path), mcfg, {"init": "random"})
+        model = VisionTransformer(mcfg, cfg.drop_path)
+        if cfg.init == "random":
+            return PhaseModel(model, mcfg, {"init": "random"})
+        info = start_model(model, cfg.init, seed=cfg.seed, mimetic_alpha=cfg.mimetic_alpha,
+                           mimetic_beta=cfg.mimetic_beta, impulse_offsets=cfg.impulse_offsets, margin=cfg.margin)  # fmt: skip
+        log(
+            f"started {cfg.init}: {', '.join(f'{k} {v}' for k, v in info.items() if k not in ('init', 'pinned'))}"
+        )
+        return PhaseModel(model, mcfg, info)
 
     ckpt = as_float32(load_checkpoint(cfg.init))
     _check_explicit(cfg, ckpt.config, num_classes, ckpt.path)

@@ -13,8 +13,9 @@ from torch import nn
 
 from ..errors import CmhsaError
 from ..model import ATTENTION_PARAMS
+from ..starts import check_start
 from .augment import check_supported
-from .config import LOADERS, TrainConfig
+from .config import INIT_STARTS, LOADERS, TrainConfig
 from .data import build_transform
 
 AMP = {"bf16": torch.bfloat16, "fp16": torch.float16, "none": None}
@@ -77,6 +78,8 @@ def check_recipe(cfg: TrainConfig) -> None:
         ("`mixup`", cfg.mixup, cfg.mixup >= 0, ">= 0"),
         ("`cutmix`", cfg.cutmix, cfg.cutmix >= 0, ">= 0"),
         ("`attn_lr_mult`", cfg.attn_lr_mult, cfg.attn_lr_mult is None or cfg.attn_lr_mult > 0, "> 0"),
+        ("`mimetic_alpha`", cfg.mimetic_alpha, cfg.mimetic_alpha >= 0, ">= 0"),
+        ("`mimetic_beta`", cfg.mimetic_beta, cfg.mimetic_beta >= 0, ">= 0"),
     ]
     for flag, value, ok, want in numbers:
         if not ok or (isinstance(value, float) and not math.isfinite(value)):
@@ -89,6 +92,8 @@ def check_recipe(cfg: TrainConfig) -> None:
         check_supported(cfg.aa, cfg.interpolation, cfg.remode)
     if cfg.pinning not in (None, "hard", "gated"):
         raise CmhsaError(f"`pinning` must be hard or gated, got {cfg.pinning!r}")
+    if cfg.phase == "phase2" and cfg.init in INIT_STARTS:
+        check_start(cfg.init, cfg.pinning_used, cfg.impulse_offsets)
     if (cfg.mixup > 0 or cfg.cutmix > 0) and cfg.batch_size % 2:
         raise CmhsaError(f"Mixup/CutMix need an even `batch_size`, got {cfg.batch_size}")
     known = list_optimizers()

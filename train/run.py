@@ -220,7 +220,7 @@ def build(
     def data(download: bool):
         img = (cfg.img_size, cfg.img_size)
         return build_data(cfg.data, cfg.data_dir, img, download=download, num_classes=cfg.num_classes, seed=cfg.seed,
-                          train_samples=cfg.train_samples)  # fmt: skip
+                          train_samples=cfg.train_samples, val_samples=cfg.val_samples)  # fmt: skip
 
     if ctx.is_main:
         spec = data(cfg.download)
@@ -358,7 +358,10 @@ def train(loop: Loop, stop_after_steps: int | None = None) -> RunResult:
             save()
     if ctx.is_main:
         result.model_path = out / OUTPUT[cfg.phase]
-        meta = {"cmhsa.trained": f"{cfg.phase} {cfg.data}, {cfg.epochs} epochs"}
+        meta = {
+            "cmhsa.trained": f"{cfg.phase} {cfg.data}, {cfg.epochs} epochs",
+            "cmhsa.init": json.dumps(st.init),
+        }
         save_checkpoint(result.model_path, st.model_config, st.model.state_dict(), meta)
         if st.ema is not None:
             ema_path = result.model_path.with_name(result.model_path.stem + "-ema.safetensors")

@@ -184,6 +184,9 @@ def inspect(
     info.add_row("dtype", str(c.dtype).removeprefix("torch."))
     info.add_row("file size", f"{r.facts['bytes']:,} bytes")
     info.add_row("heads needed", f"{r.heads.patch_heads} ({escape(r.heads.patch_reason)})")
+    for key in ("trained", "init"):  # written by `cmhsa train`: how the weights were made
+        if f"cmhsa.{key}" in c.metadata:
+            info.add_row(key, escape(c.metadata[f"cmhsa.{key}"]))
     console.print(info)
     console.print(f"sha256 {r.facts['sha256']}", soft_wrap=True)
     if r.pinned is None:

@@ -32,6 +32,7 @@ FLAGS: list[tuple[str, Any, str, str, tuple[str, ...]]] = [
     ("download", bool, "Let torchvision download CIFAR into --data-dir (never without this flag).", "Data", ("phase1", "phase2")),
     ("num_classes", int, "Classes of --data synthetic.", "Data", ("phase1", "phase2")),
     ("train_samples", int, "Train on a fixed, seeded subset of this many training images (short runs).", "Data", ("phase1", "phase2")),
+    ("val_samples", int, "Evaluate each epoch on the first this many validation images (the same for every seed; default: all).", "Data", ("phase1", "phase2")),
     ("loader", str, "device: the data held as one tensor on the training device, augmented per batch there (train/held.py); workers: timm's per-image transforms in worker processes (any dataset, any timm augmentation); auto: device when the data fits (2 GiB decoded, one image size) and the augmentation is one it runs.", "Data", ("phase1", "phase2")),
     ("img_size", int, "Image size (the data is resized to it).", MODEL, ("phase1", "phase2")),
     ("in_chans", int, "Image channels: 3 (RGB) or 1 (grayscale); every image is converted to it.", MODEL, ("phase1", "phase2")),
@@ -42,7 +43,10 @@ FLAGS: list[tuple[str, Any, str, str, tuple[str, ...]]] = [
     ("kernel_size", int, "Phase-1 convolution K.", MODEL, ("phase1", "phase2")),
     ("dilation", int, "Phase-1 convolution dilation.", MODEL, ("phase1", "phase2")),
     ("drop_path", float, "Stochastic depth rate.", MODEL, ("phase1", "phase2")),
-    ("init", str, "Conv-phase checkpoint (converted exactly, verified), attention checkpoint, or 'random'.", PHASE2, ("phase2",)),
+    ("init", str, "Conv-phase checkpoint (converted exactly, verified), attention checkpoint, 'random', or a start without a conv phase: 'mimetic' (W_Q·W_Kᵀ ≈ αI, W_V·W_O ≈ −βI, Trockman & Kolter) or 'impulse' (each head pinned to one offset of the K×K window, gated, all else random; Zheng et al.).", PHASE2, ("phase2",)),
+    ("mimetic_alpha", float, "--init mimetic: W_Q,hᵀ·W_K,h = α(Z + I) per head (the published α₁ = β₁).", PHASE2, ("phase2",)),
+    ("mimetic_beta", float, "--init mimetic: Σ_h W_V,hᵀ·W_O,hᵀ = β(Z − I) (the published α₂ = β₂).", PHASE2, ("phase2",)),
+    ("impulse_offsets", str, "--init impulse: conversion (head r pinned to the conversion's r-th offset) or random (each head an offset drawn from the window).", PHASE2, ("phase2",)),
     ("heads", int, "Attention heads (default: as many as the conversion needs); extra heads are free, trainable heads that start with zero output weights.", PHASE2, ("phase2",)),
     ("qk_dim", int, "Per-head query/key width (default: embed_dim).", PHASE2, ("phase2",)),
     ("sink", bool, "Per-head sink (exact borders); --no-sink is the paper's construction.", PHASE2, ("phase2",)),
@@ -101,8 +105,8 @@ def _option(name: str, typ: Any, help_text: str, panel: str, default: Any) -> in
         "lr": "per phase: " + ", ".join(f"{k} {v:g}" for k, v in PHASE_LR.items()),
         "workers": "min(4, CPUs)",
         "threads": "the CPUs this process may use",
-        "pinning": "gated from a conv-phase --init, hard from random init",
-        "attn_lr_mult": "10 from a checkpoint, 1 from random init",
+        "pinning": "gated from a conv-phase --init and impulse, hard from random and mimetic",
+        "attn_lr_mult": "10 from a checkpoint, 1 otherwise",
     }.get(name, default)
     if isinstance(shown, tuple):
         shown = " ".join(map(str, shown))
