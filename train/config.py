@@ -46,7 +46,9 @@ class TrainConfig:
     dilation: int = 1
     drop_path: float = 0.1
     # phase 2
-    init: str = "random"  # conv checkpoint, attn checkpoint, "random", or a start: "mimetic", "impulse"
+    # conv checkpoint, attn checkpoint, "random", or a start: "mimetic" (the default: the best-measured
+    # start without a checkpoint, EXPERIMENTS.md "Which start?"), "impulse"
+    init: str = "mimetic"
     mimetic_alpha: float = 0.7  # init mimetic: W_Q,hᵀ W_K,h = α(Z + I); Trockman & Kolter's α₁ = β₁
     mimetic_beta: float = 0.4  # init mimetic: Σ_h W_V,hᵀ W_O,hᵀ = β(Z − I); their α₂ = β₂
     impulse_offsets: str = "conversion"  # init impulse: heads pinned to Δ in order, or "random" offsets in Δ
