@@ -90,6 +90,7 @@ def mimetic_block(
         v[i % h, i // h] = left[i]
         proj[:, i % h, i // h] = right[i]
     out = {"q.weight": q, "k.weight": k, "v.weight": v.reshape(h * vd, d), "proj.weight": proj.reshape(d, h * vd),
+           "q.bias": torch.zeros(h * qk), "k.bias": torch.zeros(h * qk), "v.bias": torch.zeros(h * vd),
            "rel_pos_bias": local_decay(cfg)}  # fmt: skip
     return {name: t.float() for name, t in out.items()}
 
@@ -147,8 +148,6 @@ def start_model(
             pinned.append([None if o is None else list(o) for o in heads])
         state = block.attn.state_dict()
         state.update({name: t.to(state[name].dtype) for name, t in tensors.items()})
-        for name in ("q.bias", "k.bias", "v.bias") if init == "mimetic" else ():
-            state[name] = torch.zeros_like(state[name])
         block.attn.load_state_dict(state)
     if init == "mimetic":
         info.update(

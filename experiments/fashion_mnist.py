@@ -99,6 +99,13 @@ def result(arm: Arm, before: Arm | None = None) -> dict:
     return {"final": rows[-1], "first": rows[0], "seconds": seconds}
 
 
+def stat(vals: list[float], fmt: str = ".2f") -> str:
+    """Mean ± half-range, or "" for no values."""
+    if not vals:
+        return ""
+    return f"{statistics.mean(vals):{fmt}} ± {(max(vals) - min(vals)) / 2:{fmt}}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--epochs", type=int, default=8, help="total epochs per setting")
@@ -123,13 +130,6 @@ def main() -> None:
         for key, names in table_rows.items()
     }
     e = args.epochs
-
-    def stat(vals: list[float], fmt: str = ".2f") -> str:
-        if not vals:
-            return ""
-        spread = (max(vals) - min(vals)) / 2
-        return f"{statistics.mean(vals):{fmt}} ± {spread:{fmt}}"
-
     print(f"\nFashion-MNIST, {args.train_samples} training images, 10k val, 28 px, P 4, d 48, depth 2, K 5; "
           f"{e} epochs in all; seeds {' '.join(map(str, args.seeds))} (mean ± half-range)\n")  # fmt: skip
     print(

@@ -33,7 +33,7 @@ import statistics
 from pathlib import Path
 
 from arms_cli import add_arm_flags, run_or_exit
-from fashion_mnist import ATTN_LR_MULT, LR_PHASE2, LR_SCRATCH, config
+from fashion_mnist import ATTN_LR_MULT, LR_PHASE2, LR_SCRATCH, config, stat
 
 from convit_convert.train.arms import Arm
 
@@ -119,10 +119,6 @@ def curve(runs: list[Arm]) -> tuple[list[int], list[float]]:
         ys += [r["top1"] for r in rows]
         offset += len(rows)
     return xs, ys
-
-
-def stat(vals: list[float], fmt: str = ".2f") -> str:
-    return f"{statistics.mean(vals):{fmt}} ± {(max(vals) - min(vals)) / 2:{fmt}}" if vals else ""
 
 
 def main() -> None:

@@ -3,8 +3,10 @@ convolutions with explicit padding, explicit loops, impulse responses."""
 
 from __future__ import annotations
 
+import gzip
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -67,3 +69,10 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 @pytest.fixture
 def fixture_path() -> Path:
     return FIXTURE
+
+
+def write_idx(path: Path, array: np.ndarray) -> None:
+    """An IDX file of unsigned bytes, the format Fashion-MNIST ships in (gzipped)."""
+    header = bytes([0, 0, 8, array.ndim]) + b"".join(int(d).to_bytes(4, "big") for d in array.shape)
+    with gzip.open(path, "wb") as f:
+        f.write(header + array.astype(np.uint8).tobytes())

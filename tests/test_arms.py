@@ -4,7 +4,6 @@ a time budget that stops arms cleanly and a second call that resumes them."""
 from __future__ import annotations
 
 import csv
-import gzip
 import json
 import subprocess
 import sys
@@ -14,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import write_idx
 from convit_convert.errors import CmhsaError
 from convit_convert.train.arms import BLOCKED, DONE, FAILED, STOPPED, Arm, run_arms
 from convit_convert.train.config import TrainConfig
@@ -70,13 +70,6 @@ def test_time_budget_stops_cleanly_and_the_next_call_resumes(tmp_path: Path) -> 
     assert 0 < len(done[0]) < len(done[1]) < 5000
     assert done[1] == list(range(1, len(done[1]) + 1))  # continued, nothing repeated or skipped
     assert "resumed" in (tmp_path / "long" / "log.txt").read_text()
-
-
-def write_idx(path: Path, array: np.ndarray) -> None:
-    """An IDX file of unsigned bytes, the format Fashion-MNIST ships in (gzipped)."""
-    header = bytes([0, 0, 8, array.ndim]) + b"".join(int(d).to_bytes(4, "big") for d in array.shape)
-    with gzip.open(path, "wb") as f:
-        f.write(header + array.astype(np.uint8).tobytes())
 
 
 def tiny_fashion_mnist(tmp_path: Path) -> Path:

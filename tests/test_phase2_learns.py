@@ -4,7 +4,6 @@ attention analysis, Fashion-MNIST from IDX files, and the format's version 2."""
 from __future__ import annotations
 
 import copy
-import gzip
 import json
 from pathlib import Path
 
@@ -15,6 +14,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from typer.testing import CliRunner
 
+from conftest import write_idx
 from convit_convert.analysis import attention_stats
 from convit_convert.api import load_checkpoint
 from convit_convert.cli import app
@@ -142,12 +142,6 @@ def test_attention_command_writes_json_and_png(tmp_path: Path) -> None:
     assert set(head) == {"offset", "pinned_share", "mean_distance_px", "entropy", "gate"}
     assert head["offset"] == [-1, -1] and head["gate"] == 0.0
     assert (tmp_path / "att" / "attention.png").read_bytes()[:4] == b"\x89PNG"
-
-
-def write_idx(path: Path, array: np.ndarray) -> None:
-    header = bytes([0, 0, 8, array.ndim]) + b"".join(int(d).to_bytes(4, "big") for d in array.shape)
-    with gzip.open(path, "wb") as f:
-        f.write(header + array.astype(np.uint8).tobytes())
 
 
 def test_fashion_mnist_from_idx_files(tmp_path: Path) -> None:

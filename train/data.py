@@ -172,18 +172,23 @@ def build_data(
     many validation images (the same for every seed, so runs are compared on the same images). Bad
     folders raise CmhsaError."""
     spec = _build_data(name, data_dir, img_size, download, num_classes, seed)
-    for flag, count in (("train_samples", train_samples), ("val_samples", val_samples)):
-        if count is None:
-            continue
-        split = spec.train if flag == "train_samples" else spec.val
-        n = len(split)  # type: ignore[arg-type]
-        if not 0 < count <= n:
-            raise CmhsaError(f"`{flag}` must be in 1..{n} for `data` {name}, got {count}")
-        if flag == "train_samples":
-            spec.train = Subset(split, np.sort(np.random.default_rng(seed).permutation(n)[:count]).tolist())
-        else:
-            spec.val = Subset(split, list(range(count)))
+    if train_samples is not None:
+        n = _subset_size("train_samples", train_samples, spec.train, name)
+        spec.train = Subset(
+            spec.train, np.sort(np.random.default_rng(seed).permutation(n)[:train_samples]).tolist()
+        )
+    if val_samples is not None:
+        _subset_size("val_samples", val_samples, spec.val, name)
+        spec.val = Subset(spec.val, list(range(val_samples)))
     return spec
+
+
+def _subset_size(flag: str, count: int, split: Dataset, name: str) -> int:
+    """The split's size, once ``count`` (flag ``flag``) is checked to fit in it."""
+    n = len(split)  # type: ignore[arg-type]
+    if not 0 < count <= n:
+        raise CmhsaError(f"`{flag}` must be in 1..{n} for `data` {name}, got {count}")
+    return n
 
 
 def _build_data(
