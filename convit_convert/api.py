@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,10 +23,11 @@ from .approximate import RULES, Approximation, Calibration, choose, heldout_erro
 from .config import PINNING, ViTConfig
 from .construct import DEFAULT_MARGIN, convert_state_dict, pinned_heads, pinned_offsets, pinning_logits
 from .errors import CmhsaError, article
-from .io.atomic import atomic_write, check_writable
-from .io.checkpoint import Checkpoint, check_geometry, load_tensor_checkpoint, save_checkpoint
-from .io.report import default_report_path, environment, file_facts, write_report
+from .io.atomic import atomic_paths, check_writable
+from .io.checkpoint import Checkpoint, check_geometry, load_tensor_checkpoint, write_checkpoint
+from .io.report import default_report_path, environment, file_facts, report_text, write_report
 from .model import VisionTransformer
+from .resources import check_fits
 from .theory import HeadCount, head_count, heads_needed
 from .verify import VerifyResult, verify_models
 
@@ -58,11 +60,16 @@ def check_batch(batch: int) -> None:
 
 
 def resolve_device(name: str) -> str:
-    """'auto' is CUDA when present; a CUDA device that is not there is bad input."""
+    """'auto' is CUDA when present; anything but cpu, cuda, cuda:N, or a GPU that is not there, is bad input."""
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
-    if name.startswith("cuda") and not torch.cuda.is_available():
+    m = re.fullmatch(r"cuda(?::(\d{1,4}))?", name)
+    if name != "cpu" and m is None:
+        raise CmhsaError(f"`device` must be auto, cpu, cuda or cuda:N, got {name!r}")
+    if m is not None and not torch.cuda.is_available():
         raise CmhsaError(f"`device` {name}: CUDA is not available")
+    if m is not None and m.group(1) is not None and int(m.group(1)) >= torch.cuda.device_count():
+        raise CmhsaError(f"`device` {name}: this machine has {torch.cuda.device_count()} GPU(s)")
     return name
 
 
@@ -158,6 +165,17 @@ def convert_checkpoint(
     check_batch(batch)
     t = time.perf_counter()
     src = ckpt.config
+    # the output's size is known before anything is built: refuse what cannot fit (float32 weights,
+    # the output and the conv model held together, and verification's activations)
+    out_cfg = src.with_attention(
+        heads or heads_needed(src.kernel_size, src.patch_size, src.dilation), qk_dim, pinning=pinning
+    )  # type: ignore[arg-type]
+    need = 4 * (out_cfg.num_params() + src.num_params()) + (out_cfg.activation_bytes(batch) if verify else 0)
+    check_fits(
+        need * (2 if dtype == torch.float64 else 1),
+        f"the converted model ({out_cfg.num_heads} heads, qk_dim {out_cfg.qk_dim})",
+        ckpt.path,
+    )
     approx = None
     if (
         approximate
@@ -283,13 +301,15 @@ def convert_file(
     conv = convert_checkpoint(ckpt, dtype=verify_dtype, device=verify_device, **options)
     timings.update(conv.timings)
     output_facts = None
-    if conv.passed:
-        t = time.perf_counter()
-        digest = save_checkpoint(output, conv.config, conv.tensors, {"cmhsa.source_sha256": input_facts["sha256"]})  # fmt: skip
-        timings["write_s"] = time.perf_counter() - t
-        output_facts = {"path": str(output), "bytes": output.stat().st_size, "sha256": digest}
-    result = ConvertReport(conv, output, report_path, input_facts, output_facts, timings)
-    write_report(report_path, result.to_dict())
+    # the model and its report together or neither: a failed write keeps both previous files
+    with atomic_paths(*([output] if conv.passed else []), report_path) as tmps:
+        if conv.passed:
+            t = time.perf_counter()
+            digest = write_checkpoint(tmps[0], conv.config, conv.tensors, {"cmhsa.source_sha256": input_facts["sha256"]}, output)  # fmt: skip
+            timings["write_s"] = time.perf_counter() - t
+            output_facts = {"path": str(output), "bytes": tmps[0].stat().st_size, "sha256": digest}
+        result = ConvertReport(conv, output, report_path, input_facts, output_facts, timings)
+        tmps[-1].write_text(report_text(result.to_dict()), encoding="utf-8")
     return result
 
 
@@ -342,6 +362,8 @@ def verify_files(
     if differ:
         detail = ", ".join(f"{k} {shared_a[k]} vs {shared_b[k]}" for k in differ[:3])
         raise CmhsaError(f"config does not match the conv checkpoint's: {detail}", attn)
+    scale = 2 if verify_dtype == torch.float64 else 1
+    check_fits(scale * (b.config.activation_bytes(batch) + a.config.activation_bytes(batch)), f"verifying at batch {batch}", attn)  # fmt: skip
     t = time.perf_counter()
     result = verify_models(
         a.model(), b.model(), batch=batch, seed=seed, dtype=verify_dtype, device=verify_device, tol=tol
@@ -417,11 +439,16 @@ def export_file(
         ckpt.model(), exporter=exporter, opset=opset, tol=tol, providers=providers, seed=seed, path=output
     )
     facts = None
-    if ex.check.passed:
-        atomic_write(output, lambda tmp: tmp.write_bytes(ex.data))
-        facts = {"path": str(output), "bytes": len(ex.data), "sha256": hashlib.sha256(ex.data).hexdigest()}
-    out = ExportReport(ckpt, ex, output, report_path, facts, {"load_s": load_s, **ex.timings})
-    write_report(report_path, out.to_dict())
+    with atomic_paths(*([output] if ex.check.passed else []), report_path) as tmps:  # both or neither
+        if ex.check.passed:
+            tmps[0].write_bytes(ex.data)
+            facts = {
+                "path": str(output),
+                "bytes": len(ex.data),
+                "sha256": hashlib.sha256(ex.data).hexdigest(),
+            }
+        out = ExportReport(ckpt, ex, output, report_path, facts, {"load_s": load_s, **ex.timings})
+        tmps[-1].write_text(report_text(out.to_dict()), encoding="utf-8")
     return out
 
 

@@ -109,6 +109,39 @@ class ViTConfig:
     def num_patches(self) -> int:
         return math.prod(self.grid_size)
 
+    def num_params(self) -> int:
+        """Parameters of the model this config builds (model.py's layers, counted without torch)."""
+        d, c, depth = self.embed_dim, self.hidden_chans, self.depth
+        gh, gw = self.grid_size
+        embed = self.in_chans * self.patch_size**2 * d + d if self.patch_embed == "linear" else 0
+        if self.kind == "attn":
+            h, qk, v = self.num_heads or 0, self.qk_dim or 0, self.v_dim or 0
+            tables = (2 if self.pinning == "gated" else 1) * h * (2 * gh - 1) * (2 * gw - 1)
+            mix = 2 * (d * h * qk + h * qk) + d * h * v + h * v + h * v * d + d + tables
+            mix += (h if self.sink else 0) + (h if self.pinning == "gated" else 0)  # sinks, gates
+        else:
+            mix = c * c * self.kernel_size**2 + c
+        mlp = 2 * d * self.mlp_hidden_dim + self.mlp_hidden_dim + d
+        return embed + depth * (4 * d + mix + mlp) + 2 * d + d * self.num_classes + self.num_classes
+
+    def activation_bytes(self, batch: int, training: bool = False) -> int:
+        """float32 bytes a forward pass keeps alive for ``batch`` images: the largest per-block
+        tensors (tokens, MLP hidden, attention weights), every block's when ``training`` keeps
+        them for the backward pass. An estimate, for refusing sizes that cannot fit."""
+        n = self.num_patches
+        per_block = batch * n * (4 * self.embed_dim + self.mlp_hidden_dim)
+        if self.kind == "attn":
+            h = self.num_heads or 0
+            per_block += (
+                batch
+                * h
+                * (
+                    n * (n + 1) * (3 if self.pinning == "gated" else 1)
+                    + n * ((self.qk_dim or 0) * 2 + (self.v_dim or 0))
+                )
+            )
+        return 4 * per_block * (self.depth if training else 2)
+
     def validate(self, path: object = None) -> None:
         """Raise CmhsaError (naming ``path``) unless this is a consistent config of its kind."""
 

@@ -32,7 +32,7 @@ def run(*args: object):
 def test_refusals(tmp_path: Path) -> None:
     out = tmp_path / "v.safetensors"
     r = run("convert", FIXTURE, "-o", out, "--heads", "0", "--approximate")
-    assert r.exit_code == 2 and "--heads must be at least 1" in r.stderr and not out.exists()
+    assert r.exit_code == 2 and "--heads must be 1 ≤ x ≤ 4096, got 0" in r.stderr and not out.exists()
     r = run("convert", FIXTURE, "-o", out, "--heads", "4", "--approximate", "--rule", "random")
     assert r.exit_code == 2 and "--rule must be one of greedy, corner" in r.stderr
     r = run("convert", FIXTURE, "-o", out, "--heads", "4")  # without --approximate: the bound, as before
@@ -140,7 +140,7 @@ def test_heads_checkpoint_sweep(tmp_path: Path) -> None:
     assert r.exit_code == 2 and "give --kernel and --patch, or --checkpoint" in r.stderr
     for bad, why in (
         (("--rule", "x"), "--rule must be one of"),
-        (("--heldout-images", "0"), "must be positive"),
+        (("--heldout-images", "0"), "--heldout-images must be 1 ≤ x ≤ 10000000, got 0"),
     ):
         r = run("heads", "--checkpoint", FIXTURE, *bad)
         assert r.exit_code == 2 and why in r.stderr and not r.stdout  # refused before anything is printed

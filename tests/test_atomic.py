@@ -68,7 +68,7 @@ def test_the_cli_installs_the_sigterm_cleanup(tmp_path: Path, fixture_path: Path
     assert proc.stdout is not None
     while (line := proc.stdout.readline()) and line.strip() != "writing":
         pass
-    assert len(temps(tmp_path)) == 1
+    assert len(temps(tmp_path)) == 2  # the model and its report, written together
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 143
     assert temps(tmp_path) == [] and not out.exists()

@@ -269,8 +269,18 @@ def test_convert_and_export_refuse_bad_tol_report_and_suffix(
     src, attn = converted
     out = tmp_path / "v.safetensors"
     for tol in ("-1", "nan"):
-        assert_bad_input(run("convert", src, "-o", out, "--tol", tol), None, "--tol must be >= 0", tmp_path)
-        assert_bad_input(run("verify", src, attn, "--tol", tol), None, "--tol must be >= 0", tmp_path)
+        assert_bad_input(
+            run("convert", src, "-o", out, "--tol", tol),
+            None,
+            f"--tol must be 0 ≤ x ≤ 1000000, got {tol}",
+            tmp_path,
+        )
+        assert_bad_input(
+            run("verify", src, attn, "--tol", tol),
+            None,
+            f"--tol must be 0 ≤ x ≤ 1000000, got {tol}",
+            tmp_path,
+        )
     (tmp_path / "in").mkdir()
     copy = tmp_path / "in" / "conv.safetensors"
     shutil.copy(src, copy)

@@ -458,7 +458,7 @@ def test_export_bad_input(attn_checkpoints, tmp_path: Path, capfd: pytest.Captur
     assert len(r.stderr.strip().splitlines()) == 1
     assert capfd.readouterr() == ("", ""), "the exporter's own dump must not reach the terminal"
     for args, expect in (
-        (["--opset", "16"], "opset >= 17"),
+        (["--opset", "16"], "--opset must be 17 ≤ x ≤ 99, got 16"),
         (["--exporter", "jit"], "--exporter"),
         (["--device", "tpu"], "--device"),
     ):

@@ -88,8 +88,8 @@ def test_mimetic_is_seeded_and_refuses_gated_pinning(tmp_path: Path) -> None:
         "train", "phase2", *CLI_TINY, "--init", "mimetic", "--pinning", "gated", "--out", tmp_path / "g"
     )
     assert r.exit_code == 2 and "give --pinning hard" in r.output and "Traceback" not in r.output, r.output
-    for flag, value, msg in (("--mimetic-alpha", "-1", "--mimetic-alpha must be >= 0"),
-                             ("--mimetic-beta", "nan", "--mimetic-beta must be >= 0"),
+    for flag, value, msg in (("--mimetic-alpha", "-1", "--mimetic-alpha must be 0 ≤ x ≤ 100, got -1"),
+                             ("--mimetic-beta", "nan", "--mimetic-beta must be 0 ≤ x ≤ 100, got nan"),
                              ("--impulse-offsets", "diagonal", "--impulse-offsets must be one of conversion, random")):  # fmt: skip
         r = invoke("train", "phase2", *CLI_TINY, "--init", "impulse", flag, value, "--out", tmp_path / "bad")
         assert r.exit_code == 2 and msg in r.output and len(r.output.strip().splitlines()) == 1, r.output

@@ -19,6 +19,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 
 from ..errors import CmhsaError
+from ..resources import check_fits
 
 DATASETS = ("cifar10", "cifar100", "imagefolder", "digits", "fashion-mnist", "synthetic")
 FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"  # Debian's dataset-fashion-mnist
@@ -76,8 +77,10 @@ def synthetic(
 ) -> DataSpec:
     """Learnable noise: each class is a fixed random low-frequency colour pattern; a sample is its
     class's pattern, randomly shifted, plus pixel noise. For tests and smoke runs."""
-    rng = np.random.default_rng(seed)
     h, w = img_size
+    # float64 while it is made: the images, their noise and the result, and the class templates
+    check_fits(8 * h * w * 3 * (3 * (n_train + n_val) + num_classes), f"synthetic data at {h}x{w} px")
+    rng = np.random.default_rng(seed)
     coarse = rng.uniform(0, 255, size=(num_classes, 4, 4, 3))
     templates = coarse.repeat(-(-h // 4), axis=1)[:, :h].repeat(-(-w // 4), axis=2)[:, :, :w]
 

@@ -14,10 +14,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from ..api import as_float32, convert_checkpoint, load_checkpoint
 from ..config import ViTConfig
 from ..errors import CheckFailed, CmhsaError
 from ..model import ATTENTION_PARAMS, VisionTransformer
+from ..resources import check_fits
 from ..starts import start_model
 from ..theory import head_count
 from .config import TrainConfig
@@ -79,9 +82,19 @@ def freeze_attention(model: VisionTransformer) -> None:
             p.requires_grad_(False)
 
 
+def check_trainable(cfg: TrainConfig, mcfg: ViTConfig) -> None:
+    """Refuse, with the estimate, a model whose training cannot fit in memory: float32 weights,
+    gradients and two AdamW moments, and (on CPU) a batch's activations kept for the backward."""
+    on_cpu = cfg.device == "cpu" or not torch.cuda.is_available()
+    need = 16 * mcfg.num_params() + (mcfg.activation_bytes(cfg.batch_size, training=True) if on_cpu else 0)
+    what = f"training a {mcfg.kind} model of {mcfg.num_params():,} parameters at batch {cfg.batch_size}"
+    check_fits(need, what)
+
+
 def build_phase_model(cfg: TrainConfig, num_classes: int, log: Any = print) -> PhaseModel:
     if cfg.phase == "phase1":
         mcfg = flag_config(cfg, num_classes)
+        check_trainable(cfg, mcfg)
         return PhaseModel(VisionTransformer(mcfg, cfg.drop_path), mcfg, {"init": "random"})
     if not cfg.from_checkpoint:
         conv_cfg = flag_config(cfg, num_classes)
@@ -90,6 +103,7 @@ def build_phase_model(cfg: TrainConfig, num_classes: int, log: Any = print) -> P
         )
         mcfg = conv_cfg.with_attention(heads, cfg.qk_dim, None, cfg.sink, cfg.pinning_used)  # type: ignore[arg-type]
         mcfg.validate()
+        check_trainable(cfg, mcfg)
         model = VisionTransformer(mcfg, cfg.drop_path)
         if cfg.init == "random":
             return PhaseModel(model, mcfg, {"init": "random"})
@@ -103,6 +117,7 @@ def build_phase_model(cfg: TrainConfig, num_classes: int, log: Any = print) -> P
     ckpt = as_float32(load_checkpoint(cfg.init))
     _check_explicit(cfg, ckpt.config, num_classes, ckpt.path)
     if ckpt.kind == "attn":
+        check_trainable(cfg, ckpt.config)
         model = VisionTransformer(ckpt.config, cfg.drop_path)
         model.load_state_dict(ckpt.tensors)
         return PhaseModel(model, ckpt.config, {"init": str(cfg.init), "init_kind": "attn"})
@@ -113,6 +128,7 @@ def build_phase_model(cfg: TrainConfig, num_classes: int, log: Any = print) -> P
     )  # fmt: skip
     mcfg, result = conv.config, conv.verification
     assert result is not None
+    check_trainable(cfg, mcfg)
     worst = result.worst
     log(
         f"converted {cfg.init}: {mcfg.num_heads} heads ({conv.summary()['pinned_heads']} pinned), qk_dim {mcfg.qk_dim}, "

@@ -17,12 +17,32 @@ def read_metrics(run: Path) -> list[dict[str, float]]:
     path = run / "metrics.csv"
     if not path.is_file():
         raise CmhsaError("has no metrics.csv (not a training run folder?)", run)
-    with open(path, newline="") as f:
-        rows = list(csv.DictReader(f))
     try:
-        return [{k: float(v) for k, v in r.items() if v not in (None, "")} for r in rows]
-    except ValueError as e:
-        raise CmhsaError(f"malformed metrics.csv ({e})", path) from None
+        with open(path, newline="", encoding="utf-8") as f:
+            rows = list(csv.DictReader(f))
+        parsed = [{k: float(v) for k, v in r.items() if v not in (None, "") and k is not None} for r in rows]
+    except (ValueError, TypeError, csv.Error) as e:  # UnicodeDecodeError is a ValueError
+        raise CmhsaError(f"malformed metrics.csv ({type(e).__name__}: {str(e)[:120]})", path) from None
+    except OSError as e:
+        raise CmhsaError(f"cannot read ({e.strerror})", path) from None
+    if not parsed:
+        raise CmhsaError("metrics.csv has no epochs yet", path)
+    missing = [c for c in COLUMNS if any(c not in r for r in parsed)]
+    if missing:
+        raise CmhsaError(
+            f"metrics.csv lacks the column(s) {', '.join(missing)} (not written by cmhsa train?)", path
+        )
+    return parsed
+
+
+COLUMNS = ("epoch", "val_loss", "top1")  # what the plots draw
+FORMATS = ("png", "pdf", "svg")
+
+
+def check_image_path(output: Path) -> None:
+    """An output matplotlib can write: .png, .pdf or .svg (refused before anything is plotted)."""
+    if output.suffix.lstrip(".").lower() not in FORMATS:
+        raise CmhsaError(f"the plot must be a {', '.join('.' + f for f in FORMATS)} file", output)
 
 
 def pyplot() -> Any:
@@ -41,7 +61,8 @@ def pyplot() -> Any:
 
 def _save(fig: Any, output: Path) -> None:
     fig.tight_layout()
-    suffix = output.suffix.lstrip(".") or "png"
+    check_image_path(output)
+    suffix = output.suffix.lstrip(".").lower()
     with atomic_path(output) as tmp:
         fig.savefig(tmp, format=suffix)
     pyplot().close(fig)
@@ -49,6 +70,7 @@ def _save(fig: Any, output: Path) -> None:
 
 def plot_runs(runs: list[Path], output: Path) -> None:
     """Validation loss and top-1; with phase-2 runs, also each block's pinned share and gate."""
+    check_image_path(output)
     plt = pyplot()
     data = {run: read_metrics(run) for run in runs}
     attn = sorted({k for rows in data.values() for k in (rows[0] if rows else {}) if k.startswith("attn")})
@@ -95,7 +117,8 @@ def plot_attention(report: Any, output: Path, title: str = "") -> None:
         title or f"mean attention by relative offset (dy down, dx right), {report.images} images", fontsize=9
     )
     _save(fig, output)
-    suffix = output.suffix.lstrip(".") or "png"
+    check_image_path(output)
+    suffix = output.suffix.lstrip(".").lower()
     with atomic_path(output) as tmp:
         fig.savefig(tmp, format=suffix)
     plt.close(fig)

@@ -27,6 +27,7 @@ from ..config import ViTConfig
 from ..errors import CmhsaError
 from ..io.atomic import atomic_write_text, check_writable
 from ..io.checkpoint import save_checkpoint
+from ..io.lock import LOCK_NAME, locked_folder
 from ..model import VisionTransformer
 from .augment import augment_spec, check_supported
 from .config import RUNTIME_FIELDS, TrainConfig
@@ -95,7 +96,8 @@ class StopRequest:
                 signal.signal(s, h)
 
 
-def write_metrics(path: Path, rows: list[dict[str, Any]]) -> None:
+def metrics_text(rows: list[dict[str, Any]]) -> str:
+    """metrics.csv: one row per finished epoch."""
     cols = list(METRICS) + [c for c in EMA_METRICS if rows and c in rows[0]]
     cols += [c for c in (rows[0] if rows else {}) if c.startswith("attn")]
     buf = io.StringIO()
@@ -103,7 +105,7 @@ def write_metrics(path: Path, rows: list[dict[str, Any]]) -> None:
     w.writeheader()
     for r in rows:
         w.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()})
-    atomic_write_text(path, buf.getvalue())
+    return buf.getvalue()
 
 
 def run(cfg: TrainConfig, *, console: Any = None, stop_after_steps: int | None = None) -> RunResult:
@@ -146,7 +148,16 @@ def deterministic_kernels(on: bool) -> Iterator[None]:
 def resumed_config(cfg: TrainConfig, saved: dict[str, Any], out: Path, log: Any) -> tuple[TrainConfig, bool]:
     """The saved run's config with this invocation's runtime fields and any RESUMABLE change
     (as timm's train.py allows); whether the schedule must be rebuilt for it."""
-    old = TrainConfig.from_dict(saved["config"])
+    try:
+        old = TrainConfig.from_dict(saved["config"])
+        check_recipe(old)
+        ViTConfig.from_dict(saved["model_config"], saved["kind"], out / LAST)
+    except (TypeError, ValueError) as e:
+        raise CmhsaError(f"`resume`: {LAST} holds a config cmhsa cannot use ({e})", out) from None
+    except CmhsaError as e:
+        raise CmhsaError(f"`resume`: {LAST} holds a config cmhsa cannot use ({e.message})", out) from None
+    if old.phase != cfg.phase:
+        raise CmhsaError(f"holds a {old.phase} run; resume it with `cmhsa train {old.phase} --resume`", out)
     changed = old.training_differences(cfg)
     for name in RESUMABLE:
         if name in changed:
@@ -160,9 +171,14 @@ def resumed_config(cfg: TrainConfig, saved: dict[str, Any], out: Path, log: Any)
                 if name == "lr"
                 else f"extending the run from {before} to {new} epochs; the schedule is rebuilt for {new} epochs"
             )
-    ignored = [n for n in changed if n not in RESUMABLE]
-    if ignored:
-        log(f"resuming with the saved run's settings; ignoring changed flag(s): {', '.join(ignored)}")
+    refused = [n for n in changed if n not in RESUMABLE]
+    if refused:
+        n = refused[0]
+        raise CmhsaError(
+            f"`{n}` {getattr(cfg, n)!r} differs from the run's {getattr(old, n)!r} (only "
+            f"{', '.join(f'`{r}`' for r in RESUMABLE)} may change on `resume`); drop it or start a new run",
+            out,
+        )
     for name in RUNTIME_FIELDS:  # how this invocation runs (resume included), not what it computes
         setattr(old, name, getattr(cfg, name))
     return old, any(n in changed for n in RESUMABLE)
@@ -187,26 +203,36 @@ def _run(cfg: TrainConfig, ctx: Context, console: Any, stop_after_steps: int | N
         check_writable(out / "config.json")
     barrier(ctx)
     reporter = Reporter(ctx.is_main, cfg.epochs, cfg.log_every, console)
+    lock = locked_folder(out) if ctx.is_main else contextlib.nullcontext()
     try:
-        saved, reschedule = None, False
-        if cfg.resume:
-            saved = read_checkpoint(out / LAST)
-            cfg, reschedule = resumed_config(cfg, saved, out, reporter.log)
-        elif (out / LAST).exists():
-            raise CmhsaError(
-                "holds a previous run (checkpoint-last.pt): pass `resume` to continue it, or choose another `out`",
-                out,
-            )
-        reporter.epochs = cfg.epochs
-        loop = build(cfg, ctx, out, saved, reschedule, reporter)
-        return train(loop, stop_after_steps)
-    except CmhsaError:
-        if created and ctx.is_main:  # refused before writing anything: leave no empty run folder
-            with contextlib.suppress(OSError):
-                out.rmdir()
-        raise
+        with lock:  # one process at a time writes a run folder (a second one is refused)
+            try:
+                return _locked_run(cfg, ctx, out, reporter, stop_after_steps)
+            except CmhsaError:
+                if created and ctx.is_main:  # refused before writing anything: leave no empty run folder
+                    with contextlib.suppress(OSError):
+                        (out / LOCK_NAME).unlink()
+                        out.rmdir()
+                raise
     finally:
         reporter.close()
+
+
+def _locked_run(
+    cfg: TrainConfig, ctx: Context, out: Path, reporter: Reporter, stop_after_steps: int | None
+) -> RunResult:
+    saved, reschedule = None, False
+    if cfg.resume:
+        saved = read_checkpoint(out / LAST)
+        cfg, reschedule = resumed_config(cfg, saved, out, reporter.log)
+    elif (out / LAST).exists():
+        raise CmhsaError(
+            "holds a previous run (checkpoint-last.pt): pass `resume` to continue it, or choose another `out`",
+            out,
+        )
+    reporter.epochs = cfg.epochs
+    loop = build(cfg, ctx, out, saved, reschedule, reporter)
+    return train(loop, stop_after_steps)
 
 
 def build(
@@ -336,9 +362,9 @@ def train(loop: Loop, stop_after_steps: int | None = None) -> RunResult:
     cfg, ctx, st, out = loop.cfg, loop.ctx, loop.state, loop.out
     result = RunResult(out, st.metrics)
 
-    def save() -> None:
-        if ctx.is_main:
-            st.save(out, cfg.keep)
+    def save(epoch_end: bool = False) -> None:
+        if ctx.is_main:  # the checkpoint and the epoch's metrics row land together or not at all
+            st.save(out, cfg.keep, {"metrics.csv": metrics_text(st.metrics)} if epoch_end else None)
         barrier(ctx)
 
     stop = StopRequest()
@@ -353,9 +379,7 @@ def train(loop: Loop, stop_after_steps: int | None = None) -> RunResult:
                 )
                 return result
             loop.reporter.end_epoch(st.metrics[-1])
-            if ctx.is_main:
-                write_metrics(out / "metrics.csv", st.metrics)
-            save()
+            save(epoch_end=True)
     if ctx.is_main:
         result.model_path = out / OUTPUT[cfg.phase]
         meta = {

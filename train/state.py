@@ -21,7 +21,7 @@ from torch import nn
 
 from ..config import ViTConfig
 from ..errors import CmhsaError
-from ..io.atomic import atomic_write
+from ..io.atomic import atomic_paths, atomic_write
 from .config import TrainConfig
 
 LAST = "checkpoint-last.pt"
@@ -51,16 +51,65 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def read_checkpoint(path: Path) -> dict[str, Any]:
-    """A saved run state as a dict (its config and model config tell what to build before :meth:`RunState.load`)."""
+    """A saved run state as a dict (its config and model config tell what to build before
+    :meth:`RunState.load`). The file is untrusted input: read with ``weights_only=True`` and every
+    field checked, so a damaged or crafted file is one line, never a traceback."""
+    import pickle
+
     if not path.is_file():
         raise CmhsaError("no checkpoint to resume from (run without `resume` first)", path)
     try:
         saved = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        raise CmhsaError(
+            "holds objects other than tensors and plain values, so cmhsa will not load it (it could run code); "
+            "it was not written by cmhsa train: start a new run in another `out`",
+            path,
+        ) from None
     except Exception as e:
         raise CmhsaError(f"cannot read the training checkpoint ({type(e).__name__}: {e})", path) from None
-    if not isinstance(saved, dict) or "model" not in saved or "config" not in saved:
-        raise CmhsaError("is not a cmhsa training checkpoint", path)
+    problem = _checkpoint_problem(saved)
+    if problem:
+        raise CmhsaError(f"is not a usable cmhsa training checkpoint: {problem}", path)
     return saved
+
+
+def _checkpoint_problem(saved: Any) -> str | None:
+    """What is wrong with a loaded checkpoint-last.pt's structure, or None."""
+    if not isinstance(saved, dict):
+        return f"a {type(saved).__name__}, not a dict"
+    kinds: dict[str, type | tuple[type, ...]] = {
+        "model": dict, "optimizer": dict, "scheduler": dict, "scaler": dict, "config": dict,
+        "model_config": dict, "kind": str, "init": dict, "epoch": int, "step": int, "global_step": int,
+        "metrics": list, "partial": dict, "rng": (dict, type(None)),
+    }  # fmt: skip
+    for key, kind in kinds.items():
+        if key not in saved:
+            return f"no {key!r}"
+        if not isinstance(saved[key], kind) or isinstance(saved[key], bool):
+            return f"{key!r} is a {type(saved[key]).__name__}"
+    if min(saved["epoch"], saved["step"], saved["global_step"]) < 0:
+        return "negative epoch or step counters"
+    if len(saved["metrics"]) != saved["epoch"] or not all(isinstance(r, dict) for r in saved["metrics"]):
+        return f"{len(saved['metrics'])} metrics rows for {saved['epoch']} finished epochs"
+    if not all(isinstance(v, torch.Tensor) for v in saved["model"].values()):
+        return "'model' holds something other than tensors"
+    opt = saved["optimizer"]
+    if not isinstance(opt.get("state"), dict) or not isinstance(opt.get("param_groups"), list):
+        return "'optimizer' has no state / param_groups"
+    rng = saved["rng"]
+    if rng is not None:
+        numpy_state = rng.get("numpy")
+        if not (
+            isinstance(rng.get("python"), tuple)
+            and isinstance(rng.get("torch"), torch.Tensor)
+            and rng["torch"].dtype == torch.uint8
+            and isinstance(numpy_state, tuple)
+            and len(numpy_state) == 5
+            and isinstance(numpy_state[1], torch.Tensor)
+        ):
+            return "'rng' is not the RNG state cmhsa saves"
+    return None
 
 
 @dataclass
@@ -97,7 +146,18 @@ class RunState:
 
     def load(self, saved: dict[str, Any], reschedule: Any = None) -> None:
         """Restore from :func:`read_checkpoint`'s dict. ``reschedule(optimizer)``, when given, builds
-        a fresh scheduler instead of loading the saved one (a resume that changed epochs or lr)."""
+        a fresh scheduler instead of loading the saved one (a resume that changed epochs or lr).
+        State that does not fit what was built (shapes, parameter groups) is a CmhsaError."""
+        try:
+            self._load(saved, reschedule)
+        except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as e:
+            first = (str(e).strip().splitlines() or [""])[0][:200]
+            raise CmhsaError(
+                f"`resume`: {LAST} does not fit the run it belongs to ({type(e).__name__}: {first})",
+                self.config.out,
+            ) from None
+
+    def _load(self, saved: dict[str, Any], reschedule: Any) -> None:
         self.model.load_state_dict(saved["model"])
         self.optimizer.load_state_dict(saved["optimizer"])
         if reschedule is None:
@@ -111,13 +171,22 @@ class RunState:
         self.epoch, self.step, self.global_step = saved["epoch"], saved["step"], saved["global_step"]
         self.metrics, self.partial = list(saved["metrics"]), dict(saved["partial"])
         self.rng = saved["rng"] if self.step > 0 else None
+        if self.rng is not None:  # applied when the epoch resumes; try it now, so a bad one fails here
+            current = rng_state()
+            set_rng_state(self.rng)
+            set_rng_state(current)
 
-    def save(self, run_dir: Path, keep: int) -> Path:
-        """Write ``checkpoint-last.pt``; at an epoch's end with ``keep`` > 0 also a numbered copy,
-        pruning all but the newest ``keep`` copies."""
+    def save(self, run_dir: Path, keep: int, also: dict[str, str] | None = None) -> Path:
+        """Write ``checkpoint-last.pt`` and the text files ``also`` (name -> text) in ``run_dir``,
+        all or none; at an epoch's end with ``keep`` > 0 also a numbered copy, pruning all but the
+        newest ``keep`` copies."""
         path = run_dir / LAST
         state = self.to_dict()
-        atomic_write(path, lambda tmp: torch.save(state, tmp))
+        also = also or {}
+        with atomic_paths(path, *(run_dir / name for name in also)) as tmps:
+            torch.save(state, tmps[0])
+            for tmp, text in zip(tmps[1:], also.values(), strict=True):
+                tmp.write_text(text, encoding="utf-8")
         if keep > 0 and self.step == 0:
             numbered = run_dir / f"checkpoint-epoch{self.epoch:04d}.pt"
             atomic_write(numbered, lambda tmp: shutil.copyfile(path, tmp))  # copy the bytes, don't re-pickle

@@ -12,8 +12,11 @@ import typer
 
 from .. import __version__
 from . import convert, export, train
+from .boundary import BoundaryGroup, set_debug
+from .bounds import bound_all
 
 app = typer.Typer(
+    cls=BoundaryGroup,
     name="cmhsa",
     help="Turn trained convolutional ViTs into exactly equivalent self-attention ViTs.",
     no_args_is_help=True,
@@ -23,6 +26,7 @@ app = typer.Typer(
 for group in (convert, export, train):
     app.registered_commands += group.app.registered_commands
     app.registered_groups += group.app.registered_groups
+bound_all(app)  # every numeric flag checked against its declared range (cli/bounds.py)
 
 
 def version_callback(value: bool) -> None:
@@ -36,8 +40,12 @@ def _root(
     version: Annotated[
         bool, typer.Option("--version", callback=version_callback, is_eager=True, help="Print the version.")
     ] = False,
+    debug: Annotated[
+        bool, typer.Option("--debug", help="Show the full traceback of an error (also: CMHSA_DEBUG=1).")
+    ] = False,
 ) -> None:
     """cmhsa: exact conv -> self-attention conversion ("Can Vision Transformers Perform Convolution?")."""
+    set_debug(debug)
 
 
 def main() -> None:

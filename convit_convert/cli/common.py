@@ -3,11 +3,8 @@ codes, and the renderers of the library's reports (no torch import)."""
 
 from __future__ import annotations
 
-import functools
 import re
-import sys
-from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import typer
 from rich.console import Console
@@ -15,8 +12,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..errors import CmhsaError
+from .bounds import check
 
-F = TypeVar("F", bound=Callable[..., Any])
 EXIT_FAIL, EXIT_BAD_INPUT = 1, 2
 console = Console(highlight=False)
 
@@ -26,26 +23,18 @@ def as_flags(message: str) -> str:
     return re.sub(r"`([a-z][a-z0-9_]*)`", lambda m: "--" + m.group(1).replace("_", "-"), message)
 
 
-def fail(message: str) -> None:
-    """One line on stderr, no traceback."""
-    print(f"error: {as_flags(' '.join(message.split()))}", file=sys.stderr)
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
 
 
-def handles_errors(fn: F) -> F:
-    """Bad input becomes a one-line error and exit 2; a failed check (CheckFailed), exit 1."""
+def terminal_safe(text: str) -> str:
+    """`text` with control characters (escape sequences, bidi overrides) shown as \\xNN: a string
+    from a file cannot move the cursor, set the title or hide text. Newlines and tabs stay."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
 
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except CmhsaError as e:
-            fail(str(e))
-            raise typer.Exit(e.exit_code) from None
-        except MemoryError:
-            fail("out of memory")
-            raise typer.Exit(EXIT_BAD_INPUT) from None
 
-    return wrapper  # type: ignore[return-value]
+def safe(text: object) -> str:
+    """Anything from a file or the user, ready for console.print: terminal-safe, markup escaped."""
+    return escape(terminal_safe(str(text)))
 
 
 def path_arg(help: str) -> Any:
@@ -70,6 +59,8 @@ def parse_img_size(value: str | None) -> tuple[int, int] | None:
         hw *= 2
     if len(hw) != 2 or min(hw) < 1:
         raise CmhsaError(f"--img-size must be H or HxW (positive integers), got {value!r}")
+    for side in hw:
+        check("img_size", side)
     return hw[0], hw[1]
 
 
@@ -96,7 +87,7 @@ def print_verification(result: Any, title: str) -> None:
         )
     else:
         console.print(f"[red]FAIL[/]: relative error {fmt(worst.rel)} at {where} > tol {result.tol:g}")
-    console.print(f"[dim]criterion: {escape(result.criterion)}[/]")
+    console.print(f"[dim]criterion: {safe(result.criterion)}[/]")
 
 
 def print_import(ckpt: Any) -> None:
@@ -107,8 +98,8 @@ def print_import(ckpt: Any) -> None:
     read = "; ".join(f"{k} {', '.join(v)}" for k, v in info["read"].items())
     check = info["onnxruntime_check"]
     console.print(
-        f"Read {escape(str(ckpt.path))} by its graph ({escape(info['producer'] or 'unknown producer')}, "
-        f"opset {info['opsets'].get('ai.onnx', '?')}): {escape(read)}"
+        f"Read {safe(str(ckpt.path))} by its graph ({safe(info['producer'] or 'unknown producer')}, "
+        f"opset {info['opsets'].get('ai.onnx', '?')}): {safe(read)}"
     )
     console.print(
         f"onnxruntime vs the rebuilt PyTorch model, batch {check['batch']}: relative error "
@@ -118,8 +109,6 @@ def print_import(ckpt: Any) -> None:
 
 def print_written(passed: bool, output: Any, report_path: Any, check: str) -> None:
     if passed:
-        console.print(f"Wrote {escape(str(output))} and {escape(str(report_path))}")
+        console.print(f"Wrote {safe(str(output))} and {safe(str(report_path))}")
     else:
-        console.print(
-            f"Not written: {escape(str(output))} ({check} failed); report: {escape(str(report_path))}"
-        )
+        console.print(f"Not written: {safe(str(output))} ({check} failed); report: {safe(str(report_path))}")

@@ -7,20 +7,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich.markup import escape
 from rich.table import Table
 
 from ..errors import CmhsaError
 from .common import (
     EXIT_FAIL,
     console,
-    handles_errors,
     parse_img_size,
     path_arg,
     path_opt,
     print_import,
     print_verification,
     print_written,
+    safe,
 )
 
 if TYPE_CHECKING:
@@ -32,7 +31,6 @@ app = typer.Typer()
 
 # fmt: off
 @app.command()
-@handles_errors
 def convert(
     input: Annotated[Path, path_arg("Conv-phase model: cmhsa .safetensors, an ONNX file (.onnx, read by its graph), or a bare state dict (.safetensors/.pt/.pth) with --img-size and --patch-size.")],
     output: Annotated[Path, path_opt("Attention checkpoint to write (.safetensors).", "--output", "-o")],
@@ -70,7 +68,7 @@ def convert(
     def calibrate(cfg: ViTConfig) -> Calibration:  # called only when an approximation needs images
         return calibration(cfg, calib, data_dir, calib_images, heldout_images, seed)
 
-    with console.status(f"Converting {escape(str(input))} and verifying on {batch} random images..."):
+    with console.status(f"Converting {safe(str(input))} and verifying on {batch} random images..."):
         r = convert_file(
             input, output, report=report, img_size=parse_img_size(img_size), patch_size=patch_size,
             dilation=dilation, norm_eps=norm_eps, dtype=dtype, device=device, heads=heads, qk_dim=qk_dim, pinning=pinning,
@@ -81,7 +79,7 @@ def convert(
     cfg, pinned = c.config, c.summary()["pinned_heads"]
     print_import(c.source)
     console.print(
-        f"Converted {escape(str(input))}: depth {cfg.depth}, {cfg.kernel_size}x{cfg.kernel_size} conv "
+        f"Converted {safe(str(input))}: depth {cfg.depth}, {cfg.kernel_size}x{cfg.kernel_size} conv "
         f"(dilation {cfg.dilation}) on {cfg.patch_size}px patches -> {cfg.num_heads} heads "
         f"({pinned} pinned), qk_dim {cfg.qk_dim}, v_dim {cfg.v_dim}, sink {'on' if cfg.sink else 'off'}, pinning {cfg.pinning}"
     )
@@ -114,7 +112,7 @@ def print_approximation(a: Approximation) -> None:
     h = a.heldout
     console.print(
         f"Approximate: {len(a.blocks[0].kept)} heads per block, rule {a.rule}, "
-        f"{'W_O refit' if a.refit else 'taps kept (no refit)'}; calibration: {escape(a.calibration)}"
+        f"{'W_O refit' if a.refit else 'taps kept (no refit)'}; calibration: {safe(a.calibration)}"
     )
     table = Table(caption="offsets as dy dx; errors relative; held-out: the mixer on the conv model's activations")
     for col in ("block", "kept", "dropped: calib. error after each", "drop", "refit", "held-out"):
@@ -133,7 +131,6 @@ def print_approximation(a: Approximation) -> None:
 
 # fmt: off
 @app.command("verify")
-@handles_errors
 def verify_cmd(
     conv: Annotated[Path, path_arg("Conv-phase checkpoint (.safetensors or .onnx).")],
     attn: Annotated[Path, path_arg("Attention checkpoint.")],
@@ -153,13 +150,12 @@ def verify_cmd(
             conv, attn, tol=tol, dtype=dtype, batch=batch, seed=seed, device=device, report=report
         )
     print_import(r.conv)
-    print_verification(r.result, f"{escape(str(attn))} vs {escape(str(conv))}")
+    print_verification(r.result, f"{safe(str(attn))} vs {safe(str(conv))}")
     raise typer.Exit(0 if r.passed else EXIT_FAIL)
 
 
 # fmt: off
 @app.command()
-@handles_errors
 def inspect(
     ckpt: Annotated[Path, path_arg("A cmhsa checkpoint.")],
     img_size: Annotated[str | None, typer.Option(help="Bare state dicts only: image size, H or HxW.")] = None,
@@ -171,22 +167,22 @@ def inspect(
 
     r = inspect_file(ckpt, img_size=parse_img_size(img_size), patch_size=patch_size)
     c, cfg = r.checkpoint, r.checkpoint.config
-    info = Table(title=escape(str(ckpt)), title_justify="left", show_header=False)
+    info = Table(title=safe(str(ckpt)), title_justify="left", show_header=False)
     info.add_column(style="bold")
     info.add_column()
     info.add_row(
         "kind", f"{c.kind} ({'phase 1: convolutional ViT' if c.kind == 'conv' else 'phase 2: attention ViT'})"
     )
-    info.add_row("read as", c.source)
+    info.add_row("read as", safe(c.source))
     for key, value in cfg.to_dict().items():
-        info.add_row(key, escape(str(value)))
+        info.add_row(key, safe(str(value)))
     info.add_row("parameters", f"{c.num_params:,}")
     info.add_row("dtype", str(c.dtype).removeprefix("torch."))
     info.add_row("file size", f"{r.facts['bytes']:,} bytes")
-    info.add_row("heads needed", f"{r.heads.patch_heads} ({escape(r.heads.patch_reason)})")
+    info.add_row("heads needed", f"{r.heads.patch_heads} ({safe(r.heads.patch_reason)})")
     for key in ("trained", "init"):  # written by `cmhsa train`: how the weights were made
         if f"cmhsa.{key}" in c.metadata:
-            info.add_row(key, escape(c.metadata[f"cmhsa.{key}"]))
+            info.add_row(key, safe(c.metadata[f"cmhsa.{key}"]))
     console.print(info)
     console.print(f"sha256 {r.facts['sha256']}", soft_wrap=True)
     if r.pinned is None:
@@ -208,7 +204,6 @@ def inspect(
 
 # fmt: off
 @app.command()
-@handles_errors
 def heads(
     kernel: Annotated[int | None, typer.Option("--kernel", "-k", help="Kernel size K (or --checkpoint).", show_default=False)] = None,
     patch: Annotated[int | None, typer.Option("--patch", "-p", help="Patch size P (or --checkpoint).", show_default=False)] = None,
@@ -260,11 +255,14 @@ def heads(
     console.print(f"pixel input (P = 1): {hc.pixel_heads} heads; lower bound {lb(hc.pixel_lower_bound)}")
     console.print(f"  {hc.pixel_reason}")
     ys = sorted({dy for dy, _ in hc.offsets})
-    grid = "\n".join(
-        "  " + "  ".join(f"h{ys.index(dy) * len(ys) + ys.index(dx)}:({dy:+d},{dx:+d})" for dx in ys)
-        for dy in ys
-    )
-    console.print(f"Patch offsets (dy, dx), one head each, row-major:\n{grid}")
+    if len(ys) > 15:  # a grid a terminal can show; the counts above say the rest
+        console.print(f"Patch offsets: {len(ys)}x{len(ys)}, dy and dx from {ys[0]:+d} to {ys[-1]:+d} (grid not shown)")
+    else:
+        grid = "\n".join(
+            "  " + "  ".join(f"h{ys.index(dy) * len(ys) + ys.index(dx)}:({dy:+d},{dx:+d})" for dx in ys)
+            for dy in ys
+        )
+        console.print(f"Patch offsets (dy, dx), one head each, row-major:\n{grid}")
     if ckpt is not None:
         print_sweep(ckpt, rule, calib_set, seed)
 
@@ -276,7 +274,7 @@ def print_sweep(ckpt: Any, rule: str, calib_set: Calibration, seed: int) -> None
     with console.status(f"Converting with 1, 2, ... heads up to the bound, measuring each on {len(calib_set.heldout)} held-out images..."):
         rows = heads_sweep(ckpt, calib_set, rule=rule, seed=seed)
     table = Table(
-        title=f"{escape(str(ckpt.path))}: N heads per block (rule {rule}, W_O refit); calibration: {escape(calib_set.source)}",
+        title=f"{safe(str(ckpt.path))}: N heads per block (rule {rule}, W_O refit); calibration: {safe(calib_set.source)}",
         title_justify="left",
     )
     labelled = rows[0]["conv_top1"] is not None

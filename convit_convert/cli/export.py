@@ -6,10 +6,9 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.markup import escape
 from rich.table import Table
 
-from .common import EXIT_FAIL, console, fmt, handles_errors, path_arg, path_opt, print_import, print_written
+from .common import EXIT_FAIL, console, fmt, path_arg, path_opt, print_import, print_written, safe
 
 app = typer.Typer()
 
@@ -20,12 +19,12 @@ def print_export(r: Any) -> None:
     cfg = ckpt.config
     print_import(ckpt)
     console.print(
-        f"Exported {escape(str(ckpt.path))} ({ckpt.kind}, depth {cfg.depth}, {cfg.img_size[0]}x{cfg.img_size[1]} px) "
+        f"Exported {safe(str(ckpt.path))} ({ckpt.kind}, depth {cfg.depth}, {cfg.img_size[0]}x{cfg.img_size[1]} px) "
         f"with the {ex.exporter} exporter, opset {ex.opsets.get('ai.onnx')}, in {ex.timings['export_s']:.1f} s: "
         f"{len(ex.data) / 1e6:.1f} MB"
     )
     io = ", ".join(f"{v['name']} {v['shape']}" for v in check.inputs + check.outputs)
-    console.print(f"checker: full_check passed; {escape(io)}; providers: {', '.join(check.providers)}")
+    console.print(f"checker: full_check passed; {safe(io)}; providers: {', '.join(check.providers)}")
     table = Table(title="onnxruntime vs PyTorch, same images", title_justify="left")
     for col in ("batch", "logits shape", "max |Δ|", "max |ref|", "rel. error", "status"):
         table.add_column(col, justify="right")
@@ -36,7 +35,7 @@ def print_export(r: Any) -> None:
         )
     console.print(table)
     for problem in check.problems:
-        console.print(f"[red]problem[/]: {escape(problem)}")
+        console.print(f"[red]problem[/]: {safe(problem)}")
     worst, verdict = check.worst, ("[green]PASS[/]", "<=") if check.passed else ("[red]FAIL[/]", ">")
     console.print(
         f"{verdict[0]}: worst relative error {fmt(worst.rel)} (batch {worst.batch}) {verdict[1]} tol {check.tol:g}"
@@ -48,7 +47,7 @@ def run_export(checkpoint: Path, output: Path, **options: Any) -> bool:
     """Export with a spinner and print the report; whether the check passed."""
     from ..api import export_file
 
-    with console.status(f"Exporting {escape(str(checkpoint))} and checking it in onnxruntime..."):
+    with console.status(f"Exporting {safe(str(checkpoint))} and checking it in onnxruntime..."):
         r = export_file(checkpoint, output, **options)
     print_export(r)
     return r.passed
@@ -56,7 +55,6 @@ def run_export(checkpoint: Path, output: Path, **options: Any) -> bool:
 
 # fmt: off
 @app.command("export")
-@handles_errors
 def export_cmd(
     checkpoint: Annotated[Path, path_arg("Checkpoint to export (attn or conv).")],
     output: Annotated[Path, path_opt("ONNX file to write (.onnx).", "--output", "-o")],

@@ -18,7 +18,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from ..train.config import PHASE_LR, TrainConfig
-from .common import EXIT_FAIL, console, handles_errors
+from .common import EXIT_FAIL, console, safe
 
 MODEL = "Model"
 PHASE2 = "Phase 2"
@@ -124,7 +124,6 @@ def _option(name: str, typ: Any, help_text: str, panel: str, default: Any) -> in
 def _train_command(phase: str) -> Any:
     defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
 
-    @handles_errors
     def command(**kwargs: Any) -> None:
         given = {k: v for k, v in kwargs.items() if v is not None and k != "out"}
         _run_training(TrainConfig(phase=phase, out=str(kwargs["out"]), given=frozenset(given), **given))
@@ -149,7 +148,7 @@ def _train_command(phase: str) -> Any:
 
 
 def _run_training(cfg: TrainConfig) -> None:
-    """Bad input exits 2 and a run that cannot go on exits 1 (``handles_errors``)."""
+    """Bad input exits 2 and a run that cannot go on exits 1 (``safe``)."""
     from ..train.run import run
 
     result = run(cfg)
@@ -173,7 +172,6 @@ for _phase in ("phase1", "phase2"):
 
 
 # fmt: off
-@handles_errors
 def eval_command(
     checkpoint: Annotated[Path, typer.Argument(help="Model checkpoint (.safetensors, conv or attn).", show_default=False)],
     data: Annotated[str, typer.Option(help="cifar100, cifar10, imagefolder, digits, fashion-mnist, synthetic.")] = "cifar100",
@@ -188,7 +186,7 @@ def eval_command(
 ) -> None:
 # fmt: on
     """Top-1 / top-5 accuracy and loss of a checkpoint on a dataset's validation split."""
-    from rich.markup import escape
+
     from rich.table import Table
 
     from ..train.evaluate import evaluate_checkpoint
@@ -197,7 +195,7 @@ def eval_command(
         checkpoint, data=data, data_dir=data_dir, download=download, batch_size=batch_size,
         device=device, amp=amp, workers=workers, crop_pct=crop_pct, seed=seed,
     )  # fmt: skip
-    table = Table(title=f"{escape(str(checkpoint))} on {data} (val, {r.images} images)")
+    table = Table(title=f"{safe(str(checkpoint))} on {data} (val, {r.images} images)")
     for col in ("kind", "top-1 %", "top-5 %", "loss"):
         table.add_column(col, justify="right")
     table.add_row(r.kind, f"{r.top1:.2f}", f"{r.top5:.2f}", f"{r.val_loss:.4f}")
@@ -205,7 +203,6 @@ def eval_command(
 
 
 # fmt: off
-@handles_errors
 def attention_command(
     checkpoint: Annotated[Path, typer.Argument(help="Attention checkpoint (.safetensors).", show_default=False)],
     output: Annotated[Path, typer.Option("--output", "-o", help="Folder for attention.json and attention.png (created).", show_default=False)],
@@ -220,7 +217,6 @@ def attention_command(
     """What each head attends to on real images: pinned share, attention distance, entropy, gate."""
     import json
 
-    from rich.markup import escape
     from rich.table import Table
 
     from ..errors import CmhsaError
@@ -239,7 +235,7 @@ def attention_command(
         raise CmhsaError(f"cannot create the folder ({e.strerror})", output) from None
     atomic_write_text(output / "attention.json", json.dumps(r.to_dict(str(checkpoint)), indent=2) + "\n")
     plot_attention(r, output / "attention.png", f"{checkpoint.name} on {data}: mean attention by relative offset, {r.images} images")
-    table = Table(title=f"{escape(str(checkpoint))} on {data} (val, {r.images} images)")
+    table = Table(title=f"{safe(str(checkpoint))} on {data} (val, {r.images} images)")
     for col in ("block", "head", "offset", "pinned share", "distance px", "entropy", "gate"):
         table.add_column(col, justify="right")
     for i, block in enumerate(r.blocks):
@@ -249,11 +245,10 @@ def attention_command(
             table.add_row(str(i), str(j), off, fmt(h.pinned_share, ".3f"), f"{h.mean_distance_px:.2f}",
                           f"{h.entropy:.3f}", fmt(h.gate, ".3f"))  # fmt: skip
     console.print(table)
-    console.print(f"wrote {escape(str(output / 'attention.json'))} and {escape(str(output / 'attention.png'))}")
+    console.print(f"wrote {safe(str(output / 'attention.json'))} and {safe(str(output / 'attention.png'))}")
 
 
 # fmt: off
-@handles_errors
 def plot_command(
     runs: Annotated[list[Path], typer.Argument(help="Run folders (each with metrics.csv).", show_default=False)],
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Image to write (.png, .pdf, .svg) \\[default: FIRST_RUN/curves.png].", show_default=False)] = None,  # noqa: UP045

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import glob
 import os
+import re
 import signal
 import tempfile
 from collections.abc import Callable, Iterator
@@ -68,26 +69,60 @@ def remove_stale_temps(path: Path) -> list[Path]:
     return removed
 
 
+def write_error(e: BaseException) -> str | None:
+    """Why a write failed, when `e` is a failed write: an OSError, or a library's RuntimeError about
+    writing (torch.save on a full disk raises "PytorchStreamWriter failed writing file ...")."""
+    if isinstance(e, OSError):
+        return e.strerror or str(e)
+    if isinstance(e, RuntimeError) and re.search(r"(?i)writ|no space|file", str(e)):
+        first = (str(e).strip().splitlines() or ["write failed"])[0]
+        return re.sub(r"^\[enforce fail at [^\]]*\]\s*\.?\s*", "", first)[:200]  # c10's location prefix
+    return None
+
+
+@contextlib.contextmanager
+def atomic_paths(*paths: str | Path) -> Iterator[list[Path]]:
+    """Yield a temp path in each target's folder; only if the block succeeds, rename them all onto
+    their targets. A failed write (any error, a full disk included) keeps every previous file and
+    leaves no temp file: outputs that belong together (model + report, checkpoint + metrics row)
+    are written together or not at all."""
+    targets = [Path(p) for p in paths]
+    tmps: list[Path] = []
+    try:
+        for path in targets:
+            check_writable(path)
+            remove_stale_temps(path)
+            try:
+                fd, tmp = tempfile.mkstemp(
+                    dir=path.parent, prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp"
+                )
+            except OSError as e:
+                raise CmhsaError(f"cannot create a file in the output folder ({e.strerror})", path) from None
+            os.close(fd)
+            tmps.append(Path(tmp))
+        try:
+            yield list(tmps)
+            for tmp in tmps:
+                os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give what open() would have given
+            for tmp, path in zip(tmps, targets, strict=True):
+                os.replace(tmp, path)
+        except (OSError, RuntimeError) as e:
+            why = write_error(e)
+            if why is None:
+                raise
+            others = "".join(f" (nor {p.name})" for p in targets[1:])
+            raise CmhsaError(f"cannot write ({why}){others}; any previous file is kept", targets[0]) from None
+    finally:
+        for tmp in tmps:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | Path) -> Iterator[Path]:
     """Yield a temp path in ``path``'s folder; rename it onto ``path`` only if the block succeeds."""
-    path = Path(path)
-    check_writable(path)
-    remove_stale_temps(path)
-    try:
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp")
-    except OSError as e:
-        raise CmhsaError(f"cannot create a file in the output folder ({e.strerror})", path) from None
-    os.close(fd)
-    try:
-        yield Path(tmp)
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give what open() would have given
-        os.replace(tmp, path)
-    except OSError as e:
-        raise CmhsaError(f"cannot write ({e.strerror})", path) from None
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
+    with atomic_paths(path) as tmps:
+        yield tmps[0]
 
 
 def atomic_write(path: str | Path, write: Callable[[Path], None]) -> None:

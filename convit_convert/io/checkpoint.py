@@ -134,7 +134,8 @@ def read_tensors(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, s
         raise CmhsaError(
             "is an ONNX model, not a tensor file; read it with convit_convert.api.load_checkpoint", path
         )
-    if head.startswith(b"PK") or path.suffix in (".pt", ".pth", ".bin"):
+    # by content, not by name: a renamed file is read as what it is
+    if head.startswith(b"PK") or (path.suffix in (".pt", ".pth", ".bin") and head[8:9] != b"{"):
         return _read_torch(path), {}
     return _read_safetensors(path)
 
@@ -165,7 +166,8 @@ def _read_torch(path: Path) -> dict[str, torch.Tensor]:
     import zipfile
 
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
+        with open(path, "rb") as f:  # a file object: torch.load dispatches a .safetensors *name* elsewhere
+            obj = torch.load(f, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         raise CmhsaError(
             f"refused by weights_only=True loading: {_blocked(str(e))}; cmhsa never unpickles arbitrary objects "
@@ -173,6 +175,8 @@ def _read_torch(path: Path) -> dict[str, torch.Tensor]:
             path,
         ) from None
     except (RuntimeError, EOFError, OSError, zipfile.BadZipFile, ValueError) as e:
+        raise CmhsaError(f"not a readable PyTorch file ({type(e).__name__}: {e})", path) from None
+    except Exception as e:  # whatever else a damaged file makes the unpickler raise
         raise CmhsaError(f"not a readable PyTorch file ({type(e).__name__}: {e})", path) from None
     if isinstance(obj, dict):  # training checkpoints often nest the weights
         for key in ("state_dict", "model", "model_state_dict"):
@@ -309,10 +313,23 @@ def save_checkpoint(
     extra_metadata: dict[str, str] | None = None,
 ) -> str:
     """Write a checkpoint atomically (temp file in the target folder, then rename); return its sha256."""
-    cfg.validate(path)
+    with atomic_path(path) as tmp:
+        return write_checkpoint(tmp, cfg, tensors, extra_metadata, path)
+
+
+def write_checkpoint(
+    tmp: Path,
+    cfg: ViTConfig,
+    tensors: Mapping[str, torch.Tensor],
+    extra_metadata: dict[str, str] | None = None,
+    path: str | Path | None = None,
+) -> str:
+    """Write a checkpoint to ``tmp``, a temp file of :func:`atomic_paths` that becomes ``path``;
+    return its sha256."""
+    cfg.validate(path or tmp)
     metadata = {"format": "pt", KIND_KEY: cfg.kind, CONFIG_KEY: cfg.to_json(), FORMAT_KEY: str(FORMAT_VERSION),
                 "cmhsa.version": __version__}  # fmt: skip
     metadata.update(extra_metadata or {})
     tensors = {k: v.detach().to("cpu") for k, v in tensors.items()}
-    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+    with open(tmp, "wb") as f:
         return write_safetensors(f, tensors, metadata)

@@ -42,5 +42,9 @@ def environment() -> dict[str, str]:
     }
 
 
+def report_text(report: dict[str, Any]) -> str:
+    return json.dumps(report, indent=2, sort_keys=False, default=str) + "\n"
+
+
 def write_report(path: str | Path, report: dict[str, Any]) -> None:
-    atomic_write_text(path, json.dumps(report, indent=2, sort_keys=False, default=str) + "\n")
+    atomic_write_text(path, report_text(report))

@@ -13,7 +13,7 @@ from ..errors import CmhsaError
 from ..io.checkpoint import Checkpoint, validate_tensors
 from ..verify import relative_error
 from .layout import to_checkpoint
-from .load import load_onnx, ort_session
+from .load import load_onnx, ort_session, run_session
 from .read import random_input, read_structure, without_initializer_inputs
 
 
@@ -24,7 +24,7 @@ def check_import(
     images; CmhsaError unless max|Δ| / max|onnxruntime| <= tol. Returns what was measured."""
     session = ort_session(model, path)
     x = random_input(model, batch, seed)
-    ref = session.run(None, {model.graph.input[0].name: x})[0]
+    ref = run_session(session, None, {model.graph.input[0].name: x}, path)[0]
     with torch.no_grad():
         out = ckpt.model()(torch.from_numpy(x)).numpy()
     if out.shape != ref.shape:

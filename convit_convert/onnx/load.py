@@ -75,13 +75,18 @@ def _load_external_data(model: Any, path: Path) -> None:
     for tensor in _tensors(model.graph):
         if tensor.data_location != TensorProto.EXTERNAL:
             continue
-        info = ExternalDataInfo(tensor)
-        file = _external_file(info.location, folder, path)
-        size = file.stat().st_size
-        offset = int(info.offset or 0)
-        itemsize = helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
-        expected = math.prod(tensor.dims) * itemsize
-        length = int(info.length) if info.length else size - offset
+        try:  # the entries are untrusted strings: offset "x", length "-1", data type 999
+            info = ExternalDataInfo(tensor)
+            file = _external_file(info.location, folder, path)
+            size = file.stat().st_size
+            offset = int(info.offset or 0)
+            itemsize = helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
+            expected = math.prod(tensor.dims) * itemsize
+            length = int(info.length) if info.length else size - offset
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CmhsaError(
+                f"external data for tensor {tensor.name!r} is malformed ({type(e).__name__}: {e})", path
+            ) from None
         if offset < 0 or length < 0 or offset + length > size:
             raise CmhsaError(
                 f"external data for tensor {tensor.name!r}: offset {offset} + length {length} "
@@ -177,3 +182,13 @@ def ort_session(
         )
     except Exception as e:  # onnxruntime raises its own pybind error types
         raise CmhsaError(f"onnxruntime {ort.__version__} cannot run it: {_ort_message(e)}", path) from None
+
+
+def run_session(session: Any, outputs: list[str] | None, feeds: dict[str, Any], path: Path) -> list[Any]:
+    """``session.run``, with onnxruntime's failure (a graph that passed the checker but does not
+    run) as one CmhsaError naming the file."""
+    try:
+        return session.run(outputs, feeds)  # type: ignore[no-any-return]
+    except Exception as e:  # onnxruntime raises its own pybind error types
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        raise CmhsaError(f"onnxruntime cannot run the graph ({type(e).__name__}: {first})", path) from None

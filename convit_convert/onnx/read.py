@@ -30,8 +30,9 @@ from typing import Any
 import numpy as np
 
 from ..errors import CmhsaError
+from ..resources import check_fits
 from .graph import FLAT_OPS, LAYOUT_OPS, LINEAR_OPS, GraphReader, Linear, Norm, attr, describe
-from .load import DOUBLE, FLOAT, ort_session
+from .load import DOUBLE, FLOAT, ort_session, run_session
 
 
 @dataclass
@@ -80,9 +81,13 @@ def _concrete_run(model: Any, path: Path, batch: int, seed: int) -> tuple[str, s
             if o and o != out and types.get(o):
                 probe.graph.output.append(helper.make_tensor_value_info(o, types[o], None))
                 names.append(o)
+    _, c, h, w = _input_info(model, path)
+    # every intermediate comes back: about one image-sized float64 tensor per node (a crafted
+    # input shape is refused here, before onnxruntime allocates it)
+    check_fits(8 * batch * c * h * w * max(1, len(names)), f"running the graph at {c}x{h}x{w}", path)
     session = ort_session(probe, path, optimize=False)
     x = random_input(model, batch, seed)
-    results = session.run([out, *names], {inp: x})
+    results = run_session(session, [out, *names], {inp: x}, path)
     return inp, out, dict(zip([out, *names], results, strict=True))
 
 
@@ -107,6 +112,10 @@ def _input_info(model: Any, path: Path) -> tuple[int | None, int, int, int]:
         raise CmhsaError(
             f"input {inputs[0].name!r} has shape {shown}; expected (batch, C, H, W) with static C, H and W",
             path,
+        )
+    if static[1] > 64 or max(static[2], static[3]) > 16384:  # the same bounds as the CLI's flags
+        raise CmhsaError(
+            f"input {inputs[0].name!r} has shape {static}; cmhsa reads C ≤ 64, H and W ≤ 16384", path
         )
     return static[0], static[1], static[2], static[3]
 
