@@ -18,6 +18,13 @@ _SHARED_INT = ("patch_size", "in_chans", "hidden_chans", "embed_dim", "depth", "
 _ATTN_INT = ("num_heads", "qk_dim", "v_dim")
 PINNING = ("hard", "gated")  # how a converted head holds its offset (docs/FORMAT.md, version 2)
 OPTIONAL = {"attn": {"pinning": "hard"}}  # keys version 1 files lack, with the value they meant
+# the largest sizes a config may claim (the CLI's flags are bounded alike, in cli/bounds.py);
+# num_patches bounds the (N, N) relative-position index every attention block holds
+LIMITS = {"img_size": 16384, "patch_size": 1024, "in_chans": 64, "hidden_chans": 4096, "embed_dim": 1 << 20,
+          "depth": 1024, "mlp_hidden_dim": 1 << 22, "num_classes": 10**6, "kernel_size": 1025, "dilation": 1024,
+          "num_heads": 4096, "qk_dim": 65536, "v_dim": 1 << 20}  # fmt: skip
+MAX_PATCHES = 128 * 128
+
 REQUIRED = {
     "conv": ("img_size", *_SHARED_INT, "patch_embed", "norm_eps"),
     "attn": ("img_size", *_SHARED_INT, "patch_embed", "norm_eps", *_ATTN_INT, "sink"),
@@ -158,8 +165,14 @@ class ViTConfig:
                 raise bad(f"{name} must be a positive integer, got {v!r}")
         h, w = self.img_size
         p = self.patch_size
+        for name, limit in LIMITS.items():  # a file's claims are bounded like the CLI's flags
+            v = getattr(self, name) if name != "img_size" else max(h, w)
+            if isinstance(v, int) and v > limit:
+                raise bad(f"{name} {v} is more than cmhsa supports ({limit})")
         if h % p or w % p:
             raise bad(f"img_size {h}x{w} is not a multiple of patch_size {p}")
+        if (h // p) * (w // p) > MAX_PATCHES:
+            raise bad(f"{h // p}x{w // p} patches is more than cmhsa supports ({MAX_PATCHES})")
         if self.embed_dim != p * p * self.hidden_chans:
             raise bad(
                 f"embed_dim {self.embed_dim} != patch_size² · hidden_chans = {p * p * self.hidden_chans}"

@@ -346,3 +346,20 @@ def test_sizes_beyond_memory_are_refused_with_the_estimate(tmp_path: Path) -> No
         "verifying at batch 65536 would need about",
     )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["v.report.json", "v.safetensors"]
+
+
+def test_a_file_claiming_a_huge_model_is_refused_before_it_is_built(tmp_path: Path) -> None:
+    """The config in a file is bounded like the flags: no (N, N) index for a 16384-patch-wide grid."""
+    from safetensors import safe_open
+
+    tensors = load_file(str(FIXTURE))
+    with safe_open(str(FIXTURE), "pt") as f:
+        meta = dict(f.metadata())
+    for img, fragment in (([65536, 65536], "img_size 65536 is more than cmhsa supports"),
+                          ([2048, 2048], "512x512 patches is more than cmhsa supports")):  # fmt: skip
+        cfg = {**json.loads(meta["cmhsa.config"]), "img_size": img}
+        crafted = tmp_path / f"claims-{img[0]}.safetensors"
+        save_file(tensors, str(crafted), {**meta, "cmhsa.config": json.dumps(cfg)})
+        for args in (["inspect", crafted], ["convert", crafted, "-o", tmp_path / "v.safetensors"]):
+            one_line(invoke(*args), 2, str(crafted), fragment)
+    assert not (tmp_path / "v.safetensors").exists()
