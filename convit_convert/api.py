@@ -67,7 +67,7 @@ def resolve_device(name: str) -> str:
     if name != "cpu" and m is None:
         raise CmhsaError(f"`device` must be auto, cpu, cuda or cuda:N, got {name!r}")
     if m is not None and not torch.cuda.is_available():
-        raise CmhsaError(f"`device` {name}: CUDA is not available")
+        raise CmhsaError(f"`device` {name}: CUDA is not available here (use `device` cpu or auto)")
     if m is not None and m.group(1) is not None and int(m.group(1)) >= torch.cuda.device_count():
         raise CmhsaError(f"`device` {name}: this machine has {torch.cuda.device_count()} GPU(s)")
     return name
@@ -172,7 +172,7 @@ def convert_checkpoint(
     )  # type: ignore[arg-type]
     need = 4 * (out_cfg.num_params() + src.num_params()) + (out_cfg.activation_bytes(batch) if verify else 0)
     check_fits(
-        need * (2 if dtype == torch.float64 else 1),
+        need * dtype.itemsize // 4,
         f"the converted model ({out_cfg.num_heads} heads, qk_dim {out_cfg.qk_dim})",
         ckpt.path,
     )
@@ -362,8 +362,8 @@ def verify_files(
     if differ:
         detail = ", ".join(f"{k} {shared_a[k]} vs {shared_b[k]}" for k in differ[:3])
         raise CmhsaError(f"config does not match the conv checkpoint's: {detail}", attn)
-    scale = 2 if verify_dtype == torch.float64 else 1
-    check_fits(scale * (b.config.activation_bytes(batch) + a.config.activation_bytes(batch)), f"verifying at batch {batch}", attn)  # fmt: skip
+    need = (b.config.activation_bytes(batch) + a.config.activation_bytes(batch)) * verify_dtype.itemsize // 4
+    check_fits(need, f"verifying at batch {batch}", attn)
     t = time.perf_counter()
     result = verify_models(
         a.model(), b.model(), batch=batch, seed=seed, dtype=verify_dtype, device=verify_device, tol=tol

@@ -27,6 +27,11 @@ class CheckFailed(CmhsaError):
     exit_code = 1
 
 
+def first_line(e: BaseException, limit: int = 300) -> str:
+    """The first line of a library's exception message, shortened: for one-line errors."""
+    return (str(e).strip().splitlines() or [""])[0][:limit]
+
+
 def article(kind: str) -> str:
     """'a conv', 'an attn': for messages that name a model kind."""
     return f"{'an' if kind[:1] in 'aeiou' else 'a'} {kind}"

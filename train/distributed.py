@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..errors import CmhsaError
+from ..api import resolve_device
 
 
 @dataclass(frozen=True)
@@ -35,16 +35,10 @@ class Context:
 
 
 def pick_device(name: str, local_rank: int = 0) -> torch.device:
-    """``auto`` is CUDA when present, else CPU; ``cuda`` means this process's GPU."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise CmhsaError(f"`device` {name}: CUDA is not available here (use `device` cpu or auto)")
-        return torch.device(name if ":" in name else f"cuda:{local_rank}")
-    if name != "cpu":
-        raise CmhsaError(f"`device` must be auto, cpu, cuda or cuda:N, got {name!r}")
-    return torch.device("cpu")
+    """``auto`` is CUDA when present, else CPU; ``cuda`` means this process's GPU (the names
+    checked by :func:`convit_convert.api.resolve_device`)."""
+    name = resolve_device(name)
+    return torch.device(f"cuda:{local_rank}" if name == "cuda" else name)
 
 
 def setup(device: str) -> Context:

@@ -117,8 +117,3 @@ def plot_attention(report: Any, output: Path, title: str = "") -> None:
         title or f"mean attention by relative offset (dy down, dx right), {report.images} images", fontsize=9
     )
     _save(fig, output)
-    check_image_path(output)
-    suffix = output.suffix.lstrip(".").lower()
-    with atomic_path(output) as tmp:
-        fig.savefig(tmp, format=suffix)
-    plt.close(fig)

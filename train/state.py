@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from ..config import ViTConfig
-from ..errors import CmhsaError
+from ..errors import CmhsaError, first_line
 from ..io.atomic import atomic_paths, atomic_write
 from .config import TrainConfig
 
@@ -151,9 +151,8 @@ class RunState:
         try:
             self._load(saved, reschedule)
         except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as e:
-            first = (str(e).strip().splitlines() or [""])[0][:200]
             raise CmhsaError(
-                f"`resume`: {LAST} does not fit the run it belongs to ({type(e).__name__}: {first})",
+                f"`resume`: {LAST} does not fit the run it belongs to ({type(e).__name__}: {first_line(e, 200)})",
                 self.config.out,
             ) from None
 

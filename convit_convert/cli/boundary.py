@@ -17,7 +17,7 @@ from typing import Any
 
 from typer.core import TyperGroup
 
-from ..errors import CmhsaError
+from ..errors import CmhsaError, first_line
 from .common import EXIT_BAD_INPUT, as_flags, terminal_safe
 
 EXIT_INTERNAL = 3
@@ -84,9 +84,8 @@ def report(e: BaseException) -> int:
         where = f"{e.filename}: " if e.filename else ""
         _say(f"{where}{e.strerror}")
         return EXIT_BAD_INPUT
-    first = (str(e).strip().splitlines() or [""])[0][:300]
     _say(
-        f"internal error: {type(e).__name__}: {first} "
+        f"internal error: {type(e).__name__}: {first_line(e)} "
         "(run with --debug, or CMHSA_DEBUG=1, for the traceback; please report it)"
     )
     return EXIT_INTERNAL

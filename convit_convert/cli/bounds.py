@@ -2,7 +2,8 @@
 command that has the flag): the range is shown in ``--help`` and checked before the command runs,
 so a violation is one line naming the flag (exit 2). NaN and infinities are never in range.
 
-Sizes are bounded generously (far above the paper's models) but finitely; what the sizes imply
+Sizes are bounded generously (far above the paper's models) but finitely, by the same limits as a
+model file's config (``config.LIMITS``); what the sizes imply
 together (memory) is checked by the library, which knows the model (``resources.check_fits``).
 """
 
@@ -16,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, get_args
 
+from ..config import LIMITS
 from ..errors import CmhsaError
 
 CPUS = os.cpu_count() or 1
@@ -53,25 +55,30 @@ def num(x: float) -> str:
 
 SEED = Bound(0, 2**32 - 1)  # numpy's seeds are 32-bit
 PROB = Bound(0, 1)
-SIZE = Bound(1, 16384)  # image sides, widths
 COUNT = Bound(1, 10**9)  # images, epochs, steps
+
+
+def size(name: str) -> Bound:
+    """1 to the largest a model file may claim (config.LIMITS): a flag and a file agree."""
+    return Bound(1, LIMITS[name])
+
 
 BOUNDS: dict[str, Bound] = {
     # sizes of the model
-    "img_size": SIZE,
-    "in_chans": Bound(1, 64),
-    "patch_size": Bound(1, 1024),
-    "patch": Bound(1, 1024),
-    "hidden_chans": Bound(1, 4096),
-    "depth": Bound(1, 1024),
+    "img_size": size("img_size"),
+    "in_chans": size("in_chans"),
+    "patch_size": size("patch_size"),
+    "patch": size("patch_size"),
+    "hidden_chans": size("hidden_chans"),
+    "depth": size("depth"),
     "mlp_ratio": Bound(0, 64, lo_open=True),
-    "kernel_size": Bound(1, 1025),
-    "kernel": Bound(1, 1025),
-    "dilation": Bound(1, 1024),
+    "kernel_size": size("kernel_size"),
+    "kernel": size("kernel_size"),
+    "dilation": size("dilation"),
     "channels": Bound(1, 65536),
-    "heads": Bound(1, 4096),
-    "qk_dim": Bound(1, 65536),
-    "num_classes": Bound(2, 10**6),
+    "heads": size("num_heads"),
+    "qk_dim": size("qk_dim"),
+    "num_classes": Bound(2, LIMITS["num_classes"]),
     "norm_eps": Bound(0, 1, lo_open=True, hi_open=True),
     # conversion and checks
     "margin": Bound(0, 1e4, lo_open=True),

@@ -239,8 +239,6 @@ def heads(
         calib_set = calibration(cfg, calib, data_dir, calib_images, heldout_images, seed)
     if kernel is None or patch is None:
         raise CmhsaError("give --kernel and --patch, or --checkpoint")
-    if min(kernel, patch, dilation) < 1 or (channels is not None and channels < 1):
-        raise CmhsaError("--kernel, --patch, --dilation and --channels must be positive")
     hc = head_count(kernel, patch, dilation, channels)
     left, right = same_padding(kernel, dilation)
     console.print(

@@ -148,7 +148,7 @@ def _train_command(phase: str) -> Any:
 
 
 def _run_training(cfg: TrainConfig) -> None:
-    """Bad input exits 2 and a run that cannot go on exits 1 (``safe``)."""
+    """Bad input exits 2 and a run that cannot go on exits 1 (cli/boundary.py renders both)."""
     from ..train.run import run
 
     result = run(cfg)
@@ -186,7 +186,6 @@ def eval_command(
 ) -> None:
 # fmt: on
     """Top-1 / top-5 accuracy and loss of a checkpoint on a dataset's validation split."""
-
     from rich.table import Table
 
     from ..train.evaluate import evaluate_checkpoint

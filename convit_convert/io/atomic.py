@@ -17,7 +17,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from ..errors import CmhsaError
+from ..errors import CmhsaError, first_line
 
 
 def _umask() -> int:
@@ -75,7 +75,7 @@ def write_error(e: BaseException) -> str | None:
     if isinstance(e, OSError):
         return e.strerror or str(e)
     if isinstance(e, RuntimeError) and re.search(r"(?i)writ|no space|file", str(e)):
-        first = (str(e).strip().splitlines() or ["write failed"])[0]
+        first = first_line(e, limit=10_000) or "write failed"
         return re.sub(r"^\[enforce fail at [^\]]*\]\s*\.?\s*", "", first)[:200]  # c10's location prefix
     return None
 

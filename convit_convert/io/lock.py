@@ -19,10 +19,9 @@ LOCK_NAME = ".cmhsa.lock"
 
 
 @contextlib.contextmanager
-def locked_folder(folder: Path, remove: bool = False) -> Iterator[None]:
+def locked_folder(folder: Path) -> Iterator[None]:
     """Hold ``folder``'s lock for the block; a second holder is refused in one line naming the
-    first one's PID. ``remove``: delete the lock file afterwards (a folder this process made and
-    is about to remove again)."""
+    first one's PID."""
     path = folder / LOCK_NAME
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -39,11 +38,6 @@ def locked_folder(folder: Path, remove: bool = False) -> Iterator[None]:
             ) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        try:
-            yield
-        finally:
-            if remove:
-                with contextlib.suppress(OSError):
-                    path.unlink()
+        yield
     finally:
         os.close(fd)  # releases the lock

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from ..errors import CmhsaError
+from ..errors import CmhsaError, first_line
 from ..io.checkpoint import check_input_file
 
 # element types cmhsa reads weights and images in (onnx.TensorProto.FLOAT / DOUBLE)
@@ -190,5 +190,6 @@ def run_session(session: Any, outputs: list[str] | None, feeds: dict[str, Any], 
     try:
         return session.run(outputs, feeds)  # type: ignore[no-any-return]
     except Exception as e:  # onnxruntime raises its own pybind error types
-        first = (str(e).strip().splitlines() or [""])[0][:300]
-        raise CmhsaError(f"onnxruntime cannot run the graph ({type(e).__name__}: {first})", path) from None
+        raise CmhsaError(
+            f"onnxruntime cannot run the graph ({type(e).__name__}: {first_line(e)})", path
+        ) from None

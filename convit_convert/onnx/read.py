@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from ..config import LIMITS
 from ..errors import CmhsaError
 from ..resources import check_fits
 from .graph import FLAT_OPS, LAYOUT_OPS, LINEAR_OPS, GraphReader, Linear, Norm, attr, describe
@@ -113,9 +114,10 @@ def _input_info(model: Any, path: Path) -> tuple[int | None, int, int, int]:
             f"input {inputs[0].name!r} has shape {shown}; expected (batch, C, H, W) with static C, H and W",
             path,
         )
-    if static[1] > 64 or max(static[2], static[3]) > 16384:  # the same bounds as the CLI's flags
+    c_max, hw_max = LIMITS["in_chans"], LIMITS["img_size"]  # a config's limits, as the flags'
+    if static[1] > c_max or max(static[2], static[3]) > hw_max:
         raise CmhsaError(
-            f"input {inputs[0].name!r} has shape {static}; cmhsa reads C ≤ 64, H and W ≤ 16384", path
+            f"input {inputs[0].name!r} has shape {static}; cmhsa reads C ≤ {c_max}, H and W ≤ {hw_max}", path
         )
     return static[0], static[1], static[2], static[3]
 
