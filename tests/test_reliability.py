@@ -3,7 +3,8 @@ only with --debug), terminal-safe output, a locked run folder, resumes that refu
 fit, outputs written all or none on a full disk, and phase 2 bit-identical on CPU.
 
 Full disks are simulated (the write raises what the real one raises: OSError ENOSPC, or torch.save's
-RuntimeError), since CI cannot mount a small tmpfs.
+RuntimeError), since CI cannot mount a small tmpfs; and made real with a file-size limit
+(RLIMIT_FSIZE, with SIGXFSZ ignored), under which the kernel cuts writes short as a full disk does.
 """
 
 from __future__ import annotations
@@ -283,6 +284,77 @@ def test_a_full_disk_while_writing_convert_s_report_keeps_both_old_files(tmp_pat
     r = invoke("convert", FIXTURE, "-o", out)
     one_line(r, 2, str(out), "No space left on device", "nor v.report.json")
     assert out.read_bytes() == b"old model" and report.read_text() == "old report" and temps(tmp_path) == []
+
+
+def cli_under_a_file_size_limit(limit: int, *args: object) -> subprocess.CompletedProcess[str]:
+    """`python -m convit_convert ARGS` in a process that may write no file past `limit` bytes:
+    writes beyond it fail (EFBIG) or come back short, as on a full disk."""
+    resource = pytest.importorskip("resource")  # POSIX only
+
+    def limit_writes() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # else the kernel kills the writer
+
+    return subprocess.run(
+        [sys.executable, "-m", "convit_convert", *map(str, args)], preexec_fn=limit_writes,
+        capture_output=True, text=True, cwd=ROOT, timeout=300,
+    )  # fmt: skip
+
+
+def one_line_from(p: subprocess.CompletedProcess[str], code: int, *fragments: str) -> None:
+    err = p.stderr.strip().splitlines()
+    assert p.returncode == code and len(err) == 1 and err[0].startswith("error: "), (p.returncode, p.stderr)
+    assert all(f in err[0] for f in fragments), (fragments, err[0])
+
+
+def test_a_real_write_failure_in_convert_keeps_the_old_model_and_report(tmp_path: Path) -> None:
+    out, report = tmp_path / "v.safetensors", tmp_path / "v.report.json"
+    out.write_bytes(b"old model")
+    report.write_text("old report")
+    p = cli_under_a_file_size_limit(64 * 1024, "convert", FIXTURE, "-o", out)  # the model is ~1 MB
+    one_line_from(
+        p, 2, str(out), "cannot write (File too large)", "nor v.report.json", "previous file is kept"
+    )
+    assert out.read_bytes() == b"old model" and report.read_text() == "old report" and temps(tmp_path) == []
+
+
+def test_a_real_short_write_at_a_checkpoint_keeps_the_last_one_and_its_metrics(tmp_path: Path) -> None:
+    """torch.save under the limit raises "unexpected pos N vs M" (not "failed writing file"): that
+    too is a failed write, not an internal error."""
+    out = tmp_path / "run"
+    assert invoke("train", "phase1", *TINY, "--out", out).exit_code == 0
+    before = (out / "checkpoint-last.pt").read_bytes(), (out / "metrics.csv").read_text()
+    p = cli_under_a_file_size_limit(
+        20_000, "train", "phase1", *TINY, "--epochs", "2", "--out", out, "--resume"
+    )
+    one_line_from(p, 2, "checkpoint-last.pt", "cannot write (", "nor metrics.csv", "previous file is kept")
+    assert ((out / "checkpoint-last.pt").read_bytes(), (out / "metrics.csv").read_text()) == before
+    assert temps(tmp_path) == []
+
+
+def test_a_graph_that_passes_the_checker_but_fails_in_onnxruntime(tmp_path: Path) -> None:
+    """A Gather whose index is out of range: valid to onnx.checker and shape inference, an error
+    only when onnxruntime runs it."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Gather", ["x", "i"], ["y"], axis=1)], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 1, 8, 8])],
+        [helper.make_tensor("i", TensorProto.INT64, [1], [7])],
+    )  # fmt: skip
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    onnx.checker.check_model(model, full_check=True)
+    path = tmp_path / "gather.onnx"
+    onnx.save(model, str(path))
+    one_line(invoke("convert", path, "-o", tmp_path / "v.safetensors"), 2, str(path), "onnxruntime cannot run the graph")  # fmt: skip
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gather.onnx"]
+
+
+def test_a_kernel_reaching_past_the_image_is_refused(tmp_path: Path) -> None:
+    one_line(invoke("train", "phase1", *TINY, "--kernel-size", "33", "--out", tmp_path / "r"), 2, "kernel_size 33 (dilation 1) reaches 16 pixels, beyond the 16x16 image")  # fmt: skip
+    assert not (tmp_path / "r").exists()
 
 
 # phase 2 is deterministic on CPU -----------------------------------------------------------------

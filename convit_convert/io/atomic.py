@@ -71,12 +71,17 @@ def remove_stale_temps(path: Path) -> list[Path]:
 
 def write_error(e: BaseException) -> str | None:
     """Why a write failed, when `e` is a failed write: an OSError, or a library's RuntimeError about
-    writing (torch.save on a full disk raises "PytorchStreamWriter failed writing file ...")."""
+    writing. torch.save raises "PytorchStreamWriter failed writing file ..." when a write call
+    fails, and "unexpected pos N vs M" when one wrote short (a full disk or a file-size limit,
+    seen under RLIMIT_FSIZE)."""
     if isinstance(e, OSError):
         return e.strerror or str(e)
-    if isinstance(e, RuntimeError) and re.search(r"(?i)writ|no space|file", str(e)):
+    if isinstance(e, RuntimeError) and re.search(r"(?i)writ|no space|file|unexpected pos", str(e)):
         first = first_line(e, limit=10_000) or "write failed"
-        return re.sub(r"^\[enforce fail at [^\]]*\]\s*\.?\s*", "", first)[:200]  # c10's location prefix
+        first = re.sub(r"^\[enforce fail at [^\]]*\]\s*\.?\s*", "", first)[:200]  # c10's location prefix
+        if first.startswith("unexpected pos"):
+            return f"the write stopped short: disk full or a file-size limit? torch: {first}"
+        return first
     return None
 
 
