@@ -17,10 +17,11 @@ from collections.abc import Callable
 import torch
 from gpu_suite import cuda_ms, print_top_kernels  # bench/gpu_suite.py, beside this script
 
-import convit_convert.model as model_mod
+import convit_convert.deploy as deploy_mod
 from convit_convert.config import ViTConfig
+from convit_convert.deploy import fuse_attention
 from convit_convert.kernels import head_products_loop
-from convit_convert.model import VisionTransformer, fuse_attention
+from convit_convert.model import VisionTransformer
 
 
 def cat(p: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -29,7 +30,7 @@ def cat(p: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 FORMS: dict[str, Callable] = {
-    "model": model_mod.head_products,
+    "model": deploy_mod.head_products,
     "plain_loop": head_products_loop,
     "cat": cat,
 }
@@ -56,7 +57,7 @@ def main() -> None:
         ]
         runs.append(("deit_base", lambda: timm.create_model("deit_base_patch16_224", num_classes=100), None))
         for name, make, form in runs:
-            model_mod.head_products = form or FORMS["model"]
+            deploy_mod.head_products = form or FORMS["model"]
             torch._dynamo.reset()  # compiled code is cached by code object, not by the patched function
             torch.manual_seed(0)
             model = make().cuda().eval()
@@ -85,7 +86,7 @@ def main() -> None:
                 print_top_kernels(prof, 3, "pass")
             del model, fn
             torch.cuda.empty_cache()
-    model_mod.head_products = FORMS["model"]
+    deploy_mod.head_products = FORMS["model"]
 
 
 if __name__ == "__main__":

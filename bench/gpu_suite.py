@@ -442,7 +442,7 @@ def profile_section(args: argparse.Namespace) -> dict[str, Any]:
             tables[f"{label}, {'compiled' if compiled else 'eager'}"] = top_kernels(prof)
             del model
             torch.cuda.empty_cache()
-    from convit_convert.model import fuse_attention
+    from convit_convert.deploy import fuse_attention
 
     for label, make in bench_models(["qk_dim 64", "deit_base"]).items():  # inference, compiled
         model = make().cuda().eval()
@@ -468,7 +468,7 @@ def profile_section(args: argparse.Namespace) -> dict[str, Any]:
 def infer_section(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from convit_convert.model import fuse_attention
+    from convit_convert.deploy import fuse_attention
 
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     rows = []

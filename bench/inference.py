@@ -4,7 +4,7 @@
 
 Paper size: 224 px, P = 16, hidden_chans 3 (identity embedding, d = 768), depth 6, MLP 3072,
 K = 5, 100 classes; the attention models have 9 heads (qk_dim 768 = the paper's, and 64), as
-trained (``AttnViT``) and re-parameterised for inference (``convit_convert.model.fuse_attention``).
+trained (``AttnViT``) and re-parameterised for inference (``convit_convert.deploy.fuse_attention``).
 DeiT-base (12 layers, d = 768) is built by timm without weights. Random weights: throughput does
 not depend on them. Prints a markdown table for BENCHMARKS.md.
 """
@@ -18,7 +18,8 @@ import time
 import torch
 
 from convit_convert.config import ViTConfig
-from convit_convert.model import VisionTransformer, fuse_attention
+from convit_convert.deploy import fuse_attention
+from convit_convert.model import VisionTransformer
 
 
 def images_per_s(model: torch.nn.Module, batch: int, iters: int, warmup: int = 2) -> tuple[float, float]:

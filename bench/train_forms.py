@@ -4,8 +4,8 @@
     PYTHONPATH=. python bench/train_forms.py                # CPU: batch 8, 2 threads, eager
     PYTHONPATH=. python bench/train_forms.py --model digits # the README demo's model: batch 64, 20 steps
 
-Each form is a convit_convert.model.AttentionForm (RelPosAttention.forward uses
-``model.attention_form``): "padded" splits the heads out of the (B, N, h·e) projections, pads the
+Each form is a convit_convert.attention.AttentionForm (chosen per model by
+``VisionTransformer(cfg, attention_form=name)``): "padded" splits the heads out of the (B, N, h·e) projections, pads the
 keys and values to N_pad and multiplies all heads in one batched product per side, which costs
 copies of q, k and the values (and their gradients) between the (B, N, h·e) and (B, h, N, e)
 layouts; "by_head" is the custom ops convit_convert.kernels.head_logits and head_values, each
@@ -25,18 +25,16 @@ import torch
 from gpu_suite import print_top_kernels  # bench/, beside this script
 from train_step import H100_BF16_TFLOPS, time_steps
 
-import convit_convert.model as model_mod
+from convit_convert.attention import FORMS
 from convit_convert.config import ViTConfig
 from convit_convert.model import VisionTransformer
 
-FORMS: dict[str, model_mod.AttentionForm] = {"padded": model_mod.PADDED, "by_head": model_mod.BY_HEAD}
 
-
-def logits_lse(cfg: ViTConfig, dev: torch.device, dtype: torch.dtype | None, batch: int) -> float:
+def logits_lse(cfg: ViTConfig, form: str, dev: torch.device, dtype: torch.dtype | None, batch: int) -> float:
     """The mean log-sum-exp of the logits of the freshly initialised model (seed 0) on one fixed
     batch: a fingerprint of the function the form computes."""
     torch.manual_seed(0)
-    model = VisionTransformer(cfg).to(dev)
+    model = VisionTransformer(cfg, attention_form=form).to(dev)
     x = torch.randn(batch, 3, *cfg.img_size, generator=torch.Generator().manual_seed(1)).to(dev)
     with torch.no_grad(), torch.autocast(dev.type, dtype=dtype, enabled=dtype is not None):
         return model(x).float().logsumexp(-1).mean().item()
@@ -76,48 +74,43 @@ def main() -> None:
     unknown = [f for f in args.forms.split(",") if f not in FORMS]
     if unknown:
         ap.error(f"unknown form(s) {unknown}; choose from {', '.join(FORMS)}")
-    default = model_mod.attention_form
-    try:
-        small = ViTConfig.build(img_size=32, patch_size=4, depth=2, num_classes=10)
-        for qk in [48] if digits else [int(q) for q in args.qk_dims.split(",")]:
-            cfg = (
-                small.with_attention(9, pinning="gated")
-                if digits
-                else ViTConfig.build().with_attention(9, qk_dim=qk)
-            )
-            for compiled in (False, True) if cuda and not args.no_compile else (False,):
-                ref = None
-                for name in args.forms.split(","):
-                    model_mod.attention_form = FORMS[name]
-                    torch._dynamo.reset()  # compiled code is cached by code object, not by the patched function
-                    lse = logits_lse(cfg, dev, dtype, min(batch, 8))
-                    ref = lse if ref is None else ref
-                    torch.manual_seed(0)
-                    t = time_steps(
-                        VisionTransformer(cfg, drop_path_rate=0.1), img_size=cfg.img_size,
-                        num_classes=cfg.num_classes, batch=batch, steps=steps, warmup=args.warmup,
-                        compile=compiled, dev=dev, dtype=dtype,
-                    )  # fmt: skip
-                    med = statistics.median(t.times)
-                    mfu = f", MFU {100 * t.flops / med / (H100_BF16_TFLOPS * 1e12):.1f}%" if cuda else ""
-                    print(f"qk_dim {qk:3d} {name:8s} {'compiled' if compiled else 'eager':8s} "
-                          f"{med * 1e3:8.1f} ms/step  {batch / med:7.1f} img/s{mfu}  "
-                          f"logits lse {lse:.6f} (first form {ref:.6f})", flush=True)  # fmt: skip
-                    if args.profile and compiled:
-                        profile(cfg, dev, batch)
-                    if cuda:
-                        torch.cuda.empty_cache()
-    finally:
-        model_mod.attention_form = default
+    small = ViTConfig.build(img_size=32, patch_size=4, depth=2, num_classes=10)
+    for qk in [48] if digits else [int(q) for q in args.qk_dims.split(",")]:
+        cfg = (
+            small.with_attention(9, pinning="gated")
+            if digits
+            else ViTConfig.build().with_attention(9, qk_dim=qk)
+        )
+        for compiled in (False, True) if cuda and not args.no_compile else (False,):
+            ref = None
+            for name in args.forms.split(","):
+                torch._dynamo.reset()
+                lse = logits_lse(cfg, name, dev, dtype, min(batch, 8))
+                ref = lse if ref is None else ref
+                torch.manual_seed(0)
+                t = time_steps(
+                    VisionTransformer(cfg, drop_path_rate=0.1, attention_form=name), img_size=cfg.img_size,
+                    num_classes=cfg.num_classes, batch=batch, steps=steps, warmup=args.warmup,
+                    compile=compiled, dev=dev, dtype=dtype,
+                )  # fmt: skip
+                med = statistics.median(t.times)
+                mfu = f", MFU {100 * t.flops / med / (H100_BF16_TFLOPS * 1e12):.1f}%" if cuda else ""
+                print(f"qk_dim {qk:3d} {name:8s} {'compiled' if compiled else 'eager':8s} "
+                      f"{med * 1e3:8.1f} ms/step  {batch / med:7.1f} img/s{mfu}  "
+                      f"logits lse {lse:.6f} (first form {ref:.6f})", flush=True)  # fmt: skip
+                if args.profile and compiled:
+                    profile(cfg, name, dev, batch)
+                if cuda:
+                    torch.cuda.empty_cache()
 
 
-def profile(cfg: ViTConfig, dev: torch.device, batch: int) -> None:
+def profile(cfg: ViTConfig, form: str, dev: torch.device, batch: int) -> None:
     """The top CUDA kernels over 3 compiled training steps (after 2 warm-up) of the current form."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     torch.manual_seed(0)
-    model = VisionTransformer(cfg, drop_path_rate=0.1).to(dev)
+    model = VisionTransformer(cfg, drop_path_rate=0.1, attention_form=form).to(dev)
     with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
         time_steps(
             model, img_size=cfg.img_size, num_classes=cfg.num_classes, batch=batch, steps=3, warmup=2,

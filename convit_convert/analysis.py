@@ -19,8 +19,9 @@ from typing import Any
 
 import torch
 
+from .attention import RelPosAttention
 from .construct import pinned_offsets
-from .model import RelPosAttention, VisionTransformer
+from .model import VisionTransformer
 
 
 @dataclass

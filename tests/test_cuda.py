@@ -177,33 +177,35 @@ def _metrics(run_dir: Path) -> list[dict[str, float]]:
 
 
 @pytest.mark.parametrize("compiled", [False, True])
-def test_attention_forms_agree_on_cuda(monkeypatch: pytest.MonkeyPatch, compiled: bool) -> None:
-    """The by-head custom ops (model.BY_HEAD) against the padded batched products (model.PADDED) on
+def test_attention_forms_agree_on_cuda(compiled: bool) -> None:
+    """The by-head custom ops (form "by_head") against the padded batched products ("padded") on
     CUDA, eager and through inductor, float32 with TF32 off: outputs and every gradient of a
     gated layer (both softmaxes) and a hard one with a sink (padded key columns). 1e-5: both are
     float32 GEMMs over the same products, summed in different orders (fp32 unit roundoff 6e-8)."""
     tf32, torch.backends.cuda.matmul.allow_tf32 = torch.backends.cuda.matmul.allow_tf32, False
     try:
-        forms_agree(monkeypatch, compiled)
+        forms_agree(compiled)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = tf32
 
 
-def forms_agree(monkeypatch: pytest.MonkeyPatch, compiled: bool) -> None:
-    import convit_convert.model as model_mod
-    from convit_convert.model import RelPosAttention
+def forms_agree(compiled: bool) -> None:
+    from convit_convert.attention import RelPosAttention
 
     for gated in (False, True):
         torch.manual_seed(0)
-        attn = RelPosAttention(48, (7, 7), num_heads=9, qk_dim=16, v_dim=48, gated=gated).cuda()
-        for t in attn.parameters():
+        first = RelPosAttention(48, (7, 7), num_heads=9, qk_dim=16, v_dim=48, gated=gated).cuda()
+        for t in first.parameters():
             torch.nn.init.normal_(t, std=0.3)
         if gated:
-            torch.nn.init.constant_(attn.gate, 0.5)
+            torch.nn.init.constant_(first.gate, 0.5)
         x = torch.randn(4, 49, 48, device="cuda")
         results = []
-        for form in (model_mod.PADDED, model_mod.BY_HEAD):
-            monkeypatch.setattr(model_mod, "attention_form", form)
+        for form in ("padded", "by_head"):
+            attn = RelPosAttention(
+                48, (7, 7), num_heads=9, qk_dim=16, v_dim=48, gated=gated, form=form
+            ).cuda()
+            attn.load_state_dict(first.state_dict())
             torch._dynamo.reset()
             fn = torch.compile(attn) if compiled else attn
             attn.zero_grad()

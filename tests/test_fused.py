@@ -10,7 +10,8 @@ import torch
 from conftest import conv_model, rel_err
 from convit_convert.config import ViTConfig
 from convit_convert.construct import convert_state_dict
-from convit_convert.model import FusedRelPosAttention, VisionTransformer, fuse_attention
+from convit_convert.deploy import FusedRelPosAttention, fuse_attention
+from convit_convert.model import VisionTransformer
 
 
 @pytest.mark.parametrize(("qk_dim", "sink"), [(4, True), (4, False), (48, True), (48, False)])  # d = 48
@@ -65,7 +66,7 @@ def test_fused_runs_under_bf16_autocast(qk_dim: int | None) -> None:
 def test_padded_attention_equals_plain_softmax(grid: int, sink: bool) -> None:
     """RelPosAttention pads its keys (the sink as the first padded key); against softmax over the
     N real keys plus a sink column, written here directly (float64)."""
-    from convit_convert.model import RelPosAttention
+    from convit_convert.attention import RelPosAttention
 
     torch.manual_seed(0)
     attn = RelPosAttention(12, (grid, grid), num_heads=3, qk_dim=4, v_dim=5, sink=sink).double()

@@ -8,10 +8,9 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-import convit_convert.model as model_mod
 from conftest import rel_err
+from convit_convert.attention import RelPosAttention
 from convit_convert.kernels import head_logits, head_logits_grad, head_products, head_values, head_values_grad
-from convit_convert.model import RelPosAttention
 
 
 def test_head_products_against_einsum_gradcheck_and_opcheck() -> None:
@@ -108,20 +107,20 @@ def test_flop_formulas_equal_per_head_bmm() -> None:
 
 
 @pytest.mark.parametrize("gated", [False, True])
-def test_value_forms_agree_in_the_model(monkeypatch: pytest.MonkeyPatch, gated: bool) -> None:
+def test_value_forms_agree_in_the_model(gated: bool) -> None:
     """RelPosAttention with its products by head (custom ops) and padded (batched bmm): outputs
     and every parameter's gradient agree (float64)."""
     torch.manual_seed(0)
-    attn = RelPosAttention(12, (4, 4), num_heads=3, qk_dim=4, v_dim=5, gated=gated).double()
-    for t in attn.parameters():
+    first = RelPosAttention(12, (4, 4), num_heads=3, qk_dim=4, v_dim=5, gated=gated).double()
+    for t in first.parameters():
         torch.nn.init.normal_(t, std=0.5)
     if gated:  # both attentions mixed, so the content side has gradients to compare
-        torch.nn.init.constant_(attn.gate, 0.5)
+        torch.nn.init.constant_(first.gate, 0.5)
     x = torch.randn(2, 16, 12, dtype=torch.float64)
     results = []
-    for form in (model_mod.PADDED, model_mod.BY_HEAD):
-        monkeypatch.setattr(model_mod, "attention_form", form)
-        attn.zero_grad()
+    for form in ("padded", "by_head"):
+        attn = RelPosAttention(12, (4, 4), num_heads=3, qk_dim=4, v_dim=5, gated=gated, form=form).double()
+        attn.load_state_dict(first.state_dict())
         out = attn(x)
         out.square().sum().backward()
         results.append((out.detach(), [t.grad.clone() for t in attn.parameters()]))
@@ -131,18 +130,19 @@ def test_value_forms_agree_in_the_model(monkeypatch: pytest.MonkeyPatch, gated: 
     assert rel_err(torch.cat([t.flatten() for t in ga]), torch.cat([t.flatten() for t in gb])) < 1e-12
 
 
-def test_by_head_form_traces_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_by_head_form_traces_whole() -> None:
     """torch.compile sees the custom ops whole, forward and backward: one graph (fullgraph) through
     AOTAutograd (backend aot_eager: the tracing inductor gets, without a C++ compiler), equal to the
     eager padded form to float32 rounding (1e-5: the traced graph may order sums differently)."""
     torch.manual_seed(0)
-    attn = RelPosAttention(12, (4, 4), num_heads=3, qk_dim=4, v_dim=5)
-    for t in attn.parameters():
+    first = RelPosAttention(12, (4, 4), num_heads=3, qk_dim=4, v_dim=5)
+    for t in first.parameters():
         torch.nn.init.normal_(t, std=0.5)
     x = torch.randn(2, 16, 12)
     results = []
-    for form, compiled in ((model_mod.PADDED, False), (model_mod.BY_HEAD, True)):
-        monkeypatch.setattr(model_mod, "attention_form", form)
+    for form, compiled in (("padded", False), ("by_head", True)):
+        attn = RelPosAttention(12, (4, 4), num_heads=3, qk_dim=4, v_dim=5, form=form)
+        attn.load_state_dict(first.state_dict())
         torch._dynamo.reset()
         fn = torch.compile(attn, backend="aot_eager", fullgraph=True) if compiled else attn
         attn.zero_grad()

@@ -20,8 +20,9 @@ from convit_convert.api import load_checkpoint
 from convit_convert.cli import app
 from convit_convert.config import ViTConfig
 from convit_convert.construct import convert_state_dict
+from convit_convert.deploy import fuse_attention, prepare_for_export
 from convit_convert.io.checkpoint import save_checkpoint
-from convit_convert.model import VisionTransformer, fuse_attention, prepare_for_export
+from convit_convert.model import VisionTransformer
 from convit_convert.train.config import TrainConfig
 from convit_convert.train.data import build_data
 from convit_convert.train.recipe import build_recipe

@@ -4,7 +4,7 @@ The file has one input ``pixel_values`` (batch_size, C, H, W), dynamic in batch_
 output ``logits`` (batch_size, num_classes). Both exporters work: ``dynamo`` (torch.export, the
 default of ``torch.onnx.export``) and ``legacy`` (TorchScript tracing).
 
-Attention is exported through :class:`~convit_convert.model.ExportAttention`, the same function as
+Attention is exported through :class:`~convit_convert.deploy.ExportAttention`, the same function as
 :class:`~convit_convert.model.RelPosAttention` written out as MatMul / Softmax with the
 relative-position bias gathered once into a constant (sink column included). That keeps the bias
 and sink constants in the file, and sidesteps exporting ``scaled_dot_product_attention`` with a
@@ -32,8 +32,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..deploy import prepare_for_export
 from ..errors import CmhsaError
-from ..model import VisionTransformer, prepare_for_export
+from ..model import VisionTransformer
 from ..verify import relative_error
 from .load import ort_session
 
