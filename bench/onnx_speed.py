@@ -2,11 +2,13 @@
 against PyTorch eager on the same batch and thread count.
 
     python bench/onnx_speed.py [--batches 1 8] [--threads 2] [--iters 8] [--exporters dynamo legacy]
+                               [--forms fused trained] [--models conv attn768 attn64]
 
 Paper size: 224 px, P = 16, d = 768, depth 6, K = 5, 100 classes; the attention models have 9
 heads with qk_dim 768 (the paper's) or 64, as converted (W_Q = W_K = 0). Export goes through
 ``cmhsa export``'s own path (``export_and_check``: export, checker, onnxruntime vs PyTorch at batch
-1 and 3). Both runtimes get ``--threads`` intra-op threads (onnxruntime: one inter-op thread,
+1 and 3), in each of ``cmhsa export``'s attention forms (``--form fused``, the default, with
+W_V·W_O folded; ``--form trained``, the projections as trained). Both runtimes get ``--threads`` intra-op threads (onnxruntime: one inter-op thread,
 default graph optimisations); each figure is the mean of ``--iters`` timed passes after 3 warm-up
 passes. Prints a markdown table for BENCHMARKS.md, with ``session.get_providers()``.
 """
@@ -57,9 +59,9 @@ def models() -> dict[str, Callable[[], VisionTransformer]]:
         return model.eval()
 
     return {
-        "ConvViT (phase 1)": conv_copy,
-        "AttnViT qk_dim 768 (paper)": attn(768),
-        "AttnViT qk_dim 64": attn(64),
+        "conv": ("ConvViT (phase 1)", conv_copy),
+        "attn768": ("AttnViT qk_dim 768 (paper)", attn(768)),
+        "attn64": ("AttnViT qk_dim 64", attn(64)),
     }
 
 
@@ -69,12 +71,17 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--iters", type=int, default=8)
     ap.add_argument("--exporters", nargs="+", default=["dynamo", "legacy"])
+    ap.add_argument(
+        "--forms", nargs="+", default=["fused", "trained"], help="Attention models' export forms."
+    )
+    ap.add_argument("--models", nargs="+", default=["conv", "attn768", "attn64"])
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     rows = []
     providers = None
-    for name, build in models().items():
+    for key in args.models:
+        name, build = models()[key]
         eager: dict[int, float] = {}
         model = build()
         with torch.inference_mode():
@@ -82,8 +89,9 @@ def main() -> None:
                 x = torch.randn(b, 3, 224, 224)
                 eager[b] = b / mean_seconds(lambda m=model, x=x: m(x), args.iters)
         del model
-        for exporter in args.exporters:
-            ex = export_and_check(build(), exporter=exporter)
+        forms = args.forms if key != "conv" else ["fused"]  # a conv model has one form
+        for exporter, form in [(e, f) for e in args.exporters for f in forms]:
+            ex = export_and_check(build(), exporter=exporter, form=form)
             assert ex.check.passed, ex.check
             opts = ort.SessionOptions()
             opts.intra_op_num_threads, opts.inter_op_num_threads = args.threads, 1
@@ -96,10 +104,20 @@ def main() -> None:
                     lambda s=session, x=x: s.run(["logits"], {"pixel_values": x}), args.iters
                 )
                 rows.append(
-                    (name, exporter, ex.timings["export_s"], size, b, eager[b], ips, ex.check.worst.rel)
+                    (
+                        name,
+                        ex.form or "-",
+                        exporter,
+                        ex.timings["export_s"],
+                        size,
+                        b,
+                        eager[b],
+                        ips,
+                        ex.check.worst.rel,
+                    )
                 )
                 print(
-                    f"{name} {exporter} batch {b}: eager {eager[b]:.2f} img/s, onnxruntime {ips:.2f} img/s",
+                    f"{name} {ex.form or '-'} {exporter} batch {b}: eager {eager[b]:.2f} img/s, onnxruntime {ips:.2f} img/s",
                     flush=True,
                 )
             del session, ex
@@ -109,12 +127,12 @@ def main() -> None:
         f"float32, mean of {args.iters} passes after 3 warm-up\n"
     )
     print(
-        "| model | exporter | export (s) | file (MB) | batch | PyTorch eager img/s | onnxruntime img/s | ORT / eager | check rel. error |"
+        "| model | form | exporter | export (s) | file (MB) | batch | PyTorch eager img/s | onnxruntime img/s | ORT / eager | check rel. error |"
     )
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
-    for name, exporter, export_s, size, b, e, o, err in rows:
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    for name, form, exporter, export_s, size, b, e, o, err in rows:
         print(
-            f"| {name} | {exporter} | {export_s:.1f} | {size:.0f} | {b} | {e:.2f} | {o:.2f} | {o / e:.2f}x | {err:.1e} |"
+            f"| {name} | {form} | {exporter} | {export_s:.1f} | {size:.0f} | {b} | {e:.2f} | {o:.2f} | {o / e:.2f}x | {err:.1e} |"
         )
 
 

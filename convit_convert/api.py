@@ -404,6 +404,7 @@ class ExportReport:
             "config": ckpt.config.to_dict(),
             "export": {
                 "exporter": ex.exporter,
+                "form": ex.form,
                 "opsets": ex.opsets,
                 "ir_version": ex.ir_version,
                 "dtype": "float32",
@@ -418,7 +419,7 @@ class ExportReport:
 
 def export_file(
     checkpoint: Path, output: Path, *, opset: int | None = None, tol: float = 1e-4, exporter: str = "dynamo",
-    device: str = "cpu", seed: int = 0, report: Path | None = None,
+    device: str = "cpu", seed: int = 0, report: Path | None = None, form: str = "fused",
 ) -> ExportReport:  # fmt: skip
     """``cmhsa export`` (and ``cmhsa train --export-onnx``): export, check in onnxruntime, write the
     file only if the check passes; the JSON report either way."""
@@ -430,14 +431,15 @@ def export_file(
     report_path = report or output.with_name(output.name + ".report.json")
     check_outputs(checkpoint, output, report_path, ".onnx", "ONNX (convert writes safetensors checkpoints)")
     check_tol(tol)
-    check_options(exporter, opset)
+    check_options(exporter, opset, form)
     providers = providers_for(device)
     t = time.perf_counter()
     ckpt = load_checkpoint(checkpoint)
     load_s = time.perf_counter() - t
     ex = export_and_check(
-        ckpt.model(), exporter=exporter, opset=opset, tol=tol, providers=providers, seed=seed, path=output
-    )
+        ckpt.model(), exporter=exporter, opset=opset, tol=tol, providers=providers, seed=seed, path=output,
+        form=form,
+    )  # fmt: skip
     facts = None
     with atomic_paths(*([output] if ex.check.passed else []), report_path) as tmps:  # both or neither
         if ex.check.passed:

@@ -2,8 +2,13 @@
 mixers (as timm's ``reparameterize_model``), each computing the same function:
 
     prepare_for_export(model)   ExportAttention: explicit softmax, bias (and sink) as one constant,
-                                the form ONNX exporters trace
-    fuse_attention(model)       FusedRelPosAttention: weight products folded for inference
+                                the trained form as ONNX exporters trace it (``cmhsa export --form trained``)
+    fuse_attention(model)       FusedRelPosAttention: weight products folded for inference;
+                                ``portable=True``, in plain MatMuls (``cmhsa export``'s default form)
+    for_inference(model)        the fused form where it matches the model within a tolerance
+
+A model's blocks also fuse themselves through timm's ``reparameterize_model`` (``Block.reparameterize``).
+Below :mod:`convit_convert.model` in the layers: it knows the blocks only by their ``blocks`` list.
 """
 
 from __future__ import annotations
@@ -14,7 +19,6 @@ from torch import nn
 
 from .attention import RelPosAttention, aligned
 from .kernels import head_products
-from .model import VisionTransformer
 
 
 class ExportAttention(nn.Module):
@@ -54,7 +58,7 @@ class ExportAttention(nn.Module):
         return self.attn.merge_heads(weights @ v)
 
 
-def prepare_for_export(model: VisionTransformer) -> VisionTransformer:
+def prepare_for_export(model: nn.Module) -> nn.Module:
     """Swap every attention mixer for :class:`ExportAttention`, in place; eval mode."""
     for block in model.blocks:
         if isinstance(block.mixer, RelPosAttention):
@@ -88,8 +92,11 @@ class FusedRelPosAttention(nn.Module):
     saved in the checkpoint format.
     """
 
-    def __init__(self, attn: RelPosAttention) -> None:
+    def __init__(self, attn: RelPosAttention, portable: bool = False) -> None:
+        """``portable``: plain batched matmuls instead of the custom per-head ops and in-place GEMMs
+        (:meth:`forward_portable`), the form ONNX exporters can trace; the same function."""
         super().__init__()
+        self.portable = portable
         h, qk, vd = attn.num_heads, attn.qk_dim, attn.v_dim
         d = attn.q.in_features
         self.num_heads = h
@@ -157,11 +164,36 @@ class FusedRelPosAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(B, N, d) -> (B, N, d). Under autocast the block runs its products in the autocast dtype
         itself (its in-place GEMMs are not autocast ops)."""
+        if self.portable:
+            return self.forward_portable(x)
         device = x.device.type
         if torch.is_autocast_enabled(device):
             with torch.autocast(device, enabled=False):
                 return self._forward(x.to(torch.get_autocast_dtype(device)))
         return self._forward(x)
+
+    def forward_portable(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, N, d) -> (B, N, d) as :meth:`forward`, written in MatMul / Softmax / Add only:
+
+        logits = [x̃ A_h x̃^T]_h + bias   (or q k^T / sqrt(qk_dim) + bias),   P = softmax(logits)
+        out    = [P_1 X̃, ..., P_H X̃] Ũ + b_o
+        """
+        b, n, d = x.shape
+        h, npad = self.num_heads, self.bias.shape[-1]
+        da = self.u.shape[0] // h
+        xa = F.pad(torch.cat([x, x.new_ones(b, n, 1)], -1), (0, da - d - 1, 0, npad - n))  # (B, N_pad, d̃)
+        if self.fold_qk:
+            z = (xa[:, :n] @ self.a).reshape(-1, n, h, da).transpose(1, 2)  # (B, h, N, d̃)
+            logits = z @ xa.transpose(1, 2).unsqueeze(1) + self.bias
+        else:
+            q = self.q(x).reshape(-1, n, h, self.qk_dim).transpose(1, 2) * self.scale
+            k = F.pad(self.k(x).reshape(-1, n, h, self.qk_dim).transpose(1, 2), (0, 0, 0, npad - n))
+            logits = q @ k.transpose(-2, -1) + self.bias
+        p = logits.softmax(-1)  # (B, h, N, N_pad)
+        if self.gated:
+            p = self.mixed_pos + self.g * p
+        z = (p @ xa.unsqueeze(1)).transpose(1, 2).reshape(-1, n, h * da)  # [P_1 X̃, ..., P_h X̃]
+        return z @ self.u + self.proj_bias
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         b, n, d = x.shape
@@ -175,10 +207,31 @@ class FusedRelPosAttention(nn.Module):
 
 
 @torch.no_grad()
-def fuse_attention(model: nn.Module) -> nn.Module:
-    """Replace every RelPosAttention in ``model`` (in place) by its fused equivalent; eval only."""
+@torch.no_grad()
+def for_inference(model: nn.Module, tol: float = 1e-5, seed: int = 0) -> tuple[nn.Module, str]:
+    """``(model, form)`` to run for inference: a fused copy ("fused") where its logits match the
+    model's within ``tol`` (max |Δ| / max |logits|, on 2 seeded random images), else the model itself
+    ("trained"); a model without attention as it is ("conv"). The model is put in eval mode."""
+    import copy
+
+    model.eval()
+    if not any(isinstance(getattr(b, "attn", None), RelPosAttention) for b in getattr(model, "blocks", [])):
+        return model, "conv"
+    cfg = model.cfg
+    p = next(model.parameters())
+    x = torch.randn(2, cfg.in_chans, *cfg.img_size, generator=torch.Generator().manual_seed(seed))
+    x = x.to(p.device, p.dtype)
+    ref = model(x)
+    fused = fuse_attention(copy.deepcopy(model))
+    err = ((fused(x) - ref).abs().max() / ref.abs().max().clamp_min(torch.finfo(ref.dtype).tiny)).item()
+    return (fused, "fused") if err <= tol else (model, "trained")
+
+
+def fuse_attention(model: nn.Module, portable: bool = False) -> nn.Module:
+    """Replace every RelPosAttention in ``model`` (in place) by its fused equivalent; eval only.
+    ``portable``: the form ONNX exporters trace (:meth:`FusedRelPosAttention.forward_portable`)."""
     model.eval()
     for block in getattr(model, "blocks", []):
         if isinstance(getattr(block, "attn", None), RelPosAttention):
-            block.attn = FusedRelPosAttention(block.attn)
+            block.attn = FusedRelPosAttention(block.attn, portable)
     return model

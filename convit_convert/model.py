@@ -25,6 +25,7 @@ from torch import nn
 
 from .attention import AttentionFormName, RelPosAttention
 from .config import ViTConfig
+from .deploy import FusedRelPosAttention
 
 
 def patchify(x: torch.Tensor, patch_size: int) -> torch.Tensor:
@@ -134,6 +135,12 @@ class Block(nn.Module):
     @property
     def mixer(self) -> nn.Module:
         return getattr(self, self.mixer_name)
+
+    def reparameterize(self) -> None:
+        """For inference: the attention mixer becomes its fused form (:mod:`convit_convert.deploy`),
+        the same function. timm's ``reparameterize_model`` calls this."""
+        if isinstance(self.mixer, RelPosAttention):
+            setattr(self, self.mixer_name, FusedRelPosAttention(self.mixer.eval()))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(B, N, dim) -> (B, N, dim)."""

@@ -14,17 +14,22 @@ from convit_convert.deploy import FusedRelPosAttention, fuse_attention
 from convit_convert.model import VisionTransformer
 
 
-@pytest.mark.parametrize(("qk_dim", "sink"), [(4, True), (4, False), (48, True), (48, False)])  # d = 48
-def test_fused_equals_unfused_random_weights(qk_dim: int, sink: bool) -> None:
+@pytest.mark.parametrize("portable", [False, True])  # True: the form `cmhsa export` writes
+@pytest.mark.parametrize(("qk_dim", "sink", "pinning"), [(4, True, "hard"), (4, False, "hard"), (48, True, "hard"),
+                                                         (48, False, "hard"), (4, True, "gated"), (48, True, "gated")])  # fmt: skip # d = 48
+def test_fused_equals_unfused_random_weights(qk_dim: int, sink: bool, pinning: str, portable: bool) -> None:
     torch.manual_seed(0)
     cfg = ViTConfig.build(img_size=(12, 16), patch_size=4, depth=2, num_classes=5).with_attention(
-        5, qk_dim, 52, sink
+        5, qk_dim, 52, sink, pinning
     )
     model = VisionTransformer(cfg).double().eval()
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.5)  # every weight and bias non-trivial, attention not pinned
-    fused = fuse_attention(copy.deepcopy(model))
+        if pinning == "gated":
+            for b in model.blocks:
+                b.attn.gate.fill_(0.4)  # both softmaxes weigh
+    fused = fuse_attention(copy.deepcopy(model), portable)
     assert isinstance(fused.blocks[0].attn, FusedRelPosAttention)
     assert fused.blocks[0].attn.fold_qk == (qk_dim == 48)
     x = torch.randn(3, 3, 12, 16, dtype=torch.float64)
@@ -82,3 +87,39 @@ def test_padded_attention_equals_plain_softmax(grid: int, sink: bool) -> None:
     w = logits.softmax(-1)[..., : grid * grid]
     ref = attn.proj((w @ v).transpose(1, 2).reshape(2, grid * grid, 15))
     assert rel_err(attn(x), ref) < 1e-12
+
+
+def test_timm_reparameterize_model_fuses_the_attention() -> None:
+    """timm's inference step (``reparameterize_model``) reaches Block.reparameterize: every
+    attention becomes the fused form, the original model is untouched, the logits agree (float64)."""
+    import timm
+    from timm.utils.model import reparameterize_model
+
+    import convit_convert.timm  # noqa: F401  (registers the models)
+
+    torch.manual_seed(0)
+    model = timm.create_model("cmhsa_attn", img_size=16, patch_size=4, depth=2, num_classes=5).double().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    fused = reparameterize_model(model)
+    assert all(isinstance(b.attn, FusedRelPosAttention) for b in fused.blocks)
+    assert not any(isinstance(b.attn, FusedRelPosAttention) for b in model.blocks)
+    x = torch.randn(2, 3, 16, 16, dtype=torch.float64)
+    with torch.no_grad():
+        assert rel_err(fused(x), model(x)) <= 1e-12
+
+
+def test_for_inference_fuses_where_exact_and_falls_back_otherwise() -> None:
+    from convit_convert.deploy import for_inference
+
+    conv = conv_model(seed=4, dtype=torch.float32)
+    sd, acfg = convert_state_dict(conv.state_dict(), conv.cfg)
+    attn = VisionTransformer(acfg)
+    attn.load_state_dict(sd)
+    model, form = for_inference(attn)
+    assert form == "fused" and isinstance(model.blocks[0].attn, FusedRelPosAttention)
+    assert not isinstance(attn.blocks[0].attn, FusedRelPosAttention)  # a copy was fused
+    model, form = for_inference(attn, tol=-1.0)  # no error is within a negative tolerance
+    assert form == "trained" and model is attn
+    assert for_inference(conv)[1] == "conv"

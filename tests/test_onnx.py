@@ -391,16 +391,18 @@ def attn_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[bool, Pat
     return paths
 
 
+@pytest.mark.parametrize("form", ["fused", "trained"])
 @pytest.mark.parametrize("exporter", ["dynamo", "legacy"])
 @pytest.mark.parametrize("sink", [True, False])
-def test_export_attention(attn_checkpoints, tmp_path: Path, sink: bool, exporter: str) -> None:
+def test_export_attention(attn_checkpoints, tmp_path: Path, sink: bool, exporter: str, form: str) -> None:
+    """Both forms against the checkpoint's PyTorch model in onnxruntime; fused is the default."""
     src = attn_checkpoints[sink]
     out = tmp_path / "vit.onnx"
-    r = run("export", src, "-o", out, "--exporter", exporter)
+    r = run("export", src, "-o", out, "--exporter", exporter, *(["--form", form] if form != "fused" else []))
     assert r.exit_code == 0, r.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["vit.onnx", "vit.onnx.report.json"]  # one file
     report = json.loads((tmp_path / "vit.onnx.report.json").read_text())
-    assert report["passed"] and report["export"]["exporter"] == exporter
+    assert report["passed"] and report["export"]["exporter"] == exporter and report["export"]["form"] == form
     assert [b["batch"] for b in report["check"]["batches"]] == [1, 3]
     assert report["check"]["providers"] == ["CPUExecutionProvider"]
     assert report["output"]["bytes"] == out.stat().st_size
@@ -414,7 +416,11 @@ def test_export_attention(attn_checkpoints, tmp_path: Path, sink: bool, exporter
     ckpt = load_checkpoint(src)
     h, n = ckpt.config.num_heads, ckpt.config.num_patches
     shapes = {tuple(t.dims) for t in model.graph.initializer}
-    assert (1, h, n, n + int(sink)) in shapes  # the gathered bias (and sink column): a constant
+    if form == "trained":  # the gathered bias (and sink column): a constant
+        assert (1, h, n, n + int(sink)) in shapes
+    else:  # the same, keys padded to a multiple of 8; W_V·W_O folded: (h · d̃, d), d̃ = d + 1 aligned
+        d = ckpt.config.embed_dim
+        assert (h, n, -(-(n + int(sink)) // 8) * 8) in shapes and (h * (-(-(d + 1) // 8) * 8), d) in shapes
 
     torch_model = ckpt.model()
     session = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
@@ -440,7 +446,7 @@ def test_export_outside_tolerance_exits_1_and_writes_no_model(
 
     monkeypatch.setattr(oe, "prepare_for_export", broken)
     out = tmp_path / "vit.onnx"
-    r = run("export", attn_checkpoints[True], "-o", out, "--exporter", "legacy")
+    r = run("export", attn_checkpoints[True], "-o", out, "--exporter", "legacy", "--form", "trained")
     assert r.exit_code == 1 and "FAIL" in r.output
     assert not out.exists()
     report = json.loads((tmp_path / "vit.onnx.report.json").read_text())
@@ -460,6 +466,7 @@ def test_export_bad_input(attn_checkpoints, tmp_path: Path, capfd: pytest.Captur
     for args, expect in (
         (["--opset", "16"], "--opset must be 17 ≤ x ≤ 99, got 16"),
         (["--exporter", "jit"], "--exporter"),
+        (["--form", "onnx"], "--form must be one of fused, trained, got 'onnx'"),
         (["--device", "tpu"], "--device"),
     ):
         r = run("export", src, "-o", out / "v.onnx", *args)

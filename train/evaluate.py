@@ -14,6 +14,7 @@ from ..analysis import AttentionReport, attention_stats
 from ..api import load_checkpoint
 from ..approximate import Calibration, check_image_counts
 from ..config import ViTConfig
+from ..deploy import for_inference
 from ..errors import CmhsaError
 from ..io.checkpoint import Checkpoint
 from .data import DATASETS, DataSpec, build_data, build_loader, build_transform, image_mode
@@ -29,6 +30,7 @@ class EvalReport:
     top1: float
     top5: float
     val_loss: float
+    form: str  # the form that ran: "fused" (attention, exact to 1e-5), "trained", or "conv"
 
 
 def _dataset(
@@ -72,8 +74,9 @@ def evaluate_checkpoint(
     dev = pick_device(device)
     dtype = amp_dtype(amp, dev)
     loader, n = _val_loader(ckpt, data, data_dir, download, batch_size, dev, workers, crop_pct, seed)
-    metrics = evaluate(ckpt.model(dtype=torch.float32).to(dev), loader, dev, dtype)
-    return EvalReport(ckpt.kind, n, metrics["top1"], metrics["top5"], metrics["val_loss"])
+    model, form = for_inference(ckpt.model(dtype=torch.float32).to(dev))  # fused where exact to 1e-5
+    metrics = evaluate(model, loader, dev, dtype)
+    return EvalReport(ckpt.kind, n, metrics["top1"], metrics["top5"], metrics["val_loss"], form)
 
 
 def attention_on_data(

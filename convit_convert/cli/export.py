@@ -20,7 +20,7 @@ def print_export(r: Any) -> None:
     print_import(ckpt)
     console.print(
         f"Exported {safe(str(ckpt.path))} ({ckpt.kind}, depth {cfg.depth}, {cfg.img_size[0]}x{cfg.img_size[1]} px) "
-        f"with the {ex.exporter} exporter, opset {ex.opsets.get('ai.onnx')}, in {ex.timings['export_s']:.1f} s: "
+        f"{f'in its {ex.form} form ' if ex.form else ''}with the {ex.exporter} exporter, opset {ex.opsets.get('ai.onnx')}, in {ex.timings['export_s']:.1f} s: "
         f"{len(ex.data) / 1e6:.1f} MB"
     )
     io = ", ".join(f"{v['name']} {v['shape']}" for v in check.inputs + check.outputs)
@@ -61,6 +61,7 @@ def export_cmd(
     opset: Annotated[int | None, typer.Option(help="ai.onnx opset (>= 17; default: the exporter's).", show_default=False)] = None,
     tol: Annotated[float, typer.Option(help="Largest relative error of onnxruntime vs PyTorch.")] = 1e-4,
     exporter: Annotated[str, typer.Option(help="dynamo (torch.export, torch's default) or legacy (TorchScript).")] = "dynamo",
+    form: Annotated[str, typer.Option(help="Attention models: fused (W_V·W_O folded, faster inference, the same function) or trained (the projections as trained).")] = "fused",
     device: Annotated[str, typer.Option(help="onnxruntime provider for the check: cpu, cuda, or auto (CUDA when it has it).")] = "cpu",
     seed: Annotated[int, typer.Option(help="Seed of the check images.")] = 0,
     report: Annotated[Path | None, path_opt("Report path (default: OUTPUT + .report.json).")] = None,
@@ -68,6 +69,7 @@ def export_cmd(
 # fmt: on
     """Export a checkpoint to one self-contained ONNX file and check it in onnxruntime (exit 1 outside --tol)."""
     passed = run_export(
-        checkpoint, output, opset=opset, tol=tol, exporter=exporter, device=device, seed=seed, report=report
-    )
+        checkpoint, output, opset=opset, tol=tol, exporter=exporter, device=device, seed=seed, report=report,
+        form=form,
+    )  # fmt: skip
     raise typer.Exit(0 if passed else EXIT_FAIL)

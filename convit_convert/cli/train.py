@@ -197,7 +197,8 @@ def eval_command(
     table = Table(title=f"{safe(str(checkpoint))} on {data} (val, {r.images} images)")
     for col in ("kind", "top-1 %", "top-5 %", "loss"):
         table.add_column(col, justify="right")
-    table.add_row(r.kind, f"{r.top1:.2f}", f"{r.top5:.2f}", f"{r.val_loss:.4f}")
+    kind = r.kind if r.form == "conv" else f"{r.kind}, {r.form} form"  # attention runs fused where exact
+    table.add_row(kind, f"{r.top1:.2f}", f"{r.top5:.2f}", f"{r.val_loss:.4f}")
     console.print(table)
 
 

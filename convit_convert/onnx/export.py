@@ -4,11 +4,17 @@ The file has one input ``pixel_values`` (batch_size, C, H, W), dynamic in batch_
 output ``logits`` (batch_size, num_classes). Both exporters work: ``dynamo`` (torch.export, the
 default of ``torch.onnx.export``) and ``legacy`` (TorchScript tracing).
 
-Attention is exported through :class:`~convit_convert.deploy.ExportAttention`, the same function as
-:class:`~convit_convert.model.RelPosAttention` written out as MatMul / Softmax with the
-relative-position bias gathered once into a constant (sink column included). That keeps the bias
-and sink constants in the file, and sidesteps exporting ``scaled_dot_product_attention`` with a
-gathered mask, which the dynamo exporter has been reported to fail on.
+Attention is exported in one of two forms, both the same function as
+:class:`~convit_convert.attention.RelPosAttention` written out as MatMul / Softmax with the
+relative-position bias gathered once into a constant (sink column included):
+
+- ``fused`` (the default): :class:`~convit_convert.deploy.FusedRelPosAttention`'s portable form,
+  W_V·W_O folded into one product per head (and W_Q·W_K when qk_dim >= d/2): fewer MACs per token;
+- ``trained``: :class:`~convit_convert.deploy.ExportAttention`, the projections as trained.
+
+Either keeps the bias and sink constants in the file, and sidesteps exporting
+``scaled_dot_product_attention`` with a gathered mask, which the dynamo exporter has been reported
+to fail on. Conv models have one form.
 
 The check is the careful exporter's, failing where others warn: ``onnx.checker.check_model(
 full_check=True)``, the input and output names and dynamic batch axis, then onnxruntime on
@@ -32,7 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..deploy import prepare_for_export
+from ..deploy import fuse_attention, prepare_for_export
 from ..errors import CmhsaError
 from ..model import VisionTransformer
 from ..verify import relative_error
@@ -40,6 +46,7 @@ from .load import ort_session
 
 INPUT_NAME, OUTPUT_NAME, BATCH_AXIS = "pixel_values", "logits", "batch_size"
 EXPORTERS = ("dynamo", "legacy")
+FORMS = ("fused", "trained")
 MIN_OPSET = 17  # LayerNormalization
 CHECK_BATCHES = (1, 3)
 _PROTOBUF_LIMIT = 2**31 - 1
@@ -67,7 +74,9 @@ def _silenced() -> Iterator[None]:
                 os.close(copy)
 
 
-def check_options(exporter: str, opset: int | None) -> None:
+def check_options(exporter: str, opset: int | None, form: str = "fused") -> None:
+    if form not in FORMS:
+        raise CmhsaError(f"`form` must be one of {', '.join(FORMS)}, got {form!r}")
     if exporter not in EXPORTERS:
         raise CmhsaError(f"`exporter` must be one of {', '.join(EXPORTERS)}, got {exporter!r}")
     if opset is not None and opset < MIN_OPSET:
@@ -213,6 +222,7 @@ class Exported:
     data: bytes  # the .onnx file
     check: ExportCheck
     exporter: str
+    form: str | None  # the attention's form; None for a conv model
     opsets: dict[str, int]
     ir_version: int
     timings: dict[str, float]
@@ -220,14 +230,16 @@ class Exported:
 
 def export_and_check(
     model: VisionTransformer, *, exporter: str = "dynamo", opset: int | None = None, tol: float = 1e-4,
-    providers: list[str] | None = None, seed: int = 0, path: Any = None,
+    providers: list[str] | None = None, seed: int = 0, path: Any = None, form: str = "fused",
 ) -> Exported:  # fmt: skip
-    """Export ``model`` (as float32; its attention is swapped for export, in place) and check the
-    result against the model as it was."""
+    """Export ``model`` (as float32; its attention is swapped for the ``form``'s, in place) and
+    check the result against the model as it was."""
+    check_options(exporter, opset, form)
     model = model.float().eval()
     refs = reference_outputs(model, seed)  # before the swap: the reference is the model as trained
     t = time.perf_counter()
-    proto = export_model(prepare_for_export(model), exporter=exporter, opset=opset)
+    deployed = fuse_attention(model, portable=True) if form == "fused" else prepare_for_export(model)
+    proto = export_model(deployed, exporter=exporter, opset=opset)
     export_s = time.perf_counter() - t
     t = time.perf_counter()
     check = check_export(
@@ -243,6 +255,7 @@ def export_and_check(
         data=proto.SerializeToString(),
         check=check,
         exporter=exporter,
+        form=form if model.kind == "attn" else None,
         opsets={o.domain or "ai.onnx": o.version for o in proto.opset_import},
         ir_version=proto.ir_version,
         timings={"export_s": export_s, "check_s": check_s},
