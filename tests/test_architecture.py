@@ -67,6 +67,41 @@ def test_the_import_graph_has_no_cycles() -> None:
     assert len(graph) > 30  # the walk saw the whole package, train/ included
 
 
+def documented_layers() -> list[list[str]]:
+    """docs/ARCHITECTURE.md's ```layers block: per layer, its module patterns (``x.*``: a subpackage)."""
+    text = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
+    block = text.split("```layers\n", 1)[1].split("```", 1)[0]
+    layers = []
+    for i, line in enumerate(block.strip().splitlines()):
+        number, rest = line.split(" ", 1)
+        assert int(number) == i, line
+        layers.append([m.strip() for m in rest.split(":", 1)[1].split(",")])
+    return layers
+
+
+def layer_of(module: str, layers: list[list[str]]) -> int:
+    short = module.removeprefix("convit_convert.") if module != "convit_convert" else module
+    for i, patterns in enumerate(layers):
+        for p in patterns:
+            if short == p or (p.endswith(".*") and (short == p[:-2] or short.startswith(p[:-1]))):
+                return i
+    raise AssertionError(f"{module} is in no layer of docs/ARCHITECTURE.md")
+
+
+def test_every_import_follows_the_documented_layers() -> None:
+    layers = documented_layers()
+    graph = module_imports()
+    upward = sorted(
+        f"{m} (layer {layer_of(m, layers)}) imports {d} (layer {layer_of(d, layers)})"
+        for m, deps in graph.items()
+        for d in deps
+        if layer_of(d, layers) > layer_of(m, layers)
+    )
+    assert not upward, upward
+    used = {layer_of(m, layers) for m in graph}
+    assert used == set(range(len(layers))), "a documented layer holds no module"
+
+
 def test_only_the_cli_imports_the_cli() -> None:
     offenders = {
         m: sorted(d for d in deps if d.startswith("convit_convert.cli"))
