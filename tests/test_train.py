@@ -475,6 +475,23 @@ def test_shipped_fixture_trains_and_evaluates(fixture_path: Path, tmp_path: Path
     assert r.exit_code == 0 and "attn, fused form" in r.output, r.output  # eval runs the fused form
 
 
+def test_init_accepts_the_flags_that_built_the_checkpoint(tmp_path: Path) -> None:
+    """`--mlp-ratio 2.7` builds an MLP of round(48 · 2.7) = 130; phase 2 from that checkpoint with
+    the same flag is the same model (it was refused: 2.7 against the 130 / 48 read back)."""
+    tiny = ["--data", "synthetic", "--img-size", "16", "--patch-size", "4", "--depth", "1", "--kernel-size", "3",
+            "--batch-size", "32", "--workers", "0", "--epochs", "1", "--warmup-epochs", "0", "--device", "cpu"]  # fmt: skip
+    r = invoke("train", "phase1", *tiny, "--mlp-ratio", "2.7", "--out", tmp_path / "p1")
+    assert r.exit_code == 0, r.output
+    conv = tmp_path / "p1" / "conv.safetensors"
+    r = invoke("train", "phase2", *tiny, "--init", conv, "--mlp-ratio", "2.7", "--out", tmp_path / "p2")
+    assert r.exit_code == 0, r.output
+    r = invoke("train", "phase2", *tiny, "--init", conv, "--mlp-ratio", "3", "--out", tmp_path / "p3")
+    assert r.exit_code == 2, r.output
+    assert (
+        "--mlp-ratio 3.0 (mlp_hidden_dim 144) disagrees with the checkpoint's mlp_hidden_dim 130" in r.stderr
+    )
+
+
 def test_missing_extra_names_a_command_that_works_from_a_checkout(monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "sklearn.datasets", None)  # import fails
     with pytest.raises(CmhsaError, match=r"pip install -e '\.\[digits\]'"):

@@ -57,27 +57,23 @@ def flag_config(cfg: TrainConfig, num_classes: int) -> ViTConfig:
     )
 
 
-def model_flags(mcfg: ViTConfig) -> dict[str, Any]:
-    """The model flags (TrainConfig fields) that describe ``mcfg``; img_size is (H, W) if not square."""
-    h, w = mcfg.img_size
-    flags: dict[str, Any] = dict(
-        img_size=h if h == w else (h, w), in_chans=mcfg.in_chans, patch_size=mcfg.patch_size,
-        hidden_chans=mcfg.hidden_chans, depth=mcfg.depth, mlp_ratio=mcfg.mlp_hidden_dim / mcfg.embed_dim,
-        kernel_size=mcfg.kernel_size, dilation=mcfg.dilation,
-    )  # fmt: skip
-    if mcfg.num_heads is not None:
-        flags.update(heads=mcfg.num_heads, qk_dim=mcfg.qk_dim, sink=bool(mcfg.sink), pinning=mcfg.pinning)
-    return flags
-
-
 def _check_explicit(cfg: TrainConfig, ckpt_cfg: ViTConfig, num_classes: int, path: object) -> None:
-    """Model flags the user typed must match the checkpoint they also gave."""
-    have = model_flags(ckpt_cfg)
-    for name in sorted(cfg.given):
-        if name in have and getattr(cfg, name) != have[name]:
-            raise CmhsaError(
-                f"`{name}` {getattr(cfg, name)} disagrees with the checkpoint's {have[name]}", path
-            )
+    """Model flags the user typed must describe the checkpoint they also gave, compared field by
+    field as the ViTConfig values they set: ``mlp_ratio`` as the MLP width it gives at the
+    checkpoint's embed_dim (the ratio read back from a width is not the ratio typed: 130 / 48)."""
+    square = lambda v: (v, v) if isinstance(v, int) else tuple(v)  # noqa: E731
+    as_field = {  # flag -> (ViTConfig field, the flag's value as that field)
+        "img_size": ("img_size", square), "in_chans": ("in_chans", int), "patch_size": ("patch_size", int),
+        "hidden_chans": ("hidden_chans", int), "depth": ("depth", int), "kernel_size": ("kernel_size", int),
+        "dilation": ("dilation", int), "mlp_ratio": ("mlp_hidden_dim", lambda r: round(ckpt_cfg.embed_dim * r)),
+        "heads": ("num_heads", int), "qk_dim": ("qk_dim", int), "sink": ("sink", bool), "pinning": ("pinning", str),
+    }  # fmt: skip
+    for name in sorted(cfg.given & as_field.keys()):
+        field_name, convert = as_field[name]
+        have, typed = getattr(ckpt_cfg, field_name), getattr(cfg, name)
+        if have is not None and typed is not None and convert(typed) != have:
+            said = f"`{name}` {typed}" + (f" ({field_name} {convert(typed)})" if field_name != name else "")
+            raise CmhsaError(f"{said} disagrees with the checkpoint's {field_name} {have}", path)
     if ckpt_cfg.num_classes != num_classes:
         raise CmhsaError(f"has {ckpt_cfg.num_classes} classes but `data` {cfg.data} has {num_classes}", path)
     image_mode(ckpt_cfg.in_chans, path)  # 1 or 3: the loader converts every image to it
