@@ -140,7 +140,7 @@ def test_impulse_heads_attend_to_their_offset(tmp_path: Path, offsets: str) -> N
 
 @pytest.mark.parametrize("init", ["mimetic", "impulse"])
 def test_starts_train_save_inspect_and_export(tmp_path: Path, init: str) -> None:
-    given = [] if init == "mimetic" else ["--init", init]  # mimetic: the default without a checkpoint
+    given = [] if init == "impulse" else ["--init", init]  # impulse: the default without a checkpoint
     r = invoke("train", "phase2", *CLI_TINY, *given, "--out", tmp_path / "run")
     assert r.exit_code == 0, r.output
     assert f"started {init}" in r.output

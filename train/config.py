@@ -46,9 +46,9 @@ class TrainConfig:
     dilation: int = 1
     drop_path: float = 0.1
     # phase 2
-    # conv checkpoint, attn checkpoint, "random", or a start: "mimetic" (the default: the best-measured
-    # start without a checkpoint, EXPERIMENTS.md "Which start?"), "impulse"
-    init: str = "mimetic"
+    # conv checkpoint, attn checkpoint, "random", or a start: "impulse" (the default: the best-measured
+    # start without a checkpoint at 120 epochs, EXPERIMENTS.md "Which start?"), "mimetic"
+    init: str = "impulse"
     mimetic_alpha: float = 0.7  # init mimetic: W_Q,hᵀ W_K,h = α(Z + I); Trockman & Kolter's α₁ = β₁
     mimetic_beta: float = 0.4  # init mimetic: Σ_h W_V,hᵀ W_O,hᵀ = β(Z − I); their α₂ = β₂
     impulse_offsets: str = "conversion"  # init impulse: heads pinned to Δ in order, or "random" offsets in Δ
