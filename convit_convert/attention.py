@@ -57,7 +57,7 @@ class RelPosAttention(nn.Module):
         super().__init__()
         if form not in FORMS:
             raise ValueError(f"form must be one of {', '.join(FORMS)}, got {form!r}")
-        self.form_name = form
+        self.form: AttentionForm = FORMS[form]
         self.num_heads, self.qk_dim, self.v_dim = num_heads, qk_dim, v_dim
         self.grid_size = grid_size
         self.q = nn.Linear(dim, num_heads * qk_dim)
@@ -152,7 +152,7 @@ class RelPosAttention(nn.Module):
         """
         n = x.shape[1]
         npad = padded_keys(n, self.sink is not None and self.gate is None)
-        form = FORMS[self.form_name]
+        form = self.form
         qk = form.logits(self.q(x), self.k(x), self.num_heads, npad) * self.qk_dim**-0.5
         if self.gate is None:
             weights = (qk + self.padded_bias()).softmax(dim=-1)

@@ -13,6 +13,8 @@ Below :mod:`convit_convert.model` in the layers: it knows the blocks only by the
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -178,10 +180,9 @@ class FusedRelPosAttention(nn.Module):
         logits = [x̃ A_h x̃^T]_h + bias   (or q k^T / sqrt(qk_dim) + bias),   P = softmax(logits)
         out    = [P_1 X̃, ..., P_H X̃] Ũ + b_o
         """
-        b, n, d = x.shape
-        h, npad = self.num_heads, self.bias.shape[-1]
-        da = self.u.shape[0] // h
-        xa = F.pad(torch.cat([x, x.new_ones(b, n, 1)], -1), (0, da - d - 1, 0, npad - n))  # (B, N_pad, d̃)
+        n, h = x.shape[1], self.num_heads
+        npad, da = self.bias.shape[-1], self.u.shape[0] // h
+        xa = self.augmented(x)
         if self.fold_qk:
             z = (xa[:, :n] @ self.a).reshape(-1, n, h, da).transpose(1, 2)  # (B, h, N, d̃)
             logits = z @ xa.transpose(1, 2).unsqueeze(1) + self.bias
@@ -195,10 +196,16 @@ class FusedRelPosAttention(nn.Module):
         z = (p @ xa.unsqueeze(1)).transpose(1, 2).reshape(-1, n, h * da)  # [P_1 X̃, ..., P_h X̃]
         return z @ self.u + self.proj_bias
 
+    def augmented(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, N, d) tokens -> (B, N_pad, d̃) X̃ = [X, 1], zero padded to the padded keys and d̃."""
+        b, n, d = x.shape
+        npad, da = self.bias.shape[-1], self.u.shape[0] // self.num_heads
+        return F.pad(torch.cat([x, x.new_ones(b, n, 1)], -1), (0, da - d - 1, 0, npad - n))
+
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         b, n, d = x.shape
-        dtype, npad, da = x.dtype, self.bias.shape[-1], self.u.shape[0] // self.num_heads
-        xa = F.pad(torch.cat([x, x.new_ones(b, n, 1)], -1), (0, da - d - 1, 0, npad - n))  # (B, N_pad, d̃)
+        dtype = x.dtype
+        xa = self.augmented(x)
         p = self.logits(x, xa).softmax(-1)  # (B, h, N, N_pad); padded keys weigh 0, the sink's row of x̃ is 0
         if self.gated:
             p = self.mixed_pos + self.g * p
@@ -207,13 +214,10 @@ class FusedRelPosAttention(nn.Module):
 
 
 @torch.no_grad()
-@torch.no_grad()
 def for_inference(model: nn.Module, tol: float = 1e-5, seed: int = 0) -> tuple[nn.Module, str]:
     """``(model, form)`` to run for inference: a fused copy ("fused") where its logits match the
     model's within ``tol`` (max |Δ| / max |logits|, on 2 seeded random images), else the model itself
     ("trained"); a model without attention as it is ("conv"). The model is put in eval mode."""
-    import copy
-
     model.eval()
     if not any(isinstance(getattr(b, "attn", None), RelPosAttention) for b in getattr(model, "blocks", [])):
         return model, "conv"
@@ -227,6 +231,7 @@ def for_inference(model: nn.Module, tol: float = 1e-5, seed: int = 0) -> tuple[n
     return (fused, "fused") if err <= tol else (model, "trained")
 
 
+@torch.no_grad()
 def fuse_attention(model: nn.Module, portable: bool = False) -> nn.Module:
     """Replace every RelPosAttention in ``model`` (in place) by its fused equivalent; eval only.
     ``portable``: the form ONNX exporters trace (:meth:`FusedRelPosAttention.forward_portable`)."""

@@ -37,14 +37,7 @@ class PhaseModel:
 def flag_config(cfg: TrainConfig, num_classes: int) -> ViTConfig:
     """The conv config the model flags describe. A kernel reaching past the image is refused here,
     for a model about to be trained, not in ViTConfig: the conversion is exact for it too."""
-    h, w = (cfg.img_size, cfg.img_size) if isinstance(cfg.img_size, int) else cfg.img_size
-    reach = cfg.dilation * (cfg.kernel_size - 1) // 2
-    if reach >= max(h, w):  # its outer taps would only ever see the zero padding
-        raise CmhsaError(
-            f"kernel_size {cfg.kernel_size} (dilation {cfg.dilation}) reaches {reach} pixels, "
-            f"beyond the {h}x{w} image"
-        )
-    return ViTConfig.build(
+    mcfg = ViTConfig.build(
         img_size=cfg.img_size,
         patch_size=cfg.patch_size,
         in_chans=cfg.in_chans,
@@ -55,6 +48,14 @@ def flag_config(cfg: TrainConfig, num_classes: int) -> ViTConfig:
         kernel_size=cfg.kernel_size,
         dilation=cfg.dilation,
     )
+    h, w = mcfg.img_size
+    reach = mcfg.dilation * (mcfg.kernel_size - 1) // 2
+    if reach >= max(h, w):  # its outer taps would only ever see the zero padding
+        raise CmhsaError(
+            f"kernel_size {mcfg.kernel_size} (dilation {mcfg.dilation}) reaches {reach} pixels, "
+            f"beyond the {h}x{w} image"
+        )
+    return mcfg
 
 
 def _check_explicit(cfg: TrainConfig, ckpt_cfg: ViTConfig, num_classes: int, path: object) -> None:
