@@ -20,6 +20,7 @@ from convit_convert.analysis import attention_stats
 from convit_convert.config import ViTConfig
 from convit_convert.construct import convert_state_dict
 from convit_convert.model import VisionTransformer
+from convit_convert.spec import ConversionSpec
 
 
 def main() -> None:
@@ -31,7 +32,8 @@ def main() -> None:
     torch.set_num_threads(2)
     torch.manual_seed(0)
     cfg = ViTConfig.build()
-    sd, acfg = convert_state_dict(VisionTransformer(cfg).state_dict(), cfg, pinning=args.pinning)
+    plan = ConversionSpec(pinning=args.pinning).plan(cfg)
+    sd, acfg = convert_state_dict(VisionTransformer(cfg).state_dict(), plan), plan.config
     model = VisionTransformer(acfg)
     model.load_state_dict(sd)
     model.eval()

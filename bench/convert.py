@@ -35,6 +35,7 @@ from convit_convert.config import ViTConfig
 from convit_convert.construct import convert_state_dict
 from convit_convert.io.checkpoint import save_checkpoint
 from convit_convert.model import VisionTransformer
+from convit_convert.spec import ConversionSpec
 from convit_convert.verify import verify_models
 
 
@@ -125,7 +126,8 @@ def main() -> None:
     print("\n| sink | dtype | worst mixer rel. error (all / border / interior) | logits rel. error |")
     print("|---|---|---|---|")
     for sink in (True, False):
-        sd, acfg = convert_state_dict(ckpt.tensors, ckpt.config, sink=sink)
+        plan = ConversionSpec(sink=sink).plan(ckpt.config)
+        sd, acfg = convert_state_dict(ckpt.tensors, plan), plan.config
         for dtype in (torch.float32, torch.float64):
             attn = VisionTransformer(acfg)
             attn.load_state_dict(sd)

@@ -146,6 +146,7 @@ def exact_section() -> dict[str, Any]:
     from convit_convert.config import ViTConfig
     from convit_convert.construct import convert_state_dict
     from convit_convert.model import VisionTransformer
+    from convit_convert.spec import ConversionSpec
     from convit_convert.verify import exact_matmul, relative_error, verify_models
 
     torch.manual_seed(0)
@@ -153,7 +154,8 @@ def exact_section() -> dict[str, Any]:
     conv_sd = {k: v.clone() for k, v in conv.state_dict().items()}  # on the CPU, as converted
     rows = []
     for qk in (768, 64):
-        sd, mcfg = convert_state_dict(conv_sd, conv.cfg, qk_dim=qk)
+        plan = ConversionSpec(qk_dim=qk).plan(conv.cfg)
+        sd, mcfg = convert_state_dict(conv_sd, plan), plan.config
         attn = VisionTransformer(mcfg).eval()
         attn.load_state_dict(sd)
         t = time.perf_counter()

@@ -29,6 +29,7 @@ from convit_convert.config import ViTConfig
 from convit_convert.construct import convert_state_dict
 from convit_convert.model import VisionTransformer
 from convit_convert.onnx.export import export_and_check
+from convit_convert.spec import ConversionSpec
 
 
 def mean_seconds(fn: Callable[[], object], iters: int, warmup: int = 3) -> float:
@@ -46,7 +47,8 @@ def models() -> dict[str, Callable[[], VisionTransformer]]:
 
     def attn(qk: int) -> Callable[[], VisionTransformer]:
         def build() -> VisionTransformer:
-            state, acfg = convert_state_dict(conv.state_dict(), cfg, qk_dim=qk)
+            plan = ConversionSpec(qk_dim=qk).plan(cfg)
+            state, acfg = convert_state_dict(conv.state_dict(), plan), plan.config
             model = VisionTransformer(acfg)
             model.load_state_dict(state)
             return model.eval()

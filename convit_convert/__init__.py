@@ -3,7 +3,7 @@
 Importing the package is cheap (no torch): the CLI's --help and `heads` stay fast. The public API
 is imported lazily on first use::
 
-    from convit_convert import VisionTransformer, ViTConfig, convert_state_dict, load_checkpoint
+    from convit_convert import ConversionSpec, VisionTransformer, ViTConfig, convert_state_dict, load_checkpoint
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "config": "ViTConfig",
+    "spec": "ConversionSpec ConversionPlan",
     "errors": "CmhsaError CheckFailed",
     "model": "VisionTransformer",
     "construct": "convert_state_dict output_projection",

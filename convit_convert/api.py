@@ -19,22 +19,23 @@ from typing import Any
 
 import torch
 
-from .approximate import RULES, Approximation, Calibration, choose, heldout_errors, noise_calibration
-from .config import PINNING, ViTConfig
-from .construct import DEFAULT_MARGIN, convert_state_dict, pinned_heads, pinned_offsets, pinning_logits
+from .approximate import Approximation, Calibration, choose, heldout_errors, noise_calibration
+from .config import ViTConfig
+from .construct import convert_state_dict, pinned_offsets
 from .errors import CmhsaError, article
 from .io.atomic import atomic_paths, check_writable
 from .io.checkpoint import Checkpoint, check_geometry, load_tensor_checkpoint, write_checkpoint
 from .io.report import default_report_path, environment, file_facts, report_text, write_report
 from .model import VisionTransformer
 from .resources import check_fits
-from .theory import HeadCount, head_count, heads_needed
+from .spec import DEFAULT_TOL, ConversionPlan, ConversionSpec, Offset, check_tol
+from .theory import HeadCount, head_count
 from .verify import VerifyResult, verify_models
 
 
 def load_checkpoint(
     path: str | Path, *, img_size: tuple[int, int] | None = None, patch_size: int | None = None,
-    dilation: int = 1, norm_eps: float = 1e-6, onnx_tol: float = 1e-5,
+    dilation: int = 1, norm_eps: float = 1e-6, onnx_tol: float = DEFAULT_TOL,
 ) -> Checkpoint:  # fmt: skip
     """Any model file: cmhsa safetensors, a bare conv-phase state dict (given ``img_size`` and
     ``patch_size``), or a conv-phase ONNX graph, read by its structure and checked against
@@ -47,11 +48,6 @@ def load_checkpoint(
     ckpt = import_onnx(path, tol=onnx_tol)
     check_geometry(ckpt.config, img_size, patch_size, path, "graph")
     return ckpt
-
-
-def check_tol(tol: float, name: str = "tol") -> None:
-    if not tol >= 0:  # also refuses nan
-        raise CmhsaError(f"`{name}` must be >= 0, got {tol}")
 
 
 def check_batch(batch: int) -> None:
@@ -101,18 +97,25 @@ def check_outputs(source: Path, output: Path, report_path: Path, suffix: str, wh
 
 @dataclass
 class Conversion:
-    """A conv checkpoint converted in memory (Theorem 1), and its verification."""
+    """A conv checkpoint converted in memory (Theorem 1) by ``plan``, and its verification."""
 
     source: Checkpoint
-    config: ViTConfig  # the attn config
+    plan: ConversionPlan
     tensors: dict[str, torch.Tensor]
-    pinned: list[tuple[int, int] | None]  # per head: the offset it attends to, None if it reads nothing
-    offset_logit: float
-    sink_logit: float | None
-    qk_init_std: float
-    verification: VerifyResult | None
+    verification: VerifyResult | None = None
     timings: dict[str, float] = field(default_factory=dict)
     approximation: Approximation | None = None  # fewer heads than the theorem needs
+
+    @property
+    def config(self) -> ViTConfig:
+        """The attention config."""
+        return self.plan.config
+
+    @property
+    def pinned(self) -> list[Offset | None]:
+        """Per head: the offset it attends to, None if it reads nothing (an approximate conversion:
+        the first block's kept offsets)."""
+        return list(self.plan.pinned if self.approximation is None else self.approximation.blocks[0].kept)
 
     @property
     def passed(self) -> bool:
@@ -124,89 +127,70 @@ class Conversion:
         return model
 
     def summary(self) -> dict[str, Any]:
-        return {
-            "heads": self.config.num_heads,
+        return self.plan.summary() | {
             "pinned_heads": sum(o is not None for o in self.pinned),
             "offsets": [None if o is None else list(o) for o in self.pinned],
-            "offset_logit": self.offset_logit,
-            "sink_logit": self.sink_logit,
-            "qk_init_std": self.qk_init_std,
             "approximation": None if self.approximation is None else self.approximation.to_dict(),
         }
 
 
 def convert_checkpoint(
-    ckpt: Checkpoint, *, heads: int | None = None, qk_dim: int | None = None, sink: bool = True, pinning: str = "hard",
-    qk_init_std: float = 0.0, margin: float = DEFAULT_MARGIN, seed: int = 0, verify: bool = True,
-    tol: float = 1e-5, batch: int = 4, dtype: torch.dtype = torch.float32, device: str = "cpu",
-    approximate: bool = False, calibrate: Callable[[ViTConfig], Calibration] | None = None, rule: str = "greedy",
-    refit: bool = True,
+    ckpt: Checkpoint, spec: ConversionSpec | None = None, *, verify: bool = True, batch: int = 4,
+    dtype: torch.dtype = torch.float32, device: str = "cpu",
+    calibrate: Callable[[ViTConfig], Calibration] | None = None,
 ) -> Conversion:  # fmt: skip
-    """Convert a conv checkpoint and (unless ``verify`` is False) verify it against the conv model
-    on ``batch`` random images: every relative error must be <= ``tol``.
+    """Convert a conv checkpoint as ``spec`` says (default: the paper's construction) and, unless
+    ``verify`` is False, verify it against the conv model on ``batch`` random images: every relative
+    error must be <= ``spec.tol``.
 
-    ``approximate`` with ``heads`` below what the kernel needs keeps the ``heads`` offsets chosen by
-    ``rule`` and refits their W^O on the images ``calibrate(config)`` makes (called only then;
-    default: noise images), then measures the result on its held-out images
-    (:mod:`convit_convert.approximate`); with enough heads it is the exact conversion.
-    Verification still judges against ``tol``."""
+    An approximate spec (``approximate`` with ``heads`` below what the kernel needs) keeps the
+    ``heads`` offsets chosen by ``spec.rule`` and refits their W^O on the images
+    ``calibrate(config)`` makes (called only then; default: noise images), then measures the result
+    on its held-out images (:mod:`convit_convert.approximate`); with enough heads it is the exact
+    conversion. Verification still judges against ``spec.tol``."""
+    spec = spec or ConversionSpec()
     if ckpt.kind != "conv":
         raise CmhsaError(
             f"is {article(ckpt.kind)} checkpoint already; convert takes a conv-phase one", ckpt.path
         )
-    if pinning not in PINNING:
-        raise CmhsaError(f"`pinning` must be hard or gated, got {pinning!r}")
-    if rule not in RULES:
-        raise CmhsaError(f"`rule` must be one of {', '.join(RULES)}, got {rule!r}")
-    if heads is not None and heads < 1:
-        raise CmhsaError(f"`heads` must be at least 1, got {heads}")
-    check_tol(tol)
-    check_tol(qk_init_std, "qk_init_std")
     check_batch(batch)
     t = time.perf_counter()
     src = ckpt.config
+    plan = spec.plan(src)
     # the output's size is known before anything is built: refuse what cannot fit (float32 weights,
     # the output and the conv model held together, and verification's activations)
-    out_cfg = src.with_attention(
-        heads or heads_needed(src.kernel_size, src.patch_size, src.dilation), qk_dim, pinning=pinning
-    )  # type: ignore[arg-type]
+    out_cfg = plan.config
     need = 4 * (out_cfg.num_params() + src.num_params()) + (out_cfg.activation_bytes(batch) if verify else 0)
     check_fits(
         need * dtype.itemsize // 4,
         f"the converted model ({out_cfg.num_heads} heads, qk_dim {out_cfg.qk_dim})",
         ckpt.path,
     )
-    approx = None
-    if (
-        approximate
-        and heads is not None
-        and heads < heads_needed(src.kernel_size, src.patch_size, src.dilation)
-    ):
-        calibration = calibrate(src) if calibrate else noise_calibration(src, seed=seed)
+    approx, conv_model = None, None
+    if plan.approximate:
+        calibration = calibrate(src) if calibrate else noise_calibration(src, seed=spec.seed)
+        conv_model = ckpt.model()  # built once: choice, held-out errors and verification share it
         blocks = choose(
-            ckpt.model(torch.float32), heads, calibration.images.float(), rule, refit
-        )  # lstsq in float64
-        approx = Approximation(rule, refit, calibration.source, len(calibration.images), blocks)
-    tensors, cfg = convert_state_dict(
-        ckpt.tensors, src, num_heads=heads, qk_dim=qk_dim, sink=sink, qk_init_std=qk_init_std,
-        margin=margin, seed=seed, path=ckpt.path, pinning=pinning,
+            conv_model if ckpt.dtype == torch.float32 else ckpt.model(torch.float32),
+            out_cfg.num_heads, calibration.images.float(), spec.rule, spec.refit,
+        )  # fmt: skip
+        approx = Approximation(spec.rule, spec.refit, calibration.source, len(calibration.images), blocks)
+    tensors = convert_state_dict(
+        ckpt.tensors, plan, path=ckpt.path,
         overrides=None if approx is None else [(c.kept, c.wo.to(ckpt.dtype)) for c in approx.blocks],
     )  # fmt: skip
-    m, s = pinning_logits(cfg.num_patches, sink, margin)
-    pinned = pinned_heads(cfg) if approx is None else list(approx.blocks[0].kept)
-    conv = Conversion(
-        ckpt, cfg, tensors, pinned, m, s if sink else None, qk_init_std, None, approximation=approx
-    )
+    conv = Conversion(ckpt, plan, tensors, approximation=approx)
     conv.timings["convert_s"] = time.perf_counter() - t
     if approx is not None:
         t = time.perf_counter()
-        approx.heldout = heldout_errors(ckpt.model(), conv.model(), calibration.heldout, calibration.labels)  # type: ignore[union-attr]
+        approx.heldout = heldout_errors(conv_model, conv.model(), calibration.heldout, calibration.labels)  # type: ignore[arg-type]
         conv.timings["heldout_s"] = time.perf_counter() - t
     if verify:
         t = time.perf_counter()
         conv.verification = verify_models(
-            ckpt.model(), conv.model(), batch=batch, seed=seed, dtype=dtype, device=device, tol=tol
-        )
+            conv_model or ckpt.model(), conv.model(), batch=batch, seed=spec.seed, dtype=dtype, device=device,
+            tol=spec.tol,
+        )  # fmt: skip
         conv.timings["verify_s"] = time.perf_counter() - t
     return conv
 
@@ -219,18 +203,11 @@ def heads_sweep(
     if ckpt.kind != "conv":
         raise CmhsaError(f"is {article(ckpt.kind)} checkpoint; the sweep needs a conv-phase one", ckpt.path)
     cfg = ckpt.config
+    spec = ConversionSpec(approximate=True, rule=rule, seed=seed)
     calibration = calibration or noise_calibration(cfg, seed=seed)
     rows = []
-    for n in range(1, heads_needed(cfg.kernel_size, cfg.patch_size, cfg.dilation) + 1):
-        c = convert_checkpoint(
-            ckpt,
-            heads=n,
-            approximate=True,
-            calibrate=lambda _: calibration,
-            rule=rule,
-            verify=False,
-            seed=seed,
-        )
+    for n in range(1, spec.plan(cfg).needed + 1):
+        c = convert_checkpoint(ckpt, spec.replace(heads=n), calibrate=lambda _: calibration, verify=False)
         a, h = c.approximation, None
         if a is None:  # N = the bound: the exact conversion
             h = heldout_errors(ckpt.model(), c.model(), calibration.heldout, calibration.labels)
@@ -282,23 +259,25 @@ class ConvertReport:
 
 
 def convert_file(
-    input: Path, output: Path, *, report: Path | None = None, img_size: tuple[int, int] | None = None,
-    patch_size: int | None = None, dilation: int = 1, norm_eps: float = 1e-6, dtype: str = "float32",
-    device: str = "auto", **options: Any,
+    input: Path, output: Path, spec: ConversionSpec | None = None, *, report: Path | None = None,
+    img_size: tuple[int, int] | None = None, patch_size: int | None = None, dilation: int = 1,
+    norm_eps: float = 1e-6, dtype: str = "float32", device: str = "auto", verify: bool = True, batch: int = 4,
+    calibrate: Callable[[ViTConfig], Calibration] | None = None,
 ) -> ConvertReport:  # fmt: skip
-    """``cmhsa convert``: load, convert and verify (``options`` as :func:`convert_checkpoint`), write
-    the attention checkpoint if verification passed, and the JSON report either way."""
+    """``cmhsa convert``: load, convert as ``spec`` says and verify (:func:`convert_checkpoint`),
+    write the attention checkpoint if verification passed, and the JSON report either way."""
+    spec = spec or ConversionSpec()
     report_path = report or default_report_path(output)
     check_outputs(input, output, report_path, ".safetensors", "a safetensors checkpoint (export writes ONNX)")
-    tol = options.get("tol", 1e-5)
-    check_tol(tol)
     verify_dtype = resolve_dtype(dtype)
-    verify_device = resolve_device(device) if options.get("verify", True) else "cpu"
+    verify_device = resolve_device(device) if verify else "cpu"
     t = time.perf_counter()
-    ckpt = load_checkpoint(input, img_size=img_size, patch_size=patch_size, dilation=dilation, norm_eps=norm_eps, onnx_tol=tol)  # fmt: skip
+    ckpt = load_checkpoint(input, img_size=img_size, patch_size=patch_size, dilation=dilation, norm_eps=norm_eps, onnx_tol=spec.tol)  # fmt: skip
     timings = {"load_s": time.perf_counter() - t}
     input_facts = file_facts(input)
-    conv = convert_checkpoint(ckpt, dtype=verify_dtype, device=verify_device, **options)
+    conv = convert_checkpoint(
+        ckpt, spec, verify=verify, batch=batch, dtype=verify_dtype, device=verify_device, calibrate=calibrate
+    )
     timings.update(conv.timings)
     output_facts = None
     # the model and its report together or neither: a failed write keeps both previous files
@@ -338,7 +317,7 @@ class VerifyReport:
 
 
 def verify_files(
-    conv: Path, attn: Path, *, tol: float = 1e-5, dtype: str = "float32", batch: int = 4, seed: int = 0,
+    conv: Path, attn: Path, *, tol: float = DEFAULT_TOL, dtype: str = "float32", batch: int = 4, seed: int = 0,
     device: str = "auto", report: Path | None = None,
 ) -> VerifyReport:  # fmt: skip
     """``cmhsa verify``: does the attn checkpoint compute what the conv checkpoint computes?"""

@@ -34,6 +34,7 @@ from .config import ViTConfig
 from .construct import output_projection
 from .errors import CmhsaError
 from .model import VisionTransformer
+from .spec import RULES
 from .theory import patch_offsets
 
 
@@ -55,9 +56,6 @@ def neighbours(x: torch.Tensor, grid: tuple[int, int], offsets: Sequence[tuple[i
     padded = F.pad(x.view(b, gh, gw, d), (0, 0, r, r, r, r))
     cols = [padded[:, r + dy : r + dy + gh, r + dx : r + dx + gw] for dy, dx in offsets]
     return torch.stack(cols, 3).reshape(b * n, len(offsets), d)
-
-
-RULES = ("greedy", "corner")
 
 
 def drop_order(parts: torch.Tensor, target: torch.Tensor, offsets: Sequence[tuple[int, int]], rule: str,

@@ -56,9 +56,8 @@ from torch import nn
 
 from .config import ViTConfig
 from .errors import CmhsaError
-from .theory import head_count, patch_offsets, same_padding
-
-DEFAULT_MARGIN = 40.0  # the paper's M = 40 (Appendix A.1), as a margin between competing logits
+from .spec import DEFAULT_MARGIN, ConversionPlan, Offset, pinned_heads, pinning_logits
+from .theory import head_count, same_padding
 
 
 def kernel_taps(deltas: Sequence[int], patch_size: int, kernel_size: int, dilation: int) -> torch.Tensor:
@@ -95,60 +94,44 @@ def output_projection(
     return wo.permute(0, 1, 5, 2, 3, 4, 6).reshape(p * p * c_out, n_h * p * p * c_in)
 
 
-def pinning_logits(num_patches: int, sink: bool, margin: float = DEFAULT_MARGIN) -> tuple[float, float]:
-    """(offset logit M, sink logit S) that make attention one-hot to within e^-margin."""
-    sink_logit = math.log(num_patches) + margin
-    return (sink_logit + margin if sink else sink_logit), sink_logit
-
-
-def pinned_heads(
-    cfg: ViTConfig, offsets: Sequence[tuple[int, int]] | None = None
-) -> list[tuple[int, int] | None]:
-    """The offset δ_r head r of ``cfg`` (an attn config) is pinned to, or None where the head has
-    nothing to read: an offset beyond the grid (it only ever reads padding, so its output weights are
-    zero) or a head beyond the offsets (default Δ; an approximate conversion passes the ones it keeps)."""
-    gh, gw = cfg.grid_size
-    offsets = patch_offsets(cfg.kernel_size, cfg.patch_size, cfg.dilation) if offsets is None else offsets
-    pinned = [(dy, dx) if abs(dy) < gh and abs(dx) < gw else None for dy, dx in offsets]
-    return pinned + [None] * (cfg.num_heads - len(offsets))
-
-
-def check_heads(cfg: ViTConfig, num_heads: int, path: object = None) -> None:
+def check_heads(plan: ConversionPlan, path: object = None) -> None:
     """Refuse head counts below what the construction needs, citing the lower bound."""
-    hc = head_count(cfg.kernel_size, cfg.patch_size, cfg.dilation, channels=cfg.hidden_chans)
-    if num_heads >= hc.patch_heads:
+    cfg, num_heads = plan.source, plan.config.num_heads
+    if plan.exact:
         return
+    hc = head_count(cfg.kernel_size, cfg.patch_size, cfg.dilation, channels=cfg.hidden_chans)
     why = (
         f"and no fewer can express every such kernel ({hc.patch_reason})"
-        if hc.patch_lower_bound is not None and num_heads < hc.patch_lower_bound
+        if hc.patch_lower_bound is not None and num_heads < hc.patch_lower_bound  # type: ignore[operator]
         else f"({hc.patch_reason})"
     )
     raise CmhsaError(
         f"{num_heads} heads are too few: a {cfg.kernel_size}x{cfg.kernel_size} kernel "
         f"(dilation {cfg.dilation}) with {cfg.patch_size}-pixel patches touches "
-        f"{hc.patch_heads} patch offsets, one head each {why}",
+        f"{plan.needed} patch offsets, one head each {why}",
         path,
     )
 
 
 def convert_block(
-    weight: torch.Tensor, bias: torch.Tensor | None, cfg: ViTConfig, *,
-    generator: torch.Generator | None = None, qk_init_std: float = 0.0, margin: float = DEFAULT_MARGIN,
-    offsets: Sequence[tuple[int, int]] | None = None, wo: torch.Tensor | None = None,
+    weight: torch.Tensor, bias: torch.Tensor | None, plan: ConversionPlan, *,
+    generator: torch.Generator | None = None, offsets: Sequence[Offset] | None = None,
+    wo: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:  # fmt: skip
     """One conv mixer -> the tensors of one attention mixer (names relative to ``attn.``).
 
-    ``cfg`` is the attn config (num_heads, qk_dim, v_dim, sink set). Zero W_Q and W_K come back
-    as broadcast views of one zero; ``.clone()`` them before editing in place. ``offsets`` and
-    ``wo`` (d, len(offsets), d) replace Δ and the kernel's taps (an approximate conversion).
+    Zero W_Q and W_K come back as broadcast views of one zero; ``.clone()`` them before editing in
+    place. ``offsets`` and ``wo`` (d, len(offsets), d) replace Δ and the kernel's taps (an
+    approximate conversion).
     """
+    cfg = plan.config
     d, p = cfg.embed_dim, cfg.patch_size
     n_h, qk, vd = cfg.num_heads, cfg.qk_dim, cfg.v_dim
-    if vd < d:
+    if vd < d:  # type: ignore[operator]
         raise ValueError(f"exactness needs v_dim >= embed_dim ({vd} < {d})")
     dtype = weight.dtype
-    offsets = patch_offsets(cfg.kernel_size, p, cfg.dilation) if offsets is None else list(offsets)
-    heads = pinned_heads(cfg, offsets)
+    heads = plan.pinned if offsets is None else pinned_heads(cfg, list(offsets))
+    offsets = list(plan.offsets[:n_h] if offsets is None else offsets)  # type: ignore[index]
     usable = [o is not None for o in heads[: len(offsets)]]
     if wo is None:
         wo = output_projection(weight, p, cfg.dilation, offsets).view(d, len(offsets), d)
@@ -158,6 +141,7 @@ def convert_block(
 
     free = [r for r, o in enumerate(heads) if o is None]  # alive: trainable, silent through W_O = 0
     gated = cfg.pinning == "gated"
+    qk_init_std = plan.spec.qk_init_std
 
     def init(shape: tuple[int, ...]) -> torch.Tensor:  # the layer's usual init, from the seeded generator
         return nn.init.trunc_normal_(
@@ -189,7 +173,7 @@ def convert_block(
         "proj.weight": proj.reshape(d, n_h * vd),
         "proj.bias": (torch.zeros(cfg.hidden_chans, dtype=dtype) if bias is None else bias).repeat(p * p),
     }
-    return out | positional_attention(cfg, heads, margin, dtype)
+    return out | positional_attention(cfg, heads, plan.spec.margin, dtype)
 
 
 def positional_attention(
@@ -217,29 +201,24 @@ def positional_attention(
 
 
 def convert_state_dict(
-    conv_sd: Mapping[str, torch.Tensor], cfg: ViTConfig, *, num_heads: int | None = None,
-    qk_dim: int | None = None, v_dim: int | None = None, sink: bool = True, qk_init_std: float = 0.0,
-    margin: float = DEFAULT_MARGIN, seed: int = 0, path: object = None, pinning: str = "hard",
-    overrides: Sequence[tuple[Sequence[tuple[int, int]], torch.Tensor]] | None = None,
-) -> tuple[dict[str, torch.Tensor], ViTConfig]:  # fmt: skip
-    """A conv-phase state dict -> (attn state dict, attn config) computing the same function.
+    conv_sd: Mapping[str, torch.Tensor], plan: ConversionPlan, *, path: object = None,
+    overrides: Sequence[tuple[Sequence[Offset], torch.Tensor]] | None = None,
+) -> dict[str, torch.Tensor]:  # fmt: skip
+    """A conv-phase state dict -> the state dict of ``plan.config``, computing the same function.
 
-    Tensors outside the token mixers are shared, not copied. ``num_heads`` defaults to the number
-    the construction needs; more is allowed, fewer is refused. ``qk_dim`` and ``v_dim`` default to
-    embed_dim (the paper's model). ``pinning`` "gated" adds a gate per head (see
-    :class:`~convit_convert.model.RelPosAttention`).
+    Tensors outside the token mixers are shared, not copied. Fewer heads than the construction
+    needs are refused unless ``overrides`` brings each block's kept offsets and their W^O (an
+    approximate conversion, :mod:`convit_convert.approximate`).
     """
-    needed = head_count(cfg.kernel_size, cfg.patch_size, cfg.dilation).patch_heads
-    num_heads = needed if num_heads is None else num_heads
-    if overrides is None:  # an approximate conversion (convit_convert.approximate) brings its own offsets
-        check_heads(cfg, num_heads, path)
-    attn_cfg = cfg.with_attention(num_heads, qk_dim, v_dim, sink, pinning)  # type: ignore[arg-type]
+    cfg, attn_cfg = plan.source, plan.config
+    if overrides is None:
+        check_heads(plan, path)
     attn_cfg.validate(path)
-    if attn_cfg.v_dim < cfg.embed_dim:
+    if attn_cfg.v_dim < cfg.embed_dim:  # type: ignore[operator]
         raise CmhsaError(
             f"v_dim {attn_cfg.v_dim} < embed_dim {cfg.embed_dim}: exactness needs v_dim >= embed_dim", path
         )
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator().manual_seed(plan.spec.seed)
     out: dict[str, torch.Tensor] = {}
     for name, t in conv_sd.items():
         if ".conv." not in name:
@@ -248,14 +227,12 @@ def convert_state_dict(
         block = convert_block(
             conv_sd[f"blocks.{i}.conv.weight"],
             conv_sd.get(f"blocks.{i}.conv.bias"),
-            attn_cfg,
+            plan,
             generator=gen,
-            qk_init_std=qk_init_std,
-            margin=margin,
             **({} if overrides is None else {"offsets": overrides[i][0], "wo": overrides[i][1]}),
         )
         out.update({f"blocks.{i}.attn.{k}": v for k, v in block.items()})
-    return out, attn_cfg
+    return out
 
 
 def pinned_offsets(

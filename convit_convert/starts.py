@@ -41,9 +41,10 @@ from typing import Any
 import torch
 
 from .config import ViTConfig
-from .construct import DEFAULT_MARGIN, pinned_heads, positional_attention
+from .construct import positional_attention
 from .errors import CmhsaError
 from .model import VisionTransformer
+from .spec import DEFAULT_MARGIN, pinned_heads
 from .theory import patch_offsets
 
 IMPULSE_OFFSETS = ("conversion", "random")

@@ -20,6 +20,7 @@ import torch
 
 from convit_convert.api import convert_checkpoint, load_checkpoint
 from convit_convert.io.checkpoint import save_checkpoint
+from convit_convert.spec import ConversionSpec
 from convit_convert.train.evaluate import attention_on_data
 
 
@@ -46,13 +47,10 @@ def main() -> None:
     for run in sorted(args.out.glob("warmup*/seed*/both-p2-*")):
         cfg = json.loads((run / "config.json").read_text())
         conv = load_checkpoint(cfg["init"])
-        start = convert_checkpoint(
-            conv,
-            heads=cfg["model"]["num_heads"],
-            pinning=cfg["model"]["pinning"],
-            seed=cfg["seed"],
-            verify=False,
+        spec = ConversionSpec(
+            heads=cfg["model"]["num_heads"], pinning=cfg["model"]["pinning"], seed=cfg["seed"]
         )
+        start = convert_checkpoint(conv, spec, verify=False)
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / "start.safetensors"
             save_checkpoint(path, start.config, start.tensors)

@@ -33,6 +33,7 @@ from fashion_mnist import LR_PHASE2, LR_SCRATCH, train
 from convit_convert.api import convert_checkpoint, load_checkpoint
 from convit_convert.construct import pinned_offsets
 from convit_convert.io.checkpoint import save_checkpoint
+from convit_convert.spec import ConversionSpec
 from convit_convert.theory import offset_tap_share
 from convit_convert.train.evaluate import calibration_from_data, evaluate_checkpoint
 
@@ -79,8 +80,8 @@ def main() -> None:
                 d.mkdir(parents=True, exist_ok=True)
                 vit = d / "vit.safetensors"
                 if not vit.is_file():
-                    c = convert_checkpoint(ckpt, heads=n, approximate=True, calibrate=lambda _, c=calib: c, rule=rule,
-                                           refit=refit, verify=False, seed=seed)  # fmt: skip
+                    spec = ConversionSpec(heads=n, approximate=True, rule=rule, refit=refit, seed=seed)
+                    c = convert_checkpoint(ckpt, spec, calibrate=lambda _, c=calib: c, verify=False)
                     save_checkpoint(vit, c.config, c.tensors)
                 r = rows.setdefault((name, n), {"conv": [], "converted": [], "finetuned": []})
                 r["conv"].append(conv_top1)

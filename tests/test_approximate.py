@@ -9,6 +9,7 @@ from convit_convert.approximate import choose
 from convit_convert.config import ViTConfig
 from convit_convert.construct import convert_state_dict
 from convit_convert.model import VisionTransformer
+from convit_convert.spec import ConversionSpec
 from convit_convert.verify import verify_models
 
 CFG = ViTConfig.build(img_size=16, patch_size=4, depth=2, num_classes=5, kernel_size=5)
@@ -27,8 +28,10 @@ def test_all_offsets_kept_is_the_exact_conversion(conv: VisionTransformer) -> No
     """N = |Δ|: nothing dropped, the refit stays at the kernel's taps (ridge), exact on held-out images."""
     choices = choose(conv, 9, torch.randn(16, 3, 16, 16, dtype=torch.float64))
     assert all(not c.dropped and c.drop_error < 1e-12 and c.refit_error < 1e-12 for c in choices)
-    sd, acfg = convert_state_dict(
-        conv.state_dict(), CFG, num_heads=9, overrides=[(c.kept, c.wo) for c in choices]
+    plan = ConversionSpec(heads=9).plan(CFG)
+    sd, acfg = (
+        convert_state_dict(conv.state_dict(), plan, overrides=[(c.kept, c.wo) for c in choices]),
+        plan.config,
     )
     attn = VisionTransformer(acfg).double()
     attn.load_state_dict(sd)
@@ -44,8 +47,10 @@ def test_refit_is_never_worse_than_dropping_on_the_calibration_set(
     for c in choices:
         assert len(c.kept) == heads and len(c.kept) + len(c.dropped) == 9
         assert c.drop_error > 0 and c.refit_error <= c.drop_error + 1e-12
-    sd, acfg = convert_state_dict(
-        conv.state_dict(), CFG, num_heads=heads, overrides=[(c.kept, c.wo) for c in choices]
+    plan = ConversionSpec(heads=heads, approximate=True).plan(CFG)
+    sd, acfg = (
+        convert_state_dict(conv.state_dict(), plan, overrides=[(c.kept, c.wo) for c in choices]),
+        plan.config,
     )
     attn = VisionTransformer(acfg).double()
     attn.load_state_dict(sd)  # the file format holds an approximate model like any other

@@ -56,9 +56,11 @@ def test_file_written_by_another_tool_loads(tmp_path: Path) -> None:
 
 def test_roundtrip_attn(tmp_path: Path) -> None:
     from convit_convert.construct import convert_state_dict
+    from convit_convert.spec import ConversionSpec
 
     conv = conv_model()
-    sd, acfg = convert_state_dict(conv.state_dict(), conv.cfg, qk_dim=8)
+    plan = ConversionSpec(qk_dim=8).plan(conv.cfg)
+    sd, acfg = convert_state_dict(conv.state_dict(), plan), plan.config
     save_checkpoint(tmp_path / "a.safetensors", acfg, sd)
     back = load_checkpoint(tmp_path / "a.safetensors")
     assert back.kind == "attn" and back.config == acfg

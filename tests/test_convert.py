@@ -17,7 +17,8 @@ from convit_convert.config import ViTConfig
 from convit_convert.construct import convert_block, convert_state_dict, output_projection
 from convit_convert.errors import CmhsaError
 from convit_convert.model import RelPosAttention, VisionTransformer
-from convit_convert.theory import heads_needed, patch_offsets
+from convit_convert.spec import ConversionSpec
+from convit_convert.theory import patch_offsets
 from convit_convert.verify import border_mask
 
 PROPERTY = settings(
@@ -41,11 +42,10 @@ def mixer_configs(draw: st.DrawFn) -> ViTConfig:
 
 
 def attention_from(cfg: ViTConfig, weight: torch.Tensor, bias: torch.Tensor | None, **kw) -> RelPosAttention:
-    acfg = cfg.with_attention(
-        kw.pop("num_heads", heads_needed(cfg.kernel_size, cfg.patch_size, cfg.dilation)), **kw
-    )
+    plan = ConversionSpec(**kw).plan(cfg)  # heads default: as many as Δ has offsets
+    acfg = plan.config
     attn = RelPosAttention(acfg.embed_dim, acfg.grid_size, acfg.num_heads, acfg.qk_dim, acfg.v_dim, acfg.sink)
-    attn.double().load_state_dict(convert_block(weight, bias, acfg))
+    attn.double().load_state_dict(convert_block(weight, bias, plan))
     return attn
 
 
@@ -120,7 +120,8 @@ def test_two_output_projection_constructions_agree(
 )
 def test_whole_model_equivalence(kw: dict) -> None:
     conv = conv_model(seed=3, **kw)
-    sd, acfg = convert_state_dict(conv.state_dict(), conv.cfg)
+    plan = ConversionSpec().plan(conv.cfg)
+    sd, acfg = convert_state_dict(conv.state_dict(), plan), plan.config
     attn = VisionTransformer(acfg).double().eval()
     attn.load_state_dict(sd)
     x = torch.randn(3, conv.cfg.in_chans, *conv.cfg.img_size, dtype=torch.float64)
@@ -131,7 +132,8 @@ def test_whole_model_equivalence(kw: dict) -> None:
 
 def test_float32_paper_like_model() -> None:
     conv = conv_model(seed=1, dtype=torch.float32, img_size=64, patch_size=16, depth=2)
-    sd, acfg = convert_state_dict(conv.state_dict(), conv.cfg)
+    plan = ConversionSpec().plan(conv.cfg)
+    sd, acfg = convert_state_dict(conv.state_dict(), plan), plan.config
     attn = VisionTransformer(acfg).eval()
     attn.load_state_dict(sd)
     x = torch.randn(2, 3, 64, 64)
@@ -161,7 +163,7 @@ def test_without_sink_border_is_wrong_interior_exact() -> None:
 def test_extra_heads_and_wide_values_stay_exact() -> None:
     cfg = ViTConfig.build(img_size=(12, 12), patch_size=4, hidden_chans=2, in_chans=2, kernel_size=3, depth=1)
     weight = torch.randn(2, 2, 3, 3, dtype=torch.float64)
-    attn = attention_from(cfg, weight, None, num_heads=12, qk_dim=4, v_dim=40)
+    attn = attention_from(cfg, weight, None, heads=12, qk_dim=4, v_dim=40)
     proj = attn.proj.weight.view(32, 12, 40)
     assert torch.count_nonzero(proj[:, 9:]) == 0 and torch.count_nonzero(proj[:, :, 32:]) == 0
     x = torch.randn(1, 9, 32, dtype=torch.float64)
@@ -172,7 +174,8 @@ def test_extra_heads_and_wide_values_stay_exact() -> None:
 
 def test_random_qk_init_stays_exact() -> None:
     conv = conv_model(seed=2)
-    sd, acfg = convert_state_dict(conv.state_dict(), conv.cfg, qk_dim=16, qk_init_std=1e-3)
+    plan = ConversionSpec(qk_dim=16, qk_init_std=1e-3).plan(conv.cfg)
+    sd, acfg = convert_state_dict(conv.state_dict(), plan), plan.config
     assert sd["blocks.0.attn.q.weight"].abs().max() > 0
     attn = VisionTransformer(acfg).double().eval()
     attn.load_state_dict(sd)
@@ -184,15 +187,18 @@ def test_random_qk_init_stays_exact() -> None:
 def test_too_few_heads_is_refused_citing_the_bound() -> None:
     conv = conv_model()
     with pytest.raises(CmhsaError, match=r"8 heads are too few.*9 patch offsets.*Theorem 6"):
-        convert_state_dict(conv.state_dict(), conv.cfg, num_heads=8)
+        convert_state_dict(conv.state_dict(), ConversionSpec(heads=8).plan(conv.cfg))
     cfg = ViTConfig.build(img_size=32, patch_size=4, kernel_size=7, depth=1)  # no proven bound here
     with pytest.raises(CmhsaError, match=r"9 patch offsets.*no lower bound is proven"):
-        convert_state_dict(conv_model(img_size=32, kernel_size=7, depth=1).state_dict(), cfg, num_heads=4)
+        convert_state_dict(
+            conv_model(img_size=32, kernel_size=7, depth=1).state_dict(), ConversionSpec(heads=4).plan(cfg)
+        )
 
 
 def test_low_precision_weights_are_copied_exactly() -> None:
     conv = conv_model(dtype=torch.bfloat16)
-    sd, _ = convert_state_dict(conv.state_dict(), conv.cfg)
+    plan = ConversionSpec().plan(conv.cfg)
+    sd, _ = convert_state_dict(conv.state_dict(), plan), plan.config
     w = conv.blocks[0].conv.weight
     proj = sd["blocks.0.attn.proj.weight"]
     assert proj.dtype == torch.bfloat16

@@ -24,6 +24,7 @@ from safetensors.torch import load_file
 from conftest import conv_model, rel_err
 from convit_convert.construct import convert_state_dict
 from convit_convert.model import VisionTransformer
+from convit_convert.spec import ConversionSpec
 from convit_convert.train.config import TrainConfig
 from convit_convert.train.run import run
 from convit_convert.verify import verify_models
@@ -46,7 +47,8 @@ def tiny(tmp_path: Path, name: str, **kw) -> TrainConfig:
 
 def converted(dtype: torch.dtype = torch.float32):
     conv = conv_model(dtype=torch.float64)  # 12×8 px, P = 4, K = 5, depth 2, random affines
-    sd, mcfg = convert_state_dict(conv.state_dict(), conv.cfg)
+    plan = ConversionSpec().plan(conv.cfg)
+    sd, mcfg = convert_state_dict(conv.state_dict(), plan), plan.config
     attn = VisionTransformer(mcfg).double().eval()
     attn.load_state_dict(sd)
     return conv, attn

@@ -12,6 +12,7 @@ from convit_convert.config import ViTConfig
 from convit_convert.construct import convert_state_dict
 from convit_convert.deploy import FusedRelPosAttention, fuse_attention
 from convit_convert.model import VisionTransformer
+from convit_convert.spec import ConversionSpec
 
 
 @pytest.mark.parametrize("portable", [False, True])  # True: the form `cmhsa export` writes
@@ -39,7 +40,8 @@ def test_fused_equals_unfused_random_weights(qk_dim: int, sink: bool, pinning: s
 
 def test_fused_converted_model_is_still_the_convolution() -> None:
     conv = conv_model(seed=4)
-    sd, acfg = convert_state_dict(conv.state_dict(), conv.cfg)
+    plan = ConversionSpec().plan(conv.cfg)
+    sd, acfg = convert_state_dict(conv.state_dict(), plan), plan.config
     attn = VisionTransformer(acfg).double().eval()
     attn.load_state_dict(sd)
     fused = fuse_attention(attn)
@@ -54,7 +56,8 @@ def test_fused_runs_under_bf16_autocast(qk_dim: int | None) -> None:
     autocast ops; mixed dtypes used to fail). Its error against the float64 convolution is about
     the unfused model's own under the same autocast (bf16 unit roundoff 3.9e-3; 2e-2 bound)."""
     conv = conv_model(seed=5)
-    sd, acfg = convert_state_dict(conv.state_dict(), conv.cfg, qk_dim=qk_dim)
+    plan = ConversionSpec(qk_dim=qk_dim).plan(conv.cfg)
+    sd, acfg = convert_state_dict(conv.state_dict(), plan), plan.config
     attn = VisionTransformer(acfg).eval()
     attn.load_state_dict({k: v.float() for k, v in sd.items()})
     fused = fuse_attention(copy.deepcopy(attn))
@@ -114,7 +117,8 @@ def test_for_inference_fuses_where_exact_and_falls_back_otherwise() -> None:
     from convit_convert.deploy import for_inference
 
     conv = conv_model(seed=4, dtype=torch.float32)
-    sd, acfg = convert_state_dict(conv.state_dict(), conv.cfg)
+    plan = ConversionSpec().plan(conv.cfg)
+    sd, acfg = convert_state_dict(conv.state_dict(), plan), plan.config
     attn = VisionTransformer(acfg)
     attn.load_state_dict(sd)
     model, form = for_inference(attn)

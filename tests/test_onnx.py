@@ -31,6 +31,7 @@ from convit_convert.cli import app
 from convit_convert.construct import convert_state_dict
 from convit_convert.io.checkpoint import save_checkpoint
 from convit_convert.model import VisionTransformer
+from convit_convert.spec import ConversionSpec
 from third_party_vit import TheirConvViT, export
 
 TOL = 1e-5
@@ -105,7 +106,8 @@ def test_import_reads_third_party_exports(exported, variant: str, exporter: str)
     x, ref = their_logits(their, 3)
     with torch.no_grad():
         assert rel(ckpt.model()(x), ref) <= TOL
-        state, attn_cfg = convert_state_dict(ckpt.tensors, cfg)
+        plan = ConversionSpec().plan(cfg)
+        state, attn_cfg = convert_state_dict(ckpt.tensors, plan), plan.config
         attn = VisionTransformer(attn_cfg)
         attn.load_state_dict(state)
         assert rel(attn.eval()(x), ref) <= TOL  # the attention model computes their conv model
@@ -385,7 +387,8 @@ def attn_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[bool, Pat
     conv = conv_model(dtype=torch.float32, img_size=(8, 12), kernel_size=3)
     paths = {}
     for sink in (True, False):
-        state, cfg = convert_state_dict(conv.state_dict(), conv.cfg, sink=sink, qk_init_std=0.05)
+        plan = ConversionSpec(sink=sink, qk_init_std=0.05).plan(conv.cfg)
+        state, cfg = convert_state_dict(conv.state_dict(), plan), plan.config
         paths[sink] = folder / f"vit-{sink}.safetensors"
         save_checkpoint(paths[sink], cfg, state)
     return paths

@@ -23,6 +23,7 @@ from convit_convert.construct import convert_state_dict
 from convit_convert.deploy import fuse_attention, prepare_for_export
 from convit_convert.io.checkpoint import save_checkpoint
 from convit_convert.model import VisionTransformer
+from convit_convert.spec import ConversionSpec
 from convit_convert.train.config import TrainConfig
 from convit_convert.train.data import build_data
 from convit_convert.train.recipe import build_recipe
@@ -42,7 +43,8 @@ def random_conv(seed: int = 0) -> VisionTransformer:
 
 
 def converted(pinning: str, heads: int, conv: VisionTransformer) -> VisionTransformer:
-    sd, acfg = convert_state_dict(conv.state_dict(), CFG, num_heads=heads, pinning=pinning)
+    plan = ConversionSpec(heads=heads, pinning=pinning).plan(CFG)
+    sd, acfg = convert_state_dict(conv.state_dict(), plan), plan.config
     attn = VisionTransformer(acfg)
     attn.load_state_dict(sd)
     return attn
@@ -81,9 +83,8 @@ def test_after_one_epoch_gates_and_free_heads_have_moved(tmp_path: Path) -> None
     conv = str(p1.out / "conv.safetensors")
     p2 = run(TrainConfig(phase="phase2", out=str(tmp_path / "p2"), init=conv, pinning="gated", heads=10,
                          attn_lr_mult=10.0, lr=1e-3, **common))  # fmt: skip
-    start = convert_state_dict(
-        load_checkpoint(conv).tensors, load_checkpoint(conv).config, num_heads=10, pinning="gated"
-    )[0]
+    ckpt = load_checkpoint(conv)
+    start = convert_state_dict(ckpt.tensors, ConversionSpec(heads=10, pinning="gated").plan(ckpt.config))
     end = load_checkpoint(p2.out / "vit.safetensors").tensors
     for i in range(2):
         gate = end[f"blocks.{i}.attn.gate"]
@@ -132,7 +133,8 @@ def test_attention_statistics_of_an_exact_conversion() -> None:
 def test_attention_command_writes_json_and_png(tmp_path: Path) -> None:
     path = tmp_path / "vit.safetensors"
     cfg = ViTConfig.build(img_size=(12, 16), patch_size=4, depth=2, num_classes=10, kernel_size=5)
-    sd, acfg = convert_state_dict(VisionTransformer(cfg).state_dict(), cfg, num_heads=10, pinning="gated")
+    plan = ConversionSpec(heads=10, pinning="gated").plan(cfg)
+    sd, acfg = convert_state_dict(VisionTransformer(cfg).state_dict(), plan), plan.config
     save_checkpoint(path, acfg, sd)
     r = CliRunner().invoke(app, ["attention", str(path), "--data", "synthetic", "--images", "20",
                                  "--device", "cpu", "-o", str(tmp_path / "att")])  # fmt: skip
@@ -166,7 +168,8 @@ def test_fashion_mnist_from_idx_files(tmp_path: Path) -> None:
 
 
 def test_version_1_files_load_and_newer_ones_are_refused(tmp_path: Path) -> None:
-    sd, acfg = convert_state_dict(random_conv().state_dict(), CFG)
+    plan = ConversionSpec().plan(CFG)
+    sd, acfg = convert_state_dict(random_conv().state_dict(), plan), plan.config
     path = tmp_path / "v2.safetensors"
     save_checkpoint(path, acfg, sd)
     with safe_open(str(path), "pt") as f:

@@ -14,6 +14,7 @@ from convit_convert.api import load_checkpoint
 from convit_convert.construct import convert_state_dict
 from convit_convert.errors import CmhsaError
 from convit_convert.io.checkpoint import save_checkpoint
+from convit_convert.spec import ConversionSpec
 
 FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "conv_digits.safetensors"
 
@@ -21,7 +22,8 @@ FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "conv_digits.saf
 @pytest.fixture(scope="module")
 def attn_file(tmp_path_factory) -> Path:
     ckpt = load_checkpoint(FIXTURE)
-    sd, cfg = convert_state_dict(ckpt.tensors, ckpt.config, pinning="gated", num_heads=10)
+    plan = ConversionSpec(pinning="gated", heads=10).plan(ckpt.config)
+    sd, cfg = convert_state_dict(ckpt.tensors, plan), plan.config
     path = tmp_path_factory.mktemp("timm") / "vit.safetensors"
     save_checkpoint(path, cfg, sd)
     return path

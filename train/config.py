@@ -13,6 +13,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from ..spec import DEFAULT_MARGIN, DEFAULT_TOL, ConversionSpec
+
 PHASE_LR = {"phase1": 5e-4, "phase2": 5e-5}  # peak learning rates the paper used (Appendix B)
 # fields that change how a run executes but not what it computes: a resumed run may change them
 RUNTIME_FIELDS = ("device", "workers", "threads", "compile", "resume", "log_every", "keep", "out", "export_onnx",
@@ -61,8 +63,8 @@ class TrainConfig:
         None  # lr multiplier of W_Q, W_K, gates, biases; default 10 from a checkpoint, else 1
     )
     qk_init_std: float = 0.0
-    margin: float = 40.0
-    verify_tol: float = 1e-5
+    margin: float = DEFAULT_MARGIN
+    verify_tol: float = DEFAULT_TOL
     # optimisation (DeiT / the paper)
     epochs: int = 200
     batch_size: int = 128  # per process
@@ -117,6 +119,15 @@ class TrainConfig:
     @property
     def pinning_used(self) -> str:
         return self.pinning or ("gated" if self.from_checkpoint or self.init == "impulse" else "hard")
+
+    @property
+    def conversion_spec(self) -> ConversionSpec:
+        """The conversion phase 2 starts from (``--init`` a conv checkpoint), or whose attention
+        layout a start without a checkpoint takes (heads, qk_dim, sink, pinning)."""
+        return ConversionSpec(
+            heads=self.heads, qk_dim=self.qk_dim, sink=self.sink, pinning=self.pinning_used,
+            qk_init_std=self.qk_init_std, margin=self.margin, seed=self.seed, tol=self.verify_tol,
+        )  # fmt: skip
 
     @property
     def attn_lr_scale(self) -> float:

@@ -22,7 +22,6 @@ from ..errors import CheckFailed, CmhsaError
 from ..model import ATTENTION_PARAMS, VisionTransformer
 from ..resources import check_fits
 from ..starts import start_model
-from ..theory import head_count
 from .config import TrainConfig
 from .data import image_mode
 
@@ -102,11 +101,7 @@ def build_phase_model(cfg: TrainConfig, num_classes: int, log: Any = print) -> P
         check_trainable(cfg, mcfg)
         return PhaseModel(VisionTransformer(mcfg, cfg.drop_path), mcfg, {"init": "random"})
     if not cfg.from_checkpoint:
-        conv_cfg = flag_config(cfg, num_classes)
-        heads = (
-            cfg.heads or head_count(conv_cfg.kernel_size, conv_cfg.patch_size, conv_cfg.dilation).patch_heads
-        )
-        mcfg = conv_cfg.with_attention(heads, cfg.qk_dim, None, cfg.sink, cfg.pinning_used)  # type: ignore[arg-type]
+        mcfg = cfg.conversion_spec.plan(flag_config(cfg, num_classes)).config  # no conversion: its layout
         mcfg.validate()
         check_trainable(cfg, mcfg)
         model = VisionTransformer(mcfg, cfg.drop_path)
@@ -127,10 +122,7 @@ def build_phase_model(cfg: TrainConfig, num_classes: int, log: Any = print) -> P
         model.load_state_dict(ckpt.tensors)
         return PhaseModel(model, ckpt.config, {"init": str(cfg.init), "init_kind": "attn"})
     # the same conversion and verification as `cmhsa convert`
-    conv = convert_checkpoint(
-        ckpt, heads=cfg.heads, qk_dim=cfg.qk_dim, sink=cfg.sink, pinning=cfg.pinning_used, qk_init_std=cfg.qk_init_std,
-        margin=cfg.margin, seed=cfg.seed, tol=cfg.verify_tol,
-    )  # fmt: skip
+    conv = convert_checkpoint(ckpt, cfg.conversion_spec)
     mcfg, result = conv.config, conv.verification
     assert result is not None
     check_trainable(cfg, mcfg)

@@ -10,6 +10,7 @@ import typer
 from rich.table import Table
 
 from ..errors import CmhsaError
+from ..spec import DEFAULT_TOL, RULES, ConversionSpec
 from .common import (
     EXIT_FAIL,
     console,
@@ -39,7 +40,7 @@ def convert(
     pinning: Annotated[str, typer.Option(help="hard: the exact construction, attention fixed; gated: each head also gets content attention behind a gate that starts at 0 (still exact).")] = "hard",
     sink: Annotated[bool, typer.Option("--sink/--no-sink", help="Give each head a sink so border patches are exact. --no-sink: the paper's construction (inexact at the border).")] = True,
     qk_init_std: Annotated[float, typer.Option(help="Std of a small random W_Q, W_K (0 = the paper's zeros); moves phase 2 off the W_Q = W_K = 0 saddle and stays exact.")] = 0.0,
-    tol: Annotated[float, typer.Option(help="Largest relative error verification accepts (and, for ONNX input, the import check).")] = 1e-5,
+    tol: Annotated[float, typer.Option(help="Largest relative error verification accepts (and, for ONNX input, the import check).")] = DEFAULT_TOL,
     verify: Annotated[bool, typer.Option("--verify/--no-verify", help="Check the result numerically before writing it.")] = True,
     report: Annotated[Path | None, path_opt("Report path (default: OUTPUT's stem + .report.json).")] = None,
     img_size: Annotated[str | None, typer.Option(help="Bare state dicts only: image size, H or HxW.")] = None,
@@ -68,12 +69,13 @@ def convert(
     def calibrate(cfg: ViTConfig) -> Calibration:  # called only when an approximation needs images
         return calibration(cfg, calib, data_dir, calib_images, heldout_images, seed)
 
+    spec = ConversionSpec(heads=heads, qk_dim=qk_dim, sink=sink, pinning=pinning, qk_init_std=qk_init_std,
+                          seed=seed, tol=tol, approximate=approximate, rule=rule, refit=refit)  # fmt: skip
     with console.status(f"Converting {safe(str(input))} and verifying on {batch} random images..."):
         r = convert_file(
-            input, output, report=report, img_size=parse_img_size(img_size), patch_size=patch_size,
-            dilation=dilation, norm_eps=norm_eps, dtype=dtype, device=device, heads=heads, qk_dim=qk_dim, pinning=pinning,
-            sink=sink, qk_init_std=qk_init_std, tol=tol, verify=verify, batch=batch, seed=seed,
-            approximate=approximate, rule=rule, refit=refit, calibrate=calibrate,
+            input, output, spec, report=report, img_size=parse_img_size(img_size), patch_size=patch_size,
+            dilation=dilation, norm_eps=norm_eps, dtype=dtype, device=device, verify=verify, batch=batch,
+            calibrate=calibrate,
         )  # fmt: skip
     c = r.conversion
     cfg, pinned = c.config, c.summary()["pinned_heads"]
@@ -134,7 +136,7 @@ def print_approximation(a: Approximation) -> None:
 def verify_cmd(
     conv: Annotated[Path, path_arg("Conv-phase checkpoint (.safetensors or .onnx).")],
     attn: Annotated[Path, path_arg("Attention checkpoint.")],
-    tol: Annotated[float, typer.Option(help="Largest relative error accepted.")] = 1e-5,
+    tol: Annotated[float, typer.Option(help="Largest relative error accepted.")] = DEFAULT_TOL,
     dtype: Annotated[str, typer.Option(help="float32 or float64.")] = "float32",
     batch: Annotated[int, typer.Option(help="Random images per check.")] = 4,
     seed: Annotated[int, typer.Option(help="Seed for the random images.")] = 0,
@@ -232,8 +234,6 @@ def heads(
             raise CmhsaError(f"has K = {cfg.kernel_size}, P = {cfg.patch_size}; drop --kernel/--patch or match them", checkpoint)
         kernel, patch, dilation = cfg.kernel_size, cfg.patch_size, cfg.dilation
         channels = cfg.hidden_chans if channels is None else channels
-        from ..approximate import RULES
-
         if rule not in RULES:  # bad input fails before anything is printed
             raise CmhsaError(f"--rule must be one of {', '.join(RULES)}, got {rule!r}")
         calib_set = calibration(cfg, calib, data_dir, calib_images, heldout_images, seed)
