@@ -19,7 +19,16 @@ from typing import Any
 
 import torch
 
-from .approximate import Approximation, Calibration, choose, heldout_errors, noise_calibration
+from .approximate import (
+    Approximation,
+    BlockChoice,
+    Calibration,
+    choose,
+    guard_logits,
+    held_back,
+    heldout_errors,
+    noise_calibration,
+)
 from .config import ViTConfig
 from .construct import convert_state_dict, pinned_offsets
 from .errors import CmhsaError, article
@@ -170,14 +179,19 @@ def convert_checkpoint(
     if plan.approximate:
         calibration = calibrate(src) if calibrate else noise_calibration(src, seed=spec.seed)
         conv_model = ckpt.model()  # built once: choice, held-out errors and verification share it
+        images = calibration.images.float()
         blocks = choose(
             conv_model if ckpt.dtype == torch.float32 else ckpt.model(torch.float32),
-            out_cfg.num_heads, calibration.images.float(), spec.rule, spec.refit,
+            out_cfg.num_heads, images, spec.rule, spec.refit,
         )  # fmt: skip
-        approx = Approximation(spec.rule, spec.refit, calibration.source, len(calibration.images), blocks)
+        approx = Approximation(spec.rule, spec.refit, calibration.source, len(images), blocks)
+        if any(b.refit_kept for b in blocks):  # the refit guarded on the logits too
+            approx.guard_images = held = held_back(len(images))
+            approx.blocks, approx.guard_logits_drop, approx.guard_logits_error = guard_logits(
+                conv_model, blocks, images[-held:], lambda c: approximate_model(ckpt, plan, c)
+            )
     tensors = convert_state_dict(
-        ckpt.tensors, plan, path=ckpt.path,
-        overrides=None if approx is None else [(c.kept, c.wo.to(ckpt.dtype)) for c in approx.blocks],
+        ckpt.tensors, plan, path=ckpt.path, overrides=None if approx is None else overrides(ckpt, approx.blocks)
     )  # fmt: skip
     conv = Conversion(ckpt, plan, tensors, approximation=approx)
     conv.timings["convert_s"] = time.perf_counter() - t
@@ -193,6 +207,20 @@ def convert_checkpoint(
         )  # fmt: skip
         conv.timings["verify_s"] = time.perf_counter() - t
     return conv
+
+
+def overrides(ckpt: Checkpoint, blocks: list[BlockChoice]) -> list[tuple[list[Offset], torch.Tensor]]:
+    """An approximate conversion's per-block offsets and W^O, in the checkpoint's dtype."""
+    return [(c.kept, c.wo.to(ckpt.dtype)) for c in blocks]
+
+
+def approximate_model(ckpt: Checkpoint, plan: ConversionPlan, blocks: list[BlockChoice]) -> VisionTransformer:
+    """The attention model of an approximate conversion's choices (the refit's guard measures it)."""
+    model = VisionTransformer(plan.config)
+    model.load_state_dict(
+        convert_state_dict(ckpt.tensors, plan, path=ckpt.path, overrides=overrides(ckpt, blocks))
+    )
+    return model.eval()
 
 
 def heads_sweep(

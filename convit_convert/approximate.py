@@ -10,11 +10,19 @@ with W_δ the kernel's taps. With N < |Δ| heads:
    leaves the smallest residual ||y − Σ_{δ∈S} X_δ W_δ^T|| (taps fixed), until N remain.
    ``rule="corner"`` (the fixed rule to compare with): drop the offsets farthest from the centre
    first (the diagonals, then the sides; ties row-major), whatever the data.
-2. *Refit* (``refit=True``): W_S = argmin ||Φ_S W − y||² + λ||W − T_S||², Φ_S = [X_δ]_{δ∈S}, T_S
-   the kept taps (ridge towards the taps, λ = 1e-3 · mean diag(Φ_SᵀΦ_S), float64). At W = T_S the
-   objective is plain dropping's error, so on the calibration set the refit is never worse; the
-   ridge keeps it at the taps where the calibration set cannot tell (fewer rows than N·d, or all
-   of Δ kept). ``refit=False`` keeps the taps: plain dropping.
+2. *Refit* (``refit=True``), guarded: the calibration images are split, a quarter (``guard``) held
+   back. On the rest, W_S(λ) = argmin ||Φ_S W − y||² + λ||W − T_S||², Φ_S = [X_δ]_{δ∈S}, T_S the
+   kept taps (ridge towards the taps, λ = r · mean diag(Φ_SᵀΦ_S), r ∈ RIDGES, float64). On the
+   held-back images each W_S(λ) and the taps are measured; the block keeps the best, so a refit is
+   kept only where it beats plain dropping on images it was not fitted to (it can overfit: N·d²
+   unknowns per block). At W = T_S the objective is plain dropping's error, so on the fitted images
+   a kept refit is never worse either, and on the whole calibration set neither. With fewer than 2
+   calibration images there is nothing to hold back: the taps are kept. ``refit=False`` keeps the
+   taps: plain dropping.
+3. *Whole-model guard* (:func:`guard_logits`): mixer errors compound through LayerNorm and the
+   MLPs, so refits that each win on their own block can still move the logits further than plain
+   dropping. While the logits on the held-back images are worse than plain dropping's, the block
+   whose refit costs most there goes back to its taps.
 
 Errors are relative: ||residual|| / ||y|| (Frobenius). :func:`heldout_errors` measures a converted
 model on other images: each block's mixer on the conv model's own activations, the logits, and
@@ -24,7 +32,8 @@ top-1 against labels when there are any.
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -45,7 +54,20 @@ class BlockChoice:
     steps: list[float]  # relative mixer error (taps unchanged) after each drop, in that order: the why
     wo: torch.Tensor  # (d, len(kept), d): W^O of each kept head (refit, or the taps)
     drop_error: float  # relative mixer error, kept taps unchanged (plain dropping), calibration set
-    refit_error: float  # relative mixer error with ``wo``, calibration set (= drop_error without refit)
+    refit_error: float  # relative mixer error with ``wo``, calibration set (= drop_error with the taps)
+    refit_kept: bool = False  # the refit beat the taps on the held-back images, so ``wo`` is the refit
+    ridge: float | None = None  # r of the kept refit's λ = r · mean diag(ΦᵀΦ)
+    guard_drop_error: float | None = None  # held-back calibration images: the taps
+    guard_refit_error: float | None = None  # held-back calibration images: the best refit
+    taps: torch.Tensor | None = None  # (d, len(kept), d): the kept taps, to fall back to
+
+    def reverted(self) -> BlockChoice:
+        """This choice with the taps instead of the refit (plain dropping)."""
+        if not self.refit_kept:
+            return self
+        return dataclasses.replace(
+            self, wo=self.taps, refit_error=self.drop_error, refit_kept=False, ridge=None
+        )
 
 
 def neighbours(x: torch.Tensor, grid: tuple[int, int], offsets: Sequence[tuple[int, int]]) -> torch.Tensor:
@@ -79,41 +101,67 @@ def drop_order(parts: torch.Tensor, target: torch.Tensor, offsets: Sequence[tupl
     return order, steps
 
 
+RIDGES = (1e-3, 1e-2, 1e-1, 1.0)  # r in λ = r · mean diag(ΦᵀΦ), chosen on the held-back images
+GUARD = 0.25  # the share of calibration images held back to judge the refit
+
+
+def held_back(images: int, guard: float = GUARD) -> int:
+    """How many of ``images`` calibration images are held back to judge the refit (the last ones):
+    a ``guard`` share, at least one, and none when there is only one image."""
+    return min(images - 1, max(1, round(guard * images)))
+
+
 def choose_block(u: torch.Tensor, y: torch.Tensor, conv_weight: torch.Tensor, model: VisionTransformer,
-                 num_heads: int, rule: str = "greedy", refit: bool = True, ridge: float = 1e-3) -> BlockChoice:  # fmt: skip
-    """Offsets and W^O for ``num_heads`` heads of one block (module docstring); float64 inside."""
+                 num_heads: int, rule: str = "greedy", refit: bool = True, guard: float = GUARD) -> BlockChoice:  # fmt: skip
+    """Offsets and W^O for ``num_heads`` heads of one block (module docstring); float64 inside.
+    ``u`` (B, N, d) the mixer's input on B calibration images, ``y`` its output less the bias."""
     cfg = model.cfg
     offsets = patch_offsets(cfg.kernel_size, cfg.patch_size, cfg.dilation)
     d = cfg.embed_dim
-    x = neighbours(u.double(), cfg.grid_size, offsets)  # (M, |Δ|, d)
+    x = neighbours(u.double(), cfg.grid_size, offsets)  # (M, |Δ|, d), rows image-major
     taps = output_projection(conv_weight.double(), cfg.patch_size, cfg.dilation, offsets).view(
         d, len(offsets), d
     )
     target = y.double().reshape(-1, d)
     parts = torch.einsum("mki,oki->kmo", x, taps)  # each offset's contribution, (|Δ|, M, d)
-    norm = target.norm().clamp_min(1e-300)
     dropped, steps = drop_order(parts, target, offsets, rule, num_heads)
     kept = [k for k in range(len(offsets)) if k not in dropped]
-    drop_error = ((target - parts[kept].sum(0)).norm() / norm).item()
     t = taps[:, kept].permute(1, 2, 0).reshape(-1, d)  # the kept taps, as (N·d, d)
-    w, refit_error = t, drop_error
-    if refit:
-        phi = x[:, kept].reshape(x.shape[0], -1)  # (M, N·d)
-        gram = phi.T @ phi
-        lam = ridge * gram.diagonal().mean().clamp_min(1e-300)
-        eye = torch.eye(gram.shape[0], dtype=gram.dtype)
-        w = torch.linalg.solve(gram + lam * eye, phi.T @ target + lam * t)  # (N·d, d)
-        refit_error = ((target - phi @ w).norm() / norm).item()
-    return BlockChoice(
+    phi = x[:, kept].reshape(x.shape[0], -1)  # (M, N·d)
+
+    def rel(w: torch.Tensor, rows: slice = slice(None)) -> float:
+        return ((target[rows] - phi[rows] @ w).norm() / target[rows].norm().clamp_min(1e-300)).item()
+
+    drop_error = rel(t)
+    choice = BlockChoice(
         kept=[offsets[k] for k in kept], dropped=[offsets[k] for k in dropped], steps=steps,
-        wo=w.view(len(kept), d, d).permute(2, 0, 1).to(conv_weight.dtype),
-        drop_error=drop_error, refit_error=refit_error,
+        wo=t.view(len(kept), d, d).permute(2, 0, 1).to(conv_weight.dtype),
+        drop_error=drop_error, refit_error=drop_error,
     )  # fmt: skip
+    choice.taps = choice.wo
+    images = u.shape[0]
+    held = held_back(images, guard)
+    if not refit or held < 1:
+        return choice
+    n = u.shape[1]
+    fit, back = slice(0, (images - held) * n), slice((images - held) * n, None)
+    gram, rhs = phi[fit].T @ phi[fit], phi[fit].T @ target[fit]
+    scale = gram.diagonal().mean().clamp_min(1e-300)
+    eye = torch.eye(gram.shape[0], dtype=gram.dtype)
+    fits = [(r, torch.linalg.solve(gram + r * scale * eye, rhs + r * scale * t)) for r in RIDGES]
+    errors = [rel(w, back) for _, w in fits]
+    best = min(range(len(fits)), key=errors.__getitem__)
+    choice.guard_drop_error, choice.guard_refit_error = rel(t, back), errors[best]
+    if choice.guard_refit_error < choice.guard_drop_error:  # the refit generalises: keep it
+        r, w = fits[best]
+        choice.wo = w.view(len(kept), d, d).permute(2, 0, 1).to(conv_weight.dtype)
+        choice.refit_error, choice.refit_kept, choice.ridge = rel(w), True, r
+    return choice
 
 
 @torch.no_grad()
 def choose(conv: VisionTransformer, num_heads: int, images: torch.Tensor, rule: str = "greedy",
-           refit: bool = True) -> list[BlockChoice]:  # fmt: skip
+           refit: bool = True, guard: float = GUARD) -> list[BlockChoice]:  # fmt: skip
     """Every block's choice, on the calibration ``images`` run through the conv model itself."""
     if rule not in RULES:
         raise CmhsaError(f"`rule` must be one of {', '.join(RULES)}, got {rule!r}")
@@ -123,9 +171,34 @@ def choose(conv: VisionTransformer, num_heads: int, images: torch.Tensor, rule: 
     for block in conv.blocks:
         u = block.norm1(x)
         y = block.conv(u) - block.conv.bias.repeat(conv.cfg.patch_size**2)  # the bias stays in proj.bias
-        out.append(choose_block(u, y, block.conv.weight, conv, num_heads, rule, refit))
+        out.append(choose_block(u, y, block.conv.weight, conv, num_heads, rule, refit, guard))
         x = block(x)
     return out
+
+
+def guard_logits(
+    conv: VisionTransformer, blocks: list[BlockChoice], images: torch.Tensor,
+    build: Callable[[list[BlockChoice]], VisionTransformer],
+) -> tuple[list[BlockChoice], float, float]:  # fmt: skip
+    """The refit guarded on the whole model: while the logits' relative error on the held-back
+    ``images`` is above plain dropping's (every block on its taps), put back the taps in the block
+    whose refit costs the most there. Mixer errors compound through LayerNorm and the MLPs, so
+    refits that each beat the taps on their own block can still move the logits further. Returns
+    the choices and the logits errors (plain dropping, the choices kept); ``build`` makes the
+    attention model of a list of choices."""
+
+    def error(choices: list[BlockChoice]) -> float:
+        return heldout_errors(conv, build(choices), images).logits_error
+
+    drop, kept = error([b.reverted() for b in blocks]), error(blocks)
+    while kept > drop:  # ends: with every refit reverted the model is plain dropping's
+        trials = [
+            (error(trial), trial)
+            for i, b in enumerate(blocks) if b.refit_kept
+            for trial in [[*blocks[:i], b.reverted(), *blocks[i + 1 :]]]
+        ]  # fmt: skip
+        kept, blocks = min(trials, key=lambda t: t[0])
+    return blocks, drop, kept
 
 
 @dataclass
@@ -219,6 +292,9 @@ class Approximation:
     calib_images: int
     blocks: list[BlockChoice]
     heldout: HeldOut | None = None
+    guard_images: int = 0  # calibration images held back to judge the refit
+    guard_logits_drop: float | None = None  # their logits' relative error, plain dropping
+    guard_logits_error: float | None = None  # and with the refits kept
 
     def to_dict(self) -> dict[str, object]:
         def off(o: tuple[int, int]) -> list[int]:
@@ -226,11 +302,13 @@ class Approximation:
 
         return {
             "rule": self.rule, "refit": self.refit, "calibration": self.calibration,
-            "calib_images": self.calib_images,
+            "calib_images": self.calib_images, "guard_images": self.guard_images,
+            "guard_logits_drop": self.guard_logits_drop, "guard_logits_error": self.guard_logits_error,
             "blocks": [
                 {"kept": [off(o) for o in c.kept], "dropped": [off(o) for o in c.dropped],
                  "error_after_each_drop": c.steps, "calib_drop_error": c.drop_error,
-                 "calib_refit_error": c.refit_error,
+                 "calib_refit_error": c.refit_error, "refit_kept": c.refit_kept, "ridge": c.ridge,
+                 "guard_drop_error": c.guard_drop_error, "guard_refit_error": c.guard_refit_error,
                  "heldout_mixer_error": None if self.heldout is None else self.heldout.mixer_errors[i]}
                 for i, c in enumerate(self.blocks)
             ],

@@ -21,6 +21,7 @@ from torch import nn
 
 from .attention import RelPosAttention, aligned
 from .kernels import head_products
+from .spec import DEFAULT_TOL
 
 
 class ExportAttention(nn.Module):
@@ -214,7 +215,7 @@ class FusedRelPosAttention(nn.Module):
 
 
 @torch.no_grad()
-def for_inference(model: nn.Module, tol: float = 1e-5, seed: int = 0) -> tuple[nn.Module, str]:
+def for_inference(model: nn.Module, tol: float = DEFAULT_TOL, seed: int = 0) -> tuple[nn.Module, str]:
     """``(model, form)`` to run for inference: a fused copy ("fused") where its logits match the
     model's within ``tol`` (max |Δ| / max |logits|, on 2 seeded random images), else the model itself
     ("trained"); a model without attention as it is ("conv"). The model is put in eval mode."""

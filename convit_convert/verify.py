@@ -22,6 +22,7 @@ import torch
 
 from .config import ViTConfig
 from .model import VisionTransformer
+from .spec import DEFAULT_TOL
 from .theory import patch_offsets
 
 
@@ -97,7 +98,7 @@ def _stat(
 
 def verify_models(
     conv: VisionTransformer, attn: VisionTransformer, *, batch: int = 4, seed: int = 0,
-    dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", tol: float = 1e-5,
+    dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", tol: float = DEFAULT_TOL,
 ) -> VerifyResult:  # fmt: skip
     """Compare every block's mixer and the logits of ``conv`` and ``attn`` (same config but the
     mixer). Models are moved to ``device`` and ``dtype``."""

@@ -117,7 +117,7 @@ def test_labelled_calibration_matches_cmhsa_eval(tmp_path: Path) -> None:
     assert h["images"] == 359  # the whole digits validation split (fewer than --heldout-images 512)
     # the README's example (float32 forwards: its printed digits, not more)
     assert (round(h["attn_top1"], 2), round(h["conv_top1"], 2)) == (96.38, 98.33)
-    assert round(h["logits_error"], 3) == 0.317
+    assert round(h["logits_error"], 3) == 0.319
     for path, key in ((FIXTURE, "conv_top1"), (out, "attn_top1")):
         e = run("eval", path, "--data", "digits", "--workers", "0", "--device", "cpu")
         assert e.exit_code == 0, e.output

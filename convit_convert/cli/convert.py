@@ -116,13 +116,15 @@ def print_approximation(a: Approximation) -> None:
         f"Approximate: {len(a.blocks[0].kept)} heads per block, rule {a.rule}, "
         f"{'W_O refit' if a.refit else 'taps kept (no refit)'}; calibration: {safe(a.calibration)}"
     )
-    table = Table(caption="offsets as dy dx; errors relative; held-out: the mixer on the conv model's activations")
+    table = Table(caption="offsets as dy dx; errors relative; held-out: the mixer on the conv model's activations; "
+                          "taps: the refit lost to plain dropping on held-back calibration images, so not kept")  # fmt: skip
     for col in ("block", "kept", "dropped: calib. error after each", "drop", "refit", "held-out"):
         table.add_column(col)
     for i, b in enumerate(a.blocks):
         dropped = " ".join(f"{off(o)}:{e:.3f}" for o, e in zip(b.dropped, b.steps, strict=True))
+        refit = f"{b.refit_error:.4f}" if b.refit_kept else ("taps" if a.refit else "")
         table.add_row(str(i), " ".join(off(o) for o in b.kept), dropped, f"{b.drop_error:.4f}",
-                      f"{b.refit_error:.4f}", "" if h is None else f"{h.mixer_errors[i]:.4f}")  # fmt: skip
+                      refit, "" if h is None else f"{h.mixer_errors[i]:.4f}")  # fmt: skip
     console.print(table)
     if h is not None:
         acc = "" if h.conv_top1 is None else (

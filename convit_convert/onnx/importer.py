@@ -11,6 +11,7 @@ import torch
 
 from ..errors import CmhsaError
 from ..io.checkpoint import Checkpoint, validate_tensors
+from ..spec import DEFAULT_TOL
 from ..verify import relative_error
 from .layout import to_checkpoint
 from .load import load_onnx, ort_session, run_session
@@ -45,7 +46,7 @@ def check_import(
     return result
 
 
-def import_onnx(path: str | Path, tol: float = 1e-5, seed: int = 0) -> Checkpoint:
+def import_onnx(path: str | Path, tol: float = DEFAULT_TOL, seed: int = 0) -> Checkpoint:
     """Load, read and prove a conv-phase ONNX model; the result is an ordinary conv Checkpoint
     whose ``import_report`` records how it was read and the onnxruntime agreement."""
     import onnx
