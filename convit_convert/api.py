@@ -22,12 +22,14 @@ import torch
 from .approximate import (
     Approximation,
     BlockChoice,
+    BlockProblem,
     Calibration,
-    choose,
+    HeldOut,
     guard_logits,
     held_back,
     heldout_errors,
     noise_calibration,
+    problems,
 )
 from .config import ViTConfig
 from .construct import convert_state_dict, pinned_offsets
@@ -179,17 +181,9 @@ def convert_checkpoint(
     if plan.approximate:
         calibration = calibrate(src) if calibrate else noise_calibration(src, seed=spec.seed)
         conv_model = ckpt.model()  # built once: choice, held-out errors and verification share it
-        images = calibration.images.float()
-        blocks = choose(
-            conv_model if ckpt.dtype == torch.float32 else ckpt.model(torch.float32),
-            out_cfg.num_heads, images, spec.rule, spec.refit,
-        )  # fmt: skip
-        approx = Approximation(spec.rule, spec.refit, calibration.source, len(images), blocks)
-        if any(b.refit_kept for b in blocks):  # the refit guarded on the logits too
-            approx.guard_images = held = held_back(len(images))
-            approx.blocks, approx.guard_logits_drop, approx.guard_logits_error = guard_logits(
-                conv_model, blocks, images[-held:], lambda c: approximate_model(ckpt, plan, c)
-            )
+        conv32 = conv_model if ckpt.dtype == torch.float32 else ckpt.model(torch.float32)
+        probs = problems(conv32, calibration.images.float(), spec.rule, out_cfg.num_heads)
+        approx = approximation(ckpt, plan, conv_model, probs, calibration)
     tensors = convert_state_dict(
         ckpt.tensors, plan, path=ckpt.path, overrides=None if approx is None else overrides(ckpt, approx.blocks)
     )  # fmt: skip
@@ -209,6 +203,23 @@ def convert_checkpoint(
     return conv
 
 
+def approximation(
+    ckpt: Checkpoint, plan: ConversionPlan, conv: VisionTransformer, probs: list[BlockProblem],
+    calibration: Calibration,
+) -> Approximation:  # fmt: skip
+    """The choices for ``plan``'s heads from each block's problem, the refit guarded on the
+    held-back calibration images block by block and then on the logits."""
+    spec, images = plan.spec, calibration.images.float()
+    blocks = [p.choice(plan.config.num_heads, spec.refit) for p in probs]  # type: ignore[arg-type]
+    approx = Approximation(spec.rule, spec.refit, calibration.source, len(images), blocks)
+    if any(b.refit_kept for b in blocks):
+        approx.guard_images = held = held_back(len(images))
+        approx.blocks, approx.guard_logits_drop, approx.guard_logits_error = guard_logits(
+            conv, blocks, images[-held:], lambda c: approximate_model(ckpt, plan, c)
+        )
+    return approx
+
+
 def overrides(ckpt: Checkpoint, blocks: list[BlockChoice]) -> list[tuple[list[Offset], torch.Tensor]]:
     """An approximate conversion's per-block offsets and W^O, in the checkpoint's dtype."""
     return [(c.kept, c.wo.to(ckpt.dtype)) for c in blocks]
@@ -223,33 +234,76 @@ def approximate_model(ckpt: Checkpoint, plan: ConversionPlan, blocks: list[Block
     return model.eval()
 
 
+@dataclass
+class SweepRow:
+    """One head count of :func:`heads_sweep`: worst block on the calibration set (plain dropping,
+    refit), and the converted model on the held-out images."""
+
+    heads: int
+    calib_drop_error: float
+    calib_refit_error: float
+    heldout: HeldOut
+    kept: list[list[Offset]] | None  # per block; None: every offset (the exact conversion)
+    refit_kept: list[bool] | None  # per block, whether the guarded refit was kept
+
+    def to_dict(self) -> dict[str, Any]:
+        h = self.heldout
+        return {
+            "heads": self.heads, "calib_drop_error": self.calib_drop_error,
+            "calib_refit_error": self.calib_refit_error, "heldout_mixer_error": max(h.mixer_errors),
+            "heldout_logits_error": h.logits_error, "conv_top1": h.conv_top1, "attn_top1": h.attn_top1,
+            "kept": "all" if self.kept is None else [[list(o) for o in k] for k in self.kept],
+            "refit_kept": self.refit_kept,
+        }  # fmt: skip
+
+
+@dataclass
+class HeadsSweep:
+    """``cmhsa heads --checkpoint``: every head count from 1 to the bound, measured."""
+
+    checkpoint: Checkpoint
+    rule: str
+    calibration: str
+    heldout_images: int
+    rows: list[SweepRow]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "checkpoint": str(self.checkpoint.path), "rule": self.rule, "calibration": self.calibration,
+            "heldout_images": self.heldout_images, "rows": [r.to_dict() for r in self.rows],
+        }  # fmt: skip
+
+
 def heads_sweep(
     ckpt: Checkpoint, calibration: Calibration | None = None, rule: str = "greedy", seed: int = 0
-) -> list[dict[str, Any]]:
-    """``cmhsa heads --checkpoint``: for every N from 1 to the bound, the approximate conversion's
-    errors (worst block, calibration set: plain dropping and refit; held-out: mixer, logits, top-1)."""
+) -> HeadsSweep:
+    """For every N from 1 to the bound, the approximate conversion's errors (as ``convert
+    --approximate``), from one pass of the calibration images through the conv model and one drop
+    sequence per block: N's choice is its prefix."""
     if ckpt.kind != "conv":
         raise CmhsaError(f"is {article(ckpt.kind)} checkpoint; the sweep needs a conv-phase one", ckpt.path)
     cfg = ckpt.config
     spec = ConversionSpec(approximate=True, rule=rule, seed=seed)
     calibration = calibration or noise_calibration(cfg, seed=seed)
+    conv = ckpt.model()
+    probs = problems(
+        conv if ckpt.dtype == torch.float32 else ckpt.model(torch.float32), calibration.images.float(), rule
+    )
     rows = []
     for n in range(1, spec.plan(cfg).needed + 1):
-        c = convert_checkpoint(ckpt, spec.replace(heads=n), calibrate=lambda _: calibration, verify=False)
-        a, h = c.approximation, None
-        if a is None:  # N = the bound: the exact conversion
-            h = heldout_errors(ckpt.model(), c.model(), calibration.heldout, calibration.labels)
-        else:
-            h = a.heldout
-        rows.append({
-            "heads": n,
-            "calib_drop_error": 0.0 if a is None else max(b.drop_error for b in a.blocks),
-            "calib_refit_error": 0.0 if a is None else max(b.refit_error for b in a.blocks),
-            "heldout_mixer_error": max(h.mixer_errors), "heldout_logits_error": h.logits_error,
-            "conv_top1": h.conv_top1, "attn_top1": h.attn_top1,
-            "kept": [[list(o) for o in b.kept] for b in a.blocks] if a is not None else "all",
-        })  # fmt: skip
-    return rows
+        plan = spec.replace(heads=n).plan(cfg)
+        a = approximation(ckpt, plan, conv, probs, calibration) if plan.approximate else None
+        attn = VisionTransformer(plan.config)
+        attn.load_state_dict(
+            convert_state_dict(ckpt.tensors, plan, overrides=None if a is None else overrides(ckpt, a.blocks))
+        )
+        h = heldout_errors(conv, attn, calibration.heldout, calibration.labels)
+        rows.append(SweepRow(
+            n, 0.0 if a is None else max(b.drop_error for b in a.blocks),
+            0.0 if a is None else max(b.refit_error for b in a.blocks), h,
+            None if a is None else [b.kept for b in a.blocks], None if a is None else [b.refit_kept for b in a.blocks],
+        ))  # fmt: skip
+    return HeadsSweep(ckpt, rule, calibration.source, len(calibration.heldout), rows)
 
 
 @dataclass

@@ -111,58 +111,82 @@ def held_back(images: int, guard: float = GUARD) -> int:
     return min(images - 1, max(1, round(guard * images)))
 
 
-def choose_block(u: torch.Tensor, y: torch.Tensor, conv_weight: torch.Tensor, model: VisionTransformer,
-                 num_heads: int, rule: str = "greedy", refit: bool = True, guard: float = GUARD) -> BlockChoice:  # fmt: skip
-    """Offsets and W^O for ``num_heads`` heads of one block (module docstring); float64 inside.
-    ``u`` (B, N, d) the mixer's input on B calibration images, ``y`` its output less the bias."""
-    cfg = model.cfg
-    offsets = patch_offsets(cfg.kernel_size, cfg.patch_size, cfg.dilation)
-    d = cfg.embed_dim
-    x = neighbours(u.double(), cfg.grid_size, offsets)  # (M, |Δ|, d), rows image-major
-    taps = output_projection(conv_weight.double(), cfg.patch_size, cfg.dilation, offsets).view(
-        d, len(offsets), d
-    )
-    target = y.double().reshape(-1, d)
-    parts = torch.einsum("mki,oki->kmo", x, taps)  # each offset's contribution, (|Δ|, M, d)
-    dropped, steps = drop_order(parts, target, offsets, rule, num_heads)
-    kept = [k for k in range(len(offsets)) if k not in dropped]
-    t = taps[:, kept].permute(1, 2, 0).reshape(-1, d)  # the kept taps, as (N·d, d)
-    phi = x[:, kept].reshape(x.shape[0], -1)  # (M, N·d)
+@dataclass
+class BlockProblem:
+    """One block on the calibration images, computed once for every head count: each offset's
+    neighbour tokens, the kernel's taps, the target, and the drop sequence down to ``down_to``
+    heads (the sequence for N heads is its prefix: each drop depends only on those before it)."""
 
-    def rel(w: torch.Tensor, rows: slice = slice(None)) -> float:
-        return ((target[rows] - phi[rows] @ w).norm() / target[rows].norm().clamp_min(1e-300)).item()
+    offsets: list[tuple[int, int]]
+    x: torch.Tensor  # (M, |Δ|, d) each patch's neighbour tokens, rows image-major, float64
+    taps: torch.Tensor  # (d, |Δ|, d) the kernel's W^O, float64
+    target: torch.Tensor  # (M, d) the mixer's output less its bias
+    order: list[int]  # indices into ``offsets``, in the order they are dropped
+    steps: list[float]  # relative error after each drop (taps kept)
+    images: int  # B: M = B · patches
+    dtype: torch.dtype  # the conv weight's: W^O comes back in it
 
-    drop_error = rel(t)
-    choice = BlockChoice(
-        kept=[offsets[k] for k in kept], dropped=[offsets[k] for k in dropped], steps=steps,
-        wo=t.view(len(kept), d, d).permute(2, 0, 1).to(conv_weight.dtype),
-        drop_error=drop_error, refit_error=drop_error,
-    )  # fmt: skip
-    choice.taps = choice.wo
-    images = u.shape[0]
-    held = held_back(images, guard)
-    if not refit or held < 1:
+    @classmethod
+    def build(cls, u: torch.Tensor, y: torch.Tensor, conv_weight: torch.Tensor, cfg: ViTConfig, rule: str,
+              down_to: int) -> BlockProblem:  # fmt: skip
+        """``u`` (B, N, d) the mixer's input on B calibration images, ``y`` its output less the bias."""
+        offsets = patch_offsets(cfg.kernel_size, cfg.patch_size, cfg.dilation)
+        d = cfg.embed_dim
+        x = neighbours(u.double(), cfg.grid_size, offsets)
+        taps = output_projection(conv_weight.double(), cfg.patch_size, cfg.dilation, offsets).view(
+            d, len(offsets), d
+        )
+        target = y.double().reshape(-1, d)
+        parts = torch.einsum("mki,oki->kmo", x, taps)  # each offset's contribution, (|Δ|, M, d)
+        order, steps = drop_order(parts, target, offsets, rule, down_to)
+        return cls(offsets, x, taps, target, order, steps, u.shape[0], conv_weight.dtype)
+
+    def choice(self, num_heads: int, refit: bool = True, guard: float = GUARD) -> BlockChoice:
+        """Offsets and W^O for ``num_heads`` heads (module docstring)."""
+        drops = len(self.offsets) - num_heads
+        if drops > len(self.order):
+            raise ValueError(f"the drop sequence stops at {len(self.offsets) - len(self.order)} heads")
+        dropped = self.order[:drops]
+        kept = [k for k in range(len(self.offsets)) if k not in dropped]
+        d, target = self.target.shape[1], self.target
+        t = self.taps[:, kept].permute(1, 2, 0).reshape(-1, d)  # the kept taps, as (N·d, d)
+        phi = self.x[:, kept].reshape(self.x.shape[0], -1)  # (M, N·d)
+
+        def rel(w: torch.Tensor, rows: slice = slice(None)) -> float:
+            return ((target[rows] - phi[rows] @ w).norm() / target[rows].norm().clamp_min(1e-300)).item()
+
+        def as_wo(w: torch.Tensor) -> torch.Tensor:
+            return w.view(len(kept), d, d).permute(2, 0, 1).to(self.dtype)
+
+        drop_error = rel(t)
+        choice = BlockChoice(
+            kept=[self.offsets[k] for k in kept], dropped=[self.offsets[k] for k in dropped],
+            steps=self.steps[:drops], wo=as_wo(t), drop_error=drop_error, refit_error=drop_error,
+        )  # fmt: skip
+        choice.taps = choice.wo
+        held = held_back(self.images, guard)
+        if not refit or held < 1:
+            return choice
+        split = (self.images - held) * (self.x.shape[0] // self.images)
+        fit, back = slice(0, split), slice(split, None)
+        gram, rhs = phi[fit].T @ phi[fit], phi[fit].T @ target[fit]
+        scale = gram.diagonal().mean().clamp_min(1e-300)
+        eye = torch.eye(gram.shape[0], dtype=gram.dtype)
+        fits = [(r, torch.linalg.solve(gram + r * scale * eye, rhs + r * scale * t)) for r in RIDGES]
+        errors = [rel(w, back) for _, w in fits]
+        best = min(range(len(fits)), key=errors.__getitem__)
+        choice.guard_drop_error, choice.guard_refit_error = rel(t, back), errors[best]
+        if choice.guard_refit_error < choice.guard_drop_error:  # the refit generalises: keep it
+            r, w = fits[best]
+            choice.wo, choice.refit_error, choice.refit_kept, choice.ridge = as_wo(w), rel(w), True, r
         return choice
-    n = u.shape[1]
-    fit, back = slice(0, (images - held) * n), slice((images - held) * n, None)
-    gram, rhs = phi[fit].T @ phi[fit], phi[fit].T @ target[fit]
-    scale = gram.diagonal().mean().clamp_min(1e-300)
-    eye = torch.eye(gram.shape[0], dtype=gram.dtype)
-    fits = [(r, torch.linalg.solve(gram + r * scale * eye, rhs + r * scale * t)) for r in RIDGES]
-    errors = [rel(w, back) for _, w in fits]
-    best = min(range(len(fits)), key=errors.__getitem__)
-    choice.guard_drop_error, choice.guard_refit_error = rel(t, back), errors[best]
-    if choice.guard_refit_error < choice.guard_drop_error:  # the refit generalises: keep it
-        r, w = fits[best]
-        choice.wo = w.view(len(kept), d, d).permute(2, 0, 1).to(conv_weight.dtype)
-        choice.refit_error, choice.refit_kept, choice.ridge = rel(w), True, r
-    return choice
 
 
 @torch.no_grad()
-def choose(conv: VisionTransformer, num_heads: int, images: torch.Tensor, rule: str = "greedy",
-           refit: bool = True, guard: float = GUARD) -> list[BlockChoice]:  # fmt: skip
-    """Every block's choice, on the calibration ``images`` run through the conv model itself."""
+def problems(
+    conv: VisionTransformer, images: torch.Tensor, rule: str = "greedy", down_to: int = 1
+) -> list[BlockProblem]:
+    """Every block's problem, the calibration ``images`` run through the conv model itself once."""
     if rule not in RULES:
         raise CmhsaError(f"`rule` must be one of {', '.join(RULES)}, got {rule!r}")
     conv = conv.eval()
@@ -171,9 +195,15 @@ def choose(conv: VisionTransformer, num_heads: int, images: torch.Tensor, rule: 
     for block in conv.blocks:
         u = block.norm1(x)
         y = block.conv(u) - block.conv.bias.repeat(conv.cfg.patch_size**2)  # the bias stays in proj.bias
-        out.append(choose_block(u, y, block.conv.weight, conv, num_heads, rule, refit, guard))
+        out.append(BlockProblem.build(u, y, block.conv.weight, conv.cfg, rule, down_to))
         x = block(x)
     return out
+
+
+def choose(conv: VisionTransformer, num_heads: int, images: torch.Tensor, rule: str = "greedy",
+           refit: bool = True, guard: float = GUARD) -> list[BlockChoice]:  # fmt: skip
+    """Every block's choice for ``num_heads`` heads, on the calibration ``images``."""
+    return [p.choice(num_heads, refit, guard) for p in problems(conv, images, rule, num_heads)]
 
 
 def guard_logits(

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
 
-from convit_convert.api import approximate_model, convert_checkpoint, load_checkpoint
+from convit_convert.api import approximate_model, convert_checkpoint, heads_sweep, load_checkpoint
 from convit_convert.approximate import choose, heldout_errors, noise_calibration
 from convit_convert.config import ViTConfig
 from convit_convert.construct import convert_state_dict
@@ -111,3 +112,24 @@ def test_a_refit_that_generalises_is_kept() -> None:
     blocks = a.to_dict()["blocks"]
     assert [blk["refit_kept"] for blk in blocks] == kept
     assert all(blk["guard_refit_error"] < blk["guard_drop_error"] for blk in blocks if blk["refit_kept"])
+
+
+def test_the_sweep_serves_every_head_count_from_one_drop_sequence() -> None:
+    """heads_sweep runs the calibration images through the conv model once and drops offsets once
+    per block; each N must still be what `convert --approximate --heads N` builds on its own."""
+    ckpt = load_checkpoint(Path(__file__).parent.parent / "fixtures" / "conv_digits.safetensors")
+    calib = noise_calibration(ckpt.config, images=64, heldout=64)
+    sweep = heads_sweep(ckpt, calib)
+    assert [r.heads for r in sweep.rows] == list(range(1, 10))
+    for n in (2, 5, 8):
+        c = convert_checkpoint(
+            ckpt, ConversionSpec(heads=n, approximate=True), calibrate=lambda _: calib, verify=False
+        )
+        a, row = c.approximation, sweep.rows[n - 1]
+        assert a is not None and a.heldout is not None
+        assert row.kept == [b.kept for b in a.blocks]
+        assert row.refit_kept == [b.refit_kept for b in a.blocks]
+        assert row.heldout.logits_error == pytest.approx(a.heldout.logits_error, rel=1e-6)
+    exact = sweep.rows[-1]
+    assert exact.kept is None and exact.heldout.logits_error < 1e-5  # 9 heads: Theorem 1, float32
+    assert json.loads(json.dumps(sweep.to_dict()))["rows"][-1]["kept"] == "all"

@@ -272,9 +272,9 @@ def print_sweep(ckpt: Any, rule: str, calib_set: Calibration, seed: int) -> None
     from ..api import heads_sweep
 
     with console.status(f"Converting with 1, 2, ... heads up to the bound, measuring each on {len(calib_set.heldout)} held-out images..."):
-        rows = heads_sweep(ckpt, calib_set, rule=rule, seed=seed)
+        rows = [row.to_dict() for row in heads_sweep(ckpt, calib_set, rule=rule, seed=seed).rows]
     table = Table(
-        title=f"{safe(str(ckpt.path))}: N heads per block (rule {rule}, W_O refit); calibration: {safe(calib_set.source)}",
+        title=f"{safe(str(ckpt.path))}: N heads per block (rule {rule}, W_O refit where it generalises); calibration: {safe(calib_set.source)}",
         title_justify="left",
     )
     labelled = rows[0]["conv_top1"] is not None
