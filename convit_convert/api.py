@@ -22,9 +22,9 @@ import torch
 from .approximate import (
     Approximation,
     BlockChoice,
-    BlockProblem,
     Calibration,
     HeldOut,
+    choose,
     guard_logits,
     held_back,
     heldout_errors,
@@ -138,9 +138,14 @@ class Conversion:
         return model
 
     def summary(self) -> dict[str, Any]:
-        return self.plan.summary() | {
-            "pinned_heads": sum(o is not None for o in self.pinned),
-            "offsets": [None if o is None else list(o) for o in self.pinned],
+        pinned, plan = self.pinned, self.plan
+        return {
+            "heads": plan.config.num_heads,
+            "pinned_heads": sum(o is not None for o in pinned),
+            "offsets": [None if o is None else list(o) for o in pinned],
+            "offset_logit": plan.offset_logit,
+            "sink_logit": plan.sink_logit,
+            "qk_init_std": plan.spec.qk_init_std,
             "approximation": None if self.approximation is None else self.approximation.to_dict(),
         }
 
@@ -181,9 +186,14 @@ def convert_checkpoint(
     if plan.approximate:
         calibration = calibrate(src) if calibrate else noise_calibration(src, seed=spec.seed)
         conv_model = ckpt.model()  # built once: choice, held-out errors and verification share it
-        conv32 = conv_model if ckpt.dtype == torch.float32 else ckpt.model(torch.float32)
-        probs = problems(conv32, calibration.images.float(), spec.rule, out_cfg.num_heads)
-        approx = approximation(ckpt, plan, conv_model, probs, calibration)
+        blocks = choose(
+            as_float32_model(ckpt, conv_model),
+            out_cfg.num_heads,
+            calibration.images.float(),
+            spec.rule,
+            spec.refit,
+        )
+        approx = approximation(ckpt, plan, conv_model, blocks, calibration)
     tensors = convert_state_dict(
         ckpt.tensors, plan, path=ckpt.path, overrides=None if approx is None else overrides(ckpt, approx.blocks)
     )  # fmt: skip
@@ -204,20 +214,25 @@ def convert_checkpoint(
 
 
 def approximation(
-    ckpt: Checkpoint, plan: ConversionPlan, conv: VisionTransformer, probs: list[BlockProblem],
+    ckpt: Checkpoint, plan: ConversionPlan, conv: VisionTransformer, blocks: list[BlockChoice],
     calibration: Calibration,
 ) -> Approximation:  # fmt: skip
-    """The choices for ``plan``'s heads from each block's problem, the refit guarded on the
-    held-back calibration images block by block and then on the logits."""
+    """``plan``'s per-block choices (each refit already judged on its own block), their refits then
+    guarded on the logits of the held-back calibration images."""
     spec, images = plan.spec, calibration.images.float()
-    blocks = [p.choice(plan.config.num_heads, spec.refit) for p in probs]  # type: ignore[arg-type]
     approx = Approximation(spec.rule, spec.refit, calibration.source, len(images), blocks)
     if any(b.refit_kept for b in blocks):
         approx.guard_images = held = held_back(len(images))
         approx.blocks, approx.guard_logits_drop, approx.guard_logits_error = guard_logits(
-            conv, blocks, images[-held:], lambda c: approximate_model(ckpt, plan, c)
+            conv, blocks, images[-held:], lambda c: converted_model(ckpt, plan, c)
         )
     return approx
+
+
+def as_float32_model(ckpt: Checkpoint, model: VisionTransformer) -> VisionTransformer:
+    """``model`` (``ckpt``'s, in its dtype) if that is float32, else ``ckpt``'s model in float32: the
+    approximation's choice runs on float32 activations (its fits in float64)."""
+    return model if ckpt.dtype == torch.float32 else ckpt.model(torch.float32)
 
 
 def overrides(ckpt: Checkpoint, blocks: list[BlockChoice]) -> list[tuple[list[Offset], torch.Tensor]]:
@@ -225,12 +240,16 @@ def overrides(ckpt: Checkpoint, blocks: list[BlockChoice]) -> list[tuple[list[Of
     return [(c.kept, c.wo.to(ckpt.dtype)) for c in blocks]
 
 
-def approximate_model(ckpt: Checkpoint, plan: ConversionPlan, blocks: list[BlockChoice]) -> VisionTransformer:
-    """The attention model of an approximate conversion's choices (the refit's guard measures it)."""
+def converted_model(
+    ckpt: Checkpoint, plan: ConversionPlan, blocks: list[BlockChoice] | None = None
+) -> VisionTransformer:
+    """The attention model ``plan`` converts ``ckpt`` into, in eval mode; ``blocks``: an
+    approximate conversion's choices."""
     model = VisionTransformer(plan.config)
-    model.load_state_dict(
-        convert_state_dict(ckpt.tensors, plan, path=ckpt.path, overrides=overrides(ckpt, blocks))
+    sd = convert_state_dict(
+        ckpt.tensors, plan, path=ckpt.path, overrides=None if blocks is None else overrides(ckpt, blocks)
     )
+    model.load_state_dict(sd)
     return model.eval()
 
 
@@ -286,17 +305,14 @@ def heads_sweep(
     spec = ConversionSpec(approximate=True, rule=rule, seed=seed)
     calibration = calibration or noise_calibration(cfg, seed=seed)
     conv = ckpt.model()
-    probs = problems(
-        conv if ckpt.dtype == torch.float32 else ckpt.model(torch.float32), calibration.images.float(), rule
-    )
+    probs = problems(as_float32_model(ckpt, conv), calibration.images.float(), rule)
     rows = []
     for n in range(1, spec.plan(cfg).needed + 1):
         plan = spec.replace(heads=n).plan(cfg)
-        a = approximation(ckpt, plan, conv, probs, calibration) if plan.approximate else None
-        attn = VisionTransformer(plan.config)
-        attn.load_state_dict(
-            convert_state_dict(ckpt.tensors, plan, overrides=None if a is None else overrides(ckpt, a.blocks))
-        )
+        a = None
+        if plan.approximate:
+            a = approximation(ckpt, plan, conv, [p.choice(n) for p in probs], calibration)
+        attn = converted_model(ckpt, plan, None if a is None else a.blocks)
         h = heldout_errors(conv, attn, calibration.heldout, calibration.labels)
         rows.append(SweepRow(
             n, 0.0 if a is None else max(b.drop_error for b in a.blocks),

@@ -158,12 +158,11 @@ class BlockProblem:
         def as_wo(w: torch.Tensor) -> torch.Tensor:
             return w.view(len(kept), d, d).permute(2, 0, 1).to(self.dtype)
 
-        drop_error = rel(t)
+        drop_error, taps = rel(t), as_wo(t)
         choice = BlockChoice(
             kept=[self.offsets[k] for k in kept], dropped=[self.offsets[k] for k in dropped],
-            steps=self.steps[:drops], wo=as_wo(t), drop_error=drop_error, refit_error=drop_error,
+            steps=self.steps[:drops], wo=taps, drop_error=drop_error, refit_error=drop_error, taps=taps,
         )  # fmt: skip
-        choice.taps = choice.wo
         held = held_back(self.images, guard)
         if not refit or held < 1:
             return choice

@@ -85,9 +85,6 @@ class ConversionSpec:
         """A copy with ``changes``, validated again."""
         return dataclasses.replace(self, **changes)
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
     def plan(self, conv: ViTConfig) -> ConversionPlan:
         """This spec applied to the conv config ``conv``."""
         offsets = tuple(patch_offsets(conv.kernel_size, conv.patch_size, conv.dilation))
@@ -137,13 +134,3 @@ class ConversionPlan:
     def approximate(self) -> bool:
         """An approximate conversion: fewer heads than |Δ|, asked for."""
         return self.spec.approximate and not self.exact
-
-    def summary(self) -> dict[str, Any]:
-        return {
-            "heads": self.config.num_heads,
-            "pinned_heads": sum(o is not None for o in self.pinned),
-            "offsets": [None if o is None else list(o) for o in self.pinned],
-            "offset_logit": self.offset_logit,
-            "sink_logit": self.sink_logit,
-            "qk_init_std": self.spec.qk_init_std,
-        }

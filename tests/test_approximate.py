@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from convit_convert.api import approximate_model, convert_checkpoint, heads_sweep, load_checkpoint
+from convit_convert.api import convert_checkpoint, converted_model, heads_sweep, load_checkpoint
 from convit_convert.approximate import choose, heldout_errors, noise_calibration
 from convit_convert.config import ViTConfig
 from convit_convert.construct import convert_state_dict
@@ -91,7 +91,7 @@ def test_a_refit_that_does_not_generalise_is_not_kept() -> None:
     assert not blocks[0].refit_kept and blocks[1].refit_kept  # block 0: lost on its own block already
     assert not any(c.refit_kept for c in a.blocks)
     assert a.guard_images == 64 and a.guard_logits_error == a.guard_logits_drop
-    unguarded = approximate_model(ckpt, ConversionSpec(heads=3, approximate=True).plan(ckpt.config), blocks)
+    unguarded = converted_model(ckpt, ConversionSpec(heads=3, approximate=True).plan(ckpt.config), blocks)
     worse = heldout_errors(ckpt.model(), unguarded, calib.heldout).logits_error
     assert worse > b.heldout.logits_error * 1.03  # what the guard prevented, on the report's images
 

@@ -10,7 +10,7 @@ import typer
 from rich.table import Table
 
 from ..errors import CmhsaError
-from ..spec import DEFAULT_TOL, RULES, ConversionSpec
+from ..spec import DEFAULT_TOL, ConversionSpec
 from .common import (
     EXIT_FAIL,
     console,
@@ -236,8 +236,7 @@ def heads(
             raise CmhsaError(f"has K = {cfg.kernel_size}, P = {cfg.patch_size}; drop --kernel/--patch or match them", checkpoint)
         kernel, patch, dilation = cfg.kernel_size, cfg.patch_size, cfg.dilation
         channels = cfg.hidden_chans if channels is None else channels
-        if rule not in RULES:  # bad input fails before anything is printed
-            raise CmhsaError(f"--rule must be one of {', '.join(RULES)}, got {rule!r}")
+        ConversionSpec(rule=rule)  # refuses a bad --rule before anything is printed
         calib_set = calibration(cfg, calib, data_dir, calib_images, heldout_images, seed)
     if kernel is None or patch is None:
         raise CmhsaError("give --kernel and --patch, or --checkpoint")
