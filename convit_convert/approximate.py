@@ -293,6 +293,12 @@ class Calibration:
     labels: torch.Tensor | None
     source: str  # what they are, for the report
 
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "source": self.source, "images": len(self.images), "heldout_images": len(self.heldout),
+            "labelled": self.labels is not None,
+        }  # fmt: skip
+
 
 def check_image_counts(images: int, heldout: int) -> None:
     """A calibration set's sizes must be positive."""

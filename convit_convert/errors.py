@@ -10,9 +10,8 @@ from pathlib import Path
 
 
 class CmhsaError(Exception):
-    """Bad input (the CLI exits 2): names the file, when there is one, and the problem, in one line."""
-
-    exit_code = 2
+    """Bad input: names the file, when there is one, and the problem, in one line. (Exit codes are
+    the CLI's: cli/boundary.py.)"""
 
     def __init__(self, message: str, path: str | Path | None = None) -> None:
         self.path = None if path is None else str(path)
@@ -21,10 +20,8 @@ class CmhsaError(Exception):
 
 
 class CheckFailed(CmhsaError):
-    """Valid input whose check failed (the CLI exits 1): a conversion outside its tolerance, a
-    training run that cannot go on."""
-
-    exit_code = 1
+    """Valid input whose check failed: a conversion outside its tolerance, a training run that
+    cannot go on."""
 
 
 def first_line(e: BaseException, limit: int = 300) -> str:

@@ -23,10 +23,10 @@ from timm.models import register_model
 
 from .api import load_checkpoint
 from .config import ViTConfig
+from .data import channel_stats
 from .errors import CmhsaError, article
 from .model import VisionTransformer
 from .theory import heads_needed
-from .train.data import channel_stats
 
 _ATTN_ARGS = ("num_heads", "qk_dim", "sink", "pinning")
 

@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 
 from convit_convert.api import convert_checkpoint, load_checkpoint
+from convit_convert.api.on_data import attention_on_data
 from convit_convert.io.checkpoint import save_checkpoint
 from convit_convert.spec import ConversionSpec
-from convit_convert.train.evaluate import attention_on_data
 
 
 def summary(report) -> tuple[str, str, str]:

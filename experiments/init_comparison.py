@@ -91,7 +91,7 @@ def final_eval(arm: Arm, args: argparse.Namespace) -> dict:
     cache = arm.out / "final.json"
     if cache.is_file():
         return json.loads(cache.read_text())
-    from convit_convert.train.evaluate import attention_on_data, evaluate_checkpoint
+    from convit_convert.api.on_data import attention_on_data, evaluate_checkpoint
 
     dev = "cpu" if args.device == "auto" else args.device
     r = evaluate_checkpoint(arm.model, data="fashion-mnist", data_dir=args.data_dir, device=dev, workers=0)

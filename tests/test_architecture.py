@@ -111,6 +111,31 @@ def test_only_the_cli_imports_the_cli() -> None:
     assert not {m: d for m, d in offenders.items() if d}
 
 
+def test_only_the_cli_renders_and_picks_exit_codes() -> None:
+    """rich and typer are imported only under cli/ (training reports progress through
+    train.progress's events; the CLI draws them), and no library module raises SystemExit or
+    carries exit codes."""
+    offenders = []
+    for prefix, folder in PACKAGES.items():
+        for f in folder.rglob("*.py"):
+            if prefix == "convit_convert" and f.relative_to(folder).parts[0] in ("cli", "__main__.py"):
+                continue
+            for node in ast.walk(ast.parse(f.read_text())):
+                names = []
+                if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    names = [node.module]
+                elif isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                offenders += [
+                    f"{f.name} imports {n}" for n in names if n.split(".")[0] in ("rich", "typer", "click")
+                ]
+                if isinstance(node, ast.Name) and node.id == "SystemExit":
+                    offenders.append(f"{f.name} uses SystemExit")
+                if isinstance(node, (ast.Name, ast.Attribute)) and "exit_code" in ast.unparse(node):
+                    offenders.append(f"{f.name} mentions exit_code")
+    assert not offenders, offenders
+
+
 def test_library_errors_name_parameters_and_the_cli_names_flags(tmp_path: Path) -> None:
     """A bare state dict without geometry: the library says `img_size`, the CLI --img-size."""
     model = VisionTransformer(ViTConfig.build(img_size=16, patch_size=4, depth=1, num_classes=3))

@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parent.parent
 SLOW_WRITER = """
 import sys, time
 from pathlib import Path
-from convit_convert.io.atomic import atomic_write, exit_on_sigterm
+from convit_convert.cli.boundary import exit_on_sigterm
+from convit_convert.io.atomic import atomic_write
 if sys.argv[2] == "handler":
     exit_on_sigterm()
 def write(tmp):

@@ -17,10 +17,10 @@ import torch
 from PIL import Image
 from scipy import stats
 
+from convit_convert.data import EpochSampler, build_transform, channel_stats
 from convit_convert.errors import CmhsaError
 from convit_convert.train import augment as A
 from convit_convert.train.config import TrainConfig
-from convit_convert.train.data import EpochSampler, build_transform, channel_stats
 from convit_convert.train.held import HeldEvalLoader, HeldLoader, eval_view
 
 N = 20_000
@@ -259,7 +259,7 @@ def test_augmented_images_match_timms_in_distribution(aa: str) -> None:
     mean, spread and mean horizontal gradient (how sharp the images are), 1,000 images each.
     Tolerances from the batch path's own draw-to-draw spread on these images (6 seeds: mean
     σ 0.015, spread σ 0.8%): 0.05 and 3% are about 2.5-3 σ of the difference of two draws."""
-    from convit_convert.train.data import Seeded, build_data
+    from convit_convert.data import Seeded, build_data
     from convit_convert.train.held import hold
 
     spec = build_data("digits", None, (28, 28))
@@ -280,7 +280,7 @@ def test_augmented_images_match_timms_in_distribution(aa: str) -> None:
 def test_auto_loader_holds_what_fits_and_says_why_not(tmp_path) -> None:
     """`loader` auto: one-size image folders are held (as PIL converts them: grey from RGB by
     PIL's weights), mixed sizes and unsupported augmentation fall back to workers with a reason."""
-    from convit_convert.train.data import build_data
+    from convit_convert.data import build_data
     from convit_convert.train.held import hold
     from convit_convert.train.run import choose_loader
 

@@ -62,7 +62,7 @@ def boom(exc: BaseException):
 
 
 def test_an_internal_error_is_one_line_and_exit_3_unless_debug(tmp_path: Path, monkeypatch) -> None:
-    import convit_convert.api as api
+    import convit_convert.api.convert as api
 
     monkeypatch.setattr(api, "convert_checkpoint", boom(ZeroDivisionError("division by zero")))
     args = ("convert", FIXTURE, "-o", tmp_path / "v.safetensors")
@@ -75,7 +75,7 @@ def test_an_internal_error_is_one_line_and_exit_3_unless_debug(tmp_path: Path, m
 
 
 def test_an_allocation_failure_says_what_was_too_large(tmp_path: Path, monkeypatch) -> None:
-    import convit_convert.api as api
+    import convit_convert.api.convert as api
 
     oom = RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory: "
                        "you tried to allocate 80000000000 bytes. Error code 12 (Cannot allocate memory)")  # fmt: skip
@@ -271,7 +271,7 @@ def test_a_full_disk_at_a_checkpoint_keeps_the_last_one_and_its_metrics(tmp_path
 
 
 def test_a_full_disk_while_writing_convert_s_report_keeps_both_old_files(tmp_path: Path, monkeypatch) -> None:
-    import convit_convert.api as api
+    import convit_convert.api.convert as api
 
     out, report = tmp_path / "v.safetensors", tmp_path / "v.report.json"
     out.write_bytes(b"old model")

@@ -21,15 +21,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from rich.console import Console
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from convit_convert.cli import app
+from convit_convert.data import EpochSampler, build_data, build_loader, build_transform
 from convit_convert.errors import CheckFailed, CmhsaError
 from convit_convert.train import run as engine
 from convit_convert.train.config import TrainConfig
-from convit_convert.train.data import EpochSampler, build_data, build_loader, build_transform
+from convit_convert.train.progress import Progress
 from convit_convert.train.recipe import build_recipe, scaled_lrs
 from convit_convert.train.run import run
 
@@ -212,7 +212,10 @@ def test_resume_extends_a_finished_run_with_a_rebuilt_schedule(tmp_path: Path) -
     planned = run(tiny(tmp_path, "planned", epochs=4, **PLAIN))
     run(tiny(tmp_path, "grown", epochs=2, **PLAIN))
     log = io.StringIO()
-    grown = run(tiny(tmp_path, "grown", epochs=4, resume=True, **PLAIN), console=Console(file=log, width=400))
+    grown = run(
+        tiny(tmp_path, "grown", epochs=4, resume=True, **PLAIN),
+        progress=Progress(lambda m: print(m, file=log)),
+    )
     assert [r["epoch"] for r in grown.rows] == [1, 2, 3, 4]
     assert [r["lr"] for r in grown.rows[2:]] == pytest.approx([r["lr"] for r in planned.rows[2:]], rel=1e-12)
     assert "extending the run from 2 to 4 epochs" in log.getvalue(), log.getvalue()
@@ -224,7 +227,8 @@ def test_resume_with_a_new_lr_uses_it_and_says_so(tmp_path: Path) -> None:
     run(tiny(tmp_path, epochs=3, **PLAIN), stop_after_steps=20)
     log = io.StringIO()
     res = run(
-        tiny(tmp_path, epochs=3, resume=True, **{**PLAIN, "lr": 1e-3}), console=Console(file=log, width=400)
+        tiny(tmp_path, epochs=3, resume=True, **{**PLAIN, "lr": 1e-3}),
+        progress=Progress(lambda m: print(m, file=log)),
     )
     said = " ".join(log.getvalue().split())
     assert "--lr 0.001 instead of 0.004" in said and "no longer" in said, said

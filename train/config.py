@@ -35,7 +35,7 @@ class TrainConfig:
     train_samples: int | None = None  # a fixed, seeded subset of the training set (short runs)
     val_samples: int | None = None  # the first images of the validation set (cheaper per-epoch evaluation)
     # auto: the data held on the device and augmented per batch (train/held.py) when it fits, else
-    # timm's per-image transforms in worker processes (train/data.py)
+    # timm's per-image transforms in worker processes (convit_convert/data.py)
     loader: str = "auto"
     # model (the paper's CMHSA-5)
     img_size: int = 224

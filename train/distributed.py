@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..api import resolve_device
+from ..api.common import pick_device
 
 
 @dataclass(frozen=True)
@@ -32,13 +32,6 @@ class Context:
     @property
     def distributed(self) -> bool:
         return self.backend is not None
-
-
-def pick_device(name: str, local_rank: int = 0) -> torch.device:
-    """``auto`` is CUDA when present, else CPU; ``cuda`` means this process's GPU (the names
-    checked by :func:`convit_convert.api.resolve_device`)."""
-    name = resolve_device(name)
-    return torch.device(f"cuda:{local_rank}" if name == "cuda" else name)
 
 
 def setup(device: str) -> Context:

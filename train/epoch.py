@@ -18,15 +18,16 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..analysis import attention_stats
+from ..api.common import autocast
+from ..api.on_data import evaluate
+from ..data import sample_seed
 from ..errors import CheckFailed
 from .config import TrainConfig
-from .data import sample_seed
 from .distributed import Context, all_reduce_sum
-from .recipe import autocast
+from .progress import Progress
 from .state import LAST, RunState, set_rng_state
 
 
@@ -45,7 +46,7 @@ class Loop:
     mixup: Any
     criterion: nn.Module
     state: RunState
-    reporter: Any
+    reporter: Progress
     probe: torch.Tensor | None = None  # attn models: fixed val images for the per-epoch attention metrics
 
 
@@ -53,33 +54,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % (1 << 32))
     torch.manual_seed(seed)
-
-
-@torch.no_grad()
-def evaluate(
-    model: nn.Module, loader: Any, device: torch.device, dtype: torch.dtype | None, ctx: Context | None = None
-) -> dict[str, float]:
-    """Cross-entropy, top-1 and top-5 (%) over the whole loader, summed over all ranks."""
-    was_training = model.training
-    model.eval()
-    sums = torch.zeros(4, dtype=torch.float64, device=device)  # loss, top1, top5, count
-    for x, y in loader:
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        with autocast(device, dtype):
-            logits = model(x).float()
-        hit = logits.topk(min(5, logits.shape[1]), dim=1).indices == y[:, None]
-        loss = F.cross_entropy(logits, y, reduction="sum").double()
-        count = torch.tensor(float(len(y)), dtype=torch.float64, device=device)
-        sums += torch.stack([loss, hit[:, 0].sum().double(), hit.any(dim=1).sum().double(), count])
-    if ctx is not None:
-        all_reduce_sum(sums, ctx)
-    model.train(was_training)
-    n = max(sums[3].item(), 1.0)
-    return {
-        "val_loss": sums[0].item() / n,
-        "top1": 100 * sums[1].item() / n,
-        "top5": 100 * sums[2].item() / n,
-    }
 
 
 def non_finite_message(loss: float, epoch: int, step: int, out: Path) -> str:
@@ -145,16 +119,20 @@ def train_one_epoch(loop: Loop, stop: Any, stop_after_steps: int | None = None) 
             st.step = step + 1
             return False
     st.scheduler.step(epoch + 1)
+
+    def reduce(sums: torch.Tensor) -> None:  # every rank's validation share summed
+        all_reduce_sum(sums, ctx)
+
     row: dict[str, Any] = {
         "epoch": epoch + 1,
         "train_loss": st.partial["loss_sum"] / max(loop.steps_per_epoch, 1),
-        **evaluate(st.model, loop.val_loader, device, loop.dtype, ctx),
+        **evaluate(st.model, loop.val_loader, device, loop.dtype, reduce),
         "lr": lr,
         "epoch_seconds": st.partial["seconds"],
         "images_per_s": st.partial["images"] / max(st.partial["seconds"], 1e-9),
     }
     if st.ema is not None:
-        em = evaluate(st.ema.module, loop.val_loader, device, loop.dtype, ctx)
+        em = evaluate(st.ema.module, loop.val_loader, device, loop.dtype, reduce)
         row.update(ema_val_loss=em["val_loss"], ema_top1=em["top1"], ema_top5=em["top5"])
     if loop.probe is not None:  # what the attention does: pinned share, distance, gate per block
         row.update(attention_stats(st.model, [loop.probe]).block_means())

@@ -20,9 +20,9 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, Subset
 
+from ..data import ArrayImages, EpochSampler, sample_seed
 from ..errors import CmhsaError
 from .augment import AugmentSpec, augment, grey, normalise, sample_params
-from .data import ArrayImages, EpochSampler, sample_seed
 
 MAX_BYTES = 2 << 30  # hold at most 2 GiB of decoded images; larger sets use the workers loader
 STEP_STREAM = -2  # sample_seed index of step j's augmentation: -2 - j (the sampler uses -1)

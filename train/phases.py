@@ -18,12 +18,12 @@ import torch
 
 from ..api import as_float32, convert_checkpoint, load_checkpoint
 from ..config import ViTConfig
+from ..data import image_mode
 from ..errors import CheckFailed, CmhsaError
 from ..model import ATTENTION_PARAMS, VisionTransformer
 from ..resources import check_fits
 from ..starts import start_model
 from .config import TrainConfig
-from .data import image_mode
 
 
 @dataclass

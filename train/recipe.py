@@ -3,7 +3,6 @@ scheduler, Mixup/CutMix, loss and mixed precision."""
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 from typing import Any
@@ -11,14 +10,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..data import build_transform
 from ..errors import CmhsaError
 from ..model import ATTENTION_PARAMS
 from ..starts import check_start
 from .augment import check_supported
 from .config import INIT_STARTS, LOADERS, TrainConfig
-from .data import build_transform
-
-AMP = {"bf16": torch.bfloat16, "fp16": torch.float16, "none": None}
 
 
 def scaled_lrs(cfg: TrainConfig, world: int) -> tuple[float, float, float]:
@@ -191,19 +188,3 @@ def build_recipe(cfg: TrainConfig, model: nn.Module, num_classes: int, world: in
     else:
         criterion = nn.CrossEntropyLoss()
     return optimizer, scheduler, mixup, criterion
-
-
-def amp_dtype(amp: str, device: torch.device) -> torch.dtype | None:
-    """The autocast dtype ``amp`` names on ``device`` ('auto': bf16 on CUDA, none on CPU)."""
-    name = amp if amp != "auto" else ("bf16" if device.type == "cuda" else "none")
-    if name not in AMP:
-        raise CmhsaError(f"`amp` must be auto, bf16, fp16 or none, got {amp!r}")
-    if name == "fp16" and device.type != "cuda":
-        raise CmhsaError("`amp` fp16 needs CUDA (use bf16 or none on CPU)")
-    return AMP[name]
-
-
-def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
-    if dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=dtype)

@@ -23,15 +23,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..api.common import amp_dtype
 from ..config import ViTConfig
-from ..errors import CmhsaError
-from ..io.atomic import atomic_write_text, check_writable
-from ..io.checkpoint import save_checkpoint
-from ..io.lock import LOCK_NAME, locked_folder
-from ..model import VisionTransformer
-from .augment import augment_spec, check_supported
-from .config import RUNTIME_FIELDS, TrainConfig
-from .data import (
+from ..data import (
     DataSpec,
     build_data,
     build_loader,
@@ -40,13 +34,19 @@ from .data import (
     epoch_sampler,
     image_mode,
 )
+from ..errors import CmhsaError
+from ..io.atomic import atomic_write_text, check_writable
+from ..io.checkpoint import save_checkpoint
+from ..io.lock import LOCK_NAME, locked_folder
+from ..model import VisionTransformer
+from .augment import augment_spec, check_supported
+from .config import RUNTIME_FIELDS, TrainConfig
 from .distributed import Context, barrier, setup, teardown
 from .epoch import Loop, seed_everything, train_one_epoch
 from .held import HeldEvalLoader, HeldLoader, eval_view, hold, holdable
 from .phases import PhaseModel, build_phase_model, freeze_attention
-from .progress import Reporter
+from .progress import SILENT, Progress
 from .recipe import (
-    amp_dtype,
     build_recipe,
     build_scheduler,
     check_recipe,
@@ -108,13 +108,16 @@ def metrics_text(rows: list[dict[str, Any]]) -> str:
     return buf.getvalue()
 
 
-def run(cfg: TrainConfig, *, console: Any = None, stop_after_steps: int | None = None) -> RunResult:
-    """Train one phase as ``cfg`` says. ``stop_after_steps`` stops (and saves) like a SIGTERM
-    would after that many optimizer steps in total: tests use it to interrupt a run."""
+def run(
+    cfg: TrainConfig, *, progress: Progress | None = None, stop_after_steps: int | None = None
+) -> RunResult:
+    """Train one phase as ``cfg`` says, reporting to ``progress`` (default: plain lines on stdout;
+    the CLI passes rich bars). ``stop_after_steps`` stops (and saves) like a SIGTERM would after
+    that many optimizer steps in total: tests use it to interrupt a run."""
     ctx, threads = setup(cfg.device), torch.get_num_threads()
     try:
         with deterministic_kernels(cfg.deterministic):
-            return _run(cfg, ctx, console, stop_after_steps)
+            return _run(cfg, ctx, progress, stop_after_steps)
     finally:
         torch.set_num_threads(threads)  # `threads` is this run's, not the caller's
         teardown(ctx)
@@ -184,7 +187,9 @@ def resumed_config(cfg: TrainConfig, saved: dict[str, Any], out: Path, log: Any)
     return old, any(n in changed for n in RESUMABLE)
 
 
-def _run(cfg: TrainConfig, ctx: Context, console: Any, stop_after_steps: int | None) -> RunResult:
+def _run(
+    cfg: TrainConfig, ctx: Context, progress: Progress | None, stop_after_steps: int | None
+) -> RunResult:
     out = Path(cfg.out).expanduser()
     check_recipe(cfg)
     if cfg.workers is None:
@@ -202,7 +207,7 @@ def _run(cfg: TrainConfig, ctx: Context, console: Any, stop_after_steps: int | N
             raise CmhsaError(f"cannot create the run folder ({e.strerror})", out) from None
         check_writable(out / "config.json")
     barrier(ctx)
-    reporter = Reporter(ctx.is_main, cfg.epochs, cfg.log_every, console)
+    reporter = (progress or Progress()) if ctx.is_main else SILENT
     lock = locked_folder(out) if ctx.is_main else contextlib.nullcontext()
     try:
         with lock:  # one process at a time writes a run folder (a second one is refused)
@@ -219,7 +224,7 @@ def _run(cfg: TrainConfig, ctx: Context, console: Any, stop_after_steps: int | N
 
 
 def _locked_run(
-    cfg: TrainConfig, ctx: Context, out: Path, reporter: Reporter, stop_after_steps: int | None
+    cfg: TrainConfig, ctx: Context, out: Path, reporter: Progress, stop_after_steps: int | None
 ) -> RunResult:
     saved, reschedule = None, False
     if cfg.resume:
@@ -230,14 +235,14 @@ def _locked_run(
             "holds a previous run (checkpoint-last.pt): pass `resume` to continue it, or choose another `out`",
             out,
         )
-    reporter.epochs = cfg.epochs
+    reporter.open(cfg.epochs, cfg.log_every)
     loop = build(cfg, ctx, out, saved, reschedule, reporter)
     return train(loop, stop_after_steps)
 
 
 def build(
     cfg: TrainConfig, ctx: Context, out: Path, saved: dict[str, Any] | None, reschedule: bool,
-    reporter: Reporter,
+    reporter: Progress,
 ) -> Loop:  # fmt: skip
     """Data, model, recipe and run state (restored from ``saved`` when resuming); writes config.json."""
     device, dtype = ctx.device, amp_dtype(cfg.amp, ctx.device)

@@ -49,7 +49,7 @@ def _root(
 
 
 def main() -> None:
-    from ..io.atomic import exit_on_sigterm
+    from .boundary import exit_on_sigterm
 
     exit_on_sigterm()  # a killed convert/export unwinds and removes its temp files (training traps it first)
     app()

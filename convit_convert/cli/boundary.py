@@ -11,14 +11,15 @@ from __future__ import annotations
 import errno
 import os
 import re
+import signal
 import sys
 import traceback
 from typing import Any
 
 from typer.core import TyperGroup
 
-from ..errors import CmhsaError, first_line
-from .common import EXIT_BAD_INPUT, as_flags, terminal_safe
+from ..errors import CheckFailed, CmhsaError, first_line
+from .common import EXIT_BAD_INPUT, EXIT_FAIL, as_flags, terminal_safe
 
 EXIT_INTERNAL = 3
 _DEBUG = {"on": False}
@@ -56,13 +57,22 @@ def _allocation_failure(e: BaseException) -> str | None:
     return f"out of memory: {what}; reduce the sizes given (image size, batch, heads, qk-dim, depth)"
 
 
+def exit_on_sigterm() -> None:
+    """Make SIGTERM unwind like Ctrl-C (exit 143), so every pending write removes its temp file."""
+
+    def handler(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)
+
+
 def report(e: BaseException) -> int:
     """Print `e` as one line on stderr; its exit code."""
     if isinstance(e, KeyboardInterrupt):
         return 130
     if isinstance(e, CmhsaError):
         _say(as_flags(str(e)))
-        return e.exit_code
+        return EXIT_FAIL if isinstance(e, CheckFailed) else EXIT_BAD_INPUT
     if hasattr(e, "format_message") and isinstance(getattr(e, "exit_code", None), int):  # a click error
         if type(e).__name__ == "NoArgsIsHelpError":
             e.show()  # type: ignore[attr-defined]  (the command's help, as without the boundary)

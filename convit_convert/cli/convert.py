@@ -103,7 +103,7 @@ def calibration(cfg: ViTConfig, calib: str | None, data_dir: str | None, images:
         from ..approximate import noise_calibration
 
         return noise_calibration(cfg, images, heldout, seed)
-    from ..train.evaluate import calibration_from_data
+    from ..api.on_data import calibration_from_data
 
     return calibration_from_data(cfg, data=calib, data_dir=data_dir, images=images, heldout=heldout, seed=seed)
 

@@ -150,8 +150,9 @@ def _train_command(phase: str) -> Any:
 def _run_training(cfg: TrainConfig) -> None:
     """Bad input exits 2 and a run that cannot go on exits 1 (cli/boundary.py renders both)."""
     from ..train.run import run
+    from .progress import RichProgress
 
-    result = run(cfg)
+    result = run(cfg, progress=RichProgress(console))
     if result.stopped in ("SIGINT", "SIGTERM"):
         import signal
 
@@ -188,7 +189,7 @@ def eval_command(
     """Top-1 / top-5 accuracy and loss of a checkpoint on a dataset's validation split."""
     from rich.table import Table
 
-    from ..train.evaluate import evaluate_checkpoint
+    from ..api.on_data import evaluate_checkpoint
 
     r = evaluate_checkpoint(
         checkpoint, data=data, data_dir=data_dir, download=download, batch_size=batch_size,
@@ -219,9 +220,9 @@ def attention_command(
 
     from rich.table import Table
 
+    from ..api.on_data import attention_on_data
     from ..errors import CmhsaError
     from ..io.atomic import atomic_write_text
-    from ..train.evaluate import attention_on_data
     from ..train.plot import plot_attention, pyplot
 
     if output.exists() and not output.is_dir():

@@ -1,7 +1,7 @@
 """Write-then-rename, so a failed or interrupted write never leaves a partial file behind.
 
 The temp file sits beside the target as ``.NAME.PID.XXXXXXXX.tmp``. It is removed when the write
-fails, when Python unwinds (Ctrl-C, and SIGTERM once :func:`exit_on_sigterm` is installed, as the
+fails, when Python unwinds (Ctrl-C, and SIGTERM once ``cli.boundary.exit_on_sigterm`` is installed, as the
 CLI does), and, after a kill -9 that no handler sees, by the next write to the same target: a temp
 of that target whose process no longer exists is stale.
 """
@@ -12,7 +12,6 @@ import contextlib
 import glob
 import os
 import re
-import signal
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -35,15 +34,6 @@ def check_writable(path: Path) -> None:
         raise CmhsaError("output folder does not exist", path)
     if not os.access(folder, os.W_OK | os.X_OK):
         raise CmhsaError("output folder is not writable", path)
-
-
-def exit_on_sigterm() -> None:
-    """Make SIGTERM unwind like Ctrl-C (exit 143), so every pending write removes its temp file."""
-
-    def handler(signum: int, frame: object) -> None:
-        raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, handler)
 
 
 def _alive(pid: int) -> bool:

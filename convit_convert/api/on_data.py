@@ -1,26 +1,26 @@
-"""``cmhsa eval`` and ``cmhsa attention``: a checkpoint on a dataset's validation split (top-1 /
-top-5, or what its attention does); and a dataset's images for calibrating an approximate conversion."""
+"""Checkpoints on a dataset's images: ``cmhsa eval`` (top-1 / top-5), ``cmhsa attention`` (what
+each head attends to), and calibration images for an approximate conversion."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils.data import Subset
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, Subset
 
 from ..analysis import AttentionReport, attention_stats
-from ..api import load_checkpoint
 from ..approximate import Calibration, check_image_counts
 from ..config import ViTConfig
+from ..data import DATASETS, DataSpec, build_data, build_loader, build_transform, image_mode
 from ..deploy import for_inference
 from ..errors import CmhsaError
 from ..io.checkpoint import Checkpoint
-from .data import DATASETS, DataSpec, build_data, build_loader, build_transform, image_mode
-from .distributed import pick_device
-from .epoch import evaluate
-from .recipe import amp_dtype
+from .common import amp_dtype, autocast, load_checkpoint, pick_device
 
 
 @dataclass
@@ -31,6 +31,38 @@ class EvalReport:
     top5: float
     val_loss: float
     form: str  # the form that ran: "fused" (attention, exact to 1e-5), "trained", or "conv"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"command": "eval", **asdict(self)}
+
+
+def evaluate(
+    model: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], device: torch.device,
+    dtype: torch.dtype | None, reduce: Callable[[torch.Tensor], None] | None = None,
+) -> dict[str, float]:  # fmt: skip
+    """Cross-entropy, top-1 and top-5 (%) over ``batches`` of (images, labels); ``reduce`` sums
+    the (loss, top-1, top-5, count) totals across processes in place (training's all-reduce)."""
+    was_training = model.training
+    model.eval()
+    sums = torch.zeros(4, dtype=torch.float64, device=device)  # loss, top1, top5, count
+    with torch.no_grad():
+        for x, y in batches:
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            with autocast(device, dtype):
+                logits = model(x).float()
+            hit = logits.topk(min(5, logits.shape[1]), dim=1).indices == y[:, None]
+            loss = F.cross_entropy(logits, y, reduction="sum").double()
+            count = torch.tensor(float(len(y)), dtype=torch.float64, device=device)
+            sums += torch.stack([loss, hit[:, 0].sum().double(), hit.any(dim=1).sum().double(), count])
+    if reduce is not None:
+        reduce(sums)
+    model.train(was_training)
+    n = max(sums[3].item(), 1.0)
+    return {
+        "val_loss": sums[0].item() / n,
+        "top1": 100 * sums[1].item() / n,
+        "top5": 100 * sums[2].item() / n,
+    }
 
 
 def _dataset(
@@ -52,7 +84,7 @@ def _dataset(
 def _val_loader(
     ckpt: Checkpoint, data: str, data_dir: str | None, download: bool, batch_size: int, dev: torch.device,
     workers: int, crop_pct: float, seed: int,
-) -> tuple[torch.utils.data.DataLoader, int]:  # fmt: skip
+) -> tuple[DataLoader, int]:  # fmt: skip
     """The validation loader of ``data`` preprocessed for ``ckpt``'s model, and the split's size."""
     cfg = ckpt.config
     spec, tf = _dataset(cfg, data, data_dir, download=download, crop_pct=crop_pct, seed=seed, path=ckpt.path)
@@ -68,6 +100,7 @@ def evaluate_checkpoint(
     batch_size: int = 128, device: str = "auto", amp: str = "none", workers: int = 2, crop_pct: float = 0.875,
     seed: int = 0,
 ) -> EvalReport:  # fmt: skip
+    """``cmhsa eval``: top-1 / top-5 and loss of a checkpoint on ``data``'s validation split."""
     ckpt = load_checkpoint(path)
     if batch_size < 1:
         raise CmhsaError(f"`batch_size` must be positive, got {batch_size}")
@@ -83,7 +116,8 @@ def attention_on_data(
     path: str | Path, *, data: str, data_dir: str | None = None, images: int = 1000, batch_size: int = 100,
     device: str = "auto", workers: int = 0, crop_pct: float = 0.875, seed: int = 0,
 ) -> AttentionReport:  # fmt: skip
-    """:func:`convit_convert.analysis.attention_stats` over the first ``images`` validation images."""
+    """``cmhsa attention``: :func:`convit_convert.analysis.attention_stats` over the first
+    ``images`` validation images."""
     ckpt = load_checkpoint(path)
     if ckpt.kind != "attn":
         raise CmhsaError("is a conv checkpoint; attention statistics need an attn checkpoint", ckpt.path)
