@@ -167,10 +167,11 @@ def image_folder(root: Path) -> DataSpec:
 
 
 def build_data(
-    name: str, data_dir: str | Path | None, img_size: tuple[int, int], *, download: bool = False,
+    name: str, data_dir: str | Path | None, img_size: tuple[int, int] | None = None, *, download: bool = False,
     num_classes: int = 10, seed: int = 0, train_samples: int | None = None, val_samples: int | None = None,
 ) -> DataSpec:  # fmt: skip
-    """The named dataset's train and val splits, untransformed; with ``train_samples``, a fixed
+    """The named dataset's train and val splits, untransformed (``img_size``: the size synthetic
+    images are made at; the other sources have their own); with ``train_samples``, a fixed
     subset of that many training images (seeded by ``seed``); with ``val_samples``, the first that
     many validation images (the same for every seed, so runs are compared on the same images). Bad
     folders raise CmhsaError."""
@@ -197,7 +198,7 @@ def _subset_size(flag: str, count: int, split: Dataset, name: str) -> int:
 def _build_data(
     name: str,
     data_dir: str | Path | None,
-    img_size: tuple[int, int],
+    img_size: tuple[int, int] | None,
     download: bool,
     num_classes: int,
     seed: int,
@@ -207,6 +208,8 @@ def _build_data(
     if name == "digits":
         return digits(seed=0)
     if name == "synthetic":
+        if img_size is None:
+            raise CmhsaError("`data` synthetic needs `img_size`")
         return synthetic(img_size, num_classes, seed=seed)
     if name == "fashion-mnist":
         root = Path(data_dir or FASHION_MNIST_DIR).expanduser()

@@ -409,7 +409,8 @@ def test_the_size_estimate_counts_what_torch_builds(kind: str) -> None:
 def test_sizes_beyond_memory_are_refused_with_the_estimate(tmp_path: Path) -> None:
     out = tmp_path / "v.safetensors"
     one_line(invoke("convert", FIXTURE, "-o", out, "--heads", "4096", "--qk-dim", "65536"), 2, str(FIXTURE), "would need about", "GiB of memory available")  # fmt: skip
-    one_line(invoke("train", "phase1", *TINY, "--img-size", "4096", "--out", tmp_path / "r"), 2, "synthetic data at 4096x4096 px would need")  # fmt: skip
+    # a model that fits (hidden_chans 1: d = 32², 128×128 patches) on images that do not
+    one_line(invoke("train", "phase1", *TINY, "--img-size", "4096", "--patch-size", "32", "--hidden-chans", "1", "--batch-size", "2", "--out", tmp_path / "r"), 2, "synthetic data at 4096x4096 px would need")  # fmt: skip
     one_line(invoke("train", "phase1", *TINY, "--img-size", "512", "--hidden-chans", "64", "--depth", "24", "--out", tmp_path / "r"), 2, "training a conv model of", "would need about")  # fmt: skip
     assert invoke("convert", FIXTURE, "-o", out).exit_code == 0
     one_line(

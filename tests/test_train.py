@@ -7,6 +7,7 @@ a minute on 2 cores.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 import itertools
 import json
@@ -244,9 +245,9 @@ def test_default_workers_follow_the_machine(tmp_path: Path, monkeypatch) -> None
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)))
     assert engine.default_workers() == 4
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
-    cfg = tiny(tmp_path, epochs=1, **PLAIN)
-    cfg.workers = None
+    cfg = dataclasses.replace(tiny(tmp_path, epochs=1, **PLAIN), workers=None)
     run(cfg)
+    assert cfg.workers is None and cfg.threads is None  # the run resolved them in its own copy
     doc = json.loads((tmp_path / "run" / "config.json").read_text())
     assert (doc["workers"], doc["threads"], doc["threads_used"], doc["loader_used"]) == (1, 1, 1, "device")
 
@@ -500,3 +501,44 @@ def test_missing_extra_names_a_command_that_works_from_a_checkout(monkeypatch) -
     monkeypatch.setitem(sys.modules, "sklearn.datasets", None)  # import fails
     with pytest.raises(CmhsaError, match=r"pip install -e '\.\[digits\]'"):
         build_data("digits", None, (32, 32))
+
+
+def test_one_image_size_the_models(tmp_path: Path, monkeypatch) -> None:
+    """Phase 2 from a 16 px checkpoint with the image-size flag left at its default (224): the
+    synthetic images are made at the model's 16 px, not the flag's (they were made at 224 and
+    resized by the transforms)."""
+    import convit_convert.data as data
+
+    p1 = run(tiny(tmp_path, "p1", epochs=1, **PLAIN))
+    made = []
+    synthetic = data.synthetic
+    monkeypatch.setattr(
+        data, "synthetic", lambda size, *a, **k: made.append(size) or synthetic(size, *a, **k)
+    )
+    kw = {k: v for k, v in TINY.items() if k not in ("img_size", "patch_size", "depth", "kernel_size")}
+    cfg = TrainConfig(
+        out=str(tmp_path / "p2"), phase="phase2", init=str(p1.model_path), epochs=1, **kw, **PLAIN
+    )
+    assert cfg.img_size == 224
+    run(cfg)
+    assert made == [(16, 16)]
+
+
+def test_export_onnx_exports_the_trained_model_from_memory(tmp_path: Path) -> None:
+    """``run`` itself exports (``export_onnx``), from the model in memory: onnxruntime's outputs on
+    the written file match the safetensors file the run saved, read back independently."""
+    import onnxruntime as ort
+
+    from convit_convert.api import load_checkpoint
+
+    res = run(tiny(tmp_path, epochs=1, export_onnx=True, **PLAIN))
+    assert res.export is not None and res.export.passed
+    onnx_path = res.model_path.with_suffix(".onnx")
+    sess = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
+    assert sess.get_providers() == ["CPUExecutionProvider"]
+    x = torch.randn(3, 3, 16, 16)
+    got = torch.from_numpy(sess.run(None, {sess.get_inputs()[0].name: x.numpy()})[0])
+    with torch.no_grad():
+        want = load_checkpoint(res.model_path).model(torch.float32)(x)
+    # float32 through two runtimes: 1e-4 relative is the export check's own tolerance
+    assert (got - want).abs().max() <= 1e-4 * want.abs().max()

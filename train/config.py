@@ -23,8 +23,11 @@ LOADERS = ("auto", "device", "workers")
 INIT_STARTS = ("mimetic", "impulse")  # phase-2 starts built without a checkpoint (convit_convert/starts.py)
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainConfig:
+    """Frozen: a run resolves its defaults into a copy (``dataclasses.replace``), never into the
+    caller's config."""
+
     phase: str = "phase1"  # "phase1" (ConvViT) or "phase2" (attention ViT)
     out: str = "runs/run"
     # data

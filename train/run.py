@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import dataclasses
 import io
 import json
 import signal
@@ -36,7 +37,7 @@ from ..data import (
 )
 from ..errors import CmhsaError
 from ..io.atomic import atomic_write_text, check_writable
-from ..io.checkpoint import save_checkpoint
+from ..io.checkpoint import Checkpoint, save_checkpoint
 from ..io.lock import LOCK_NAME, locked_folder
 from ..model import VisionTransformer
 from .augment import augment_spec, check_supported
@@ -68,6 +69,7 @@ class RunResult:
     rows: list[dict[str, Any]] = field(default_factory=list)
     stopped: str | None = None  # "SIGINT" / "SIGTERM" / "limit" when stopped before the end
     model_path: Path | None = None
+    export: Any = None  # api.export.ExportReport: `export_onnx`'s result (rank 0, a finished run)
 
 
 class StopRequest:
@@ -167,7 +169,7 @@ def resumed_config(cfg: TrainConfig, saved: dict[str, Any], out: Path, log: Any)
             before, new = getattr(old, name), getattr(cfg, name)
             if name == "epochs" and new < saved["epoch"] + (saved["step"] > 0):
                 raise CmhsaError(f"`epochs` {new}: the run has already trained {saved['epoch']} epochs", out)
-            setattr(old, name, new)
+            old = dataclasses.replace(old, **{name: new})
             log(
                 f"resuming with --{name.replace('_', '-')} {new} instead of {before}: the schedule is rebuilt for it, "
                 "so the result is no longer that of one uninterrupted run"
@@ -182,8 +184,8 @@ def resumed_config(cfg: TrainConfig, saved: dict[str, Any], out: Path, log: Any)
             f"{', '.join(f'`{r}`' for r in RESUMABLE)} may change on `resume`); drop it or start a new run",
             out,
         )
-    for name in RUNTIME_FIELDS:  # how this invocation runs (resume included), not what it computes
-        setattr(old, name, getattr(cfg, name))
+    # how this invocation runs (resume included), not what it computes
+    old = dataclasses.replace(old, **{name: getattr(cfg, name) for name in RUNTIME_FIELDS})
     return old, any(n in changed for n in RESUMABLE)
 
 
@@ -192,10 +194,11 @@ def _run(
 ) -> RunResult:
     out = Path(cfg.out).expanduser()
     check_recipe(cfg)
-    if cfg.workers is None:
-        cfg.workers = default_workers()
-    if cfg.threads is None:
-        cfg.threads = default_threads()
+    cfg = dataclasses.replace(  # this run's defaults, resolved in its own copy
+        cfg,
+        workers=default_workers() if cfg.workers is None else cfg.workers,
+        threads=default_threads() if cfg.threads is None else cfg.threads,
+    )
     torch.set_num_threads(cfg.threads)
     if out.exists() and not out.is_dir():
         raise CmhsaError("`out` names an existing file; give a folder for the run", out)
@@ -248,22 +251,29 @@ def build(
     device, dtype = ctx.device, amp_dtype(cfg.amp, ctx.device)
     seed_everything(cfg.seed + ctx.rank)
 
-    def data(download: bool):
-        img = (cfg.img_size, cfg.img_size)
-        return build_data(cfg.data, cfg.data_dir, img, download=download, num_classes=cfg.num_classes, seed=cfg.seed,
-                          train_samples=cfg.train_samples, val_samples=cfg.val_samples)  # fmt: skip
+    def load_data(img_size: tuple[int, int] | None) -> DataSpec:
+        def read(download: bool) -> DataSpec:
+            return build_data(cfg.data, cfg.data_dir, img_size, download=download, num_classes=cfg.num_classes,
+                              seed=cfg.seed, train_samples=cfg.train_samples, val_samples=cfg.val_samples)  # fmt: skip
 
-    if ctx.is_main:
-        spec = data(cfg.download)
-    barrier(ctx)  # rank 0 downloads (if asked); the others then read
-    if not ctx.is_main:
-        spec = data(False)
+        spec = read(cfg.download) if ctx.is_main else None
+        barrier(ctx)  # rank 0 downloads (if asked); the others then read
+        return spec if spec is not None else read(False)
 
-    if saved is None:
-        pm = build_phase_model(cfg, spec.num_classes, reporter.log)
-    else:  # weights come from the saved state below
-        mcfg = ViTConfig.from_dict(saved["model_config"], saved["kind"])
-        pm = PhaseModel(VisionTransformer(mcfg, cfg.drop_path), mcfg, saved["init"])
+    def model_for(num_classes: int) -> PhaseModel:
+        if saved is None:
+            return build_phase_model(cfg, num_classes, reporter.log)
+        mcfg = ViTConfig.from_dict(saved["model_config"], saved["kind"])  # weights: the saved state below
+        return PhaseModel(VisionTransformer(mcfg, cfg.drop_path), mcfg, saved["init"])
+
+    # one image size, the model's (which --init or a resumed run may set): synthetic images are made
+    # at it, and every loader's transform resizes to it
+    if cfg.data == "synthetic":
+        pm = model_for(cfg.num_classes)
+        spec = load_data(pm.config.img_size)
+    else:
+        spec = load_data(None)
+        pm = model_for(spec.num_classes)
     if cfg.freeze_attention:
         freeze_attention(pm.model)
     model = pm.model.to(device).train()
@@ -396,5 +406,14 @@ def train(loop: Loop, stop_after_steps: int | None = None) -> RunResult:
             ema_path = result.model_path.with_name(result.model_path.stem + "-ema.safetensors")
             save_checkpoint(ema_path, st.model_config, st.ema.module.state_dict(), meta)
         loop.reporter.log(f"wrote {result.model_path}, metrics.csv, config.json")
+        if cfg.export_onnx:  # the model in memory, as saved: no second read of the file just written
+            from ..api.export import export_checkpoint
+
+            tensors = {k: v.detach().float().cpu() for k, v in st.model.state_dict().items()}
+            loop.reporter.log(
+                f"exporting {result.model_path.with_suffix('.onnx')} and checking it in onnxruntime"
+            )
+            ckpt = Checkpoint(result.model_path, st.model_config, tensors, meta)
+            result.export = export_checkpoint(ckpt, result.model_path.with_suffix(".onnx"))
     barrier(ctx)
     return result

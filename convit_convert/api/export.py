@@ -63,24 +63,51 @@ def export_file(
     checkpoint: Path, output: Path, *, opset: int | None = None, tol: float = 1e-4, exporter: str = "dynamo",
     device: str = "cpu", seed: int = 0, report: Path | None = None, form: str = "fused",
 ) -> ExportReport:  # fmt: skip
-    """``cmhsa export`` (and ``cmhsa train --export-onnx``): export, check in onnxruntime, write the
-    file only if the check passes; the JSON report either way."""
-    from ..onnx.export import check_options, export_and_check
-    from ..onnx.load import providers_for
+    """``cmhsa export``: load a model file, then :func:`export_checkpoint`."""
+    report_path = _check(checkpoint, output, report, tol, exporter, opset, form, device)
+    t = time.perf_counter()
+    ckpt = load_checkpoint(checkpoint)
+    load_s = time.perf_counter() - t
+    return _export(ckpt, output, report_path, opset, tol, exporter, device, seed, form, {"load_s": load_s})
+
+
+def export_checkpoint(
+    ckpt: Checkpoint, output: Path, *, opset: int | None = None, tol: float = 1e-4, exporter: str = "dynamo",
+    device: str = "cpu", seed: int = 0, report: Path | None = None, form: str = "fused",
+) -> ExportReport:  # fmt: skip
+    """Export a model held in memory (``cmhsa train --export-onnx``: the model just trained; its
+    ``path`` the file it was saved to), check it in onnxruntime, write the ONNX file only if the
+    check passes; the JSON report either way."""
+    report_path = _check(ckpt.path, output, report, tol, exporter, opset, form, device)
+    return _export(ckpt, output, report_path, opset, tol, exporter, device, seed, form, {})
+
+
+def _check(
+    source: Path, output: Path, report: Path | None, tol: float, exporter: str, opset: int | None, form: str,
+    device: str,
+) -> Path:  # fmt: skip
+    """Every option and output path checked before the model is loaded or exported; the report path."""
+    from ..onnx.export import check_options
 
     if device not in ("cpu", "cuda", "auto"):
         raise CmhsaError(f"`device` must be cpu, cuda or auto, got {device!r}")
     report_path = report or output.with_name(output.name + ".report.json")
-    check_outputs(checkpoint, output, report_path, ".onnx", "ONNX (convert writes safetensors checkpoints)")
+    check_outputs(source, output, report_path, ".onnx", "ONNX (convert writes safetensors checkpoints)")
     check_tol(tol)
     check_options(exporter, opset, form)
-    providers = providers_for(device)
-    t = time.perf_counter()
-    ckpt = load_checkpoint(checkpoint)
-    load_s = time.perf_counter() - t
+    return report_path
+
+
+def _export(
+    ckpt: Checkpoint, output: Path, report_path: Path, opset: int | None, tol: float, exporter: str, device: str,
+    seed: int, form: str, timings: dict[str, float],
+) -> ExportReport:  # fmt: skip
+    from ..onnx.export import export_and_check
+    from ..onnx.load import providers_for
+
     ex = export_and_check(
-        ckpt.model(), exporter=exporter, opset=opset, tol=tol, providers=providers, seed=seed, path=output,
-        form=form,
+        ckpt.model(), exporter=exporter, opset=opset, tol=tol, providers=providers_for(device), seed=seed,
+        path=output, form=form,
     )  # fmt: skip
     facts = None
     with atomic_paths(*([output] if ex.check.passed else []), report_path) as tmps:  # both or neither
@@ -91,6 +118,6 @@ def export_file(
                 "bytes": len(ex.data),
                 "sha256": hashlib.sha256(ex.data).hexdigest(),
             }
-        out = ExportReport(ckpt, ex, output, report_path, facts, {"load_s": load_s, **ex.timings})
+        out = ExportReport(ckpt, ex, output, report_path, facts, {**timings, **ex.timings})
         tmps[-1].write_text(report_text(out.to_dict()), encoding="utf-8")
     return out

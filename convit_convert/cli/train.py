@@ -157,10 +157,11 @@ def _run_training(cfg: TrainConfig) -> None:
         import signal
 
         raise typer.Exit(128 + int(getattr(signal, result.stopped)))
-    if cfg.export_onnx and result.model_path is not None and result.stopped is None:  # rank 0
-        from .export import run_export
+    if result.export is not None:  # --export-onnx, on rank 0 of a finished run
+        from .export import print_export
 
-        if not run_export(result.model_path, result.model_path.with_suffix(".onnx")):
+        print_export(result.export)
+        if not result.export.passed:
             raise typer.Exit(EXIT_FAIL)
 
 

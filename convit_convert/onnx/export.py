@@ -84,10 +84,10 @@ def check_options(exporter: str, opset: int | None, form: str = "fused") -> None
 
 
 def export_model(model: VisionTransformer, *, exporter: str = "dynamo", opset: int | None = None) -> Any:
-    """The ONNX ModelProto of ``model`` (float32, eval), with the names and dynamic batch above."""
+    """The ONNX ModelProto of ``model`` (float32, eval), with the names and dynamic batch above
+    (options checked by the operation, ``api.export``)."""
     import onnx
 
-    check_options(exporter, opset)
     cfg = model.cfg
     example = torch.randn(2, cfg.in_chans, *cfg.img_size)  # batch 2: torch.export specialises 1
     kwargs: dict[str, Any] = {
@@ -233,8 +233,8 @@ def export_and_check(
     providers: list[str] | None = None, seed: int = 0, path: Any = None, form: str = "fused",
 ) -> Exported:  # fmt: skip
     """Export ``model`` (as float32; its attention is swapped for the ``form``'s, in place) and
-    check the result against the model as it was."""
-    check_options(exporter, opset, form)
+    check the result against the model as it was. The options are checked once, by the operation
+    before any work (:func:`check_options`, called by ``api.export``)."""
     model = model.float().eval()
     refs = reference_outputs(model, seed)  # before the swap: the reference is the model as trained
     t = time.perf_counter()
