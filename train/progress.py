@@ -1,7 +1,7 @@
 """A training run's progress as events (epoch started, step done, epoch finished, a message). The
 default writes plain log lines (CI, nohup, SLURM logs) with ``write``; the CLI passes its subclass
 that also draws rich bars on a terminal (``cli/progress.py``), so nothing here renders. Ranks other
-than the main one get :data:`SILENT`."""
+than the main one get a silent one (``Progress(None)``)."""
 
 from __future__ import annotations
 
@@ -38,9 +38,6 @@ class Progress:
 
     def close(self) -> None:
         pass
-
-
-SILENT = Progress(write=None)
 
 
 def step_info(loss: float, lr: float, img_per_s: float) -> str:

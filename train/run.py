@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from ..api.common import amp_dtype
+from ..api.export import ExportReport, export_checkpoint
 from ..config import ViTConfig
 from ..data import (
     DataSpec,
@@ -46,7 +47,7 @@ from .distributed import Context, barrier, setup, teardown
 from .epoch import Loop, seed_everything, train_one_epoch
 from .held import HeldEvalLoader, HeldLoader, eval_view, hold, holdable
 from .phases import PhaseModel, build_phase_model, freeze_attention
-from .progress import SILENT, Progress
+from .progress import Progress
 from .recipe import (
     build_recipe,
     build_scheduler,
@@ -69,7 +70,7 @@ class RunResult:
     rows: list[dict[str, Any]] = field(default_factory=list)
     stopped: str | None = None  # "SIGINT" / "SIGTERM" / "limit" when stopped before the end
     model_path: Path | None = None
-    export: Any = None  # api.export.ExportReport: `export_onnx`'s result (rank 0, a finished run)
+    export: ExportReport | None = None  # `export_onnx`'s result (rank 0, a finished run)
 
 
 class StopRequest:
@@ -210,7 +211,7 @@ def _run(
             raise CmhsaError(f"cannot create the run folder ({e.strerror})", out) from None
         check_writable(out / "config.json")
     barrier(ctx)
-    reporter = (progress or Progress()) if ctx.is_main else SILENT
+    reporter = (progress or Progress()) if ctx.is_main else Progress(None)  # one per run: open() sets it up
     lock = locked_folder(out) if ctx.is_main else contextlib.nullcontext()
     try:
         with lock:  # one process at a time writes a run folder (a second one is refused)
@@ -407,8 +408,6 @@ def train(loop: Loop, stop_after_steps: int | None = None) -> RunResult:
             save_checkpoint(ema_path, st.model_config, st.ema.module.state_dict(), meta)
         loop.reporter.log(f"wrote {result.model_path}, metrics.csv, config.json")
         if cfg.export_onnx:  # the model in memory, as saved: no second read of the file just written
-            from ..api.export import export_checkpoint
-
             tensors = {k: v.detach().float().cpu() for k, v in st.model.state_dict().items()}
             loop.reporter.log(
                 f"exporting {result.model_path.with_suffix('.onnx')} and checking it in onnxruntime"

@@ -1,0 +1,57 @@
+"""cmhsa: exact conversion of convolutional ViTs into self-attention ViTs, and two-phase training.
+
+Importing the package is cheap (no torch): the CLI's --help and `heads` stay fast. The public API
+is imported lazily on first use::
+
+    from convit_convert import ConversionSpec, VisionTransformer, ViTConfig, convert_state_dict, load_checkpoint
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "config": "ViTConfig",
+    "spec": "ConversionSpec ConversionPlan",
+    "errors": "CmhsaError CheckFailed",
+    "model": "VisionTransformer",
+    "construct": "convert_state_dict output_projection",
+    "verify": "verify_models",
+    "theory": "head_count",
+    "io.checkpoint": "Checkpoint save_checkpoint",
+    "api": "load_checkpoint convert_checkpoint convert_file verify_files export_file",
+}
+_LAZY = {name: module for module, names in _EXPORTS.items() for name in names.split()}
+__all__ = ["__version__", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _checkout_train() -> None:
+    """A checkout used without installing (``PYTHONPATH=.``, on a machine without pip): import its
+    train/ folder as ``convit_convert.train``, as the install's package_dir mapping does."""
+    name, folder = f"{__name__}.train", Path(__file__).resolve().parent.parent / "train"
+    if (
+        name in sys.modules
+        or importlib.util.find_spec(name)
+        or not (folder.parent / "pyproject.toml").is_file()
+    ):
+        return
+    spec = importlib.util.spec_from_file_location(
+        name, folder / "__init__.py", submodule_search_locations=[str(folder)]
+    )
+    sys.modules[name] = module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+
+
+_checkout_train()

@@ -1,0 +1,107 @@
+"""What every operation shares: the one checkpoint loader (any format), the device, dtype and
+autocast choices, and the checks made on inputs and outputs before any work."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import re
+from pathlib import Path
+
+import torch
+
+from ..errors import CmhsaError
+from ..io.atomic import check_writable
+from ..io.checkpoint import Checkpoint, check_geometry, load_tensor_checkpoint
+from ..spec import DEFAULT_TOL
+
+AMP = {"bf16": torch.bfloat16, "fp16": torch.float16, "none": None}
+
+
+def load_checkpoint(
+    path: str | Path, *, img_size: tuple[int, int] | None = None, patch_size: int | None = None,
+    dilation: int = 1, norm_eps: float = 1e-6, onnx_tol: float = DEFAULT_TOL,
+) -> Checkpoint:  # fmt: skip
+    """Any model file: cmhsa safetensors, a bare conv-phase state dict (given ``img_size`` and
+    ``patch_size``), or a conv-phase ONNX graph, read by its structure and checked against
+    onnxruntime within ``onnx_tol`` (:mod:`convit_convert.onnx.importer`)."""
+    path = Path(path)
+    if path.suffix.lower() != ".onnx":
+        return load_tensor_checkpoint(path, img_size=img_size, patch_size=patch_size, dilation=dilation, norm_eps=norm_eps)  # fmt: skip
+    from ..onnx.importer import import_onnx
+
+    ckpt = import_onnx(path, tol=onnx_tol)
+    check_geometry(ckpt.config, img_size, patch_size, path, "graph")
+    return ckpt
+
+
+def check_batch(batch: int) -> None:
+    if batch < 1:
+        raise CmhsaError(f"`batch` must be positive, got {batch}")
+
+
+def resolve_device(name: str) -> str:
+    """'auto' is CUDA when present; anything but cpu, cuda, cuda:N, or a GPU that is not there, is bad input."""
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    m = re.fullmatch(r"cuda(?::(\d{1,4}))?", name)
+    if name != "cpu" and m is None:
+        raise CmhsaError(f"`device` must be auto, cpu, cuda or cuda:N, got {name!r}")
+    if m is not None and not torch.cuda.is_available():
+        raise CmhsaError(f"`device` {name}: CUDA is not available here (use `device` cpu or auto)")
+    if m is not None and m.group(1) is not None and int(m.group(1)) >= torch.cuda.device_count():
+        raise CmhsaError(f"`device` {name}: this machine has {torch.cuda.device_count()} GPU(s)")
+    return name
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    if name not in ("float32", "float64"):
+        raise CmhsaError(f"`dtype` must be float32 or float64, got {name!r}")
+    return getattr(torch, name)
+
+
+def same_file(a: Path, b: Path) -> bool:
+    try:
+        return a.resolve() == b.resolve() or (a.exists() and b.exists() and a.samefile(b))
+    except OSError:
+        return False
+
+
+def check_outputs(source: Path, output: Path, report_path: Path, suffix: str, what: str) -> None:
+    """Before any work: the output's suffix says what is written, both outputs are writable,
+    neither is the input, and they are not the same file."""
+    if output.suffix.lower() != suffix:
+        raise CmhsaError(f"writes {what}: give the output the suffix {suffix}", output)
+    for p, name in ((output, "output"), (report_path, "report")):
+        if same_file(p, source):
+            raise CmhsaError(f"{name} path is the input file; choose another", p)
+        check_writable(p)
+    if same_file(output, report_path):
+        raise CmhsaError("report path is the output path; choose another", report_path)
+
+
+def pick_device(name: str, local_rank: int = 0) -> torch.device:
+    """``auto`` is CUDA when present, else CPU; ``cuda`` means this process's GPU (the names
+    checked by :func:`resolve_device`)."""
+    name = resolve_device(name)
+    return torch.device(f"cuda:{local_rank}" if name == "cuda" else name)
+
+
+def amp_dtype(amp: str, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype ``amp`` names on ``device`` ('auto': bf16 on CUDA, none on CPU)."""
+    name = amp if amp != "auto" else ("bf16" if device.type == "cuda" else "none")
+    if name not in AMP:
+        raise CmhsaError(f"`amp` must be auto, bf16, fp16 or none, got {amp!r}")
+    if name == "fp16" and device.type != "cuda":
+        raise CmhsaError("`amp` fp16 needs CUDA (use bf16 or none on CPU)")
+    return AMP[name]
+
+
+def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype)
+
+
+def as_float32(ckpt: Checkpoint) -> Checkpoint:
+    return dataclasses.replace(ckpt, tensors={k: v.float() for k, v in ckpt.tensors.items()})

@@ -1,0 +1,253 @@
+"""``cmhsa convert``: a conv checkpoint converted (Theorem 1, or fewer heads approximately) and
+verified in memory (:class:`Conversion`), and written with its JSON report (:class:`ConvertReport`).
+
+Bad input raises :class:`CmhsaError` before anything is written; a verification that fails is a
+report with ``passed`` False, no model written and its JSON report written.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..approximate import (
+    Approximation,
+    BlockChoice,
+    Calibration,
+    choose,
+    guard_logits,
+    held_back,
+    heldout_errors,
+    noise_calibration,
+)
+from ..config import ViTConfig
+from ..construct import convert_state_dict
+from ..errors import CmhsaError, article
+from ..io.atomic import atomic_paths
+from ..io.checkpoint import Checkpoint, write_checkpoint
+from ..io.report import default_report_path, environment, file_facts, report_text
+from ..model import VisionTransformer
+from ..resources import check_fits
+from ..spec import ConversionPlan, ConversionSpec, Offset
+from ..verify import VerifyResult, verify_models
+from .common import check_batch, check_outputs, load_checkpoint, resolve_device, resolve_dtype
+
+
+@dataclass
+class Conversion:
+    """A conv checkpoint converted in memory (Theorem 1) by ``plan``, and its verification."""
+
+    source: Checkpoint
+    plan: ConversionPlan
+    tensors: dict[str, torch.Tensor]
+    verification: VerifyResult | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+    approximation: Approximation | None = None  # fewer heads than the theorem needs
+
+    @property
+    def config(self) -> ViTConfig:
+        """The attention config."""
+        return self.plan.config
+
+    @property
+    def pinned(self) -> list[Offset | None]:
+        """Per head: the offset it attends to, None if it reads nothing (an approximate conversion:
+        the first block's kept offsets)."""
+        return list(self.plan.pinned if self.approximation is None else self.approximation.blocks[0].kept)
+
+    @property
+    def passed(self) -> bool:
+        return self.verification is None or self.verification.passed
+
+    def model(self, drop_path_rate: float = 0.0) -> VisionTransformer:
+        model = VisionTransformer(self.config, drop_path_rate)
+        model.load_state_dict(self.tensors)
+        return model
+
+    def summary(self) -> dict[str, Any]:
+        pinned, plan = self.pinned, self.plan
+        return {
+            "heads": plan.config.num_heads,
+            "pinned_heads": sum(o is not None for o in pinned),
+            "offsets": [None if o is None else list(o) for o in pinned],
+            "offset_logit": plan.offset_logit,
+            "sink_logit": plan.sink_logit,
+            "qk_init_std": plan.spec.qk_init_std,
+            "approximation": None if self.approximation is None else self.approximation.to_dict(),
+        }
+
+
+def convert_checkpoint(
+    ckpt: Checkpoint, spec: ConversionSpec | None = None, *, verify: bool = True, batch: int = 4,
+    dtype: torch.dtype = torch.float32, device: str = "cpu",
+    calibrate: Callable[[ViTConfig], Calibration] | None = None,
+) -> Conversion:  # fmt: skip
+    """Convert a conv checkpoint as ``spec`` says (default: the paper's construction) and, unless
+    ``verify`` is False, verify it against the conv model on ``batch`` random images: every relative
+    error must be <= ``spec.tol``.
+
+    An approximate spec (``approximate`` with ``heads`` below what the kernel needs) keeps the
+    ``heads`` offsets chosen by ``spec.rule`` and refits their W^O on the images
+    ``calibrate(config)`` makes (called only then; default: noise images), then measures the result
+    on its held-out images (:mod:`convit_convert.approximate`); with enough heads it is the exact
+    conversion. Verification still judges against ``spec.tol``."""
+    spec = spec or ConversionSpec()
+    if ckpt.kind != "conv":
+        raise CmhsaError(
+            f"is {article(ckpt.kind)} checkpoint already; convert takes a conv-phase one", ckpt.path
+        )
+    check_batch(batch)
+    t = time.perf_counter()
+    src = ckpt.config
+    plan = spec.plan(src)
+    # the output's size is known before anything is built: refuse what cannot fit (float32 weights,
+    # the output and the conv model held together, and verification's activations)
+    out_cfg = plan.config
+    need = 4 * (out_cfg.num_params() + src.num_params()) + (out_cfg.activation_bytes(batch) if verify else 0)
+    check_fits(
+        need * dtype.itemsize // 4,
+        f"the converted model ({out_cfg.num_heads} heads, qk_dim {out_cfg.qk_dim})",
+        ckpt.path,
+    )
+    approx, conv_model = None, None
+    if plan.approximate:
+        calibration = calibrate(src) if calibrate else noise_calibration(src, seed=spec.seed)
+        conv_model = ckpt.model()  # built once: choice, held-out errors and verification share it
+        blocks = choose(
+            as_float32_model(ckpt, conv_model),
+            out_cfg.num_heads,
+            calibration.images.float(),
+            spec.rule,
+            spec.refit,
+        )
+        approx = approximation(ckpt, plan, conv_model, blocks, calibration)
+    tensors = convert_state_dict(
+        ckpt.tensors, plan, path=ckpt.path, overrides=None if approx is None else overrides(ckpt, approx.blocks)
+    )  # fmt: skip
+    conv = Conversion(ckpt, plan, tensors, approximation=approx)
+    conv.timings["convert_s"] = time.perf_counter() - t
+    if approx is not None:
+        t = time.perf_counter()
+        approx.heldout = heldout_errors(conv_model, conv.model(), calibration.heldout, calibration.labels)  # type: ignore[arg-type]
+        conv.timings["heldout_s"] = time.perf_counter() - t
+    if verify:
+        t = time.perf_counter()
+        conv.verification = verify_models(
+            conv_model or ckpt.model(), conv.model(), batch=batch, seed=spec.seed, dtype=dtype, device=device,
+            tol=spec.tol,
+        )  # fmt: skip
+        conv.timings["verify_s"] = time.perf_counter() - t
+    return conv
+
+
+def approximation(
+    ckpt: Checkpoint, plan: ConversionPlan, conv: VisionTransformer, blocks: list[BlockChoice],
+    calibration: Calibration,
+) -> Approximation:  # fmt: skip
+    """``plan``'s per-block choices (each refit already judged on its own block), their refits then
+    guarded on the logits of the held-back calibration images."""
+    spec, images = plan.spec, calibration.images.float()
+    approx = Approximation(spec.rule, spec.refit, calibration.source, len(images), blocks)
+    if any(b.refit_kept for b in blocks):
+        approx.guard_images = held = held_back(len(images))
+        approx.blocks, approx.guard_logits_drop, approx.guard_logits_error = guard_logits(
+            conv, blocks, images[-held:], lambda c: converted_model(ckpt, plan, c)
+        )
+    return approx
+
+
+def as_float32_model(ckpt: Checkpoint, model: VisionTransformer) -> VisionTransformer:
+    """``model`` (``ckpt``'s, in its dtype) if that is float32, else ``ckpt``'s model in float32: the
+    approximation's choice runs on float32 activations (its fits in float64)."""
+    return model if ckpt.dtype == torch.float32 else ckpt.model(torch.float32)
+
+
+def overrides(ckpt: Checkpoint, blocks: list[BlockChoice]) -> list[tuple[list[Offset], torch.Tensor]]:
+    """An approximate conversion's per-block offsets and W^O, in the checkpoint's dtype."""
+    return [(c.kept, c.wo.to(ckpt.dtype)) for c in blocks]
+
+
+def converted_model(
+    ckpt: Checkpoint, plan: ConversionPlan, blocks: list[BlockChoice] | None = None
+) -> VisionTransformer:
+    """The attention model ``plan`` converts ``ckpt`` into, in eval mode; ``blocks``: an
+    approximate conversion's choices."""
+    model = VisionTransformer(plan.config)
+    sd = convert_state_dict(
+        ckpt.tensors, plan, path=ckpt.path, overrides=None if blocks is None else overrides(ckpt, blocks)
+    )
+    model.load_state_dict(sd)
+    return model.eval()
+
+
+@dataclass
+class ConvertReport:
+    conversion: Conversion
+    output: Path
+    report_path: Path
+    input_facts: dict[str, Any]
+    output_facts: dict[str, Any] | None
+    timings: dict[str, float]
+
+    @property
+    def passed(self) -> bool:
+        return self.conversion.passed
+
+    def to_dict(self) -> dict[str, Any]:
+        c, ckpt = self.conversion, self.conversion.source
+        return {
+            "command": "convert",
+            "passed": None if c.verification is None else c.verification.passed,
+            "input": {
+                **self.input_facts,
+                "kind": "conv",
+                "read_as": ckpt.source,
+                "onnx_import": ckpt.import_report,
+                "dtype": str(ckpt.dtype).removeprefix("torch."),
+            },
+            "output": self.output_facts,
+            "config": c.config.to_dict(),
+            "conversion": c.summary(),
+            "verification": None if c.verification is None else c.verification.to_dict(),
+            "timings": self.timings,
+            "environment": environment(),
+        }
+
+
+def convert_file(
+    input: Path, output: Path, spec: ConversionSpec | None = None, *, report: Path | None = None,
+    img_size: tuple[int, int] | None = None, patch_size: int | None = None, dilation: int = 1,
+    norm_eps: float = 1e-6, dtype: str = "float32", device: str = "auto", verify: bool = True, batch: int = 4,
+    calibrate: Callable[[ViTConfig], Calibration] | None = None,
+) -> ConvertReport:  # fmt: skip
+    """``cmhsa convert``: load, convert as ``spec`` says and verify (:func:`convert_checkpoint`),
+    write the attention checkpoint if verification passed, and the JSON report either way."""
+    spec = spec or ConversionSpec()
+    report_path = report or default_report_path(output)
+    check_outputs(input, output, report_path, ".safetensors", "a safetensors checkpoint (export writes ONNX)")
+    verify_dtype = resolve_dtype(dtype)
+    verify_device = resolve_device(device) if verify else "cpu"
+    t = time.perf_counter()
+    ckpt = load_checkpoint(input, img_size=img_size, patch_size=patch_size, dilation=dilation, norm_eps=norm_eps, onnx_tol=spec.tol)  # fmt: skip
+    timings = {"load_s": time.perf_counter() - t}
+    input_facts = file_facts(input)
+    conv = convert_checkpoint(
+        ckpt, spec, verify=verify, batch=batch, dtype=verify_dtype, device=verify_device, calibrate=calibrate
+    )
+    timings.update(conv.timings)
+    output_facts = None
+    # the model and its report together or neither: a failed write keeps both previous files
+    with atomic_paths(*([output] if conv.passed else []), report_path) as tmps:
+        if conv.passed:
+            t = time.perf_counter()
+            digest = write_checkpoint(tmps[0], conv.config, conv.tensors, {"cmhsa.source_sha256": input_facts["sha256"]}, output)  # fmt: skip
+            timings["write_s"] = time.perf_counter() - t
+            output_facts = {"path": str(output), "bytes": tmps[0].stat().st_size, "sha256": digest}
+        result = ConvertReport(conv, output, report_path, input_facts, output_facts, timings)
+        tmps[-1].write_text(report_text(result.to_dict()), encoding="utf-8")
+    return result

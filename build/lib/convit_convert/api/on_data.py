@@ -1,0 +1,161 @@
+"""Checkpoints on a dataset's images: ``cmhsa eval`` (top-1 / top-5), ``cmhsa attention`` (what
+each head attends to), and calibration images for an approximate conversion."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, Subset
+
+from ..analysis import AttentionReport, attention_stats
+from ..approximate import Calibration, check_image_counts
+from ..config import ViTConfig
+from ..data import DATASETS, DataSpec, build_data, build_loader, build_transform, image_mode
+from ..deploy import for_inference
+from ..errors import CmhsaError
+from ..io.checkpoint import Checkpoint
+from .common import amp_dtype, autocast, load_checkpoint, pick_device
+
+
+@dataclass
+class EvalReport:
+    kind: str
+    images: int
+    top1: float
+    top5: float
+    val_loss: float
+    form: str  # the form that ran: "fused" (attention, exact to 1e-5), "trained", or "conv"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"command": "eval", **asdict(self)}
+
+
+def evaluate(
+    model: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], device: torch.device,
+    dtype: torch.dtype | None, reduce: Callable[[torch.Tensor], None] | None = None,
+) -> dict[str, float]:  # fmt: skip
+    """Cross-entropy, top-1 and top-5 (%) over ``batches`` of (images, labels); ``reduce`` sums
+    the (loss, top-1, top-5, count) totals across processes in place (training's all-reduce)."""
+    was_training = model.training
+    model.eval()
+    sums = torch.zeros(4, dtype=torch.float64, device=device)  # loss, top1, top5, count
+    with torch.no_grad():
+        for x, y in batches:
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            with autocast(device, dtype):
+                logits = model(x).float()
+            hit = logits.topk(min(5, logits.shape[1]), dim=1).indices == y[:, None]
+            loss = F.cross_entropy(logits, y, reduction="sum").double()
+            count = torch.tensor(float(len(y)), dtype=torch.float64, device=device)
+            sums += torch.stack([loss, hit[:, 0].sum().double(), hit.any(dim=1).sum().double(), count])
+    if reduce is not None:
+        reduce(sums)
+    model.train(was_training)
+    n = max(sums[3].item(), 1.0)
+    return {
+        "val_loss": sums[0].item() / n,
+        "top1": 100 * sums[1].item() / n,
+        "top5": 100 * sums[2].item() / n,
+    }
+
+
+def _dataset(
+    cfg: ViTConfig, data: str, data_dir: str | None, *, download: bool = False, crop_pct: float, seed: int,
+    path: object = None, param: str = "data",
+) -> tuple[DataSpec, Any]:  # fmt: skip
+    """``data`` (the value of library parameter ``param``) for a model of ``cfg``, and the evaluation
+    transform for it; a dataset whose classes or images do not fit the model is refused."""
+    if data not in DATASETS:
+        raise CmhsaError(f"`{param}` must be one of {', '.join(DATASETS)}, got {data!r}")
+    spec = build_data(data, data_dir, cfg.img_size, download=download, num_classes=cfg.num_classes, seed=seed)
+    if spec.num_classes != cfg.num_classes:
+        msg = f"has {cfg.num_classes} classes but `{param}` {data} has {spec.num_classes}"
+        raise CmhsaError(msg if path else f"the model {msg}", path)
+    image_mode(cfg.in_chans, path)  # RGB or grey: the loader converts every image to it
+    return spec, build_transform(cfg.img_size, False, None, cfg.in_chans, crop_pct=crop_pct)
+
+
+def _val_loader(
+    ckpt: Checkpoint, data: str, data_dir: str | None, download: bool, batch_size: int, dev: torch.device,
+    workers: int, crop_pct: float, seed: int,
+) -> tuple[DataLoader, int]:  # fmt: skip
+    """The validation loader of ``data`` preprocessed for ``ckpt``'s model, and the split's size."""
+    cfg = ckpt.config
+    spec, tf = _dataset(cfg, data, data_dir, download=download, crop_pct=crop_pct, seed=seed, path=ckpt.path)
+    loader = build_loader(
+        spec.val, tf, training=False, batch_size=batch_size, seed=seed, workers=workers,
+        pin_memory=dev.type == "cuda", in_chans=cfg.in_chans,
+    )  # fmt: skip
+    return loader, len(spec.val)
+
+
+def evaluate_checkpoint(
+    path: str | Path, *, data: str, data_dir: str | None = None, download: bool = False,
+    batch_size: int = 128, device: str = "auto", amp: str = "none", workers: int = 2, crop_pct: float = 0.875,
+    seed: int = 0,
+) -> EvalReport:  # fmt: skip
+    """``cmhsa eval``: top-1 / top-5 and loss of a checkpoint on ``data``'s validation split."""
+    ckpt = load_checkpoint(path)
+    if batch_size < 1:
+        raise CmhsaError(f"`batch_size` must be positive, got {batch_size}")
+    dev = pick_device(device)
+    dtype = amp_dtype(amp, dev)
+    loader, n = _val_loader(ckpt, data, data_dir, download, batch_size, dev, workers, crop_pct, seed)
+    model, form = for_inference(ckpt.model(dtype=torch.float32).to(dev))  # fused where exact to 1e-5
+    metrics = evaluate(model, loader, dev, dtype)
+    return EvalReport(ckpt.kind, n, metrics["top1"], metrics["top5"], metrics["val_loss"], form)
+
+
+def attention_on_data(
+    path: str | Path, *, data: str, data_dir: str | None = None, images: int = 1000, batch_size: int = 100,
+    device: str = "auto", workers: int = 0, crop_pct: float = 0.875, seed: int = 0,
+) -> AttentionReport:  # fmt: skip
+    """``cmhsa attention``: :func:`convit_convert.analysis.attention_stats` over the first
+    ``images`` validation images."""
+    ckpt = load_checkpoint(path)
+    if ckpt.kind != "attn":
+        raise CmhsaError("is a conv checkpoint; attention statistics need an attn checkpoint", ckpt.path)
+    if images < 1 or batch_size < 1:
+        raise CmhsaError(f"`images` and `batch_size` must be positive, got {images} and {batch_size}")
+    dev = pick_device(device)
+    loader, _ = _val_loader(ckpt, data, data_dir, False, batch_size, dev, workers, crop_pct, seed)
+
+    def batches():  # the first `images` validation images
+        left = images
+        for x, _ in loader:
+            if left <= 0:
+                return
+            yield x[:left]
+            left -= len(x)
+
+    return attention_stats(ckpt.model(dtype=torch.float32).to(dev), batches())
+
+
+def calibration_from_data(
+    cfg: ViTConfig, *, data: str, data_dir: str | None = None, images: int = 256, heldout: int = 512,
+    crop_pct: float = 0.875, seed: int = 0,
+) -> Calibration:  # fmt: skip
+    """Calibration images for ``cmhsa convert --approximate`` / ``cmhsa heads --checkpoint``: a
+    seeded random ``images`` of ``data``'s training split, and the first ``heldout`` validation
+    images with their labels, preprocessed as ``cmhsa eval`` does."""
+    check_image_counts(images, heldout)
+    spec, tf = _dataset(cfg, data, data_dir, crop_pct=crop_pct, seed=seed, param="calib")
+    g = torch.Generator().manual_seed(seed)
+    pick = torch.randperm(len(spec.train), generator=g)[: min(images, len(spec.train))].tolist()
+
+    def load(ds: Any, idx: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        loader = build_loader(
+            Subset(ds, idx), tf, training=False, batch_size=256, seed=seed, in_chans=cfg.in_chans
+        )
+        xs, ys = zip(*loader, strict=True)
+        return torch.cat(xs), torch.cat(ys)
+
+    x, _ = load(spec.train, pick)
+    hx, hy = load(spec.val, list(range(min(heldout, len(spec.val)))))
+    return Calibration(x, hx, hy, f"{data}: {len(x)} training images; held out: {len(hx)} validation images")

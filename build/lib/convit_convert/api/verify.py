@@ -1,0 +1,78 @@
+"""``cmhsa verify``: does an attention checkpoint compute what a conv checkpoint computes? (:class:`VerifyReport`)"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import CmhsaError, article
+from ..io.atomic import check_writable
+from ..io.checkpoint import Checkpoint
+from ..io.report import environment, file_facts, write_report
+from ..resources import check_fits
+from ..spec import DEFAULT_TOL, check_tol
+from ..verify import VerifyResult, verify_models
+from .common import check_batch, load_checkpoint, resolve_device, resolve_dtype, same_file
+
+
+@dataclass
+class VerifyReport:
+    conv: Checkpoint
+    attn: Checkpoint
+    result: VerifyResult
+    timings: dict[str, float]
+
+    @property
+    def passed(self) -> bool:
+        return self.result.passed
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "command": "verify",
+            "passed": self.passed,
+            "conv": file_facts(self.conv.path),
+            "attn": file_facts(self.attn.path),
+            "config": self.attn.config.to_dict(),
+            "verification": self.result.to_dict(),
+            "timings": self.timings,
+            "environment": environment(),
+        }
+
+
+def verify_files(
+    conv: Path, attn: Path, *, tol: float = DEFAULT_TOL, dtype: str = "float32", batch: int = 4, seed: int = 0,
+    device: str = "auto", report: Path | None = None,
+) -> VerifyReport:  # fmt: skip
+    """``cmhsa verify``: does the attn checkpoint compute what the conv checkpoint computes?"""
+    check_tol(tol)
+    check_batch(batch)
+    verify_dtype, verify_device = resolve_dtype(dtype), resolve_device(device)
+    if report is not None:
+        for p in (conv, attn):
+            if same_file(report, p):
+                raise CmhsaError("report path is an input file; choose another", report)
+        check_writable(report)
+    t = time.perf_counter()
+    a, b = load_checkpoint(conv, onnx_tol=tol), load_checkpoint(attn)
+    load_s = time.perf_counter() - t
+    for ck, kind, which in ((a, "conv", "first"), (b, "attn", "second")):
+        if ck.kind != kind:
+            msg = f"is {article(ck.kind)} checkpoint; the {which} argument must be {article(kind)} checkpoint"
+            raise CmhsaError(msg, ck.path)
+    shared_a, shared_b = a.config.to_dict(), b.config.without_attention().to_dict()
+    differ = [k for k in shared_a if shared_a[k] != shared_b[k]]
+    if differ:
+        detail = ", ".join(f"{k} {shared_a[k]} vs {shared_b[k]}" for k in differ[:3])
+        raise CmhsaError(f"config does not match the conv checkpoint's: {detail}", attn)
+    need = (b.config.activation_bytes(batch) + a.config.activation_bytes(batch)) * verify_dtype.itemsize // 4
+    check_fits(need, f"verifying at batch {batch}", attn)
+    t = time.perf_counter()
+    result = verify_models(
+        a.model(), b.model(), batch=batch, seed=seed, dtype=verify_dtype, device=verify_device, tol=tol
+    )
+    out = VerifyReport(a, b, result, {"load_s": load_s, "verify_s": time.perf_counter() - t})
+    if report is not None:
+        write_report(report, out.to_dict())
+    return out

@@ -1,0 +1,55 @@
+"""The ``cmhsa`` command line: one thin module per command group, rendering the library's reports.
+
+Start-up matters: nothing here imports torch or timm at import time, so ``cmhsa --help`` and
+``cmhsa heads`` stay fast; each command imports what it needs when it runs.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from .. import __version__
+from . import convert, export, train
+from .boundary import BoundaryGroup, set_debug
+from .bounds import bound_all
+
+app = typer.Typer(
+    cls=BoundaryGroup,
+    name="cmhsa",
+    help="Turn trained convolutional ViTs into exactly equivalent self-attention ViTs.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+for group in (convert, export, train):
+    app.registered_commands += group.app.registered_commands
+    app.registered_groups += group.app.registered_groups
+bound_all(app)  # every numeric flag checked against its declared range (cli/bounds.py)
+
+
+def version_callback(value: bool) -> None:
+    if value:
+        print(f"cmhsa {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool, typer.Option("--version", callback=version_callback, is_eager=True, help="Print the version.")
+    ] = False,
+    debug: Annotated[
+        bool, typer.Option("--debug", help="Show the full traceback of an error (also: CMHSA_DEBUG=1).")
+    ] = False,
+) -> None:
+    """cmhsa: exact conv -> self-attention conversion ("Can Vision Transformers Perform Convolution?")."""
+    set_debug(debug)
+
+
+def main() -> None:
+    from .boundary import exit_on_sigterm
+
+    exit_on_sigterm()  # a killed convert/export unwinds and removes its temp files (training traps it first)
+    app()

@@ -1,0 +1,130 @@
+"""The CLI's one error boundary: every command, and the parsing of its flags, runs inside it.
+
+Exit codes: 0 success; 1 a check that failed (``CheckFailed``, a failed verification or export);
+2 bad input (``CmhsaError``, a bad flag, a file that cannot be read or written, an allocation too
+large); 3 an internal error (a bug: one line asking for a report). A traceback is shown only with
+``cmhsa --debug ...`` or ``CMHSA_DEBUG=1``.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import signal
+import sys
+import traceback
+from typing import Any
+
+from typer.core import TyperGroup
+
+from ..errors import CheckFailed, CmhsaError, first_line
+from .common import EXIT_BAD_INPUT, EXIT_FAIL, as_flags, terminal_safe
+
+EXIT_INTERNAL = 3
+_DEBUG = {"on": False}
+
+
+def set_debug(on: bool) -> None:
+    _DEBUG["on"] = on
+
+
+def debug_enabled() -> bool:
+    return _DEBUG["on"] or os.environ.get("CMHSA_DEBUG", "") not in ("", "0")
+
+
+def _say(message: str) -> None:
+    print(f"error: {terminal_safe(' '.join(message.split()))}", file=sys.stderr)
+
+
+def _allocation_failure(e: BaseException) -> str | None:
+    """A failed allocation, said as what was too large; None when `e` is not one."""
+    text = str(e)
+    if not isinstance(e, MemoryError) and not (
+        isinstance(e, RuntimeError)
+        and re.search(r"out of memory|can't allocate memory|not enough memory|Allocation on device", text)
+    ):
+        return None
+    size = re.search(
+        r"allocate (?:memory: you tried to allocate )?(\d+) bytes|allocate ([\d.]+ [KMGT]iB)", text
+    )
+    if size and size.group(1):
+        what = f"an allocation of {int(size.group(1)) / 2**30:.1f} GiB failed"
+    elif size:
+        what = f"an allocation of {size.group(2)} failed"
+    else:
+        what = "an allocation failed"
+    return f"out of memory: {what}; reduce the sizes given (image size, batch, heads, qk-dim, depth)"
+
+
+def exit_on_sigterm() -> None:
+    """Make SIGTERM unwind like Ctrl-C (exit 143), so every pending write removes its temp file."""
+
+    def handler(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+def report(e: BaseException) -> int:
+    """Print `e` as one line on stderr; its exit code."""
+    if isinstance(e, KeyboardInterrupt):
+        return 130
+    if isinstance(e, CmhsaError):
+        _say(as_flags(str(e)))
+        return EXIT_FAIL if isinstance(e, CheckFailed) else EXIT_BAD_INPUT
+    if hasattr(e, "format_message") and isinstance(getattr(e, "exit_code", None), int):  # a click error
+        if type(e).__name__ == "NoArgsIsHelpError":
+            e.show()  # type: ignore[attr-defined]  (the command's help, as without the boundary)
+            return e.exit_code  # type: ignore[attr-defined, no-any-return]
+        ctx = getattr(e, "ctx", None)
+        hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
+        _say(e.format_message() + hint)  # type: ignore[attr-defined]
+        return e.exit_code  # type: ignore[attr-defined, no-any-return]
+    if type(e).__name__ == "Abort":
+        _say("aborted")
+        return 1
+    oom = _allocation_failure(e)
+    if oom is not None:
+        _say(oom)
+        return EXIT_BAD_INPUT
+    if isinstance(e, OSError) and e.errno == errno.EPIPE:
+        return 1  # the reader went away (cmhsa ... | head): nothing to say
+    if isinstance(e, OSError) and e.strerror:
+        where = f"{e.filename}: " if e.filename else ""
+        _say(f"{where}{e.strerror}")
+        return EXIT_BAD_INPUT
+    _say(
+        f"internal error: {type(e).__name__}: {first_line(e)} "
+        "(run with --debug, or CMHSA_DEBUG=1, for the traceback; please report it)"
+    )
+    return EXIT_INTERNAL
+
+
+class BoundaryGroup(TyperGroup):
+    """The root command group: runs click in non-standalone mode and renders whatever escapes."""
+
+    def main(  # type: ignore[override]
+        self,
+        args: Any = None,
+        prog_name: str | None = None,
+        complete_var: str | None = None,
+        standalone_mode: bool = True,
+        **extra: Any,
+    ) -> Any:
+        set_debug(False)  # one invocation's --debug does not carry to the next (CliRunner tests)
+        try:
+            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except SystemExit:
+            raise
+        except BaseException as e:
+            if debug_enabled() and not hasattr(e, "format_message"):
+                traceback.print_exc()
+            code = report(e)
+            if not standalone_mode:
+                raise
+            sys.exit(code)
+        code = rv if isinstance(rv, int) else 0  # typer.Exit(n) comes back as n
+        if standalone_mode:
+            sys.exit(code)
+        return rv

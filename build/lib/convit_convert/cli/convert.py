@@ -1,0 +1,294 @@
+"""``cmhsa convert``, ``verify``, ``inspect`` and ``heads``: thin commands over :mod:`convit_convert.api`
+(torch loads when a command runs; ``heads`` never imports it)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+from rich.table import Table
+
+from ..errors import CmhsaError
+from ..spec import DEFAULT_TOL, ConversionSpec
+from .common import (
+    EXIT_FAIL,
+    console,
+    parse_img_size,
+    path_arg,
+    path_opt,
+    print_import,
+    print_verification,
+    print_written,
+    safe,
+)
+
+if TYPE_CHECKING:
+    from ..approximate import Approximation, Calibration
+    from ..config import ViTConfig
+
+app = typer.Typer()
+
+
+# fmt: off
+@app.command()
+def convert(
+    input: Annotated[Path, path_arg("Conv-phase model: cmhsa .safetensors, an ONNX file (.onnx, read by its graph), or a bare state dict (.safetensors/.pt/.pth) with --img-size and --patch-size.")],
+    output: Annotated[Path, path_opt("Attention checkpoint to write (.safetensors).", "--output", "-o")],
+    heads: Annotated[int | None, typer.Option(help="Attention heads (default: as many as the kernel needs); extra heads are free, trainable heads with zero output weights.")] = None,
+    qk_dim: Annotated[int | None, typer.Option(help="Per-head query/key width (default: embed_dim, the paper's). Exactness does not depend on it.")] = None,
+    pinning: Annotated[str, typer.Option(help="hard: the exact construction, attention fixed; gated: each head also gets content attention behind a gate that starts at 0 (still exact).")] = "hard",
+    sink: Annotated[bool, typer.Option("--sink/--no-sink", help="Give each head a sink so border patches are exact. --no-sink: the paper's construction (inexact at the border).")] = True,
+    qk_init_std: Annotated[float, typer.Option(help="Std of a small random W_Q, W_K (0 = the paper's zeros); moves phase 2 off the W_Q = W_K = 0 saddle and stays exact.")] = 0.0,
+    tol: Annotated[float, typer.Option(help="Largest relative error verification accepts (and, for ONNX input, the import check).")] = DEFAULT_TOL,
+    verify: Annotated[bool, typer.Option("--verify/--no-verify", help="Check the result numerically before writing it.")] = True,
+    report: Annotated[Path | None, path_opt("Report path (default: OUTPUT's stem + .report.json).")] = None,
+    img_size: Annotated[str | None, typer.Option(help="Bare state dicts only: image size, H or HxW.")] = None,
+    patch_size: Annotated[int | None, typer.Option(help="Bare state dicts only: patch size P.")] = None,
+    dilation: Annotated[int, typer.Option(help="Bare state dicts only: the convolutions' dilation.")] = 1,
+    norm_eps: Annotated[float, typer.Option(help="Bare state dicts only: LayerNorm eps.")] = 1e-6,
+    dtype: Annotated[str, typer.Option(help="Verification dtype: float32 or float64.")] = "float32",
+    batch: Annotated[int, typer.Option(help="Verification batch size.")] = 4,
+    seed: Annotated[int, typer.Option(help="Seed for the verification images and any random W_Q, W_K.")] = 0,
+    device: Annotated[str, typer.Option(help="Verification device: auto, cpu, cuda, cuda:N.")] = "auto",
+    approximate: Annotated[bool, typer.Option("--approximate", help="With --heads below what the kernel needs: keep the offsets that matter most on calibration images and refit their W_O (the paper's open problem; measured, not exact: verification still judges against --tol).")] = False,
+    rule: Annotated[str, typer.Option(help="--approximate: greedy (drop the offset whose loss hurts least, measured, one at a time) or corner (drop the farthest offsets first, whatever the data).")] = "greedy",
+    refit: Annotated[bool, typer.Option("--refit/--no-refit", help="--approximate: refit the kept heads' W_O by least squares (--no-refit: plain dropping).")] = True,
+    calib: Annotated[str | None, typer.Option(help="--approximate: calibration data, as train's --data (digits, fashion-mnist, cifar10, cifar100, imagefolder, synthetic); default: N(0, 1) noise images.")] = None,
+    data_dir: Annotated[str | None, typer.Option(help="--calib: the dataset's folder, as train's --data-dir.")] = None,
+    calib_images: Annotated[int, typer.Option(help="--approximate: calibration images (from the training split).")] = 256,
+    heldout_images: Annotated[int, typer.Option(help="--approximate: held-out images the report measures on (the validation split, with its labels).")] = 512,
+) -> None:  # fmt: skip
+# fmt: on
+    """Convert a conv-phase ViT into the attention ViT that computes the same function (Theorem 1)."""
+    from ..api import convert_file
+
+    if not approximate and (calib is not None or data_dir is not None):
+        raise CmhsaError("--calib and --data-dir calibrate an approximate conversion: add --approximate and --heads N")
+
+    def calibrate(cfg: ViTConfig) -> Calibration:  # called only when an approximation needs images
+        return calibration(cfg, calib, data_dir, calib_images, heldout_images, seed)
+
+    spec = ConversionSpec(heads=heads, qk_dim=qk_dim, sink=sink, pinning=pinning, qk_init_std=qk_init_std,
+                          seed=seed, tol=tol, approximate=approximate, rule=rule, refit=refit)  # fmt: skip
+    with console.status(f"Converting {safe(str(input))} and verifying on {batch} random images..."):
+        r = convert_file(
+            input, output, spec, report=report, img_size=parse_img_size(img_size), patch_size=patch_size,
+            dilation=dilation, norm_eps=norm_eps, dtype=dtype, device=device, verify=verify, batch=batch,
+            calibrate=calibrate,
+        )  # fmt: skip
+    c = r.conversion
+    cfg, pinned = c.config, c.summary()["pinned_heads"]
+    print_import(c.source)
+    console.print(
+        f"Converted {safe(str(input))}: depth {cfg.depth}, {cfg.kernel_size}x{cfg.kernel_size} conv "
+        f"(dilation {cfg.dilation}) on {cfg.patch_size}px patches -> {cfg.num_heads} heads "
+        f"({pinned} pinned), qk_dim {cfg.qk_dim}, v_dim {cfg.v_dim}, sink {'on' if cfg.sink else 'off'}, pinning {cfg.pinning}"
+    )
+    if approximate and c.approximation is None:
+        console.print(f"--approximate: {cfg.num_heads} heads are enough for this kernel, so the conversion is exact")
+    if c.approximation is not None:
+        print_approximation(c.approximation)
+    if c.verification is not None:
+        print_verification(c.verification, "Verification: attention vs convolution")
+    print_written(r.passed, output, r.report_path, "verification")
+    if not r.passed:
+        raise typer.Exit(EXIT_FAIL)
+
+
+def calibration(cfg: ViTConfig, calib: str | None, data_dir: str | None, images: int, heldout: int,
+                seed: int) -> Calibration:  # fmt: skip
+    """``--calib D`` images from a dataset (torchvision loads only then), else N(0, 1) noise."""
+    if calib is None:
+        from ..approximate import noise_calibration
+
+        return noise_calibration(cfg, images, heldout, seed)
+    from ..api.on_data import calibration_from_data
+
+    return calibration_from_data(cfg, data=calib, data_dir=data_dir, images=images, heldout=heldout, seed=seed)
+
+
+def print_approximation(a: Approximation) -> None:
+    """Per block: what was kept and dropped (with the error after each drop), and what it measured."""
+    off = lambda o: f"{o[0]:+d}{o[1]:+d}"  # noqa: E731
+    h = a.heldout
+    console.print(
+        f"Approximate: {len(a.blocks[0].kept)} heads per block, rule {a.rule}, "
+        f"{'W_O refit' if a.refit else 'taps kept (no refit)'}; calibration: {safe(a.calibration)}"
+    )
+    table = Table(caption="offsets as dy dx; errors relative; held-out: the mixer on the conv model's activations; "
+                          "taps: the refit lost to plain dropping on held-back calibration images, so not kept")  # fmt: skip
+    for col in ("block", "kept", "dropped: calib. error after each", "drop", "refit", "held-out"):
+        table.add_column(col)
+    for i, b in enumerate(a.blocks):
+        dropped = " ".join(f"{off(o)}:{e:.3f}" for o, e in zip(b.dropped, b.steps, strict=True))
+        refit = f"{b.refit_error:.4f}" if b.refit_kept else ("taps" if a.refit else "")
+        table.add_row(str(i), " ".join(off(o) for o in b.kept), dropped, f"{b.drop_error:.4f}",
+                      refit, "" if h is None else f"{h.mixer_errors[i]:.4f}")  # fmt: skip
+    console.print(table)
+    if h is not None:
+        acc = "" if h.conv_top1 is None else (
+            f"; top-1 {h.attn_top1:.2f}% against the conv model's {h.conv_top1:.2f}% (drop {h.accuracy_drop:.2f} points)"
+        )
+        console.print(f"Held out ({h.images} images): logits relative error {h.logits_error:.4f}{acc}")
+
+
+# fmt: off
+@app.command("verify")
+def verify_cmd(
+    conv: Annotated[Path, path_arg("Conv-phase checkpoint (.safetensors or .onnx).")],
+    attn: Annotated[Path, path_arg("Attention checkpoint.")],
+    tol: Annotated[float, typer.Option(help="Largest relative error accepted.")] = DEFAULT_TOL,
+    dtype: Annotated[str, typer.Option(help="float32 or float64.")] = "float32",
+    batch: Annotated[int, typer.Option(help="Random images per check.")] = 4,
+    seed: Annotated[int, typer.Option(help="Seed for the random images.")] = 0,
+    report: Annotated[Path | None, path_opt("Write a JSON report here.")] = None,
+    device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N.")] = "auto",
+) -> None:  # fmt: skip
+# fmt: on
+    """Check numerically that ATTN computes what CONV computes. Exit 0 pass, 1 outside tol, 2 bad input."""
+    from ..api import verify_files
+
+    with console.status(f"Verifying on {batch} random images ({dtype})..."):
+        r = verify_files(
+            conv, attn, tol=tol, dtype=dtype, batch=batch, seed=seed, device=device, report=report
+        )
+    print_import(r.conv)
+    print_verification(r.result, f"{safe(str(attn))} vs {safe(str(conv))}")
+    raise typer.Exit(0 if r.passed else EXIT_FAIL)
+
+
+# fmt: off
+@app.command()
+def inspect(
+    ckpt: Annotated[Path, path_arg("A cmhsa checkpoint.")],
+    img_size: Annotated[str | None, typer.Option(help="Bare state dicts only: image size, H or HxW.")] = None,
+    patch_size: Annotated[int | None, typer.Option(help="Bare state dicts only: patch size P.")] = None,
+) -> None:
+# fmt: on
+    """Kind, config, size and hash of a checkpoint; for attention, each head's pinned offset."""
+    from ..api import inspect_file
+
+    r = inspect_file(ckpt, img_size=parse_img_size(img_size), patch_size=patch_size)
+    c, cfg = r.checkpoint, r.checkpoint.config
+    info = Table(title=safe(str(ckpt)), title_justify="left", show_header=False)
+    info.add_column(style="bold")
+    info.add_column()
+    info.add_row(
+        "kind", f"{c.kind} ({'phase 1: convolutional ViT' if c.kind == 'conv' else 'phase 2: attention ViT'})"
+    )
+    info.add_row("read as", safe(c.source))
+    for key, value in cfg.to_dict().items():
+        info.add_row(key, safe(str(value)))
+    info.add_row("parameters", f"{c.num_params:,}")
+    info.add_row("dtype", str(c.dtype).removeprefix("torch."))
+    info.add_row("file size", f"{r.facts['bytes']:,} bytes")
+    info.add_row("heads needed", f"{r.heads.patch_heads} ({safe(r.heads.patch_reason)})")
+    for key in ("trained", "init"):  # written by `cmhsa train`: how the weights were made
+        if f"cmhsa.{key}" in c.metadata:
+            info.add_row(key, safe(c.metadata[f"cmhsa.{key}"]))
+    console.print(info)
+    console.print(f"sha256 {r.facts['sha256']}", soft_wrap=True)
+    if r.pinned is None:
+        return
+    heads = Table(title="Pinned offset (dy, dx) per head, read back from the bias", title_justify="left")
+    heads.add_column("head")
+    for i in range(cfg.depth):
+        heads.add_column(f"block {i}", justify="center")
+    for h in range(cfg.num_heads):
+        cells = ["free" if o[h] is None else f"{o[h][0]:+d},{o[h][1]:+d}" for o in r.pinned]
+        if r.gates is not None:
+            cells = [f"{c} g={g[h]:.2f}" for c, g in zip(cells, r.gates, strict=True)]
+        heads.add_row(str(h), *cells)
+    console.print(heads)
+    console.print(
+        "[dim]a query patch at (y, x) reads the key patch at (y+dy, x+dx); free: not pinned to one patch[/]"
+    )
+
+
+# fmt: off
+@app.command()
+def heads(
+    kernel: Annotated[int | None, typer.Option("--kernel", "-k", help="Kernel size K (or --checkpoint).", show_default=False)] = None,
+    patch: Annotated[int | None, typer.Option("--patch", "-p", help="Patch size P (or --checkpoint).", show_default=False)] = None,
+    dilation: Annotated[int, typer.Option("--dilation", "-d", help="Dilation D.")] = 1,
+    channels: Annotated[int | None, typer.Option(help="Channels C (Theorem 5's pixel-input bound is min(K², C)).")] = None,
+    checkpoint: Annotated[Path | None, path_opt("A conv-phase checkpoint: also measure, for every N from 1 to the bound, the error of an approximate conversion with N heads (as convert --approximate).")] = None,
+    rule: Annotated[str, typer.Option(help="--checkpoint: greedy or corner (see convert --rule).")] = "greedy",
+    calib: Annotated[str | None, typer.Option(help="--checkpoint: calibration data, as train's --data; default: N(0, 1) noise images.")] = None,
+    data_dir: Annotated[str | None, typer.Option(help="--calib: the dataset's folder.")] = None,
+    calib_images: Annotated[int, typer.Option(help="--checkpoint: calibration images.")] = 256,
+    heldout_images: Annotated[int, typer.Option(help="--checkpoint: held-out images.")] = 512,
+    seed: Annotated[int, typer.Option(help="--checkpoint: seed of the calibration images.")] = 0,
+) -> None:
+# fmt: on
+    """How many heads an MHSA layer needs to express a KxK convolution, and why; with --checkpoint,
+    what fewer heads cost that checkpoint, measured."""
+    from ..theory import head_count, same_padding
+
+    ckpt = None
+    if checkpoint is not None:
+        from ..api import load_checkpoint
+
+        ckpt = load_checkpoint(checkpoint)
+        cfg = ckpt.config
+        if (kernel, patch) != (None, None) and (kernel, patch) != (cfg.kernel_size, cfg.patch_size):
+            raise CmhsaError(f"has K = {cfg.kernel_size}, P = {cfg.patch_size}; drop --kernel/--patch or match them", checkpoint)
+        kernel, patch, dilation = cfg.kernel_size, cfg.patch_size, cfg.dilation
+        channels = cfg.hidden_chans if channels is None else channels
+        ConversionSpec(rule=rule)  # refuses a bad --rule before anything is printed
+        calib_set = calibration(cfg, calib, data_dir, calib_images, heldout_images, seed)
+    if kernel is None or patch is None:
+        raise CmhsaError("give --kernel and --patch, or --checkpoint")
+    hc = head_count(kernel, patch, dilation, channels)
+    left, right = same_padding(kernel, dilation)
+    console.print(
+        f"{kernel}x{kernel} kernel, dilation {dilation} (extent {hc.extent} px, 'same' padding {left} before / "
+        f"{right} after), {patch}x{patch} patches"
+    )
+    lb = lambda v: "none proven" if v is None else str(v)  # noqa: E731
+    console.print(
+        f"patch input (P = {patch}): {hc.patch_heads} heads; lower bound {lb(hc.patch_lower_bound)}"
+    )
+    console.print(f"  {hc.patch_reason}")
+    console.print(f"pixel input (P = 1): {hc.pixel_heads} heads; lower bound {lb(hc.pixel_lower_bound)}")
+    console.print(f"  {hc.pixel_reason}")
+    ys = sorted({dy for dy, _ in hc.offsets})
+    if len(ys) > 15:  # a grid a terminal can show; the counts above say the rest
+        console.print(f"Patch offsets: {len(ys)}x{len(ys)}, dy and dx from {ys[0]:+d} to {ys[-1]:+d} (grid not shown)")
+    else:
+        grid = "\n".join(
+            "  " + "  ".join(f"h{ys.index(dy) * len(ys) + ys.index(dx)}:({dy:+d},{dx:+d})" for dx in ys)
+            for dy in ys
+        )
+        console.print(f"Patch offsets (dy, dx), one head each, row-major:\n{grid}")
+    if ckpt is not None:
+        print_sweep(ckpt, rule, calib_set, seed)
+
+
+def print_sweep(ckpt: Any, rule: str, calib_set: Calibration, seed: int) -> None:
+    """``heads --checkpoint``: the measured error of N heads, N = 1 … the bound."""
+    from ..api import heads_sweep
+
+    with console.status(f"Converting with 1, 2, ... heads up to the bound, measuring each on {len(calib_set.heldout)} held-out images..."):
+        rows = [row.to_dict() for row in heads_sweep(ckpt, calib_set, rule=rule, seed=seed).rows]
+    table = Table(
+        title=f"{safe(str(ckpt.path))}: N heads per block (rule {rule}, W_O refit where it generalises); calibration: {safe(calib_set.source)}",
+        title_justify="left",
+    )
+    labelled = rows[0]["conv_top1"] is not None
+    cols = ["N", "calib: drop", "calib: refit", "held-out mixer", "held-out logits"] + (["top-1 %"] if labelled else [])
+    for col in cols:
+        table.add_column(col, justify="right")
+    for r in rows:
+        cells = [str(r["heads"]), f"{r['calib_drop_error']:.4f}", f"{r['calib_refit_error']:.4f}",
+                 f"{r['heldout_mixer_error']:.4f}", f"{r['heldout_logits_error']:.4f}"]  # fmt: skip
+        if labelled:
+            cells.append(f"{r['attn_top1']:.2f}")
+        table.add_row(*cells)
+    console.print(table)
+    console.print(
+        "[dim]errors are relative (Frobenius), worst block; calib: on the calibration images, with the kept "
+        "taps (drop) or refit W_O; held-out: each block's mixer on the conv model's activations, and the logits"
+        + (f"; the conv model's top-1 is {rows[0]['conv_top1']:.2f}%" if labelled else "") + "[/]"
+    )

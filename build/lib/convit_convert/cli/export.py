@@ -1,0 +1,75 @@
+"""``cmhsa export``: a checkpoint to one self-contained ONNX file, checked in onnxruntime."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from .common import EXIT_FAIL, console, fmt, path_arg, path_opt, print_import, print_written, safe
+
+app = typer.Typer()
+
+
+def print_export(r: Any) -> None:
+    """An ExportReport: what was exported, the checker, onnxruntime vs PyTorch per batch, the verdict."""
+    ex, check, ckpt = r.exported, r.exported.check, r.checkpoint
+    cfg = ckpt.config
+    print_import(ckpt)
+    console.print(
+        f"Exported {safe(str(ckpt.path))} ({ckpt.kind}, depth {cfg.depth}, {cfg.img_size[0]}x{cfg.img_size[1]} px) "
+        f"{f'in its {ex.form} form ' if ex.form else ''}with the {ex.exporter} exporter, opset {ex.opsets.get('ai.onnx')}, in {ex.timings['export_s']:.1f} s: "
+        f"{len(ex.data) / 1e6:.1f} MB"
+    )
+    io = ", ".join(f"{v['name']} {v['shape']}" for v in check.inputs + check.outputs)
+    console.print(f"checker: full_check passed; {safe(io)}; providers: {', '.join(check.providers)}")
+    table = Table(title="onnxruntime vs PyTorch, same images", title_justify="left")
+    for col in ("batch", "logits shape", "max |Δ|", "max |ref|", "rel. error", "status"):
+        table.add_column(col, justify="right")
+    for b in check.batches:
+        status = "[green]ok[/]" if b.passed else "[red]FAIL[/]"
+        table.add_row(
+            str(b.batch), str(tuple(b.output_shape)), fmt(b.max_abs), fmt(b.ref_max), fmt(b.rel), status
+        )
+    console.print(table)
+    for problem in check.problems:
+        console.print(f"[red]problem[/]: {safe(problem)}")
+    worst, verdict = check.worst, ("[green]PASS[/]", "<=") if check.passed else ("[red]FAIL[/]", ">")
+    console.print(
+        f"{verdict[0]}: worst relative error {fmt(worst.rel)} (batch {worst.batch}) {verdict[1]} tol {check.tol:g}"
+    )
+    print_written(r.passed, r.output, r.report_path, "check")
+
+
+def run_export(checkpoint: Path, output: Path, **options: Any) -> bool:
+    """Export with a spinner and print the report; whether the check passed."""
+    from ..api import export_file
+
+    with console.status(f"Exporting {safe(str(checkpoint))} and checking it in onnxruntime..."):
+        r = export_file(checkpoint, output, **options)
+    print_export(r)
+    return r.passed
+
+
+# fmt: off
+@app.command("export")
+def export_cmd(
+    checkpoint: Annotated[Path, path_arg("Checkpoint to export (attn or conv).")],
+    output: Annotated[Path, path_opt("ONNX file to write (.onnx).", "--output", "-o")],
+    opset: Annotated[int | None, typer.Option(help="ai.onnx opset (>= 17; default: the exporter's).", show_default=False)] = None,
+    tol: Annotated[float, typer.Option(help="Largest relative error of onnxruntime vs PyTorch.")] = 1e-4,
+    exporter: Annotated[str, typer.Option(help="dynamo (torch.export, torch's default) or legacy (TorchScript).")] = "dynamo",
+    form: Annotated[str, typer.Option(help="Attention models: fused (W_V·W_O folded, faster inference, the same function) or trained (the projections as trained).")] = "fused",
+    device: Annotated[str, typer.Option(help="onnxruntime provider for the check: cpu, cuda, or auto (CUDA when it has it).")] = "cpu",
+    seed: Annotated[int, typer.Option(help="Seed of the check images.")] = 0,
+    report: Annotated[Path | None, path_opt("Report path (default: OUTPUT + .report.json).")] = None,
+) -> None:  # fmt: skip
+# fmt: on
+    """Export a checkpoint to one self-contained ONNX file and check it in onnxruntime (exit 1 outside --tol)."""
+    passed = run_export(
+        checkpoint, output, opset=opset, tol=tol, exporter=exporter, device=device, seed=seed, report=report,
+        form=form,
+    )  # fmt: skip
+    raise typer.Exit(0 if passed else EXIT_FAIL)

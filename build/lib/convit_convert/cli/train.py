@@ -1,0 +1,271 @@
+"""``cmhsa train phase1|phase2``, ``cmhsa eval`` and ``cmhsa plot``: thin commands over
+:mod:`convit_convert.train`.
+
+Imports typer only: torch, timm and torchvision load when a command runs, so ``cmhsa --help``
+stays fast. The training flags are one table (FLAGS) shared by both phases; each becomes a
+``--kebab-case`` option whose default is TrainConfig's. A flag left out stays "not given", which
+lets phase 2 take the architecture from its ``--init`` checkpoint and complain only about flags
+that were typed and disagree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+
+from ..train.config import PHASE_LR, TrainConfig
+from .common import EXIT_FAIL, console, safe
+
+MODEL = "Model"
+PHASE2 = "Phase 2"
+RECIPE = "Recipe (DeiT's, as the paper)"
+RUN = "Running"
+
+# (field, type, help, panel, phases); defaults come from TrainConfig
+FLAGS: list[tuple[str, Any, str, str, tuple[str, ...]]] = [
+    ("data", str, "cifar100, cifar10, imagefolder (DIR/train, DIR/val), digits (scikit-learn's), fashion-mnist (Debian's dataset-fashion-mnist), synthetic.", "Data", ("phase1", "phase2")),
+    ("data_dir", str, "Folder of the dataset (cifar*, imagefolder).", "Data", ("phase1", "phase2")),
+    ("download", bool, "Let torchvision download CIFAR into --data-dir (never without this flag).", "Data", ("phase1", "phase2")),
+    ("num_classes", int, "Classes of --data synthetic.", "Data", ("phase1", "phase2")),
+    ("train_samples", int, "Train on a fixed, seeded subset of this many training images (short runs).", "Data", ("phase1", "phase2")),
+    ("val_samples", int, "Evaluate each epoch on the first this many validation images (the same for every seed; default: all).", "Data", ("phase1", "phase2")),
+    ("loader", str, "device: the data held as one tensor on the training device, augmented per batch there (train/held.py); workers: timm's per-image transforms in worker processes (any dataset, any timm augmentation); auto: device when the data fits (2 GiB decoded, one image size) and the augmentation is one it runs.", "Data", ("phase1", "phase2")),
+    ("img_size", int, "Image size (the data is resized to it).", MODEL, ("phase1", "phase2")),
+    ("in_chans", int, "Image channels: 3 (RGB) or 1 (grayscale); every image is converted to it.", MODEL, ("phase1", "phase2")),
+    ("patch_size", int, "Patch size P.", MODEL, ("phase1", "phase2")),
+    ("hidden_chans", int, "Channels of the pixel view of a token; embed_dim = P² · hidden_chans. 3 = identity patch embedding.", MODEL, ("phase1", "phase2")),
+    ("depth", int, "Blocks.", MODEL, ("phase1", "phase2")),
+    ("mlp_ratio", float, "MLP width / embed_dim.", MODEL, ("phase1", "phase2")),
+    ("kernel_size", int, "Phase-1 convolution K.", MODEL, ("phase1", "phase2")),
+    ("dilation", int, "Phase-1 convolution dilation.", MODEL, ("phase1", "phase2")),
+    ("drop_path", float, "Stochastic depth rate.", MODEL, ("phase1", "phase2")),
+    ("init", str, "Conv-phase checkpoint (converted exactly, verified), attention checkpoint, 'random', or a start without a conv phase: 'mimetic' (W_Q·W_Kᵀ ≈ αI, W_V·W_O ≈ −βI, Trockman & Kolter) or 'impulse' (each head pinned to one offset of the K×K window, gated, all else random; Zheng et al.).", PHASE2, ("phase2",)),
+    ("mimetic_alpha", float, "--init mimetic: W_Q,hᵀ·W_K,h = α(Z + I) per head (the published α₁ = β₁).", PHASE2, ("phase2",)),
+    ("mimetic_beta", float, "--init mimetic: Σ_h W_V,hᵀ·W_O,hᵀ = β(Z − I) (the published α₂ = β₂).", PHASE2, ("phase2",)),
+    ("impulse_offsets", str, "--init impulse: conversion (head r pinned to the conversion's r-th offset) or random (each head an offset drawn from the window).", PHASE2, ("phase2",)),
+    ("heads", int, "Attention heads (default: as many as the conversion needs); extra heads are free, trainable heads that start with zero output weights.", PHASE2, ("phase2",)),
+    ("qk_dim", int, "Per-head query/key width (default: embed_dim).", PHASE2, ("phase2",)),
+    ("sink", bool, "Per-head sink (exact borders); --no-sink is the paper's construction.", PHASE2, ("phase2",)),
+    ("pinning", str, "hard: the exact construction (attention fixed by a saturated bias); gated: each head also gets content attention behind a gate that starts at 0 (still exact; the default after Fashion-MNIST, EXPERIMENTS.md).", PHASE2, ("phase2",)),
+    ("freeze_attention", bool, "Ablation: keep W_Q, W_K, the biases, sinks and gates as converted (W_V, W_O and the MLPs still train).", PHASE2, ("phase2",)),
+    ("attn_lr_mult", float, "Learning-rate multiplier for W_Q, W_K, the gates and the relative-position biases.", PHASE2, ("phase2",)),
+    ("qk_init_std", float, "Std of a random W_Q, W_K at conversion (0: the paper's zeros, where their gradients vanish).", PHASE2, ("phase2",)),
+    ("margin", float, "Pinning logit margin of the conversion (smaller: softer attention, less exact).", PHASE2, ("phase2",)),
+    ("verify_tol", float, "Largest relative error of the converted model before training starts.", PHASE2, ("phase2",)),
+    ("epochs", int, "Epochs.", RECIPE, ("phase1", "phase2")),
+    ("batch_size", int, "Batch per process.", RECIPE, ("phase1", "phase2")),
+    ("lr", float, "Peak learning rate at a global batch of --lr-base-batch (scaled linearly, as DeiT).", RECIPE, ("phase1", "phase2")),
+    ("lr_base_batch", int, "Global batch at which --lr applies.", RECIPE, ("phase1", "phase2")),
+    ("min_lr", float, "Final cosine learning rate (scaled like --lr).", RECIPE, ("phase1", "phase2")),
+    ("warmup_lr", float, "Learning rate at the start of warm-up (scaled like --lr).", RECIPE, ("phase1", "phase2")),
+    ("warmup_epochs", int, "Linear warm-up epochs (0: none, Section 4.3).", RECIPE, ("phase1", "phase2")),
+    ("sched", str, "timm scheduler name.", RECIPE, ("phase1", "phase2")),
+    ("weight_decay", float, "AdamW weight decay.", RECIPE, ("phase1", "phase2")),
+    ("opt", str, "timm optimizer name.", RECIPE, ("phase1", "phase2")),
+    ("opt_eps", float, "Optimizer epsilon.", RECIPE, ("phase1", "phase2")),
+    ("opt_betas", tuple[float, float], "Optimizer betas.", RECIPE, ("phase1", "phase2")),
+    ("clip_grad", float, "Clip the gradient norm to this (default: no clipping).", RECIPE, ("phase1", "phase2")),
+    ("aa", str, "timm auto-augment policy ('none' to disable).", RECIPE, ("phase1", "phase2")),
+    ("color_jitter", float, "Colour jitter (unused while auto-augment is on, as in timm).", RECIPE, ("phase1", "phase2")),
+    ("reprob", float, "Random erasing probability.", RECIPE, ("phase1", "phase2")),
+    ("remode", str, "Random erasing mode.", RECIPE, ("phase1", "phase2")),
+    ("interpolation", str, "Resize interpolation.", RECIPE, ("phase1", "phase2")),
+    ("scale", tuple[float, float], "Random-resized-crop area range.", RECIPE, ("phase1", "phase2")),
+    ("hflip", float, "Horizontal flip probability (0 for digits and text).", RECIPE, ("phase1", "phase2")),
+    ("crop_pct", float, "Eval centre-crop fraction.", RECIPE, ("phase1", "phase2")),
+    ("mixup", float, "Mixup alpha (0 with --cutmix 0: off).", RECIPE, ("phase1", "phase2")),
+    ("cutmix", float, "CutMix alpha.", RECIPE, ("phase1", "phase2")),
+    ("mixup_prob", float, "Probability of mixing a batch.", RECIPE, ("phase1", "phase2")),
+    ("mixup_switch_prob", float, "Probability of CutMix instead of Mixup.", RECIPE, ("phase1", "phase2")),
+    ("smoothing", float, "Label smoothing.", RECIPE, ("phase1", "phase2")),
+    ("model_ema", bool, "Keep an EMA of the weights (evaluated and saved as *-ema.safetensors).", RECIPE, ("phase1", "phase2")),
+    ("model_ema_decay", float, "EMA decay.", RECIPE, ("phase1", "phase2")),
+    ("seed", int, "Seed of everything random.", RUN, ("phase1", "phase2")),
+    ("device", str, "auto (CUDA when present), cuda, cuda:N or cpu.", RUN, ("phase1", "phase2")),
+    ("amp", str, "auto (bf16 on CUDA, none on CPU), bf16, fp16 or none.", RUN, ("phase1", "phase2")),
+    ("compile", bool, "torch.compile the model.", RUN, ("phase1", "phase2")),
+    ("deterministic", bool, "Deterministic CUDA kernels: bit-identical re-runs and resumes on a GPU, somewhat slower (CPU runs are deterministic anyway).", RUN, ("phase1", "phase2")),
+    ("workers", int, "Data-loading worker processes per process, workers loader only.", RUN, ("phase1", "phase2")),
+    ("threads", int, "torch CPU threads per process.", RUN, ("phase1", "phase2")),
+    ("resume", bool, "Continue the run in --out from checkpoint-last.pt (a larger --epochs extends it; a new --lr restarts the schedule from there).", RUN, ("phase1", "phase2")),
+    ("keep", int, "Also keep the newest N end-of-epoch checkpoints.", RUN, ("phase1", "phase2")),
+    ("log_every", int, "Steps between log lines when not on a terminal.", RUN, ("phase1", "phase2")),
+    ("export_onnx", bool, "At the end, also write the model as ONNX (vit.onnx / conv.onnx), checked in onnxruntime as by cmhsa export.", RUN, ("phase1", "phase2")),
+]  # fmt: skip
+
+
+def _option(name: str, typ: Any, help_text: str, panel: str, default: Any) -> inspect.Parameter:
+    flag = "--" + name.replace("_", "-")
+    decls = [f"{flag}/--no-{name.replace('_', '-')}"] if typ is bool else [flag]
+    shown = {
+        "lr": "per phase: " + ", ".join(f"{k} {v:g}" for k, v in PHASE_LR.items()),
+        "workers": "min(4, CPUs)",
+        "threads": "the CPUs this process may use",
+        "pinning": "gated from a conv-phase --init and impulse, hard from random and mimetic",
+        "attn_lr_mult": "10 from a checkpoint, 1 otherwise",
+    }.get(name, default)
+    if isinstance(shown, tuple):
+        shown = " ".join(map(str, shown))
+    info = typer.Option(
+        *decls, help=f"{help_text} \\[default: {shown}]", show_default=False, rich_help_panel=panel
+    )
+    return inspect.Parameter(
+        name,
+        inspect.Parameter.KEYWORD_ONLY,
+        default=None,
+        annotation=Annotated[Optional[typ], info],  # noqa: UP045 (typer needs the Optional form at runtime here)
+    )
+
+
+def _train_command(phase: str) -> Any:
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+
+    def command(**kwargs: Any) -> None:
+        given = {k: v for k, v in kwargs.items() if v is not None and k != "out"}
+        _run_training(TrainConfig(phase=phase, out=str(kwargs["out"]), given=frozenset(given), **given))
+
+    out = inspect.Parameter(
+        "out",
+        inspect.Parameter.KEYWORD_ONLY,
+        annotation=Annotated[Path, typer.Option("--out", help="Run folder (created).", show_default=False)],
+    )
+    params = [out] + [
+        _option(name, typ, help_text, panel, defaults[name])
+        for name, typ, help_text, panel, phases in FLAGS
+        if phase in phases
+    ]
+    command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+    command.__name__ = phase
+    command.__doc__ = {
+        "phase1": "Phase 1: train the convolutional ViT (each block's attention replaced by a KxK conv).",
+        "phase2": "Phase 2: train the attention ViT, from an exactly converted phase-1 checkpoint (--init).",
+    }[phase]
+    return command
+
+
+def _run_training(cfg: TrainConfig) -> None:
+    """Bad input exits 2 and a run that cannot go on exits 1 (cli/boundary.py renders both)."""
+    from ..train.run import run
+    from .progress import RichProgress
+
+    result = run(cfg, progress=RichProgress(console))
+    if result.stopped in ("SIGINT", "SIGTERM"):
+        import signal
+
+        raise typer.Exit(128 + int(getattr(signal, result.stopped)))
+    if result.export is not None:  # --export-onnx, on rank 0 of a finished run
+        from .export import print_export
+
+        print_export(result.export)
+        if not result.export.passed:
+            raise typer.Exit(EXIT_FAIL)
+
+
+train_app = typer.Typer(
+    help="Two-phase training (the paper's Section 4): phase1 trains the conv ViT, phase2 the attention ViT.",
+    no_args_is_help=True,
+)
+for _phase in ("phase1", "phase2"):
+    train_app.command(_phase)(_train_command(_phase))
+
+
+# fmt: off
+def eval_command(
+    checkpoint: Annotated[Path, typer.Argument(help="Model checkpoint (.safetensors, conv or attn).", show_default=False)],
+    data: Annotated[str, typer.Option(help="cifar100, cifar10, imagefolder, digits, fashion-mnist, synthetic.")] = "cifar100",
+    data_dir: Annotated[Optional[str], typer.Option(help="Folder of the dataset.")] = None,  # noqa: UP045
+    download: Annotated[bool, typer.Option(help="Let torchvision download CIFAR.")] = False,
+    batch_size: Annotated[int, typer.Option(help="Batch size.")] = 128,
+    device: Annotated[str, typer.Option(help="auto, cuda, cuda:N or cpu.")] = "auto",
+    amp: Annotated[str, typer.Option(help="auto, bf16, fp16 or none.")] = "none",
+    workers: Annotated[int, typer.Option(help="Data-loading workers.")] = 2,
+    crop_pct: Annotated[float, typer.Option(help="Eval centre-crop fraction.")] = 0.875,
+    seed: Annotated[int, typer.Option(help="Seed of --data synthetic.")] = 0,
+) -> None:
+# fmt: on
+    """Top-1 / top-5 accuracy and loss of a checkpoint on a dataset's validation split."""
+    from rich.table import Table
+
+    from ..api.on_data import evaluate_checkpoint
+
+    r = evaluate_checkpoint(
+        checkpoint, data=data, data_dir=data_dir, download=download, batch_size=batch_size,
+        device=device, amp=amp, workers=workers, crop_pct=crop_pct, seed=seed,
+    )  # fmt: skip
+    table = Table(title=f"{safe(str(checkpoint))} on {data} (val, {r.images} images)")
+    for col in ("kind", "top-1 %", "top-5 %", "loss"):
+        table.add_column(col, justify="right")
+    kind = r.kind if r.form == "conv" else f"{r.kind}, {r.form} form"  # attention runs fused where exact
+    table.add_row(kind, f"{r.top1:.2f}", f"{r.top5:.2f}", f"{r.val_loss:.4f}")
+    console.print(table)
+
+
+# fmt: off
+def attention_command(
+    checkpoint: Annotated[Path, typer.Argument(help="Attention checkpoint (.safetensors).", show_default=False)],
+    output: Annotated[Path, typer.Option("--output", "-o", help="Folder for attention.json and attention.png (created).", show_default=False)],
+    data: Annotated[str, typer.Option(help="cifar100, cifar10, imagefolder, digits, fashion-mnist, synthetic.")] = "cifar100",
+    data_dir: Annotated[Optional[str], typer.Option(help="Folder of the dataset.")] = None,  # noqa: UP045
+    images: Annotated[int, typer.Option(help="Validation images to average over.")] = 1000,
+    batch_size: Annotated[int, typer.Option(help="Batch size.")] = 100,
+    device: Annotated[str, typer.Option(help="auto, cuda, cuda:N or cpu.")] = "auto",
+    seed: Annotated[int, typer.Option(help="Seed of --data synthetic.")] = 0,
+) -> None:
+# fmt: on
+    """What each head attends to on real images: pinned share, attention distance, entropy, gate."""
+    import json
+
+    from rich.table import Table
+
+    from ..api.on_data import attention_on_data
+    from ..errors import CmhsaError
+    from ..io.atomic import atomic_write_text
+    from ..train.plot import plot_attention, pyplot
+
+    if output.exists() and not output.is_dir():
+        raise CmhsaError("is a file; give a folder for attention.json and attention.png", output)
+    pyplot()  # fail before the slow part, and before anything is written, if matplotlib is missing
+    r = attention_on_data(checkpoint, data=data, data_dir=data_dir, images=images, batch_size=batch_size,
+                          device=device, seed=seed)  # fmt: skip
+    try:
+        output.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CmhsaError(f"cannot create the folder ({e.strerror})", output) from None
+    atomic_write_text(output / "attention.json", json.dumps(r.to_dict(str(checkpoint)), indent=2) + "\n")
+    plot_attention(r, output / "attention.png", f"{checkpoint.name} on {data}: mean attention by relative offset, {r.images} images")
+    table = Table(title=f"{safe(str(checkpoint))} on {data} (val, {r.images} images)")
+    for col in ("block", "head", "offset", "pinned share", "distance px", "entropy", "gate"):
+        table.add_column(col, justify="right")
+    for i, block in enumerate(r.blocks):
+        for j, h in enumerate(block):
+            fmt = lambda v, f: "" if v is None else format(v, f)  # noqa: E731
+            off = "free" if h.offset is None else f"{h.offset[0]:+d},{h.offset[1]:+d}"
+            table.add_row(str(i), str(j), off, fmt(h.pinned_share, ".3f"), f"{h.mean_distance_px:.2f}",
+                          f"{h.entropy:.3f}", fmt(h.gate, ".3f"))  # fmt: skip
+    console.print(table)
+    console.print(f"wrote {safe(str(output / 'attention.json'))} and {safe(str(output / 'attention.png'))}")
+
+
+# fmt: off
+def plot_command(
+    runs: Annotated[list[Path], typer.Argument(help="Run folders (each with metrics.csv).", show_default=False)],
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Image to write (.png, .pdf, .svg) \\[default: FIRST_RUN/curves.png].", show_default=False)] = None,  # noqa: UP045
+) -> None:
+# fmt: on
+    """Validation loss and top-1 against epoch for one or more runs (the paper's Figure 2 view)."""
+    from ..train.plot import plot_runs
+
+    output = output or runs[0] / "curves.png"  # beside the runs, never in whatever folder the shell is in
+    plot_runs(runs, output)
+    print(f"wrote {output}")
+
+
+app = typer.Typer()
+app.add_typer(train_app, name="train")
+app.command("eval")(eval_command)
+app.command("plot")(plot_command)
+app.command("attention")(attention_command)

@@ -1,0 +1,407 @@
+"""Datasets and loaders: CIFAR-10/100, an image folder, scikit-learn's digits, synthetic images.
+
+Every source yields (PIL image, label) and goes through timm's ``create_transform`` (DeiT's
+augmentation in training). Determinism: the loader's sampler yields ``(epoch, index)`` pairs and
+each sample's augmentation is seeded from (seed, epoch, index), so a run's batches do not depend on
+the number of workers, the number of processes, or where a run was stopped and resumed.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler, Subset
+
+from .errors import CmhsaError
+from .resources import check_fits
+
+DATASETS = ("cifar10", "cifar100", "imagefolder", "digits", "fashion-mnist", "synthetic")
+FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"  # Debian's dataset-fashion-mnist
+MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: spreads (seed, epoch, index) over the seed space
+
+
+def sample_seed(seed: int, epoch: int, index: int) -> int:
+    return ((seed * MIX + epoch) * MIX + index) % (1 << 63)
+
+
+@dataclass
+class DataSpec:
+    """What the model needs to know about a dataset."""
+
+    train: Dataset
+    val: Dataset
+    num_classes: int
+    in_chans: int = 3
+
+
+class ArrayImages(Dataset):
+    """(N, H, W, 3) uint8 images and labels held in memory, served as PIL images."""
+
+    def __init__(self, images: np.ndarray, labels: Sequence[int]) -> None:
+        self.images, self.labels = images, [int(v) for v in labels]
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int) -> tuple[Any, int]:
+        from PIL import Image
+
+        return Image.fromarray(self.images[i]), self.labels[i]
+
+
+def digits(val_fraction: float = 0.2, seed: int = 0) -> DataSpec:
+    """scikit-learn's bundled 8×8 digits (1797 images, 10 classes), as grey RGB; a fixed split."""
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError:
+        raise CmhsaError(
+            "`data` digits needs scikit-learn: pip install 'cmhsa[digits]' (in a source checkout: pip install -e '.[digits]')"
+        ) from None
+    d = load_digits()
+    img = np.clip(d.images * (255.0 / 16.0), 0, 255).astype(np.uint8)
+    img = np.repeat(img[..., None], 3, axis=3)
+    perm = np.random.default_rng(seed).permutation(len(img))
+    n_val = round(len(img) * val_fraction)
+    val, train = perm[:n_val], perm[n_val:]
+    return DataSpec(ArrayImages(img[train], d.target[train]), ArrayImages(img[val], d.target[val]), 10)
+
+
+def synthetic(
+    img_size: tuple[int, int], num_classes: int = 10, n_train: int = 512, n_val: int = 128, seed: int = 0
+) -> DataSpec:
+    """Learnable noise: each class is a fixed random low-frequency colour pattern; a sample is its
+    class's pattern, randomly shifted, plus pixel noise. For tests and smoke runs."""
+    h, w = img_size
+    # float64 while it is made: the images, their noise and the result, and the class templates
+    check_fits(8 * h * w * 3 * (3 * (n_train + n_val) + num_classes), f"synthetic data at {h}x{w} px")
+    rng = np.random.default_rng(seed)
+    coarse = rng.uniform(0, 255, size=(num_classes, 4, 4, 3))
+    templates = coarse.repeat(-(-h // 4), axis=1)[:, :h].repeat(-(-w // 4), axis=2)[:, :, :w]
+
+    def make(n: int) -> ArrayImages:
+        labels = rng.integers(0, num_classes, size=n)
+        shifts = rng.integers(-max(1, h // 8), max(1, h // 8) + 1, size=(n, 2))
+        imgs = np.stack(
+            [np.roll(templates[c], tuple(s), axis=(0, 1)) for c, s in zip(labels, shifts, strict=True)]
+        )
+        imgs = 0.7 * imgs + rng.normal(0, 40, size=imgs.shape)
+        return ArrayImages(np.clip(imgs, 0, 255).astype(np.uint8), labels)
+
+    return DataSpec(make(n_train), make(n_val), num_classes)
+
+
+def read_idx(path: Path) -> np.ndarray:
+    """An IDX file (gzipped or not) as a uint8 array: the format MNIST and Fashion-MNIST ship in."""
+    import gzip
+
+    opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise CmhsaError(f"cannot read ({e.strerror or e})", path) from None
+    if len(data) < 4 or data[:2] != b"\0\0" or data[2] != 8:
+        raise CmhsaError("not an IDX file of unsigned bytes", path)
+    rank = data[3]
+    dims = [int.from_bytes(data[4 + 4 * i : 8 + 4 * i], "big") for i in range(rank)]
+    body = np.frombuffer(data, np.uint8, offset=4 + 4 * rank)
+    if body.size != int(np.prod(dims)):
+        raise CmhsaError(f"IDX header says {dims} but the file holds {body.size} bytes of data", path)
+    return body.reshape(dims)
+
+
+def fashion_mnist(root: Path) -> DataSpec:
+    """Fashion-MNIST's official 60k / 10k split, 28×28 grey, 10 classes (MIT licence), from IDX files."""
+    names = {"train": "train-images-idx3-ubyte", "train_labels": "train-labels-idx1-ubyte",
+             "val": "t10k-images-idx3-ubyte", "val_labels": "t10k-labels-idx1-ubyte"}  # fmt: skip
+    found = {}
+    for key, name in names.items():
+        path = next((root / n for n in (name + ".gz", name) if (root / n).is_file()), None)
+        if path is None:
+            raise CmhsaError(
+                f"no {name}[.gz] here: install Fashion-MNIST with `apt-get install dataset-fashion-mnist` "
+                "or give `data_dir` a folder with its four IDX files",
+                root,
+            )
+        found[key] = read_idx(path)
+    for split in ("train", "val"):
+        if len(found[split]) != len(found[split + "_labels"]) or found[split].ndim != 3:
+            raise CmhsaError(f"{split} images and labels do not match", root)
+    return DataSpec(
+        ArrayImages(found["train"], found["train_labels"]), ArrayImages(found["val"], found["val_labels"]), 10
+    )
+
+
+def cifar(name: str, root: Path, download: bool) -> DataSpec:
+    from torchvision.datasets import CIFAR10, CIFAR100
+
+    cls = CIFAR10 if name == "cifar10" else CIFAR100
+    try:
+        train = cls(str(root), train=True, download=download)
+        val = cls(str(root), train=False, download=download)
+    except RuntimeError as e:  # torchvision: "Dataset not found or corrupted. ..."
+        hint = "" if download else " (pass `download` to fetch it)"
+        raise CmhsaError(f"{name} not found or corrupt: {str(e).split('.')[0]}{hint}", root) from None
+    return DataSpec(train, val, len(train.classes))
+
+
+def image_folder(root: Path) -> DataSpec:
+    from torchvision.datasets import ImageFolder
+
+    for split in ("train", "val"):
+        if not (root / split).is_dir():
+            raise CmhsaError(f"imagefolder needs {split}/ (class folders of images) inside", root)
+    try:
+        train, val = ImageFolder(str(root / "train")), ImageFolder(str(root / "val"))
+    except (FileNotFoundError, RuntimeError) as e:
+        raise CmhsaError(f"not a usable image folder ({e})", root) from None
+    if train.classes != val.classes:
+        raise CmhsaError("train/ and val/ have different class folders", root)
+    return DataSpec(train, val, len(train.classes))
+
+
+def build_data(
+    name: str, data_dir: str | Path | None, img_size: tuple[int, int] | None = None, *, download: bool = False,
+    num_classes: int = 10, seed: int = 0, train_samples: int | None = None, val_samples: int | None = None,
+) -> DataSpec:  # fmt: skip
+    """The named dataset's train and val splits, untransformed (``img_size``: the size synthetic
+    images are made at; the other sources have their own); with ``train_samples``, a fixed
+    subset of that many training images (seeded by ``seed``); with ``val_samples``, the first that
+    many validation images (the same for every seed, so runs are compared on the same images). Bad
+    folders raise CmhsaError."""
+    spec = _build_data(name, data_dir, img_size, download, num_classes, seed)
+    if train_samples is not None:
+        n = _subset_size("train_samples", train_samples, spec.train, name)
+        spec.train = Subset(
+            spec.train, np.sort(np.random.default_rng(seed).permutation(n)[:train_samples]).tolist()
+        )
+    if val_samples is not None:
+        _subset_size("val_samples", val_samples, spec.val, name)
+        spec.val = Subset(spec.val, list(range(val_samples)))
+    return spec
+
+
+def _subset_size(flag: str, count: int, split: Dataset, name: str) -> int:
+    """The split's size, once ``count`` (flag ``flag``) is checked to fit in it."""
+    n = len(split)  # type: ignore[arg-type]
+    if not 0 < count <= n:
+        raise CmhsaError(f"`{flag}` must be in 1..{n} for `data` {name}, got {count}")
+    return n
+
+
+def _build_data(
+    name: str,
+    data_dir: str | Path | None,
+    img_size: tuple[int, int] | None,
+    download: bool,
+    num_classes: int,
+    seed: int,
+) -> DataSpec:
+    if name not in DATASETS:
+        raise CmhsaError(f"`data` must be one of {', '.join(DATASETS)}, got {name!r}")
+    if name == "digits":
+        return digits(seed=0)
+    if name == "synthetic":
+        if img_size is None:
+            raise CmhsaError("`data` synthetic needs `img_size`")
+        return synthetic(img_size, num_classes, seed=seed)
+    if name == "fashion-mnist":
+        root = Path(data_dir or FASHION_MNIST_DIR).expanduser()
+        if not root.is_dir():
+            raise CmhsaError(
+                "no such folder: install Fashion-MNIST with `apt-get install dataset-fashion-mnist`", root
+            )
+        return fashion_mnist(root)
+    if data_dir is None:
+        raise CmhsaError(f"`data` {name} needs `data_dir`")
+    root = Path(data_dir).expanduser()
+    if not root.is_dir() and not (download and name.startswith("cifar")):
+        raise CmhsaError("data folder does not exist", root)
+    if name == "imagefolder":
+        return image_folder(root)
+    root.mkdir(parents=True, exist_ok=True)
+    return cifar(name, root, download)
+
+
+def _posterize(img: Any, bits_to_keep: int, **_: Any) -> Any:
+    """timm's posterize, keeping 0 bits as Pillow < 13 did (a black image): Pillow 13 raises for 0,
+    which rand-m9-mstd0.5-inc1 reaches whenever the magnitude noise lands on 10."""
+    from PIL import Image, ImageOps
+
+    if bits_to_keep >= 8:
+        return img
+    if bits_to_keep <= 0:
+        return Image.new(img.mode, img.size)
+    return ImageOps.posterize(img, bits_to_keep)
+
+
+IMAGE_MODES = {3: "RGB", 1: "L"}  # the model's in_chans -> the PIL mode every image is converted to
+
+
+def image_mode(in_chans: int, path: object = None) -> str:
+    if in_chans not in IMAGE_MODES:
+        raise CmhsaError(
+            f"takes {in_chans}-channel images; the data path gives RGB (3 channels) or grayscale (1)", path
+        )
+    return IMAGE_MODES[in_chans]
+
+
+def channel_stats(in_chans: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Normalisation mean and std: ImageNet's (DeiT's) for RGB, their channel averages for grey."""
+    from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+
+    if in_chans == 3:
+        return tuple(IMAGENET_DEFAULT_MEAN), tuple(IMAGENET_DEFAULT_STD)
+    return (sum(IMAGENET_DEFAULT_MEAN) / 3,), (sum(IMAGENET_DEFAULT_STD) / 3,)
+
+
+def build_transform(
+    img_size: tuple[int, int], training: bool, recipe: Any = None, in_chans: int = 3, *,
+    interpolation: str = "bicubic", crop_pct: float = 0.875,
+) -> Any:  # fmt: skip
+    """DeiT's augmentation (timm ``create_transform``, settings from ``recipe``, a TrainConfig) for
+    training; resize + centre crop for eval (``recipe``'s interpolation and crop_pct when given).
+    ``in_chans`` 1 normalises one grey channel (images are converted to grey by the loader)."""
+    from timm.data import auto_augment, create_transform
+
+    for name in ("Posterize", "PosterizeIncreasing", "PosterizeOriginal"):
+        auto_augment.NAME_TO_OP[name] = _posterize
+
+    image_mode(in_chans)
+    mean, std = channel_stats(in_chans)
+    args = recipe
+    if training:
+        return create_transform(
+            input_size=(in_chans, *img_size),
+            is_training=True,
+            scale=tuple(args.scale),
+            hflip=args.hflip,
+            color_jitter=args.color_jitter,
+            auto_augment=None if args.aa in (None, "", "none") else args.aa,
+            interpolation=args.interpolation,
+            re_prob=args.reprob,
+            re_mode=args.remode,
+            re_count=1,
+            mean=mean,
+            std=std,
+        )
+    return create_transform(
+        input_size=(in_chans, *img_size),
+        is_training=False,
+        interpolation=interpolation if args is None else args.interpolation,
+        crop_pct=crop_pct if args is None else args.crop_pct,
+        mean=mean,
+        std=std,
+    )
+
+
+class Seeded(Dataset):
+    """Wraps a dataset and a transform; item ``(epoch, i)`` is sample ``i`` converted to ``mode``
+    ('RGB' or 'L') and transformed with every RNG the transform may use (python, numpy, torch)
+    seeded from (seed, epoch, i)."""
+
+    def __init__(self, base: Dataset, transform: Any, seed: int, mode: str = "RGB") -> None:
+        self.base, self.transform, self.seed, self.mode = base, transform, seed, mode
+
+    def __len__(self) -> int:
+        return len(self.base)  # type: ignore[arg-type]
+
+    def __getitem__(self, key: tuple[int, int]) -> tuple[torch.Tensor, int]:
+        epoch, i = key
+        img, label = self.base[i]
+        if hasattr(img, "mode") and img.mode != self.mode:
+            img = img.convert(self.mode)
+        s = sample_seed(self.seed, epoch, i)
+        py_state, np_state = random.getstate(), np.random.get_state()
+        with torch.random.fork_rng(devices=[]):
+            random.seed(s)
+            np.random.seed(s % (1 << 32))
+            torch.manual_seed(s)
+            x = self.transform(img)
+        random.setstate(py_state)
+        np.random.set_state(np_state)
+        return x, label
+
+
+class EpochSampler(Sampler):
+    """This rank's share of a seeded permutation of the dataset per epoch, as ``(epoch, i)`` keys.
+
+    Training: shuffled, the tail dropped so every rank gets the same number of whole batches, laid
+    out so that the global batches do not depend on the number of processes.
+    Evaluation: every sample exactly once over all ranks (a strided split, no padding).
+    ``start`` skips the first samples of this rank's share (resuming inside an epoch).
+    """
+
+    def __init__(self, n: int, *, rank: int, world: int, batch_size: int, seed: int, shuffle: bool) -> None:
+        self.n, self.rank, self.world, self.bs, self.seed, self.shuffle = (
+            n,
+            rank,
+            world,
+            batch_size,
+            seed,
+            shuffle,
+        )
+        self.epoch, self.start = 0, 0
+
+    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
+        self.epoch, self.start = epoch, start_batch * self.bs
+
+    def indices(self) -> list[int]:
+        if not self.shuffle:
+            return list(range(self.rank, self.n, self.world))
+        g = torch.Generator().manual_seed(sample_seed(self.seed, self.epoch, -1))
+        perm = torch.randperm(self.n, generator=g)
+        # global batch j is perm[j·G : (j+1)·G], G = world · batch; rank r takes its r-th slice,
+        # so W processes of batch B see exactly the batches one process of batch W·B would
+        g_bs = self.bs * self.world
+        full = perm[: self.n // g_bs * g_bs].view(-1, self.world, self.bs)
+        return full[:, self.rank].reshape(-1).tolist()
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        return iter([(self.epoch, i) for i in self.indices()[self.start :]])
+
+    def __len__(self) -> int:  # len(self.indices()) - start, without drawing the permutation
+        if self.shuffle:
+            n = self.n // (self.bs * self.world) * self.bs
+        else:
+            n = len(range(self.rank, self.n, self.world))
+        return max(0, n - self.start)
+
+
+def epoch_sampler(
+    n: int, *, training: bool, batch_size: int, seed: int, rank: int, world: int
+) -> EpochSampler:
+    """The sampler of a split of ``n`` images (both loaders use it); a training split smaller than
+    one global batch is refused."""
+    sampler = EpochSampler(n, rank=rank, world=world, batch_size=batch_size, seed=seed, shuffle=training)
+    if training and len(sampler) == 0:
+        raise CmhsaError(
+            f"the training set ({n} images over {world} process(es)) is smaller than one batch of {batch_size}"
+        )
+    return sampler
+
+
+def build_loader(
+    dataset: Dataset, transform: Any, *, training: bool, batch_size: int, seed: int, rank: int = 0,
+    world: int = 1, workers: int = 0, pin_memory: bool = False, in_chans: int = 3,
+) -> DataLoader:  # fmt: skip
+    n = len(dataset)  # type: ignore[arg-type]
+    sampler = epoch_sampler(n, training=training, batch_size=batch_size, seed=seed, rank=rank, world=world)
+    return DataLoader(
+        Seeded(dataset, transform, seed, image_mode(in_chans)),
+        batch_size=batch_size,
+        sampler=sampler,
+        num_workers=workers,
+        pin_memory=pin_memory,
+        persistent_workers=workers > 0,
+        drop_last=training,
+        # its own generator: each new iterator draws a base seed, which must not come from the
+        # global one (drop path's), or a resumed epoch would see different drop-path masks
+        generator=torch.Generator().manual_seed(seed),
+    )

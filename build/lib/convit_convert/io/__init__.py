@@ -1,0 +1,1 @@
+"""Files: the checkpoint format (read, validate, write), atomic writes, JSON reports."""

@@ -1,0 +1,335 @@
+"""Checkpoint files in the format of docs/FORMAT.md: safetensors with cmhsa metadata, or a bare
+state dict (safetensors, or a PyTorch pickle read with ``weights_only=True``); every input checked.
+
+The tensors a checkpoint must hold are the model's own (:class:`~convit_convert.model.
+VisionTransformer` built on the meta device). Every problem with an input file raises
+:class:`CmhsaError` naming the file, before any output is written.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import __version__
+from ..config import KINDS, ViTConfig
+from ..errors import CmhsaError, article
+from ..model import VisionTransformer
+from .atomic import atomic_path
+from .safetensors_writer import write_safetensors
+
+KIND_KEY = "cmhsa.kind"
+CONFIG_KEY = "cmhsa.config"
+FORMAT_KEY, FORMAT_VERSION = "cmhsa.format_version", 2  # docs/FORMAT.md; files without the key are version 1
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_BLOCK = re.compile(r"^blocks\.(\d+)\.")
+
+
+@dataclass
+class Checkpoint:
+    """A validated model: its config (kind included) and tensors."""
+
+    path: Path
+    config: ViTConfig
+    tensors: dict[str, torch.Tensor]
+    metadata: dict[str, str] = field(default_factory=dict)
+    source: str = "cmhsa"  # "cmhsa" (metadata present), "state dict" (config inferred) or "onnx"
+    import_report: dict[str, Any] | None = None  # ONNX input: how the graph was read and checked
+
+    @property
+    def kind(self) -> str:
+        return self.config.kind
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(iter(self.tensors.values())).dtype
+
+    @property
+    def num_params(self) -> int:
+        return sum(t.numel() for t in self.tensors.values())
+
+    def model(self, dtype: torch.dtype | None = None, drop_path_rate: float = 0.0) -> VisionTransformer:
+        """The model this checkpoint describes, in eval mode, with its weights (a conv saved without
+        bias gets a zero bias: the same function)."""
+        model = VisionTransformer(self.config, drop_path_rate)
+        tensors = dict(self.tensors)
+        for i, block in enumerate(model.blocks):
+            name = f"blocks.{i}.conv.bias"
+            if self.kind == "conv" and name not in tensors:
+                tensors[name] = torch.zeros_like(block.conv.bias, dtype=self.dtype)
+        model.to(self.dtype if dtype is None else dtype)
+        model.load_state_dict(tensors, strict=True)
+        return model.eval()
+
+
+def expected_shapes(cfg: ViTConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a checkpoint of ``cfg`` holds, with its shape: the model's own state dict."""
+    with torch.device("meta"):
+        model = VisionTransformer(cfg)
+    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
+
+
+def _optional(kind: str, name: str) -> bool:
+    """Tensors a checkpoint may leave out: a conv without bias."""
+    return kind == "conv" and name.endswith(".conv.bias")
+
+
+def _names(names: list[str], limit: int = 4) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" (+{len(names) - limit} more)" if len(names) > limit else "")
+
+
+def validate_tensors(cfg: ViTConfig, tensors: dict[str, torch.Tensor], path: object) -> None:
+    """Exactly the expected names and shapes, floating point, finite."""
+    kind = cfg.kind
+    expected = expected_shapes(cfg)
+    missing = [n for n in expected if n not in tensors and not _optional(kind, n)]
+    if missing:
+        raise CmhsaError(f"missing tensor(s) for {article(kind)} model: {_names(missing)}", path)
+    extra = sorted(n for n in tensors if n not in expected)
+    if extra:
+        raise CmhsaError(f"unexpected tensor(s) for {article(kind)} model: {_names(extra)}", path)
+    for name, t in tensors.items():
+        if tuple(t.shape) != expected[name]:
+            raise CmhsaError(
+                f"tensor {name} has shape {list(t.shape)}, the config implies {list(expected[name])}", path
+            )
+        if t.dtype not in FLOAT_DTYPES:
+            raise CmhsaError(f"tensor {name} has dtype {t.dtype}, expected floating point", path)
+    dtypes = {t.dtype for t in tensors.values()}
+    if len(dtypes) > 1:
+        raise CmhsaError(f"tensors mix dtypes {sorted(map(str, dtypes))}", path)
+    for name, t in tensors.items():
+        # a NaN/Inf anywhere makes the sum non-finite; only then (or on overflow) look closer
+        if not bool(torch.isfinite(t.sum())) and not bool(torch.isfinite(t).all()):
+            raise CmhsaError(f"tensor {name} holds NaN or Inf values", path)
+
+
+def check_input_file(path: Path) -> None:
+    """An existing, non-empty regular file, or CmhsaError."""
+    if not path.exists():
+        raise CmhsaError("no such file", path)
+    if path.is_dir():
+        raise CmhsaError("is a directory, expected a model file", path)
+    if path.stat().st_size == 0:
+        raise CmhsaError("file is empty", path)
+
+
+def read_tensors(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Tensors and string metadata of a .safetensors file, or of a .pt/.pth/.bin state dict
+    (read with ``weights_only=True``; never an unsafe fallback). Raises CmhsaError."""
+    path = Path(path)
+    check_input_file(path)
+    try:
+        with open(path, "rb") as f:
+            head = f.read(9)
+    except OSError as e:
+        raise CmhsaError(f"cannot read ({e.strerror})", path) from None
+    if path.suffix.lower() == ".onnx":
+        raise CmhsaError(
+            "is an ONNX model, not a tensor file; read it with convit_convert.api.load_checkpoint", path
+        )
+    # by content, not by name: a renamed file is read as what it is
+    if head.startswith(b"PK") or (path.suffix in (".pt", ".pth", ".bin") and head[8:9] != b"{"):
+        return _read_torch(path), {}
+    return _read_safetensors(path)
+
+
+def _read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            metadata = dict(f.metadata() or {})
+            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is no dict)
+    except Exception as e:  # safetensors raises its own error types for every kind of damage
+        raise CmhsaError(f"not a readable safetensors file ({type(e).__name__}: {e})", path) from None
+    return tensors, metadata
+
+
+def _blocked(message: str) -> str:
+    """What PyTorch's weights_only unpickler blocked, without its advice to load unsafely."""
+    glob = re.search(r"GLOBAL ([\w.]+)", message)
+    if glob:
+        return f"it needs the global {glob.group(1)}, which is not allowed"
+    detail = re.search(r"WeightsUnpickler error:\s*([^\n]+)", message)
+    return detail.group(1).strip().rstrip(".") if detail else "it holds objects other than tensors"
+
+
+def _read_torch(path: Path) -> dict[str, torch.Tensor]:
+    import pickle
+    import zipfile
+
+    try:
+        with open(path, "rb") as f:  # a file object: torch.load dispatches a .safetensors *name* elsewhere
+            obj = torch.load(f, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise CmhsaError(
+            f"refused by weights_only=True loading: {_blocked(str(e))}; cmhsa never unpickles arbitrary objects "
+            "(save the model's state_dict, or use .safetensors)",
+            path,
+        ) from None
+    except (RuntimeError, EOFError, OSError, zipfile.BadZipFile, ValueError) as e:
+        raise CmhsaError(f"not a readable PyTorch file ({type(e).__name__}: {e})", path) from None
+    except Exception as e:  # whatever else a damaged file makes the unpickler raise
+        raise CmhsaError(f"not a readable PyTorch file ({type(e).__name__}: {e})", path) from None
+    if isinstance(obj, dict):  # training checkpoints often nest the weights
+        for key in ("state_dict", "model", "model_state_dict"):
+            if isinstance(obj.get(key), dict):
+                obj = obj[key]
+                break
+    if not isinstance(obj, dict) or not obj or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+        raise CmhsaError("expected a state dict (a dict of tensors)", path)
+    keys = list(obj)
+    if all(k.startswith("module.") for k in keys):  # saved from DistributedDataParallel
+        obj = {k[len("module.") :]: v for k, v in obj.items()}
+    return dict(obj)
+
+
+def infer_conv_config(
+    tensors: dict[str, torch.Tensor], img_size: tuple[int, int], patch_size: int, dilation: int = 1,
+    norm_eps: float = 1e-6, path: object = None,
+) -> ViTConfig:  # fmt: skip
+    """The config of a bare conv-phase state dict, from its tensor shapes and the image geometry
+    (which shapes cannot tell)."""
+
+    def need(name: str) -> torch.Tensor:
+        if name not in tensors:
+            raise CmhsaError(f"missing tensor {name} (needed to infer the config)", path)
+        return tensors[name]
+
+    blocks = sorted({int(m.group(1)) for n in tensors if (m := _BLOCK.match(n))})
+    if not blocks:
+        raise CmhsaError("no blocks.{i}.* tensors: not a conv-phase ViT state dict", path)
+    conv = need("blocks.0.conv.weight")
+    if conv.ndim != 4:
+        raise CmhsaError(
+            f"tensor blocks.0.conv.weight has shape {list(conv.shape)}, expected (C, C, K, K)", path
+        )
+    c_out, c_in, kh, kw = conv.shape
+    if kh != kw:
+        raise CmhsaError(f"unsupported convolution: non-square kernel {kh}x{kw}", path)
+    if c_in != c_out:
+        raise CmhsaError(
+            f"unsupported convolution: weight {list(conv.shape)} is not (C, C, K, K) "
+            "(grouped or channel-changing convolutions are not supported)",
+            path,
+        )
+    embed_dim = need("norm.weight").shape[0]
+    p = patch_size
+    if embed_dim != p * p * c_out:
+        raise CmhsaError(
+            f"embed_dim {embed_dim} != patch_size² · conv channels = {p}²·{c_out}: wrong `patch_size`?", path
+        )
+    if "patch_embed.weight" in tensors:
+        pe = tensors["patch_embed.weight"]
+        if pe.ndim != 2 or pe.shape[1] % (p * p):
+            raise CmhsaError(
+                f"tensor patch_embed.weight has shape {list(pe.shape)}, expected (d, P²·in_chans)", path
+            )
+        in_chans, patch_embed = pe.shape[1] // (p * p), "linear"
+    else:
+        in_chans, patch_embed = c_out, "identity"
+    cfg = ViTConfig(
+        img_size=img_size,
+        patch_size=p,
+        in_chans=int(in_chans),
+        hidden_chans=int(c_out),
+        embed_dim=int(embed_dim),
+        patch_embed=patch_embed,
+        depth=blocks[-1] + 1,
+        mlp_hidden_dim=int(need("blocks.0.mlp.fc1.weight").shape[0]),
+        num_classes=int(need("head.weight").shape[0]),
+        norm_eps=float(norm_eps),
+        kernel_size=int(kh),
+        dilation=dilation,
+    )
+    cfg.validate(path)
+    return cfg
+
+
+def check_geometry(
+    cfg: ViTConfig, img_size: tuple[int, int] | None, patch_size: int | None, path: Path, where: str
+) -> None:
+    """`img_size` / `patch_size` given for a file that states its own must agree with it."""
+    if img_size is not None and tuple(img_size) != cfg.img_size:
+        raise CmhsaError(
+            f"`img_size` {list(img_size)} disagrees with the {where}'s img_size {list(cfg.img_size)}", path
+        )
+    if patch_size is not None and patch_size != cfg.patch_size:
+        raise CmhsaError(
+            f"`patch_size` {patch_size} disagrees with the {where}'s patch_size {cfg.patch_size}", path
+        )
+
+
+def load_tensor_checkpoint(
+    path: str | Path, *, img_size: tuple[int, int] | None = None, patch_size: int | None = None,
+    dilation: int = 1, norm_eps: float = 1e-6,
+) -> Checkpoint:  # fmt: skip
+    """Load and validate a tensor file. Files with cmhsa metadata describe themselves; a bare
+    conv-phase state dict needs ``img_size`` and ``patch_size`` (the rest is inferred)."""
+    path = Path(path)
+    tensors, metadata = read_tensors(path)
+    if not tensors:
+        raise CmhsaError("holds no tensors", path)
+    kind = metadata.get(KIND_KEY)
+    if kind is None and CONFIG_KEY in metadata:
+        raise CmhsaError(f"metadata has {CONFIG_KEY} but no {KIND_KEY}", path)
+    if kind is not None:
+        if kind not in KINDS:
+            raise CmhsaError(f"metadata {KIND_KEY} must be 'conv' or 'attn', got {kind!r}", path)
+        if CONFIG_KEY not in metadata:
+            raise CmhsaError(f"metadata has {KIND_KEY} but no {CONFIG_KEY}", path)
+        version = metadata.get(FORMAT_KEY, "1")
+        if version not in [str(v) for v in range(1, FORMAT_VERSION + 1)]:
+            raise CmhsaError(
+                f"format version {version!r}: this cmhsa reads versions 1 to {FORMAT_VERSION} (upgrade cmhsa)",
+                path,
+            )
+        cfg = ViTConfig.from_json(metadata[CONFIG_KEY], kind, path)
+        check_geometry(cfg, img_size, patch_size, path, "file")
+        source = "cmhsa"
+    else:
+        if img_size is None or patch_size is None:
+            raise CmhsaError(
+                "has no cmhsa metadata; to read it as a bare conv-phase state dict give `img_size` and `patch_size`",
+                path,
+            )
+        source = "state dict"
+        cfg = infer_conv_config(tensors, tuple(img_size), patch_size, dilation, norm_eps, path)
+    validate_tensors(cfg, tensors, path)
+    return Checkpoint(path, cfg, tensors, metadata, source)
+
+
+def save_checkpoint(
+    path: str | Path,
+    cfg: ViTConfig,
+    tensors: Mapping[str, torch.Tensor],
+    extra_metadata: dict[str, str] | None = None,
+) -> str:
+    """Write a checkpoint atomically (temp file in the target folder, then rename); return its sha256."""
+    with atomic_path(path) as tmp:
+        return write_checkpoint(tmp, cfg, tensors, extra_metadata, path)
+
+
+def write_checkpoint(
+    tmp: Path,
+    cfg: ViTConfig,
+    tensors: Mapping[str, torch.Tensor],
+    extra_metadata: dict[str, str] | None = None,
+    path: str | Path | None = None,
+) -> str:
+    """Write a checkpoint to ``tmp``, a temp file of :func:`atomic_paths` that becomes ``path``;
+    return its sha256."""
+    cfg.validate(path or tmp)
+    metadata = {"format": "pt", KIND_KEY: cfg.kind, CONFIG_KEY: cfg.to_json(), FORMAT_KEY: str(FORMAT_VERSION),
+                "cmhsa.version": __version__}  # fmt: skip
+    metadata.update(extra_metadata or {})
+    tensors = {k: v.detach().to("cpu") for k, v in tensors.items()}
+    with open(tmp, "wb") as f:
+        return write_safetensors(f, tensors, metadata)

@@ -1,0 +1,281 @@
+"""Both models in one sitting: the phase-1 convolutional ViT and the phase-2 attention ViT.
+
+    VisionTransformer(cfg)   cfg.kind "conv": each block mixes tokens with a K×K convolution
+                             cfg.kind "attn": multi-head self-attention, relative position bias, sink
+
+The skeleton is shared: patch embedding, pre-LN blocks, final norm, mean over tokens, head. No class
+token and no absolute position embedding: phase 1 gets position from the convolution's zero
+padding, phase 2 from the relative position bias (Section 4.1 of the paper). Every parameter name is
+the file format's (docs/FORMAT.md), e.g. ``blocks.0.conv.weight``, ``blocks.0.attn.proj.weight``.
+
+Token layout: patches in row-major order; a patch is flattened channel-last, feature index
+(py·P + px)·C + c. The attention mixer lives in :mod:`convit_convert.attention`; the forms swapped
+in for deployment (export, fused inference) in :mod:`convit_convert.deploy`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+import torch.utils.checkpoint
+from torch import nn
+
+from .attention import AttentionFormName, RelPosAttention
+from .config import ViTConfig
+from .deploy import FusedRelPosAttention
+
+
+def patchify(x: torch.Tensor, patch_size: int) -> torch.Tensor:
+    """(B, C, H, W) pixels -> (B, N, P²·C) tokens, N = (H/P)·(W/P)."""
+    b, c, h, w = x.shape
+    p = patch_size
+    x = x.reshape(b, c, h // p, p, w // p, p)
+    return x.permute(0, 2, 4, 3, 5, 1).reshape(b, (h // p) * (w // p), p * p * c)
+
+
+def unpatchify(x: torch.Tensor, grid_size: tuple[int, int], patch_size: int) -> torch.Tensor:
+    """(B, N, P²·C) tokens -> (B, C, H, W) pixels; the inverse of :func:`patchify`."""
+    b, _, d = x.shape
+    gh, gw = grid_size
+    p = patch_size
+    c = d // (p * p)
+    x = x.reshape(b, gh, gw, p, p, c)
+    return x.permute(0, 5, 1, 3, 2, 4).reshape(b, c, gh * p, gw * p)
+
+
+class PatchEmbed(nn.Module):
+    """Image -> tokens. Identity on the flattened patch (the paper's choice, which lets phase 1 view
+    tokens as pixels), or a learnable linear map P²·in_chans -> embed_dim held as
+    ``patch_embed.weight`` / ``patch_embed.bias`` (docs/FORMAT.md)."""
+
+    def __init__(self, patch_size: int, in_chans: int, embed_dim: int, linear: bool) -> None:
+        super().__init__()
+        self.patch_size = patch_size
+        if linear:
+            self.weight = nn.Parameter(torch.empty(embed_dim, patch_size * patch_size * in_chans))
+            self.bias = nn.Parameter(torch.zeros(embed_dim))
+            nn.init.trunc_normal_(self.weight, std=0.02)
+        else:
+            self.weight = self.bias = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, in_chans, H, W) -> (B, N, embed_dim)."""
+        x = patchify(x, self.patch_size)
+        return x if self.weight is None else F.linear(x, self.weight, self.bias)
+
+
+class Mlp(nn.Module):
+    """fc1 -> exact (erf) GELU -> fc2."""
+
+    def __init__(self, dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden_dim)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(hidden_dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class DropPath(nn.Module):
+    """Stochastic depth per sample. A local copy of timm's, so the conversion path never imports
+    timm (about 3.5 s of start-up)."""
+
+    def __init__(self, drop_prob: float = 0.0) -> None:
+        super().__init__()
+        self.drop_prob = drop_prob
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.drop_prob == 0.0 or not self.training:
+            return x
+        keep = 1.0 - self.drop_prob
+        mask = x.new_empty((x.shape[0],) + (1,) * (x.ndim - 1)).bernoulli_(keep)
+        return x * mask / keep
+
+
+class ConvMixer(nn.Conv2d):
+    """Token mixer: view tokens as pixels, apply Conv2d(C, C, K, padding='same', dilation=D), view
+    back. Subclasses Conv2d so its parameters are ``conv.weight`` (C, C, K, K) and ``conv.bias`` (C).
+    """
+
+    def __init__(
+        self, channels: int, kernel_size: int, dilation: int, grid_size: tuple[int, int], patch_size: int
+    ) -> None:
+        super().__init__(channels, channels, kernel_size, padding="same", dilation=dilation)
+        self.grid_size = grid_size
+        self.patch_size = patch_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, N, P²·C) -> (B, N, P²·C)."""
+        pixels = unpatchify(x, self.grid_size, self.patch_size)
+        return patchify(super().forward(pixels), self.patch_size)
+
+
+class Block(nn.Module):
+    """Pre-LN transformer block: x + mixer(norm1(x)), then x + mlp(norm2(x)).
+
+    The token mixer is registered under ``mixer_name``, the model's kind ('conv' or 'attn').
+    """
+
+    def __init__(
+        self, dim: int, mixer_name: str, mixer: nn.Module, mlp_hidden_dim: int, norm_eps: float = 1e-6,
+        drop_path: float = 0.0,
+    ) -> None:  # fmt: skip
+        super().__init__()
+        self.mixer_name = mixer_name
+        self.norm1 = nn.LayerNorm(dim, eps=norm_eps)
+        self.add_module(mixer_name, mixer)
+        self.norm2 = nn.LayerNorm(dim, eps=norm_eps)
+        self.mlp = Mlp(dim, mlp_hidden_dim)
+        self.drop_path = DropPath(drop_path)
+
+    @property
+    def mixer(self) -> nn.Module:
+        return getattr(self, self.mixer_name)
+
+    def reparameterize(self) -> None:
+        """For inference: the attention mixer becomes its fused form (:mod:`convit_convert.deploy`),
+        the same function. timm's ``reparameterize_model`` calls this."""
+        if isinstance(self.mixer, RelPosAttention):
+            setattr(self, self.mixer_name, FusedRelPosAttention(self.mixer.eval()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, N, dim) -> (B, N, dim)."""
+        x = x + self.drop_path(self.mixer(self.norm1(x)))
+        return x + self.drop_path(self.mlp(self.norm2(x)))
+
+
+def init_weights(module: nn.Module) -> None:
+    """ViT-style init: truncated normal (std 0.02) Linear weights, zero biases."""
+    if isinstance(module, nn.Linear):
+        nn.init.trunc_normal_(module.weight, std=0.02)
+        if module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+
+ATTENTION_PARAMS = (".attn.q.weight", ".attn.q.bias", ".attn.k.weight", ".attn.k.bias", ".attn.gate",
+                    ".attn.content_bias", ".attn.rel_pos_bias", ".attn.sink")  # fmt: skip # where attention looks
+
+
+class VisionTransformer(nn.Module):
+    """patch_embed -> depth × Block(mixer) -> norm -> mean over tokens -> head.
+
+    The token mixer follows ``cfg.kind``: a :class:`ConvMixer` ("conv") or a
+    :class:`RelPosAttention` ("attn"); everything else, and every parameter name, is shared.
+    """
+
+    def __init__(
+        self, cfg: ViTConfig, drop_path_rate: float = 0.0, attention_form: AttentionFormName = "padded"
+    ) -> None:
+        """``attention_form``: how every attention mixer computes its products ("padded" or
+        "by_head", :mod:`convit_convert.attention`); the same function either way."""
+        super().__init__()
+        self.attention_form = attention_form
+        cfg.validate()
+        self.cfg = cfg
+        self.kind = cfg.kind
+        self.num_classes = cfg.num_classes
+        self.patch_embed = PatchEmbed(
+            cfg.patch_size, cfg.in_chans, cfg.embed_dim, linear=cfg.patch_embed == "linear"
+        )
+        dpr = torch.linspace(
+            0, drop_path_rate, cfg.depth, device="cpu"
+        ).tolist()  # stochastic depth decay rule
+        self.blocks = nn.ModuleList(
+            Block(
+                cfg.embed_dim, cfg.kind, self._mixer(cfg, attention_form), cfg.mlp_hidden_dim, cfg.norm_eps, p
+            )
+            for p in dpr
+        )
+        self.norm = nn.LayerNorm(cfg.embed_dim, eps=cfg.norm_eps)
+        self.head: nn.Module = nn.Linear(cfg.embed_dim, cfg.num_classes)
+        self.grad_checkpointing = False
+        self.apply(init_weights)
+
+    @staticmethod
+    def _mixer(cfg: ViTConfig, form: AttentionFormName) -> nn.Module:
+        if cfg.kind == "conv":
+            return ConvMixer(cfg.hidden_chans, cfg.kernel_size, cfg.dilation, cfg.grid_size, cfg.patch_size)
+        gated = cfg.pinning == "gated"
+        return RelPosAttention(
+            cfg.embed_dim, cfg.grid_size, cfg.num_heads, cfg.qk_dim, cfg.v_dim, bool(cfg.sink), gated, form
+        )
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, in_chans, H, W) images -> (B, N, embed_dim) normalised tokens."""
+        expected = (self.cfg.in_chans, *self.cfg.img_size)
+        if tuple(x.shape[1:]) != expected:
+            raise ValueError(
+                f"expected images of shape (B, {', '.join(map(str, expected))}), got {tuple(x.shape)}"
+            )
+        x = self.patch_embed(x)
+        for block in self.blocks:
+            if self.grad_checkpointing and torch.is_grad_enabled():
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
+        return self.norm(x)
+
+    def forward_intermediates(
+        self, x: torch.Tensor, indices: int | list[int] | None = None, norm: bool = False,
+        stop_early: bool = False, output_fmt: str = "NCHW", intermediates_only: bool = False,
+    ) -> list[torch.Tensor] | tuple[torch.Tensor, list[torch.Tensor]]:  # fmt: skip
+        """timm's feature API: the outputs of the blocks ``indices`` (an int n: the last n; default:
+        all), as (B, embed_dim, gh, gw) ("NCHW") or (B, N, embed_dim) ("NLC"), after the final norm
+        with ``norm``; and, unless ``intermediates_only``, the final normalised tokens."""
+        depth = len(self.blocks)
+        take = list(range(depth))[-indices:] if isinstance(indices, int) else list(indices or range(depth))
+        if any(not -depth <= i < depth for i in take) or output_fmt not in ("NCHW", "NLC"):
+            raise ValueError(f"indices must be blocks of 0..{depth - 1} and output_fmt NCHW or NLC")
+        take = [i % depth for i in take]
+        b = x.shape[0]
+        gh, gw = self.cfg.grid_size
+        out, feats = self.patch_embed(x), []
+        last = max(take) if stop_early or intermediates_only else depth - 1
+        for i, block in enumerate(self.blocks[: last + 1]):
+            out = block(out)
+            if i in take:
+                f = self.norm(out) if norm else out
+                feats.append(f if output_fmt == "NLC" else f.transpose(1, 2).reshape(b, -1, gh, gw))
+        return feats if intermediates_only else (self.norm(out), feats)
+
+    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        """(B, N, embed_dim) -> (B, num_classes) logits, or the pooled (B, embed_dim) features."""
+        x = x.mean(dim=1)
+        return x if pre_logits else self.head(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, in_chans, H, W) -> (B, num_classes)."""
+        return self.forward_head(self.forward_features(x))
+
+    def get_classifier(self) -> nn.Module:
+        return self.head
+
+    def reset_classifier(self, num_classes: int) -> None:
+        """A new, freshly initialised head for ``num_classes`` (0: none, forward returns features)."""
+        self.num_classes = num_classes
+        self.head = nn.Linear(self.cfg.embed_dim, num_classes) if num_classes > 0 else nn.Identity()
+        self.head.apply(init_weights)
+        if num_classes > 0:
+            self.cfg = dataclasses.replace(self.cfg, num_classes=num_classes)
+
+    def group_matcher(self, coarse: bool = False) -> dict[str, Any]:
+        """Parameter groups by name, for timm's layer-wise learning-rate decay."""
+        return {
+            "stem": r"^patch_embed",
+            "blocks": r"^blocks\.(\d+)" if coarse else [(r"^blocks\.(\d+)", None), (r"^norm", (99999,))],
+        }
+
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        self.grad_checkpointing = enable
+
+    def no_weight_decay(self) -> set[str]:
+        """Parameter names to exclude from weight decay (timm's create_optimizer_v2 reads this)."""
+        return {
+            n
+            for n, _ in self.named_parameters()
+            if n.endswith(("rel_pos_bias", "sink", "gate", "content_bias"))
+        }

@@ -1,0 +1,210 @@
+"""An experiment's training runs ("arms") as parallel processes, each resumable, within a time budget.
+
+    status = run_arms(arms, parallel=2, time_budget=540)
+
+Each arm is a :class:`TrainConfig` with its own run folder and the arms whose models it starts
+from (``after``). An arm whose model file exists is done and skipped; one with a checkpoint is
+resumed; the others start once everything they depend on is done. Up to ``parallel`` arms run
+at once, each in its own process (``python -m convit_convert.train.arms ARM.json``) with
+``threads`` = CPUs / parallel, so several small runs share the cores, or one GPU. With a
+``time_budget``, no arm starts in the last ``margin`` seconds (30, or a quarter of a shorter
+budget) and every running arm gets SIGTERM then: it finishes its step, saves ``checkpoint-last.pt`` and exits, and the same command later
+resumes it. A child's output goes to ``log.txt`` in its run folder.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from ..errors import CmhsaError
+from .config import TrainConfig
+from .recipe import cpus
+from .run import OUTPUT
+from .state import LAST
+
+DONE, STOPPED, FAILED, WAITING, BLOCKED = "done", "stopped", "failed", "waiting", "blocked"
+
+
+@dataclass
+class Arm:
+    name: str
+    config: TrainConfig  # its ``out`` is the arm's run folder
+    after: tuple[str, ...] = ()  # arms that must be done first (this arm's --init reads their model)
+    status: str = WAITING
+    seconds: float = 0.0  # wall seconds of this invocation's process
+    note: str = ""
+
+    @property
+    def out(self) -> Path:
+        return Path(self.config.out)
+
+    @property
+    def model(self) -> Path:
+        return self.out / OUTPUT[self.config.phase]
+
+    def rows(self) -> list[dict[str, float]]:
+        """metrics.csv's rows as numbers, one per finished epoch ([] before the first)."""
+        try:
+            with open(self.out / "metrics.csv", newline="") as f:
+                return [{k: float(v) for k, v in r.items() if v} for r in csv.DictReader(f)]
+        except OSError:
+            return []
+
+    def cpu_seconds(self) -> float:
+        """CPU seconds of every process that trained this arm (cpu_seconds.txt)."""
+        return float((self.out / "cpu_seconds.txt").read_text())
+
+    def progress(self) -> str:
+        """Epochs finished / planned."""
+        return f"{len(self.rows())}/{self.config.epochs}"
+
+    def status_line(self, elapsed: float) -> str:
+        """One line for a report: seconds since the start, status, name, epochs, why it failed."""
+        note = f"  ({self.note})" if self.note else ""
+        return f"{elapsed:6.0f} s  {self.status:8s} {self.name}  epochs {self.progress()}{note}"
+
+
+def unfinished(arms: list[Arm]) -> str | None:
+    """What to tell a user when some arms are not done (None when all are)."""
+    left = [a for a in arms if a.status != DONE]
+    if not left:
+        return None
+    return (
+        f"{len(arms) - len(left)}/{len(arms)} runs done; unfinished: "
+        + ", ".join(f"{a.name} ({a.status}, epochs {a.progress()})" for a in left)
+        + "\nrun the same command again to continue"
+    )
+
+
+@dataclass
+class _Running:
+    arm: Arm
+    proc: subprocess.Popen
+    started: float
+    log: object = field(default=None)
+
+
+def run_arms(
+    arms: list[Arm], *, parallel: int = 1, time_budget: float | None = None, margin: float | None = None,
+    report: Callable[[Arm], None] | None = None, poll: float = 0.5,
+) -> list[Arm]:  # fmt: skip
+    """Run what is unfinished of ``arms`` (see the module docstring); each arm's ``status`` says how
+    it ended: done, stopped (by the budget: resume with the same call), failed (``note``: the last
+    line of its log), blocked (an arm it depends on failed) or waiting (the budget ran out first).
+    ``margin`` (default: 30 s, or a quarter of a shorter budget) is left for the arms to save."""
+    names = {a.name for a in arms}
+    if len(names) != len(arms):
+        raise CmhsaError("two arms share a name")
+    for a in arms:
+        if not set(a.after) <= names:
+            raise CmhsaError(f"arm {a.name!r} waits for unknown arms {sorted(set(a.after) - names)}")
+    if parallel < 1:
+        raise CmhsaError(f"`parallel` must be >= 1, got {parallel}")
+    if time_budget is not None and not (math.isfinite(time_budget) and time_budget > 0):
+        raise CmhsaError(f"`time_budget` must be a positive number of seconds, got {time_budget}")
+    by_name = {a.name: a for a in arms}
+    for a in arms:
+        a.status = DONE if a.model.is_file() else WAITING
+    threads = max(1, cpus() // parallel)
+    start = time.monotonic()
+    deadline = None if time_budget is None else start + time_budget
+    if time_budget is not None and margin is None:
+        margin = min(30.0, time_budget / 4)
+    running: list[_Running] = []
+    stopping = False
+    while True:
+        for r in list(running):  # collect finished children
+            code = r.proc.poll()
+            if code is None:
+                continue
+            running.remove(r)
+            r.log.close()  # type: ignore[attr-defined]
+            r.arm.seconds = time.monotonic() - r.started
+            if code == 0 and r.arm.model.is_file():
+                r.arm.status = DONE
+            elif code in (
+                128 + signal.SIGTERM,
+                -signal.SIGTERM,
+            ):  # negative: stopped before its handler was up
+                r.arm.status = STOPPED
+            else:
+                r.arm.status, r.arm.note = FAILED, _last_line(r.arm.out / "log.txt")
+            if report:
+                report(r.arm)
+        for a in arms:  # an arm whose dependency failed can never start
+            if a.status == WAITING and any(by_name[d].status in (FAILED, BLOCKED) for d in a.after):
+                a.status = BLOCKED
+                if report:
+                    report(a)
+        now = time.monotonic()
+        if deadline is not None and now >= deadline - margin and not stopping:  # type: ignore[operator]
+            stopping = True
+            for r in running:
+                r.proc.send_signal(signal.SIGTERM)
+        if not stopping:
+            for a in arms:
+                if len(running) >= parallel:
+                    break
+                if a.status == WAITING and all(by_name[d].status == DONE for d in a.after):
+                    running.append(_launch(a, threads))
+        if not running:
+            break
+        time.sleep(poll)
+    return arms
+
+
+def _launch(arm: Arm, threads: int) -> _Running:
+    arm.out.mkdir(parents=True, exist_ok=True)
+    cfg = replace(arm.config, resume=(arm.out / LAST).is_file(), threads=threads)
+    spec = arm.out / "arm.json"
+    spec.write_text(cfg.to_json())
+    log = open(arm.out / "log.txt", "a")  # noqa: SIM115 (closed when the child is collected)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "convit_convert.train.arms", str(spec)],
+        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        env={**os.environ, "OMP_NUM_THREADS": str(threads)},
+    )  # fmt: skip
+    arm.status = "running"
+    return _Running(arm, proc, time.monotonic(), log)
+
+
+def _last_line(path: Path) -> str:
+    try:
+        lines = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return ""
+    return lines[-1] if lines else ""
+
+
+def _child(spec: Path) -> int:
+    """One arm: run its config, add this process's CPU seconds to cpu_seconds.txt; the exit code
+    says how it ended (0 done, 128 + signal when stopped, 1 failed)."""
+    from .run import run
+
+    cfg = TrainConfig.from_dict(json.loads(spec.read_text()))
+    t = time.process_time()
+    try:
+        result = run(cfg)
+    except CmhsaError as e:
+        print(f"error: {e}", flush=True)
+        return 1
+    cpu_file = Path(cfg.out) / "cpu_seconds.txt"
+    before = float(cpu_file.read_text()) if cpu_file.is_file() else 0.0
+    cpu_file.write_text(f"{before + time.process_time() - t:.1f}\n")
+    if result.stopped in ("SIGINT", "SIGTERM"):
+        return 128 + int(getattr(signal, result.stopped))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_child(Path(sys.argv[1])))

@@ -1,0 +1,141 @@
+"""One epoch: the training steps of DeiT's recipe, then evaluation on the validation split.
+
+Each epoch seeds every global RNG from (seed, epoch, rank), so an epoch's randomness does not
+depend on how the process got there (a resumed epoch restores the RNGs saved mid-epoch instead).
+Per step: Mixup/CutMix, forward under autocast, one all-reduce that carries the loss and any stop
+request (so every rank agrees to stop before the backward pass), backward, step, EMA, scheduler.
+A non-finite loss stops before it reaches the weights.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..analysis import attention_stats
+from ..api.common import autocast
+from ..api.on_data import evaluate
+from ..data import sample_seed
+from ..errors import CheckFailed
+from .config import TrainConfig
+from .distributed import Context, all_reduce_sum
+from .progress import Progress
+from .state import LAST, RunState, set_rng_state
+
+
+@dataclass
+class Loop:
+    """What every epoch uses, built once by :func:`convit_convert.train.run.run`."""
+
+    cfg: TrainConfig
+    ctx: Context
+    out: Path
+    dtype: torch.dtype | None  # autocast dtype, None for full precision
+    fwd: nn.Module  # the model as trained: DDP-wrapped and/or compiled
+    train_loader: Any
+    val_loader: Any
+    steps_per_epoch: int
+    mixup: Any
+    criterion: nn.Module
+    state: RunState
+    reporter: Progress
+    probe: torch.Tensor | None = None  # attn models: fixed val images for the per-epoch attention metrics
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % (1 << 32))
+    torch.manual_seed(seed)
+
+
+def non_finite_message(loss: float, epoch: int, step: int, out: Path) -> str:
+    """What a user can do after a non-finite loss: the advice depends on whether a checkpoint exists."""
+    head = f"non-finite loss ({loss}) at epoch {epoch + 1}, step {step + 1}: stopped before it reached the weights; "
+    last = out / LAST
+    if last.exists():
+        return head + (
+            f"the last good checkpoint is {last}: continue from it with `resume` and a lower `lr` (the schedule "
+            "is rebuilt, so the run is no longer one uninterrupted run), or start a new `out` with a lower `lr`, "
+            "`amp` none or `clip_grad`"
+        )
+    return head + "no checkpoint was saved yet: start again with a lower `lr`, `amp` none or `clip_grad`"
+
+
+def train_one_epoch(loop: Loop, stop: Any, stop_after_steps: int | None = None) -> bool:
+    """Train the epoch ``loop.state`` is in, from its step on; evaluate and append the epoch's row
+    to ``state.metrics``. False if a stop request (or ``stop_after_steps``) ended it early, with
+    ``state.step`` the steps done."""
+    cfg, ctx, st = loop.cfg, loop.ctx, loop.state
+    device, epoch, first = ctx.device, st.epoch, st.step
+    if first > 0 and st.rng is not None:
+        set_rng_state(st.rng)
+    else:
+        seed_everything(sample_seed(cfg.seed, epoch, 10_000 + ctx.rank))
+        st.partial = {"loss_sum": 0.0, "seconds": 0.0, "images": 0}
+    loop.train_loader.sampler.set_epoch(epoch, first)
+    loop.reporter.start_epoch(epoch, loop.steps_per_epoch, first)
+    lr = st.optimizer.param_groups[0]["lr"]
+    t_last = time.perf_counter()
+    for step, (x, y) in enumerate(loop.train_loader, start=first):
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        if loop.mixup is not None:
+            x, y = loop.mixup(x, y)
+        with autocast(device, loop.dtype):
+            loss = loop.criterion(loop.fwd(x), y)
+        limit = stop_after_steps is not None and st.global_step + 1 >= stop_after_steps
+        flags = torch.stack(
+            [loss.detach().float(), torch.tensor(float(stop.signal is not None), device=device)]
+        )
+        all_reduce_sum(flags, ctx)
+        mean_loss = flags[0].item() / ctx.world
+        if not math.isfinite(mean_loss):
+            raise CheckFailed(non_finite_message(mean_loss, epoch, step, loop.out))
+        st.optimizer.zero_grad(set_to_none=True)
+        st.scaler.scale(loss).backward()
+        if cfg.clip_grad is not None:
+            st.scaler.unscale_(st.optimizer)
+            nn.utils.clip_grad_norm_(st.model.parameters(), cfg.clip_grad)
+        st.scaler.step(st.optimizer)
+        st.scaler.update()
+        st.global_step += 1
+        if st.ema is not None:
+            st.ema.update(st.model, step=st.global_step)
+        st.scheduler.step_update(num_updates=st.global_step)
+        now = time.perf_counter()
+        st.partial["loss_sum"] += mean_loss
+        st.partial["seconds"] += now - t_last
+        st.partial["images"] += len(x) * ctx.world
+        loop.reporter.step(epoch, step, mean_loss, lr, len(x) * ctx.world / max(now - t_last, 1e-9))
+        t_last = now
+        if flags[1].item() > 0 or limit:
+            st.step = step + 1
+            return False
+    st.scheduler.step(epoch + 1)
+
+    def reduce(sums: torch.Tensor) -> None:  # every rank's validation share summed
+        all_reduce_sum(sums, ctx)
+
+    row: dict[str, Any] = {
+        "epoch": epoch + 1,
+        "train_loss": st.partial["loss_sum"] / max(loop.steps_per_epoch, 1),
+        **evaluate(st.model, loop.val_loader, device, loop.dtype, reduce),
+        "lr": lr,
+        "epoch_seconds": st.partial["seconds"],
+        "images_per_s": st.partial["images"] / max(st.partial["seconds"], 1e-9),
+    }
+    if st.ema is not None:
+        em = evaluate(st.ema.module, loop.val_loader, device, loop.dtype, reduce)
+        row.update(ema_val_loss=em["val_loss"], ema_top1=em["top1"], ema_top5=em["top5"])
+    if loop.probe is not None:  # what the attention does: pinned share, distance, gate per block
+        row.update(attention_stats(st.model, [loop.probe]).block_means())
+    st.metrics.append(row)
+    st.epoch, st.step, st.rng = epoch + 1, 0, None
+    return True

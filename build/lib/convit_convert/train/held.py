@@ -1,0 +1,190 @@
+"""Datasets held as one uint8 tensor on the training device: a batch is an index gather, augmented
+as a batch (:mod:`.augment`); no per-sample Python and no worker processes.
+
+The training loader keeps :class:`.data.EpochSampler`'s order (so a run's batches are the workers
+path's batches) and draws each step's augmentation from a generator seeded by (seed, epoch, step)
+for the whole global batch, of which each rank takes its rows: the result does not depend on the
+number of processes, and a run stopped at any step resumes bit for bit. The validation split is
+resized and centre-cropped once, as timm's eval transform does (torchvision's antialiased resize),
+so an epoch's evaluation costs a forward pass.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, Subset
+
+from ..data import ArrayImages, EpochSampler, sample_seed
+from ..errors import CmhsaError
+from .augment import AugmentSpec, augment, grey, normalise, sample_params
+
+MAX_BYTES = 2 << 30  # hold at most 2 GiB of decoded images; larger sets use the workers loader
+STEP_STREAM = -2  # sample_seed index of step j's augmentation: -2 - j (the sampler uses -1)
+
+
+def _array_source(ds: Dataset) -> tuple[Any, np.ndarray, list[int]] | None:
+    """(images as an (N, H, W[, C]) uint8 array or a list of paths, labels, indices) without decoding."""
+    if isinstance(ds, Subset):
+        inner = _array_source(ds.dataset)
+        if inner is None:
+            return None
+        imgs, labels, idx = inner
+        return imgs, labels, [idx[i] for i in ds.indices]
+    if isinstance(ds, ArrayImages):
+        return ds.images, np.asarray(ds.labels), list(range(len(ds)))
+    if (
+        hasattr(ds, "data") and hasattr(ds, "targets") and isinstance(ds.data, np.ndarray)
+    ):  # torchvision CIFAR
+        return ds.data, np.asarray(ds.targets), list(range(len(ds.data)))
+    if hasattr(ds, "samples") and hasattr(ds, "loader"):  # torchvision ImageFolder
+        paths = [p for p, _ in ds.samples]
+        return paths, np.asarray([t for _, t in ds.samples]), list(range(len(paths)))
+    return None
+
+
+def _folder_size(paths: list[str], indices: list[int]) -> tuple[int, int] | None:
+    """The one (H, W) every image has (read from headers only), or None if they differ."""
+    from PIL import Image
+
+    sizes = set()
+    for i in indices:
+        with Image.open(paths[i]) as im:
+            sizes.add((im.height, im.width))
+        if len(sizes) > 1:
+            return None
+    return sizes.pop()
+
+
+def holdable(ds: Dataset, in_chans: int) -> str | None:
+    """Why ``ds`` cannot be held as one tensor (None if it can)."""
+    src = _array_source(ds)
+    if src is None:
+        return "the dataset is not an in-memory array or an image folder"
+    imgs, _, idx = src
+    if isinstance(imgs, np.ndarray):
+        hw = imgs.shape[1:3]
+    else:
+        from PIL import Image
+
+        with Image.open(imgs[idx[0]]) as im:  # a first estimate, before reading every header
+            if len(idx) * im.height * im.width * in_chans > MAX_BYTES:
+                return f"its {len(idx)} images need more than {MAX_BYTES / 2**30:.0f} GiB decoded"
+        size = _folder_size(imgs, idx)
+        if size is None:
+            return "its images are not all one size"
+        hw = size
+    need = len(idx) * hw[0] * hw[1] * in_chans
+    if need > MAX_BYTES:
+        return f"its images need {need / 2**30:.1f} GiB decoded (more than {MAX_BYTES / 2**30:.0f} GiB)"
+    return None
+
+
+def hold(ds: Dataset, in_chans: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, C, H, W) uint8 images converted to ``in_chans`` as PIL converts them, and (N,) int64
+    labels, on ``device``. The caller has asked :func:`holdable` (``run.choose_loader`` does)."""
+    src = _array_source(ds)
+    if src is None:
+        raise CmhsaError(
+            "cannot hold the data on the device: it is not an in-memory array or an image folder"
+        )
+    imgs, labels, idx = src
+    if isinstance(imgs, np.ndarray):
+        x = torch.from_numpy(np.ascontiguousarray(imgs[idx]))
+    else:
+        from PIL import Image
+
+        arrays = []
+        for i in idx:
+            with Image.open(imgs[i]) as im:
+                arrays.append(np.asarray(im.convert("RGB" if in_chans == 3 else "L")))
+        x = torch.from_numpy(np.stack(arrays))
+    x = x[..., None] if x.ndim == 3 else x  # grey (N, H, W) -> (N, H, W, 1)
+    x = x.permute(0, 3, 1, 2).to(device)
+    if x.shape[1] != in_chans:  # PIL's convert: grey -> RGB repeats, RGB -> L weighs
+        x = x.expand(-1, 3, -1, -1) if in_chans == 3 else grey(x.float()).to(torch.uint8)
+    y = torch.as_tensor(labels[idx], dtype=torch.long, device=device)
+    return x.contiguous(), y
+
+
+def eval_view(
+    images: torch.Tensor, img_size: tuple[int, int], crop_pct: float, interpolation: str
+) -> torch.Tensor:
+    """timm's eval transform before ToTensor, on the whole split: shorter side resized to
+    floor(size / crop_pct) (torchvision's antialiased tensor resize), then the centre crop; uint8."""
+    from torchvision.transforms import InterpolationMode
+    from torchvision.transforms.v2 import functional as TF
+
+    scale = math.floor(img_size[0] / crop_pct)
+    mode = InterpolationMode(interpolation)
+    out = []
+    for chunk in images.split(4096):  # bounded temporary memory
+        r = TF.resize(chunk, [scale], interpolation=mode, antialias=True)
+        out.append(TF.center_crop(r, list(img_size)))
+    return torch.cat(out)
+
+
+@dataclass
+class HeldLoader:
+    """Training batches of held images: ``for x, y in loader`` gives this rank's augmented batch
+    (float32, normalised, on the images' device) and labels, in :class:`EpochSampler`'s order."""
+
+    images: torch.Tensor
+    labels: torch.Tensor
+    sampler: EpochSampler
+    spec: AugmentSpec
+    seed: int
+
+    def __len__(self) -> int:
+        return len(self.sampler) // self.sampler.bs
+
+    def step_generator(self, step: int) -> torch.Generator:
+        return torch.Generator().manual_seed(sample_seed(self.seed, self.sampler.epoch, STEP_STREAM - step))
+
+    def batch(self, step: int, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Step ``step``'s batch for this rank: the global batch's parameters, this rank's rows."""
+        s, dev = self.sampler, self.images.device
+        g = self.step_generator(step)
+        params = sample_params(self.spec, s.bs * s.world, tuple(self.images.shape[-2:]), g)
+        lo, hi = s.rank * s.bs, (s.rank + 1) * s.bs
+        noise = None
+        if self.spec.reprob > 0:  # erasing's normals for the global batch, drawn on the device
+            dg = torch.Generator(device=dev).manual_seed(g.initial_seed() ^ 1)
+            shape = (s.bs * s.world, self.images.shape[1], *self.spec.out_size)
+            noise = torch.randn(shape, generator=dg, device=dev)[lo:hi]
+        idx = idx.to(dev)
+        return augment(self.images[idx], params.rows(lo, hi), self.spec, noise), self.labels[idx]
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        s = self.sampler
+        order = torch.tensor(s.indices(), dtype=torch.long)
+        first = s.start // s.bs
+        for step in range(first, len(order) // s.bs):
+            yield self.batch(step, order[step * s.bs : (step + 1) * s.bs])
+
+
+@dataclass
+class HeldEvalLoader:
+    """Validation batches of held, already resized and cropped images: every image once over all
+    ranks (strided), normalised per batch."""
+
+    images: torch.Tensor  # (N, C, h, w) uint8, the eval view
+    labels: torch.Tensor
+    batch_size: int
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+    rank: int = 0
+    world: int = 1
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        idx = torch.arange(self.rank, len(self.labels), self.world, device=self.images.device)
+        for chunk in idx.split(self.batch_size):
+            yield normalise(self.images[chunk].float(), self.mean, self.std), self.labels[chunk]
+
+    def __len__(self) -> int:
+        return -(-len(range(self.rank, len(self.labels), self.world)) // self.batch_size)

@@ -1,0 +1,142 @@
+"""The model each phase trains, and where its weights come from.
+
+Phase 1: a randomly initialised ConvViT. Phase 2: an attention ViT from ``--init``, which is
+- a conv-phase checkpoint: converted in memory (Theorem 1) and verified against the conv model
+  before the first step; a conversion that is not exact within ``verify_tol`` aborts the run;
+- an attention checkpoint: loaded as it is;
+- ``random``: the paper's "2nd phase only" baseline;
+- ``mimetic`` or ``impulse``: random init with attention started local (:mod:`convit_convert.starts`).
+With a checkpoint, the architecture is the checkpoint's; model flags given explicitly must agree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..api import as_float32, convert_checkpoint, load_checkpoint
+from ..config import ViTConfig
+from ..data import image_mode
+from ..errors import CheckFailed, CmhsaError
+from ..model import ATTENTION_PARAMS, VisionTransformer
+from ..resources import check_fits
+from ..starts import start_model
+from .config import TrainConfig
+
+
+@dataclass
+class PhaseModel:
+    model: VisionTransformer
+    config: ViTConfig  # its kind says which phase's model it is
+    init: dict[str, Any] = field(default_factory=dict)  # where the weights came from, for config.json
+
+
+def flag_config(cfg: TrainConfig, num_classes: int) -> ViTConfig:
+    """The conv config the model flags describe. A kernel reaching past the image is refused here,
+    for a model about to be trained, not in ViTConfig: the conversion is exact for it too."""
+    mcfg = ViTConfig.build(
+        img_size=cfg.img_size,
+        patch_size=cfg.patch_size,
+        in_chans=cfg.in_chans,
+        hidden_chans=cfg.hidden_chans,
+        depth=cfg.depth,
+        mlp_ratio=cfg.mlp_ratio,
+        num_classes=num_classes,
+        kernel_size=cfg.kernel_size,
+        dilation=cfg.dilation,
+    )
+    h, w = mcfg.img_size
+    reach = mcfg.dilation * (mcfg.kernel_size - 1) // 2
+    if reach >= max(h, w):  # its outer taps would only ever see the zero padding
+        raise CmhsaError(
+            f"kernel_size {mcfg.kernel_size} (dilation {mcfg.dilation}) reaches {reach} pixels, "
+            f"beyond the {h}x{w} image"
+        )
+    return mcfg
+
+
+def _check_explicit(cfg: TrainConfig, ckpt_cfg: ViTConfig, num_classes: int, path: object) -> None:
+    """Model flags the user typed must describe the checkpoint they also gave, compared field by
+    field as the ViTConfig values they set: ``mlp_ratio`` as the MLP width it gives at the
+    checkpoint's embed_dim (the ratio read back from a width is not the ratio typed: 130 / 48)."""
+    square = lambda v: (v, v) if isinstance(v, int) else tuple(v)  # noqa: E731
+    as_field = {  # flag -> (ViTConfig field, the flag's value as that field)
+        "img_size": ("img_size", square), "in_chans": ("in_chans", int), "patch_size": ("patch_size", int),
+        "hidden_chans": ("hidden_chans", int), "depth": ("depth", int), "kernel_size": ("kernel_size", int),
+        "dilation": ("dilation", int), "mlp_ratio": ("mlp_hidden_dim", lambda r: round(ckpt_cfg.embed_dim * r)),
+        "heads": ("num_heads", int), "qk_dim": ("qk_dim", int), "sink": ("sink", bool), "pinning": ("pinning", str),
+    }  # fmt: skip
+    for name in sorted(cfg.given & as_field.keys()):
+        field_name, convert = as_field[name]
+        have, typed = getattr(ckpt_cfg, field_name), getattr(cfg, name)
+        if have is not None and typed is not None and convert(typed) != have:
+            said = f"`{name}` {typed}" + (f" ({field_name} {convert(typed)})" if field_name != name else "")
+            raise CmhsaError(f"{said} disagrees with the checkpoint's {field_name} {have}", path)
+    if ckpt_cfg.num_classes != num_classes:
+        raise CmhsaError(f"has {ckpt_cfg.num_classes} classes but `data` {cfg.data} has {num_classes}", path)
+    image_mode(ckpt_cfg.in_chans, path)  # 1 or 3: the loader converts every image to it
+
+
+def freeze_attention(model: VisionTransformer) -> None:
+    """The ablation's model: where attention looks stays as converted; values, outputs, MLPs train."""
+    for name, p in model.named_parameters():
+        if name.endswith(ATTENTION_PARAMS):
+            p.requires_grad_(False)
+
+
+def check_trainable(cfg: TrainConfig, mcfg: ViTConfig) -> None:
+    """Refuse, with the estimate, a model whose training cannot fit in memory: float32 weights,
+    gradients and two AdamW moments, and (on CPU) a batch's activations kept for the backward."""
+    on_cpu = cfg.device == "cpu" or not torch.cuda.is_available()
+    need = 16 * mcfg.num_params() + (mcfg.activation_bytes(cfg.batch_size, training=True) if on_cpu else 0)
+    what = f"training a {mcfg.kind} model of {mcfg.num_params():,} parameters at batch {cfg.batch_size}"
+    check_fits(need, what)
+
+
+def build_phase_model(cfg: TrainConfig, num_classes: int, log: Any = print) -> PhaseModel:
+    if cfg.phase == "phase1":
+        mcfg = flag_config(cfg, num_classes)
+        check_trainable(cfg, mcfg)
+        return PhaseModel(VisionTransformer(mcfg, cfg.drop_path), mcfg, {"init": "random"})
+    if not cfg.from_checkpoint:
+        mcfg = cfg.conversion_spec.plan(flag_config(cfg, num_classes)).config  # no conversion: its layout
+        mcfg.validate()
+        check_trainable(cfg, mcfg)
+        model = VisionTransformer(mcfg, cfg.drop_path)
+        if cfg.init == "random":
+            return PhaseModel(model, mcfg, {"init": "random"})
+        info = start_model(model, cfg.init, seed=cfg.seed, mimetic_alpha=cfg.mimetic_alpha,
+                           mimetic_beta=cfg.mimetic_beta, impulse_offsets=cfg.impulse_offsets, margin=cfg.margin)  # fmt: skip
+        log(
+            f"started {cfg.init}: {', '.join(f'{k} {v}' for k, v in info.items() if k not in ('init', 'pinned'))}"
+        )
+        return PhaseModel(model, mcfg, info)
+
+    ckpt = as_float32(load_checkpoint(cfg.init))
+    _check_explicit(cfg, ckpt.config, num_classes, ckpt.path)
+    if ckpt.kind == "attn":
+        check_trainable(cfg, ckpt.config)
+        model = VisionTransformer(ckpt.config, cfg.drop_path)
+        model.load_state_dict(ckpt.tensors)
+        return PhaseModel(model, ckpt.config, {"init": str(cfg.init), "init_kind": "attn"})
+    # the same conversion and verification as `cmhsa convert`
+    conv = convert_checkpoint(ckpt, cfg.conversion_spec)
+    mcfg, result = conv.config, conv.verification
+    assert result is not None
+    check_trainable(cfg, mcfg)
+    worst = result.worst
+    log(
+        f"converted {cfg.init}: {mcfg.num_heads} heads ({conv.summary()['pinned_heads']} pinned), qk_dim {mcfg.qk_dim}, "
+        f"sink {'on' if mcfg.sink else 'off'}, pinning {mcfg.pinning}; "
+        f"verified: worst relative error {worst.rel:.2e} ({worst.tensor}, {worst.region}), tol {cfg.verify_tol:g}"
+    )
+    if not result.passed:
+        raise CheckFailed(
+            f"{cfg.init}: the converted model is not exact: relative error {worst.rel:.2e} at {worst.tensor} "
+            f"({worst.region}) > `verify_tol` {cfg.verify_tol:g}; not training from it"
+        )
+    info = {"init": str(cfg.init), "init_kind": "conv", "verify_worst_rel": worst.rel,
+            "verify_tol": cfg.verify_tol, "verify_criterion": result.criterion}  # fmt: skip
+    return PhaseModel(conv.model(cfg.drop_path).train(), mcfg, info)

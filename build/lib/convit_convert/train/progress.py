@@ -1,0 +1,54 @@
+"""A training run's progress as events (epoch started, step done, epoch finished, a message). The
+default writes plain log lines (CI, nohup, SLURM logs) with ``write``; the CLI passes its subclass
+that also draws rich bars on a terminal (``cli/progress.py``), so nothing here renders. Ranks other
+than the main one get a silent one (``Progress(None)``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+
+class Progress:
+    """Plain log lines through ``write`` (``None``: silent). :func:`convit_convert.train.run.run`
+    calls :meth:`open` once the run's epochs are known (a resumed run's own), then the events."""
+
+    def __init__(self, write: Callable[[str], None] | None = print) -> None:
+        self.write = write
+        self.epochs, self.log_every, self.steps = 0, 1, 0
+
+    def open(self, epochs: int, log_every: int) -> None:
+        self.epochs, self.log_every = epochs, max(1, log_every)
+
+    def log(self, message: str) -> None:
+        if self.write is not None:
+            self.write(message)
+
+    def start_epoch(self, epoch: int, steps: int, done: int = 0) -> None:
+        self.steps = steps
+
+    def step(self, epoch: int, step: int, loss: float, lr: float, img_per_s: float) -> None:
+        if (step + 1) % self.log_every == 0 or step + 1 == self.steps:
+            self.log(
+                f"epoch {epoch + 1}/{self.epochs} step {step + 1}/{self.steps}  {step_info(loss, lr, img_per_s)}"
+            )
+
+    def end_epoch(self, row: dict[str, Any]) -> None:
+        self.log(epoch_line(row, self.epochs))
+
+    def close(self) -> None:
+        pass
+
+
+def step_info(loss: float, lr: float, img_per_s: float) -> str:
+    return f"loss {loss:.4f}  lr {lr:.2e}  {img_per_s:.1f} img/s"
+
+
+def epoch_line(row: dict[str, Any], epochs: int) -> str:
+    """One finished epoch: losses, accuracies, time and speed."""
+    parts = [f"epoch {row['epoch']}/{epochs}"]
+    parts += [f"{k} {row[k]:.4g}" for k in ("train_loss", "val_loss", "top1", "top5") if k in row]
+    if "ema_top1" in row:
+        parts.append(f"ema_top1 {row['ema_top1']:.4g}")
+    parts.append(f"{row['epoch_seconds']:.1f} s, {row['images_per_s']:.1f} img/s")
+    return "  ".join(parts)

@@ -1,0 +1,418 @@
+"""A training run: build it (data, model, recipe, resumed state), loop over epochs, write the model.
+
+    run(TrainConfig(phase="phase1", data="digits", ...))
+
+After every epoch: ``metrics.csv`` and ``checkpoint-last.pt`` (:mod:`.state`). Ctrl-C / SIGTERM
+finish the current step, save and stop; a non-finite loss stops before it reaches the weights and
+keeps the last good checkpoint. The epoch itself is :mod:`.epoch`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import dataclasses
+import io
+import json
+import signal
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..api.common import amp_dtype
+from ..api.export import ExportReport, export_checkpoint
+from ..config import ViTConfig
+from ..data import (
+    DataSpec,
+    build_data,
+    build_loader,
+    build_transform,
+    channel_stats,
+    epoch_sampler,
+    image_mode,
+)
+from ..errors import CmhsaError
+from ..io.atomic import atomic_write_text, check_writable
+from ..io.checkpoint import Checkpoint, save_checkpoint
+from ..io.lock import LOCK_NAME, locked_folder
+from ..model import VisionTransformer
+from .augment import augment_spec, check_supported
+from .config import RUNTIME_FIELDS, TrainConfig
+from .distributed import Context, barrier, setup, teardown
+from .epoch import Loop, seed_everything, train_one_epoch
+from .held import HeldEvalLoader, HeldLoader, eval_view, hold, holdable
+from .phases import PhaseModel, build_phase_model, freeze_attention
+from .progress import Progress
+from .recipe import (
+    build_recipe,
+    build_scheduler,
+    check_recipe,
+    default_threads,
+    default_workers,
+    scaled_lrs,
+)
+from .state import LAST, RunState, read_checkpoint
+
+METRICS = ("epoch", "train_loss", "val_loss", "top1", "top5", "lr", "epoch_seconds", "images_per_s")
+EMA_METRICS = ("ema_val_loss", "ema_top1", "ema_top5")
+OUTPUT = {"phase1": "conv.safetensors", "phase2": "vit.safetensors"}
+RESUMABLE = ("epochs", "lr")  # what a resume may change; the schedule is then rebuilt
+
+
+@dataclass
+class RunResult:
+    out: Path
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    stopped: str | None = None  # "SIGINT" / "SIGTERM" / "limit" when stopped before the end
+    model_path: Path | None = None
+    export: ExportReport | None = None  # `export_onnx`'s result (rank 0, a finished run)
+
+
+class StopRequest:
+    """SIGINT/SIGTERM set a flag the loop reads after each step; a second Ctrl-C aborts at once."""
+
+    def __init__(self) -> None:
+        self.signal: str | None = None
+        self._old: dict[int, Any] = {}
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.signal is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signal = signal.Signals(signum).name
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[StopRequest]:
+        if threading.current_thread() is not threading.main_thread():
+            yield self  # signals only reach the main thread
+            return
+        for s in (signal.SIGINT, signal.SIGTERM):
+            self._old[s] = signal.signal(s, self._handle)
+        try:
+            yield self
+        finally:
+            for s, h in self._old.items():
+                signal.signal(s, h)
+
+
+def metrics_text(rows: list[dict[str, Any]]) -> str:
+    """metrics.csv: one row per finished epoch."""
+    cols = list(METRICS) + [c for c in EMA_METRICS if rows and c in rows[0]]
+    cols += [c for c in (rows[0] if rows else {}) if c.startswith("attn")]
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=cols, extrasaction="ignore", lineterminator="\n")
+    w.writeheader()
+    for r in rows:
+        w.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()})
+    return buf.getvalue()
+
+
+def run(
+    cfg: TrainConfig, *, progress: Progress | None = None, stop_after_steps: int | None = None
+) -> RunResult:
+    """Train one phase as ``cfg`` says, reporting to ``progress`` (default: plain lines on stdout;
+    the CLI passes rich bars). ``stop_after_steps`` stops (and saves) like a SIGTERM would after
+    that many optimizer steps in total: tests use it to interrupt a run."""
+    ctx, threads = setup(cfg.device), torch.get_num_threads()
+    try:
+        with deterministic_kernels(cfg.deterministic):
+            return _run(cfg, ctx, progress, stop_after_steps)
+    finally:
+        torch.set_num_threads(threads)  # `threads` is this run's, not the caller's
+        teardown(ctx)
+
+
+@contextlib.contextmanager
+def deterministic_kernels(on: bool) -> Iterator[None]:
+    """``--deterministic``: CUDA kernels without atomics-order effects (cuDNN, cuBLAS, index_add),
+    restored afterwards. cuBLAS reads CUBLAS_WORKSPACE_CONFIG when it starts, so it is set here,
+    before the model reaches the GPU."""
+    if not on:
+        yield
+        return
+    import os
+
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    old = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.backends.cudnn.deterministic,
+        torch.backends.cudnn.benchmark,
+    )
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(old[0])
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = old[1], old[2]
+
+
+def resumed_config(cfg: TrainConfig, saved: dict[str, Any], out: Path, log: Any) -> tuple[TrainConfig, bool]:
+    """The saved run's config with this invocation's runtime fields and any RESUMABLE change
+    (as timm's train.py allows); whether the schedule must be rebuilt for it."""
+    try:
+        old = TrainConfig.from_dict(saved["config"])
+        check_recipe(old)
+        ViTConfig.from_dict(saved["model_config"], saved["kind"], out / LAST)
+    except (TypeError, ValueError) as e:
+        raise CmhsaError(f"`resume`: {LAST} holds a config cmhsa cannot use ({e})", out) from None
+    except CmhsaError as e:
+        raise CmhsaError(f"`resume`: {LAST} holds a config cmhsa cannot use ({e.message})", out) from None
+    if old.phase != cfg.phase:
+        raise CmhsaError(f"holds a {old.phase} run; resume it with `cmhsa train {old.phase} --resume`", out)
+    changed = old.training_differences(cfg)
+    for name in RESUMABLE:
+        if name in changed:
+            before, new = getattr(old, name), getattr(cfg, name)
+            if name == "epochs" and new < saved["epoch"] + (saved["step"] > 0):
+                raise CmhsaError(f"`epochs` {new}: the run has already trained {saved['epoch']} epochs", out)
+            old = dataclasses.replace(old, **{name: new})
+            log(
+                f"resuming with --{name.replace('_', '-')} {new} instead of {before}: the schedule is rebuilt for it, "
+                "so the result is no longer that of one uninterrupted run"
+                if name == "lr"
+                else f"extending the run from {before} to {new} epochs; the schedule is rebuilt for {new} epochs"
+            )
+    refused = [n for n in changed if n not in RESUMABLE]
+    if refused:
+        n = refused[0]
+        raise CmhsaError(
+            f"`{n}` {getattr(cfg, n)!r} differs from the run's {getattr(old, n)!r} (only "
+            f"{', '.join(f'`{r}`' for r in RESUMABLE)} may change on `resume`); drop it or start a new run",
+            out,
+        )
+    # how this invocation runs (resume included), not what it computes
+    old = dataclasses.replace(old, **{name: getattr(cfg, name) for name in RUNTIME_FIELDS})
+    return old, any(n in changed for n in RESUMABLE)
+
+
+def _run(
+    cfg: TrainConfig, ctx: Context, progress: Progress | None, stop_after_steps: int | None
+) -> RunResult:
+    out = Path(cfg.out).expanduser()
+    check_recipe(cfg)
+    cfg = dataclasses.replace(  # this run's defaults, resolved in its own copy
+        cfg,
+        workers=default_workers() if cfg.workers is None else cfg.workers,
+        threads=default_threads() if cfg.threads is None else cfg.threads,
+    )
+    torch.set_num_threads(cfg.threads)
+    if out.exists() and not out.is_dir():
+        raise CmhsaError("`out` names an existing file; give a folder for the run", out)
+    created = not out.exists()
+    if ctx.is_main:
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise CmhsaError(f"cannot create the run folder ({e.strerror})", out) from None
+        check_writable(out / "config.json")
+    barrier(ctx)
+    reporter = (progress or Progress()) if ctx.is_main else Progress(None)  # one per run: open() sets it up
+    lock = locked_folder(out) if ctx.is_main else contextlib.nullcontext()
+    try:
+        with lock:  # one process at a time writes a run folder (a second one is refused)
+            try:
+                return _locked_run(cfg, ctx, out, reporter, stop_after_steps)
+            except CmhsaError:
+                if created and ctx.is_main:  # refused before writing anything: leave no empty run folder
+                    with contextlib.suppress(OSError):
+                        (out / LOCK_NAME).unlink()
+                        out.rmdir()
+                raise
+    finally:
+        reporter.close()
+
+
+def _locked_run(
+    cfg: TrainConfig, ctx: Context, out: Path, reporter: Progress, stop_after_steps: int | None
+) -> RunResult:
+    saved, reschedule = None, False
+    if cfg.resume:
+        saved = read_checkpoint(out / LAST)
+        cfg, reschedule = resumed_config(cfg, saved, out, reporter.log)
+    elif (out / LAST).exists():
+        raise CmhsaError(
+            "holds a previous run (checkpoint-last.pt): pass `resume` to continue it, or choose another `out`",
+            out,
+        )
+    reporter.open(cfg.epochs, cfg.log_every)
+    loop = build(cfg, ctx, out, saved, reschedule, reporter)
+    return train(loop, stop_after_steps)
+
+
+def build(
+    cfg: TrainConfig, ctx: Context, out: Path, saved: dict[str, Any] | None, reschedule: bool,
+    reporter: Progress,
+) -> Loop:  # fmt: skip
+    """Data, model, recipe and run state (restored from ``saved`` when resuming); writes config.json."""
+    device, dtype = ctx.device, amp_dtype(cfg.amp, ctx.device)
+    seed_everything(cfg.seed + ctx.rank)
+
+    def load_data(img_size: tuple[int, int] | None) -> DataSpec:
+        def read(download: bool) -> DataSpec:
+            return build_data(cfg.data, cfg.data_dir, img_size, download=download, num_classes=cfg.num_classes,
+                              seed=cfg.seed, train_samples=cfg.train_samples, val_samples=cfg.val_samples)  # fmt: skip
+
+        spec = read(cfg.download) if ctx.is_main else None
+        barrier(ctx)  # rank 0 downloads (if asked); the others then read
+        return spec if spec is not None else read(False)
+
+    def model_for(num_classes: int) -> PhaseModel:
+        if saved is None:
+            return build_phase_model(cfg, num_classes, reporter.log)
+        mcfg = ViTConfig.from_dict(saved["model_config"], saved["kind"])  # weights: the saved state below
+        return PhaseModel(VisionTransformer(mcfg, cfg.drop_path), mcfg, saved["init"])
+
+    # one image size, the model's (which --init or a resumed run may set): synthetic images are made
+    # at it, and every loader's transform resizes to it
+    if cfg.data == "synthetic":
+        pm = model_for(cfg.num_classes)
+        spec = load_data(pm.config.img_size)
+    else:
+        spec = load_data(None)
+        pm = model_for(spec.num_classes)
+    if cfg.freeze_attention:
+        freeze_attention(pm.model)
+    model = pm.model.to(device).train()
+    loader, why = choose_loader(cfg, spec, pm.config.in_chans)
+    if why:
+        reporter.log(f"loader workers: {why}")
+    loaders = build_loaders(cfg, spec, pm.config, ctx, loader)
+    steps_per_epoch = len(loaders[0].sampler) // cfg.batch_size
+
+    fwd: nn.Module = model
+    if ctx.distributed:
+        from torch.nn.parallel import DistributedDataParallel
+
+        fwd = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    if cfg.compile:
+        fwd = torch.compile(fwd)
+    optimizer, scheduler, mixup, criterion = build_recipe(
+        cfg, model, spec.num_classes, ctx.world, steps_per_epoch
+    )
+    ema = None
+    if cfg.model_ema:
+        from timm.utils import ModelEmaV3
+
+        ema = ModelEmaV3(model, decay=cfg.model_ema_decay)
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+    state = RunState(cfg, pm.config, pm.init, model, optimizer, scheduler, scaler, ema)
+    if saved is not None:
+
+        def fresh_schedule(opt: Any) -> Any:  # --epochs / --lr changed: a schedule from the new values
+            lr, min_lr, warmup_lr = scaled_lrs(cfg, ctx.world)
+            for group in opt.param_groups:
+                group["initial_lr"] = group["lr"] = lr
+            return build_scheduler(cfg, opt, lr, min_lr, warmup_lr, steps_per_epoch)
+
+        state.load(saved, fresh_schedule if reschedule else None)
+        reporter.log(f"resumed {out / LAST} at epoch {state.epoch + 1}, step {state.step}")
+    if ctx.is_main:
+        kind = pm.config.kind
+        doc = {**cfg.to_dict(), "model": pm.config.to_dict(), "kind": kind, "init_info": pm.init}
+        doc["world_size"], doc["backend"] = ctx.world, ctx.backend
+        doc["loader_used"], doc["threads_used"] = loader, cfg.threads
+        doc["scaled_lr"] = dict(zip(("lr", "min_lr", "warmup_lr"), scaled_lrs(cfg, ctx.world), strict=True))
+        atomic_write_text(out / "config.json", json.dumps(doc, indent=2) + "\n")
+        n_params = sum(p.numel() for p in model.parameters())
+        reporter.log(
+            f"{cfg.phase}: {kind} model, {n_params / 1e6:.2f} M parameters, {spec.num_classes} classes; "
+            f"{len(spec.train)} train / {len(spec.val)} val images; {ctx.world} process(es) on {device}, "
+            f"amp {str(dtype).removeprefix('torch.') if dtype else 'none'}; {steps_per_epoch} steps/epoch; "
+            f"loader {loader}"
+            + (f" ({cfg.workers} workers)" if loader == "workers" else "")
+            + f", {cfg.threads} threads"
+        )
+    probe = next(iter(loaders[1]))[0][:64].to(device) if pm.config.kind == "attn" else None
+    return Loop(
+        cfg, ctx, out, dtype, fwd, *loaders, steps_per_epoch, mixup, criterion, state, reporter, probe
+    )
+
+
+def choose_loader(cfg: TrainConfig, spec: DataSpec, in_chans: int) -> tuple[str, str]:
+    """The loader ``cfg.loader`` resolves to, and why ``auto`` fell back to workers ('' if not).
+    The one place that asks whether the data can be held: ``loader`` device is refused here when not."""
+    if cfg.loader == "workers":
+        return "workers", ""
+    try:
+        check_supported(cfg.aa, cfg.interpolation, cfg.remode)
+    except CmhsaError as e:
+        if cfg.loader == "device":
+            raise
+        return "workers", str(e).split(";")[0]
+    why = holdable(spec.train, in_chans) or holdable(spec.val, in_chans)
+    if why and cfg.loader == "device":
+        raise CmhsaError(f"cannot hold the data on the device: {why}; use `loader` workers")
+    return ("workers", why) if why else ("device", "")
+
+
+def build_loaders(cfg: TrainConfig, spec: DataSpec, mcfg: ViTConfig, ctx: Context, loader: str) -> list[Any]:
+    """Training and validation loaders of ``loader`` kind for a model of ``mcfg``."""
+    img, chans, device = mcfg.img_size, mcfg.in_chans, ctx.device
+    image_mode(chans)  # RGB or grey: what both loaders convert every image to
+    if loader == "workers":
+        return [
+            build_loader(split, build_transform(img, training, cfg, chans), training=training,
+                         batch_size=cfg.batch_size, seed=cfg.seed, rank=ctx.rank, world=ctx.world,
+                         workers=cfg.workers, pin_memory=device.type == "cuda", in_chans=chans)
+            for split, training in ((spec.train, True), (spec.val, False))
+        ]  # fmt: skip
+    mean, std = channel_stats(chans)
+    sampler = epoch_sampler(len(spec.train), training=True, batch_size=cfg.batch_size, seed=cfg.seed,  # type: ignore[arg-type]
+                            rank=ctx.rank, world=ctx.world)  # fmt: skip
+    x, y = hold(spec.train, chans, device)
+    vx, vy = hold(spec.val, chans, device)
+    vx = eval_view(vx, img, cfg.crop_pct, cfg.interpolation)
+    return [
+        HeldLoader(x, y, sampler, augment_spec(cfg, img, mean, std), cfg.seed),
+        HeldEvalLoader(vx, vy, cfg.batch_size, mean, std, ctx.rank, ctx.world),
+    ]
+
+
+def train(loop: Loop, stop_after_steps: int | None = None) -> RunResult:
+    """Epochs until ``cfg.epochs``, saving after each; then the trained model as safetensors."""
+    cfg, ctx, st, out = loop.cfg, loop.ctx, loop.state, loop.out
+    result = RunResult(out, st.metrics)
+
+    def save(epoch_end: bool = False) -> None:
+        if ctx.is_main:  # the checkpoint and the epoch's metrics row land together or not at all
+            st.save(out, cfg.keep, {"metrics.csv": metrics_text(st.metrics)} if epoch_end else None)
+        barrier(ctx)
+
+    stop = StopRequest()
+    with stop.installed():
+        while st.epoch < cfg.epochs:
+            if not train_one_epoch(loop, stop, stop_after_steps):
+                result.stopped = stop.signal or "limit"
+                save()
+                loop.reporter.log(
+                    f"stopped ({result.stopped}) at epoch {st.epoch + 1}, step {st.step}; saved "
+                    f"{out / LAST}; continue with the same command and --resume"
+                )
+                return result
+            loop.reporter.end_epoch(st.metrics[-1])
+            save(epoch_end=True)
+    if ctx.is_main:
+        result.model_path = out / OUTPUT[cfg.phase]
+        meta = {
+            "cmhsa.trained": f"{cfg.phase} {cfg.data}, {cfg.epochs} epochs",
+            "cmhsa.init": json.dumps(st.init),
+        }
+        save_checkpoint(result.model_path, st.model_config, st.model.state_dict(), meta)
+        if st.ema is not None:
+            ema_path = result.model_path.with_name(result.model_path.stem + "-ema.safetensors")
+            save_checkpoint(ema_path, st.model_config, st.ema.module.state_dict(), meta)
+        loop.reporter.log(f"wrote {result.model_path}, metrics.csv, config.json")
+        if cfg.export_onnx:  # the model in memory, as saved: no second read of the file just written
+            tensors = {k: v.detach().float().cpu() for k, v in st.model.state_dict().items()}
+            loop.reporter.log(
+                f"exporting {result.model_path.with_suffix('.onnx')} and checking it in onnxruntime"
+            )
+            ckpt = Checkpoint(result.model_path, st.model_config, tensors, meta)
+            result.export = export_checkpoint(ckpt, result.model_path.with_suffix(".onnx"))
+    barrier(ctx)
+    return result

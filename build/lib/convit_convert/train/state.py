@@ -1,0 +1,195 @@
+"""A run's state, which saves and loads itself: the one definition of what ``checkpoint-last.pt``
+holds, everything a stopped run needs to continue exactly where it stopped.
+
+Written atomically (temp file in the run folder, then rename), so a crash while saving keeps the
+previous checkpoint. ``--keep N`` also keeps the last N end-of-epoch copies. Read back with
+``weights_only=True``, like every other file cmhsa reads.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..config import ViTConfig
+from ..errors import CmhsaError, first_line
+from ..io.atomic import atomic_paths, atomic_write
+from .config import TrainConfig
+
+LAST = "checkpoint-last.pt"
+_EPOCH = re.compile(r"^checkpoint-epoch(\d+)\.pt$")
+
+
+def rng_state() -> dict[str, Any]:
+    """Every global RNG the training loop uses, as tensors and plain values (loadable with weights_only)."""
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        "numpy": (name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    name, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def read_checkpoint(path: Path) -> dict[str, Any]:
+    """A saved run state as a dict (its config and model config tell what to build before
+    :meth:`RunState.load`). The file is untrusted input: read with ``weights_only=True`` and every
+    field checked, so a damaged or crafted file is one line, never a traceback."""
+    import pickle
+
+    if not path.is_file():
+        raise CmhsaError("no checkpoint to resume from (run without `resume` first)", path)
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        raise CmhsaError(
+            "holds objects other than tensors and plain values, so cmhsa will not load it (it could run code); "
+            "it was not written by cmhsa train: start a new run in another `out`",
+            path,
+        ) from None
+    except Exception as e:
+        raise CmhsaError(f"cannot read the training checkpoint ({type(e).__name__}: {e})", path) from None
+    problem = _checkpoint_problem(saved)
+    if problem:
+        raise CmhsaError(f"is not a usable cmhsa training checkpoint: {problem}", path)
+    return saved
+
+
+def _checkpoint_problem(saved: Any) -> str | None:
+    """What is wrong with a loaded checkpoint-last.pt's structure, or None."""
+    if not isinstance(saved, dict):
+        return f"a {type(saved).__name__}, not a dict"
+    kinds: dict[str, type | tuple[type, ...]] = {
+        "model": dict, "optimizer": dict, "scheduler": dict, "scaler": dict, "config": dict,
+        "model_config": dict, "kind": str, "init": dict, "epoch": int, "step": int, "global_step": int,
+        "metrics": list, "partial": dict, "rng": (dict, type(None)),
+    }  # fmt: skip
+    for key, kind in kinds.items():
+        if key not in saved:
+            return f"no {key!r}"
+        if not isinstance(saved[key], kind) or isinstance(saved[key], bool):
+            return f"{key!r} is a {type(saved[key]).__name__}"
+    if min(saved["epoch"], saved["step"], saved["global_step"]) < 0:
+        return "negative epoch or step counters"
+    if len(saved["metrics"]) != saved["epoch"] or not all(isinstance(r, dict) for r in saved["metrics"]):
+        return f"{len(saved['metrics'])} metrics rows for {saved['epoch']} finished epochs"
+    if not all(isinstance(v, torch.Tensor) for v in saved["model"].values()):
+        return "'model' holds something other than tensors"
+    opt = saved["optimizer"]
+    if not isinstance(opt.get("state"), dict) or not isinstance(opt.get("param_groups"), list):
+        return "'optimizer' has no state / param_groups"
+    rng = saved["rng"]
+    if rng is not None:
+        numpy_state = rng.get("numpy")
+        if not (
+            isinstance(rng.get("python"), tuple)
+            and isinstance(rng.get("torch"), torch.Tensor)
+            and rng["torch"].dtype == torch.uint8
+            and isinstance(numpy_state, tuple)
+            and len(numpy_state) == 5
+            and isinstance(numpy_state[1], torch.Tensor)
+        ):
+            return "'rng' is not the RNG state cmhsa saves"
+    return None
+
+
+@dataclass
+class RunState:
+    """The objects a run trains and the counters that say how far it got."""
+
+    config: TrainConfig
+    model_config: ViTConfig
+    init: dict[str, Any]  # where the weights came from
+    model: nn.Module
+    optimizer: Any
+    scheduler: Any
+    scaler: Any
+    ema: Any = None
+    epoch: int = 0  # epochs finished
+    step: int = 0  # steps done in the unfinished epoch (0 at an epoch's end)
+    global_step: int = 0
+    metrics: list[dict[str, Any]] = field(default_factory=list)  # one row per finished epoch
+    partial: dict[str, float] = field(default_factory=lambda: {"loss_sum": 0.0, "seconds": 0.0, "images": 0})
+    rng: dict[str, Any] | None = None  # the RNGs at a mid-epoch save, restored when that epoch resumes
+
+    def to_dict(self) -> dict[str, Any]:
+        objects = ("model", "optimizer", "scheduler", "scaler")  # saved through their state_dict()
+        counters = ("init", "epoch", "step", "global_step", "metrics", "partial")
+        return {
+            **{name: getattr(self, name).state_dict() for name in objects},
+            **{name: getattr(self, name) for name in counters},
+            "ema": None if self.ema is None else self.ema.state_dict(),
+            "model_config": self.model_config.to_dict(),
+            "kind": self.model_config.kind,
+            "config": self.config.to_dict(),
+            "rng": rng_state(),
+        }
+
+    def load(self, saved: dict[str, Any], reschedule: Any = None) -> None:
+        """Restore from :func:`read_checkpoint`'s dict. ``reschedule(optimizer)``, when given, builds
+        a fresh scheduler instead of loading the saved one (a resume that changed epochs or lr).
+        State that does not fit what was built (shapes, parameter groups) is a CmhsaError."""
+        try:
+            self._load(saved, reschedule)
+        except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as e:
+            raise CmhsaError(
+                f"`resume`: {LAST} does not fit the run it belongs to ({type(e).__name__}: {first_line(e, 200)})",
+                self.config.out,
+            ) from None
+
+    def _load(self, saved: dict[str, Any], reschedule: Any) -> None:
+        self.model.load_state_dict(saved["model"])
+        self.optimizer.load_state_dict(saved["optimizer"])
+        if reschedule is None:
+            self.scheduler.load_state_dict(saved["scheduler"])
+        else:
+            self.scheduler = reschedule(self.optimizer)
+            self.scheduler.step(saved["epoch"])
+        self.scaler.load_state_dict(saved["scaler"])
+        if self.ema is not None and saved.get("ema") is not None:
+            self.ema.load_state_dict(saved["ema"])
+        self.epoch, self.step, self.global_step = saved["epoch"], saved["step"], saved["global_step"]
+        self.metrics, self.partial = list(saved["metrics"]), dict(saved["partial"])
+        self.rng = saved["rng"] if self.step > 0 else None
+        if self.rng is not None:  # applied when the epoch resumes; try it now, so a bad one fails here
+            current = rng_state()
+            set_rng_state(self.rng)
+            set_rng_state(current)
+
+    def save(self, run_dir: Path, keep: int, also: dict[str, str] | None = None) -> Path:
+        """Write ``checkpoint-last.pt`` and the text files ``also`` (name -> text) in ``run_dir``,
+        all or none; at an epoch's end with ``keep`` > 0 also a numbered copy, pruning all but the
+        newest ``keep`` copies."""
+        path = run_dir / LAST
+        state = self.to_dict()
+        also = also or {}
+        with atomic_paths(path, *(run_dir / name for name in also)) as tmps:
+            torch.save(state, tmps[0])
+            for tmp, text in zip(tmps[1:], also.values(), strict=True):
+                tmp.write_text(text, encoding="utf-8")
+        if keep > 0 and self.step == 0:
+            numbered = run_dir / f"checkpoint-epoch{self.epoch:04d}.pt"
+            atomic_write(numbered, lambda tmp: shutil.copyfile(path, tmp))  # copy the bytes, don't re-pickle
+            old = sorted(p for p in run_dir.iterdir() if _EPOCH.match(p.name))
+            for p in old[:-keep]:
+                p.unlink(missing_ok=True)
+        return path
