@@ -45,7 +45,7 @@ RECIPES = {
 
 
 def one_run(out: Path, phase: str, loader: str, threads: int, workers: int, args, **kw) -> dict:
-    cfg = TrainConfig(
+    cfg = TrainConfig.from_flags(
         out=str(out), phase=phase, data="fashion-mnist", data_dir=args.data_dir, train_samples=args.train_samples,
         epochs=args.epochs, warmup_epochs=1, batch_size=128, loader=loader, threads=threads, workers=workers,
         device=args.device, compile=args.compile, log_every=10_000, **MODEL, **RECIPES[args.recipe], **kw,
@@ -102,7 +102,7 @@ def ceilings(args: argparse.Namespace) -> list[str]:
     mean, std = channel_stats(1)
     for recipe in ("deit", "experiments"):
         sampler = EpochSampler(len(labels), rank=0, world=1, batch_size=128, seed=0, shuffle=True)
-        aug = augment_spec(TrainConfig(**RECIPES[recipe]), (28, 28), mean, std)
+        aug = augment_spec(TrainConfig.from_flags(**RECIPES[recipe]).recipe, (28, 28), mean, std)
         loader = HeldLoader(images, labels, sampler, aug, seed=0)
         lines.append(
             f"device loader, recipe {recipe}: augmentation alone {rate(lambda loader=loader: list(loader), 4096, 3):.0f} images/s"
@@ -193,7 +193,7 @@ def accuracy(args: argparse.Namespace) -> None:
     for recipe in args.recipes:
         for loader in ("workers", "device"):
             for seed in args.seeds:
-                cfg = TrainConfig(
+                cfg = TrainConfig.from_flags(
                     out=str(args.out / recipe / loader / f"seed{seed}"), phase="phase1", data="fashion-mnist",
                     data_dir=args.data_dir, train_samples=4000, epochs=6, warmup_epochs=1, batch_size=64,
                     lr=2e-3, lr_base_batch=64, loader=loader, seed=seed, device=args.device, log_every=10_000,

@@ -265,7 +265,7 @@ def build_transform(
     img_size: tuple[int, int], training: bool, recipe: Any = None, in_chans: int = 3, *,
     interpolation: str = "bicubic", crop_pct: float = 0.875,
 ) -> Any:  # fmt: skip
-    """DeiT's augmentation (timm ``create_transform``, settings from ``recipe``, a TrainConfig) for
+    """DeiT's augmentation (timm ``create_transform``, settings from ``recipe``, a TrainConfig's recipe) for
     training; resize + centre crop for eval (``recipe``'s interpolation and crop_pct when given).
     ``in_chans`` 1 normalises one grey channel (images are converted to grey by the loader)."""
     from timm.data import auto_augment, create_transform

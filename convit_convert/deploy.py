@@ -238,6 +238,5 @@ def fuse_attention(model: nn.Module, portable: bool = False) -> nn.Module:
     ``portable``: the form ONNX exporters trace (:meth:`FusedRelPosAttention.forward_portable`)."""
     model.eval()
     for block in getattr(model, "blocks", []):
-        if isinstance(getattr(block, "attn", None), RelPosAttention):
-            block.attn = FusedRelPosAttention(block.attn, portable)
+        block.reparameterize(portable)  # model.Block's: one place swaps the mixer
     return model

@@ -136,11 +136,12 @@ class Block(nn.Module):
     def mixer(self) -> nn.Module:
         return getattr(self, self.mixer_name)
 
-    def reparameterize(self) -> None:
+    def reparameterize(self, portable: bool = False) -> None:
         """For inference: the attention mixer becomes its fused form (:mod:`convit_convert.deploy`),
-        the same function. timm's ``reparameterize_model`` calls this."""
+        the same function; ``portable``: the form ONNX exporters trace. timm's
+        ``reparameterize_model`` calls this."""
         if isinstance(self.mixer, RelPosAttention):
-            setattr(self, self.mixer_name, FusedRelPosAttention(self.mixer.eval()))
+            setattr(self, self.mixer_name, FusedRelPosAttention(self.mixer.eval(), portable))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(B, N, dim) -> (B, N, dim)."""

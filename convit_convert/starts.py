@@ -131,7 +131,7 @@ def start_model(
 ) -> dict[str, Any]:  # fmt: skip
     """Overwrite a freshly initialised attention model's attention tensors with the ``init`` start
     ("mimetic" or "impulse"); return what was done, for config.json. Everything else keeps its
-    random init. Deterministic in ``seed``. Mimetic needs both α and β (TrainConfig has the defaults)."""
+    random init. Deterministic in ``seed``. Mimetic needs both α and β (TrainConfig.start has the defaults)."""
     cfg = model.cfg
     if cfg.kind != "attn":
         raise CmhsaError(f"`init` {init} starts an attention model, not a {cfg.kind} one")

@@ -36,7 +36,7 @@ MODEL = dict(img_size=32, patch_size=4, hidden_chans=3, depth=2, mlp_ratio=4.0, 
 
 
 def arm(out: Path, name: str, after: tuple[str, ...] = (), **kw) -> Arm:
-    cfg = TrainConfig(out=str(out / name), data="digits", batch_size=64, lr_base_batch=64, workers=0,
+    cfg = TrainConfig.from_flags(out=str(out / name), data="digits", batch_size=64, lr_base_batch=64, workers=0,
                       log_every=10_000, **MODEL, **kw)  # fmt: skip
     return Arm(name, cfg, after)
 

@@ -80,7 +80,7 @@ def arms_for(args: argparse.Namespace) -> tuple[list[Arm], dict[tuple[str, int],
 
 def config(out: Path, **kw) -> TrainConfig:
     """A run of this script's model and recipe on Fashion-MNIST."""
-    return TrainConfig(out=str(out), data="fashion-mnist", **MODEL, **{**RECIPE, **kw})
+    return TrainConfig.from_flags(out=str(out), data="fashion-mnist", **MODEL, **{**RECIPE, **kw})
 
 
 def train(out: Path, **kw) -> dict:

@@ -28,16 +28,23 @@ def epochs_done(out: Path) -> list[int]:
 
 
 def test_parallel_arms_with_a_dependency_and_skipping_what_is_done(tmp_path: Path) -> None:
-    a = Arm("a", TrainConfig(out=str(tmp_path / "a"), phase="phase1", epochs=2, **TINY))
+    a = Arm("a", TrainConfig.from_flags(out=str(tmp_path / "a"), phase="phase1", epochs=2, **TINY))
     init = str(tmp_path / "a" / "conv.safetensors")
     b = Arm(
-        "b", TrainConfig(out=str(tmp_path / "b"), phase="phase2", init=init, epochs=1, **TINY), after=("a",)
+        "b",
+        TrainConfig.from_flags(out=str(tmp_path / "b"), phase="phase2", init=init, epochs=1, **TINY),
+        after=("a",),
     )
-    c = Arm("c", TrainConfig(out=str(tmp_path / "c"), phase="phase1", epochs=1, seed=3, **TINY))
+    c = Arm("c", TrainConfig.from_flags(out=str(tmp_path / "c"), phase="phase1", epochs=1, seed=3, **TINY))
     bad = Arm(
-        "bad", TrainConfig(out=str(tmp_path / "bad"), phase="phase1", epochs=1, **{**TINY, "img_size": 15})
+        "bad",
+        TrainConfig.from_flags(
+            out=str(tmp_path / "bad"), phase="phase1", epochs=1, **{**TINY, "img_size": 15}
+        ),
     )
-    after_bad = Arm("after", TrainConfig(out=str(tmp_path / "x"), phase="phase1", epochs=1, **TINY), ("bad",))
+    after_bad = Arm(
+        "after", TrainConfig.from_flags(out=str(tmp_path / "x"), phase="phase1", epochs=1, **TINY), ("bad",)
+    )
     seen: list[str] = []
     run_arms(
         [a, b, c, bad, after_bad], parallel=2, report=lambda arm: seen.append(f"{arm.name} {arm.status}")
@@ -58,7 +65,7 @@ def test_parallel_arms_with_a_dependency_and_skipping_what_is_done(tmp_path: Pat
 def test_time_budget_stops_cleanly_and_the_next_call_resumes(tmp_path: Path) -> None:
     """A run far longer than the budget: each budgeted call stops it cleanly before the budget
     (checkpoint saved, status stopped), and the next call resumes it where it stopped."""
-    cfg = TrainConfig(out=str(tmp_path / "long"), phase="phase1", epochs=5000, **TINY)
+    cfg = TrainConfig.from_flags(out=str(tmp_path / "long"), phase="phase1", epochs=5000, **TINY)
     arm = Arm("long", cfg)
     done = []
     for _ in range(2):

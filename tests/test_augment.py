@@ -28,7 +28,7 @@ N = 20_000
 
 def spec_for(cfg: TrainConfig, size=(28, 28), chans=3) -> A.AugmentSpec:
     mean, std = channel_stats(chans)
-    return A.augment_spec(cfg, size, mean, std)
+    return A.augment_spec(cfg.recipe, size, mean, std)
 
 
 # parameters --------------------------------------------------------------------------------------
@@ -84,7 +84,7 @@ def test_randaugment_ops_magnitudes_and_args_follow_timms(policy: str) -> None:
     sampled (op, applied, argument): the op set, how often each op runs and its arguments."""
     from timm.data.auto_augment import rand_augment_transform
 
-    spec = spec_for(TrainConfig(aa=policy), (32, 32))
+    spec = spec_for(TrainConfig.from_flags(aa=policy), (32, 32))
     ra = rand_augment_transform(policy, {"translate_const": 14, "img_mean": spec.fill})
     calls: list[tuple[str, float]] = []
     for op in ra.ops:
@@ -124,14 +124,14 @@ def test_randaugment_ops_magnitudes_and_args_follow_timms(policy: str) -> None:
 
 
 def test_flip_and_colour_jitter_parameters() -> None:
-    cfg = TrainConfig(aa="none", color_jitter=0.3, hflip=0.5)
+    cfg = TrainConfig.from_flags(aa="none", color_jitter=0.3, hflip=0.5)
     p = A.sample_params(spec_for(cfg), N, (28, 28), torch.Generator().manual_seed(0))
     assert abs(p.flip.double().mean().item() - 0.5) < 0.015  # 4 standard deviations
     assert p.jitter.min() >= 0.7 and p.jitter.max() <= 1.3 and abs(p.jitter.mean() - 1.0) < 0.01
     orders = {tuple(r) for r in p.jitter_order.tolist()}
     assert len(orders) == 6  # every order of brightness, contrast, saturation (torchvision: randperm)
     assert (
-        spec_for(TrainConfig(aa="rand-m9-mstd0.5-inc1", color_jitter=0.3)).color_jitter is None
+        spec_for(TrainConfig.from_flags(aa="rand-m9-mstd0.5-inc1", color_jitter=0.3)).color_jitter is None
     )  # timm: off under RA
 
 
@@ -141,7 +141,7 @@ def test_unsupported_augmentation_is_one_line() -> None:
     with pytest.raises(CmhsaError, match="`interpolation` 'random'"):
         A.check_supported(None, "random", "pixel")
     with pytest.raises(CmhsaError, match="GaussianBlur"):
-        spec_for(TrainConfig(aa="rand-m9-t3a"))
+        spec_for(TrainConfig.from_flags(aa="rand-m9-t3a"))
 
 
 # pixels ------------------------------------------------------------------------------------------
@@ -226,7 +226,7 @@ def test_eval_view_matches_timms_eval_transform() -> None:
 def test_batches_do_not_depend_on_the_rank_split_and_resume_at_any_step() -> None:
     """Full DeiT augmentation (RandAugment, erasing): one process of batch 16 against two ranks
     of batch 8 (their rows side by side), and a loader started at step 2 of the epoch."""
-    cfg = TrainConfig()
+    cfg = TrainConfig.from_flags()
     spec = spec_for(cfg, (16, 16))
     assert spec.randaugment is not None and spec.reprob > 0
     images = torch.randint(0, 256, (64, 3, 12, 12), dtype=torch.uint8)
@@ -263,8 +263,8 @@ def test_augmented_images_match_timms_in_distribution(aa: str) -> None:
     from convit_convert.train.held import hold
 
     spec = build_data("digits", None, (28, 28))
-    cfg = TrainConfig(aa=aa, mixup=0.0, cutmix=0.0, reprob=0.0, scale=(0.5, 1.0))
-    timm_path = Seeded(spec.train, build_transform((28, 28), True, cfg, 1), 0, "L")
+    cfg = TrainConfig.from_flags(aa=aa, mixup=0.0, cutmix=0.0, reprob=0.0, scale=(0.5, 1.0))
+    timm_path = Seeded(spec.train, build_transform((28, 28), True, cfg.recipe, 1), 0, "L")
     ref = torch.stack([timm_path[(0, i)][0] for i in range(1000)])
     x, _ = hold(spec.train, 1, torch.device("cpu"))
     aug = spec_for(cfg, (28, 28), chans=1)
@@ -293,12 +293,12 @@ def test_auto_loader_holds_what_fits_and_says_why_not(tmp_path) -> None:
                     tmp_path / split / c / f"{i}.png"
                 )
     spec = build_data("imagefolder", tmp_path, (16, 16))
-    assert choose_loader(TrainConfig(), spec, 3) == ("device", "")
+    assert choose_loader(TrainConfig.from_flags(), spec, 3) == ("device", "")
     x, y = hold(spec.train, 1, torch.device("cpu"))
     path, label = spec.train.samples[0]
     assert x.shape == (4, 1, 10, 12) and y[0] == label
     assert torch.equal(x[0, 0], torch.from_numpy(np.array(Image.open(path).convert("L"))))
-    assert choose_loader(TrainConfig(aa="original"), spec, 3)[0] == "workers"
+    assert choose_loader(TrainConfig.from_flags(aa="original"), spec, 3)[0] == "workers"
     Image.fromarray(np.zeros((5, 5, 3), dtype=np.uint8)).save(tmp_path / "train" / "a" / "small.png")
-    loader, why = choose_loader(TrainConfig(), build_data("imagefolder", tmp_path, (16, 16)), 3)
+    loader, why = choose_loader(TrainConfig.from_flags(), build_data("imagefolder", tmp_path, (16, 16)), 3)
     assert loader == "workers" and "not all one size" in why

@@ -42,7 +42,7 @@ PLAIN = dict(mixup=0.0, cutmix=0.0, smoothing=0.0, drop_path=0.0, aa="none", rep
 
 
 def tiny(tmp_path: Path, name: str, **kw) -> TrainConfig:
-    return TrainConfig(out=str(tmp_path / name), **{**TINY, **kw})
+    return TrainConfig.from_flags(out=str(tmp_path / name), **{**TINY, **kw})
 
 
 def converted(dtype: torch.dtype = torch.float32):
@@ -229,7 +229,7 @@ def test_device_loader_on_cuda_matches_cpu() -> None:
     from convit_convert.train.held import HeldLoader
 
     mean, std = channel_stats(3)
-    spec = augment_spec(TrainConfig(reprob=0.0), (32, 32), mean, std)
+    spec = augment_spec(TrainConfig.from_flags(reprob=0.0).recipe, (32, 32), mean, std)
     images = torch.randint(0, 256, (64, 3, 24, 24), dtype=torch.uint8)
     batches = []
     for dev in ("cpu", "cuda"):

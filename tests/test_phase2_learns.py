@@ -79,9 +79,9 @@ def test_free_heads_and_gates_get_a_gradient_at_step_0(pinning: str, heads: int)
 def test_after_one_epoch_gates_and_free_heads_have_moved(tmp_path: Path) -> None:
     common = dict(data="synthetic", img_size=16, patch_size=4, depth=2, kernel_size=3, epochs=1,
                   warmup_epochs=0, batch_size=32, workers=0, device="cpu", log_every=1000)  # fmt: skip
-    p1 = run(TrainConfig(phase="phase1", out=str(tmp_path / "p1"), **common))
+    p1 = run(TrainConfig.from_flags(phase="phase1", out=str(tmp_path / "p1"), **common))
     conv = str(p1.out / "conv.safetensors")
-    p2 = run(TrainConfig(phase="phase2", out=str(tmp_path / "p2"), init=conv, pinning="gated", heads=10,
+    p2 = run(TrainConfig.from_flags(phase="phase2", out=str(tmp_path / "p2"), init=conv, pinning="gated", heads=10,
                          attn_lr_mult=10.0, lr=1e-3, **common))  # fmt: skip
     ckpt = load_checkpoint(conv)
     start = convert_state_dict(ckpt.tensors, ConversionSpec(heads=10, pinning="gated").plan(ckpt.config))
@@ -186,7 +186,7 @@ def test_version_1_files_load_and_newer_ones_are_refused(tmp_path: Path) -> None
 
 
 def test_attention_learning_rate_multiplier_groups() -> None:
-    cfg = TrainConfig(phase="phase2", attn_lr_mult=10.0, weight_decay=0.05)
+    cfg = TrainConfig.from_flags(phase="phase2", attn_lr_mult=10.0, weight_decay=0.05)
     model = converted("gated", 10, random_conv())
     opt, *_ = build_recipe(cfg, model, 5, world=1, steps_per_epoch=2)
     scaled = {id(p) for g in opt.param_groups if g.get("lr_scale") == 10.0 for p in g["params"]}

@@ -370,7 +370,7 @@ def test_phase2_on_cpu_is_bit_identical_run_to_run_and_across_a_resume(tmp_path:
               pinning="hard" if variant == "hard" else "gated", heads=12 if variant == "free-heads" else None)  # fmt: skip
 
     def cfg(name: str, **more) -> TrainConfig:
-        return TrainConfig(out=str(tmp_path / name), **kw, **more)
+        return TrainConfig.from_flags(out=str(tmp_path / name), **kw, **more)
 
     run(cfg("a"))
     run(cfg("b"))

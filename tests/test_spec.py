@@ -98,8 +98,13 @@ def test_every_default_is_stated_once() -> None:
     for name in ("heads", "qk_dim", "sink", "pinning", "qk_init_std", "tol", "seed", "rule", "refit"):
         assert flags[name] == spec[name], name
     assert flags["approximate"] is spec["approximate"] is False
-    train = TrainConfig()
-    assert (train.margin, train.verify_tol, train.qk_init_std, train.sink) == (
+    train = TrainConfig.from_flags()
+    assert (
+        train.conversion.margin,
+        train.conversion.tol,
+        train.conversion.qk_init_std,
+        train.conversion.sink,
+    ) == (
         DEFAULT_MARGIN,
         DEFAULT_TOL,
         0.0,
@@ -108,7 +113,24 @@ def test_every_default_is_stated_once() -> None:
     assert spec["margin"] == DEFAULT_MARGIN and spec["tol"] == DEFAULT_TOL
 
 
+def test_export_flags_default_to_the_export_options() -> None:
+    """``cmhsa export``'s flags and :class:`ExportOptions` state the same defaults; bad options are
+    refused when the options are made."""
+    from convit_convert.api import ExportOptions
+    from convit_convert.cli.export import export_cmd
+
+    options = {f.name: f.default for f in dataclasses.fields(ExportOptions)}
+    flags = {name: p.default for name, p in inspect.signature(export_cmd).parameters.items()}
+    assert {name: flags[name] for name in options} == options
+    with pytest.raises(CmhsaError, match="`device` must be cpu, cuda or auto"):
+        ExportOptions(device="tpu")
+    with pytest.raises(CmhsaError, match="`tol` must be >= 0"):
+        ExportOptions(tol=-1.0)
+
+
 def test_train_builds_its_conversion_from_its_fields() -> None:
-    cfg = TrainConfig(phase="phase2", init="conv.safetensors", heads=10, qk_dim=8, margin=20.0, seed=3)
-    spec = cfg.conversion_spec
+    cfg = TrainConfig.from_flags(
+        phase="phase2", init="conv.safetensors", heads=10, qk_dim=8, margin=20.0, seed=3
+    )
+    spec = cfg.conversion
     assert (spec.heads, spec.qk_dim, spec.margin, spec.seed, spec.pinning) == (10, 8, 20.0, 3, "gated")

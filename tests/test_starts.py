@@ -32,7 +32,7 @@ def invoke(*args: object):
 
 
 def built(**kw):
-    return build_phase_model(TrainConfig(**{**MODEL, **kw}), num_classes=10, log=lambda _: None)
+    return build_phase_model(TrainConfig.from_flags(**{**MODEL, **kw}), num_classes=10, log=lambda _: None)
 
 
 def head_products(attn, d: int) -> tuple[list[torch.Tensor], torch.Tensor]:

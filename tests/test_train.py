@@ -7,7 +7,6 @@ a minute on 2 cores.
 from __future__ import annotations
 
 import csv
-import dataclasses
 import io
 import itertools
 import json
@@ -42,7 +41,7 @@ PLAIN = dict(mixup=0.0, cutmix=0.0, smoothing=0.0, drop_path=0.0, aa="none", rep
 
 
 def tiny(tmp_path: Path, name: str = "run", **kw) -> TrainConfig:
-    return TrainConfig(out=str(tmp_path / name), **{**TINY, **kw})
+    return TrainConfig.from_flags(out=str(tmp_path / name), **{**TINY, **kw})
 
 
 def metrics(run_dir: Path) -> list[dict[str, float]]:
@@ -119,7 +118,7 @@ def test_sampler_batches_do_not_depend_on_world_size() -> None:
 def test_augmentation_is_seeded_per_sample_not_per_worker(tmp_path: Path) -> None:
     cfg = tiny(tmp_path)
     spec = build_data("synthetic", None, (16, 16))
-    tf = build_transform((16, 16), True, cfg)  # DeiT's full augmentation
+    tf = build_transform((16, 16), True, cfg.recipe)  # DeiT's full augmentation
     batches = []
     for workers in (0, 2):
         loader = build_loader(spec.train, tf, training=True, batch_size=8, seed=1, workers=workers)
@@ -139,8 +138,8 @@ def test_recipe_is_deits(tmp_path: Path) -> None:
     from convit_convert.model import VisionTransformer
     from convit_convert.train.phases import flag_config
 
-    cfg = TrainConfig(phase="phase2", img_size=16, patch_size=4, depth=1, epochs=10)
-    assert (cfg.peak_lr, TrainConfig().peak_lr) == (5e-5, 5e-4)  # the paper's peaks
+    cfg = TrainConfig.from_flags(phase="phase2", img_size=16, patch_size=4, depth=1, epochs=10)
+    assert (cfg.peak_lr, TrainConfig.from_flags().peak_lr) == (5e-5, 5e-4)  # the paper's peaks
     lr, min_lr, warm = scaled_lrs(cfg, world=4)  # 4 × 128 = 512: DeiT's reference batch
     assert (lr, min_lr, warm) == pytest.approx((5e-5, 1e-5, 1e-6))
     assert scaled_lrs(cfg, world=1)[0] == pytest.approx(5e-5 / 4)
@@ -164,7 +163,7 @@ def test_recipe_is_deits(tmp_path: Path) -> None:
     assert all(a >= b for a, b in itertools.pairwise(lrs[4:]))
     assert isinstance(crit, SoftTargetCrossEntropy)
     assert (mixup.mixup_alpha, mixup.cutmix_alpha, mixup.label_smoothing) == (0.8, 1.0, 0.1)
-    tf = repr(build_transform((16, 16), True, cfg))
+    tf = repr(build_transform((16, 16), True, cfg.recipe))
     assert "RandAugment" in tf and "RandomErasing(p=0.25" in tf and "bicubic" in tf
 
 
@@ -245,9 +244,11 @@ def test_default_workers_follow_the_machine(tmp_path: Path, monkeypatch) -> None
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)))
     assert engine.default_workers() == 4
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
-    cfg = dataclasses.replace(tiny(tmp_path, epochs=1, **PLAIN), workers=None)
+    cfg = tiny(tmp_path, epochs=1, **PLAIN).replace(workers=None)
     run(cfg)
-    assert cfg.workers is None and cfg.threads is None  # the run resolved them in its own copy
+    assert (
+        cfg.runtime.workers is None and cfg.runtime.threads is None
+    )  # the run resolved them in its own copy
     doc = json.loads((tmp_path / "run" / "config.json").read_text())
     assert (doc["workers"], doc["threads"], doc["threads_used"], doc["loader_used"]) == (1, 1, 1, "device")
 
@@ -516,10 +517,10 @@ def test_one_image_size_the_models(tmp_path: Path, monkeypatch) -> None:
         data, "synthetic", lambda size, *a, **k: made.append(size) or synthetic(size, *a, **k)
     )
     kw = {k: v for k, v in TINY.items() if k not in ("img_size", "patch_size", "depth", "kernel_size")}
-    cfg = TrainConfig(
+    cfg = TrainConfig.from_flags(
         out=str(tmp_path / "p2"), phase="phase2", init=str(p1.model_path), epochs=1, **kw, **PLAIN
     )
-    assert cfg.img_size == 224
+    assert cfg.model.img_size == 224
     run(cfg)
     assert made == [(16, 16)]
 

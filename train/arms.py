@@ -23,7 +23,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import CmhsaError
@@ -38,7 +38,7 @@ DONE, STOPPED, FAILED, WAITING, BLOCKED = "done", "stopped", "failed", "waiting"
 @dataclass
 class Arm:
     name: str
-    config: TrainConfig  # its ``out`` is the arm's run folder
+    config: TrainConfig  # its ``runtime.out`` is the arm's run folder
     after: tuple[str, ...] = ()  # arms that must be done first (this arm's --init reads their model)
     status: str = WAITING
     seconds: float = 0.0  # wall seconds of this invocation's process
@@ -46,7 +46,7 @@ class Arm:
 
     @property
     def out(self) -> Path:
-        return Path(self.config.out)
+        return Path(self.config.runtime.out)
 
     @property
     def model(self) -> Path:
@@ -66,7 +66,7 @@ class Arm:
 
     def progress(self) -> str:
         """Epochs finished / planned."""
-        return f"{len(self.rows())}/{self.config.epochs}"
+        return f"{len(self.rows())}/{self.config.recipe.epochs}"
 
     def status_line(self, elapsed: float) -> str:
         """One line for a report: seconds since the start, status, name, epochs, why it failed."""
@@ -165,7 +165,7 @@ def run_arms(
 
 def _launch(arm: Arm, threads: int) -> _Running:
     arm.out.mkdir(parents=True, exist_ok=True)
-    cfg = replace(arm.config, resume=(arm.out / LAST).is_file(), threads=threads)
+    cfg = arm.config.replace(resume=(arm.out / LAST).is_file(), threads=threads)
     spec = arm.out / "arm.json"
     spec.write_text(cfg.to_json())
     log = open(arm.out / "log.txt", "a")  # noqa: SIM115 (closed when the child is collected)
@@ -198,7 +198,7 @@ def _child(spec: Path) -> int:
     except CmhsaError as e:
         print(f"error: {e}", flush=True)
         return 1
-    cpu_file = Path(cfg.out) / "cpu_seconds.txt"
+    cpu_file = Path(cfg.runtime.out) / "cpu_seconds.txt"
     before = float(cpu_file.read_text()) if cpu_file.is_file() else 0.0
     cpu_file.write_text(f"{before + time.process_time() - t:.1f}\n")
     if result.stopped in ("SIGINT", "SIGTERM"):

@@ -31,12 +31,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from ..errors import CmhsaError
+from .config import RecipeConfig
 
 RATIO = (3 / 4, 4 / 3)  # RandomResizedCrop's aspect-ratio range (timm's default)
 INTERPOLATIONS = ("bicubic", "bilinear", "nearest")
@@ -86,7 +86,7 @@ class RandAugmentPolicy:
 
 @dataclass(frozen=True)
 class AugmentSpec:
-    """Everything the batch augmentation does, from a TrainConfig (:func:`augment_spec`)."""
+    """Everything the batch augmentation does, from a recipe (:func:`augment_spec`)."""
 
     out_size: tuple[int, int]
     scale: tuple[float, float]
@@ -119,9 +119,10 @@ def check_supported(aa: str | None, interpolation: str, remode: str) -> None:
 
 
 def augment_spec(
-    cfg: Any, out_size: tuple[int, int], mean: tuple[float, ...], std: tuple[float, ...]
+    cfg: RecipeConfig, out_size: tuple[int, int], mean: tuple[float, ...], std: tuple[float, ...]
 ) -> AugmentSpec:
-    """The augmentation a TrainConfig asks for, as timm's ``create_transform`` would build it."""
+    """The augmentation a recipe (``TrainConfig.recipe``) asks for, as timm's ``create_transform``
+    would build it."""
     check_supported(cfg.aa, cfg.interpolation, cfg.remode)
     ra = None
     if cfg.aa not in (None, "", "none"):

@@ -1,38 +1,33 @@
-"""A training run's configuration: one field per ``cmhsa train`` flag, the paper's recipe
-(Appendix B, DeiT's) as defaults.
+"""A training run's configuration, in groups: the data, the model flags, phase 2's start, the
+conversion (a :class:`ConversionSpec`), the recipe (the paper's, Appendix B, DeiT's, as defaults)
+and how the run executes. Frozen; built from the flat flags once (:meth:`TrainConfig.from_flags`).
 
 The model fields are the flags as given; the model actually trained (its :class:`ViTConfig`, which
 may come from ``--init``) is resolved by :mod:`.phases` and saved beside this config, never written
-back into it. Saved as ``config.json`` in the run folder and inside every ``checkpoint-last.pt``.
+back into it. Saved flat, one key per ``cmhsa train`` flag, as ``config.json`` in the run folder and
+inside every ``checkpoint-last.pt``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from ..spec import DEFAULT_MARGIN, DEFAULT_TOL, ConversionSpec
+from ..spec import ConversionSpec
 
 PHASE_LR = {"phase1": 5e-4, "phase2": 5e-5}  # peak learning rates the paper used (Appendix B)
-# fields that change how a run executes but not what it computes: a resumed run may change them
-RUNTIME_FIELDS = ("device", "workers", "threads", "compile", "resume", "log_every", "keep", "out", "export_onnx",
-                  "deterministic", "given")  # fmt: skip
 LOADERS = ("auto", "device", "workers")
 INIT_STARTS = ("mimetic", "impulse")  # phase-2 starts built without a checkpoint (convit_convert/starts.py)
 
 
 @dataclass(frozen=True)
-class TrainConfig:
-    """Frozen: a run resolves its defaults into a copy (``dataclasses.replace``), never into the
-    caller's config."""
+class DataConfig:
+    """What the run trains and evaluates on."""
 
-    phase: str = "phase1"  # "phase1" (ConvViT) or "phase2" (attention ViT)
-    out: str = "runs/run"
-    # data
-    data: str = "cifar100"
-    data_dir: str | None = None
+    name: str = "cifar100"  # flag: data
+    dir: str | None = None  # flag: data_dir
     download: bool = False
     num_classes: int = 10  # synthetic data only; the others know theirs
     train_samples: int | None = None  # a fixed, seeded subset of the training set (short runs)
@@ -40,7 +35,13 @@ class TrainConfig:
     # auto: the data held on the device and augmented per batch (train/held.py) when it fits, else
     # timm's per-image transforms in worker processes (convit_convert/data.py)
     loader: str = "auto"
-    # model (the paper's CMHSA-5)
+
+
+@dataclass(frozen=True)
+class ModelFlags:
+    """The model as the flags describe it (the paper's CMHSA-5); phase 2 from a checkpoint takes the
+    checkpoint's, and these must agree with it where typed."""
+
     img_size: int = 224
     in_chans: int = 3  # 3: RGB, 1: grayscale (images are converted to what the model takes)
     patch_size: int = 16
@@ -50,25 +51,24 @@ class TrainConfig:
     kernel_size: int = 5
     dilation: int = 1
     drop_path: float = 0.1
-    # phase 2
-    # conv checkpoint, attn checkpoint, "random", or a start: "impulse" (the default: the best-measured
-    # start without a checkpoint at 120 epochs, EXPERIMENTS.md "Which start?"), "mimetic"
+
+
+@dataclass(frozen=True)
+class StartConfig:
+    """Where phase 2's weights come from: a conv checkpoint, an attn checkpoint, "random", or a start
+    built without a checkpoint: "impulse" (the default: the best-measured start without a checkpoint
+    at 120 epochs, EXPERIMENTS.md "Which start?") or "mimetic"."""
+
     init: str = "impulse"
     mimetic_alpha: float = 0.7  # init mimetic: W_Q,hᵀ W_K,h = α(Z + I); Trockman & Kolter's α₁ = β₁
     mimetic_beta: float = 0.4  # init mimetic: Σ_h W_V,hᵀ W_O,hᵀ = β(Z − I); their α₂ = β₂
     impulse_offsets: str = "conversion"  # init impulse: heads pinned to Δ in order, or "random" offsets in Δ
-    heads: int | None = None  # default: as many as the conversion needs
-    qk_dim: int | None = None  # default: embed_dim (the paper's)
-    sink: bool = True
-    pinning: str | None = None  # default: "gated" from a checkpoint or impulse, else "hard" (EXPERIMENTS.md)
-    freeze_attention: bool = False  # ablation: W_Q, W_K, biases, sinks and gates stay as converted
-    attn_lr_mult: float | None = (
-        None  # lr multiplier of W_Q, W_K, gates, biases; default 10 from a checkpoint, else 1
-    )
-    qk_init_std: float = 0.0
-    margin: float = DEFAULT_MARGIN
-    verify_tol: float = DEFAULT_TOL
-    # optimisation (DeiT / the paper)
+
+
+@dataclass(frozen=True)
+class RecipeConfig:
+    """Optimisation, augmentation and regularisation (DeiT / the paper)."""
+
     epochs: int = 200
     batch_size: int = 128  # per process
     lr: float | None = None  # peak lr at a global batch of lr_base_batch; default per phase
@@ -82,7 +82,10 @@ class TrainConfig:
     opt_eps: float = 1e-8
     opt_betas: tuple[float, float] = (0.9, 0.999)
     clip_grad: float | None = None
-    # augmentation and regularisation (DeiT)
+    attn_lr_mult: float | None = (
+        None  # lr multiplier of W_Q, W_K, gates, biases; default 10 from a checkpoint, else 1
+    )
+    freeze_attention: bool = False  # ablation: W_Q, W_K, biases, sinks and gates stay as converted
     aa: str = "rand-m9-mstd0.5-inc1"
     color_jitter: float = 0.3
     reprob: float = 0.25
@@ -98,10 +101,15 @@ class TrainConfig:
     smoothing: float = 0.1
     model_ema: bool = False
     model_ema_decay: float = 0.99996
-    # running
-    seed: int = 0
-    device: str = "auto"
     amp: str = "auto"  # auto = bf16 on CUDA, none on CPU
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """How the run executes, not what it computes: a resumed run may change any of these."""
+
+    out: str = "runs/run"
+    device: str = "auto"
     compile: bool = False
     deterministic: bool = False  # deterministic CUDA kernels (CPU runs are deterministic anyway)
     workers: int | None = None  # workers loader only; default: train/recipe.default_workers
@@ -110,39 +118,106 @@ class TrainConfig:
     keep: int = 0
     log_every: int = 50
     export_onnx: bool = False
-    # the fields set on purpose (the CLI: the flags typed). With --init they must agree with the
+
+
+# The flat flags (config.json's keys, in its order) -> (group, field); None: a field of TrainConfig.
+# The conversion's flags are ConversionSpec's fields; its seed is the run's.
+_GROUPED = {"data": DataConfig, "model": ModelFlags, "start": StartConfig, "recipe": RecipeConfig,
+            "runtime": RuntimeConfig}  # fmt: skip
+_RENAMED = {"data": ("data", "name"), "data_dir": ("data", "dir"), "verify_tol": ("conversion", "tol")}
+_CONVERSION_FLAGS = ("heads", "qk_dim", "sink", "pinning", "qk_init_std", "margin", "verify_tol")
+FLAGS: dict[str, tuple[str | None, str]] = {
+    "phase": (None, "phase"),
+    "out": ("runtime", "out"),
+    **{n: _RENAMED.get(n, ("data", n)) for n in ("data", "data_dir", "download", "num_classes", "train_samples",
+                                                  "val_samples", "loader")},
+    **{f.name: ("model", f.name) for f in dataclasses.fields(ModelFlags)},
+    **{f.name: ("start", f.name) for f in dataclasses.fields(StartConfig)},
+    **{n: _RENAMED.get(n, ("conversion", n)) for n in _CONVERSION_FLAGS},
+    **{f.name: ("recipe", f.name) for f in dataclasses.fields(RecipeConfig)},
+    "seed": (None, "seed"),
+    **{f.name: ("runtime", f.name) for f in dataclasses.fields(RuntimeConfig) if f.name != "out"},
+    "given": (None, "given"),
+}  # fmt: skip
+# fields that change how a run executes but not what it computes: a resumed run may change them
+RUNTIME_FIELDS = (*(f.name for f in dataclasses.fields(RuntimeConfig)), "given")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """One training run. Build it with :meth:`from_flags` (what the CLI, the experiments and the
+    tests do): it resolves the defaults that depend on other flags (the pinning). Frozen: a run
+    resolves its own defaults into a copy (:meth:`replace`), never into the caller's config."""
+
+    phase: str = "phase1"  # "phase1" (ConvViT) or "phase2" (attention ViT)
+    seed: int = 0
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelFlags = field(default_factory=ModelFlags)
+    start: StartConfig = field(default_factory=StartConfig)
+    # the conversion phase 2 starts from (--init a conv checkpoint), or whose attention layout a
+    # start without a checkpoint takes (heads, qk_dim, sink, pinning); its seed is this run's
+    conversion: ConversionSpec = field(default_factory=ConversionSpec)
+    recipe: RecipeConfig = field(default_factory=RecipeConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    # the flags set on purpose (the CLI: the flags typed). With --init they must agree with the
     # checkpoint; on --resume they are the ones that may differ from the saved run. Empty: all.
     given: frozenset[str] = frozenset()
+
+    def __post_init__(self) -> None:
+        if self.conversion.seed != self.seed:  # one seed: the run's
+            object.__setattr__(self, "conversion", self.conversion.replace(seed=self.seed))
+
+    @classmethod
+    def from_flags(cls, **flags: Any) -> TrainConfig:
+        """The config the flat ``flags`` (``cmhsa train``'s, by their Python names) describe; the
+        rest take their defaults. An unknown flag is a TypeError, as for a dataclass."""
+        unknown = sorted(set(flags) - FLAGS.keys())
+        if unknown:
+            raise TypeError(f"TrainConfig has no flag {', '.join(map(repr, unknown))}")
+        groups: dict[str, dict[str, Any]] = {g: {} for g in (*_GROUPED, "conversion")}
+        top: dict[str, Any] = {}
+        for name, value in flags.items():
+            group, attr = FLAGS[name]
+            if name in ("opt_betas", "scale") and value is not None:
+                value = tuple(value)
+            if name == "given":
+                value = frozenset(value)
+            (top if group is None else groups[group])[attr] = value
+        made = {g: kind(**groups[g]) for g, kind in _GROUPED.items()}
+        phase, init = top.get("phase", "phase1"), made["start"].init
+        if groups["conversion"].get("pinning") is None:  # gated where attention starts pinned and should move
+            from_ckpt = phase == "phase2" and init not in ("random", *INIT_STARTS)
+            groups["conversion"]["pinning"] = "gated" if from_ckpt or init == "impulse" else "hard"
+        conversion = ConversionSpec(seed=top.get("seed", 0), **groups["conversion"])
+        return cls(**top, **made, conversion=conversion)
+
+    def replace(self, **flags: Any) -> TrainConfig:
+        """A copy with the flat ``flags`` changed."""
+        return TrainConfig.from_flags(**{**self.to_dict(), **flags})
 
     @property
     def from_checkpoint(self) -> bool:
         """Phase 2 starting from a checkpoint (converted, or an attention model) rather than at random."""
-        return self.phase == "phase2" and self.init not in ("random", *INIT_STARTS)
-
-    @property
-    def pinning_used(self) -> str:
-        return self.pinning or ("gated" if self.from_checkpoint or self.init == "impulse" else "hard")
-
-    @property
-    def conversion_spec(self) -> ConversionSpec:
-        """The conversion phase 2 starts from (``--init`` a conv checkpoint), or whose attention
-        layout a start without a checkpoint takes (heads, qk_dim, sink, pinning)."""
-        return ConversionSpec(
-            heads=self.heads, qk_dim=self.qk_dim, sink=self.sink, pinning=self.pinning_used,
-            qk_init_std=self.qk_init_std, margin=self.margin, seed=self.seed, tol=self.verify_tol,
-        )  # fmt: skip
+        return self.phase == "phase2" and self.start.init not in ("random", *INIT_STARTS)
 
     @property
     def attn_lr_scale(self) -> float:
-        return self.attn_lr_mult if self.attn_lr_mult is not None else (10.0 if self.from_checkpoint else 1.0)
+        mult = self.recipe.attn_lr_mult
+        return mult if mult is not None else (10.0 if self.from_checkpoint else 1.0)
 
     @property
     def peak_lr(self) -> float:
-        return PHASE_LR[self.phase] if self.lr is None else self.lr
+        return PHASE_LR[self.phase] if self.recipe.lr is None else self.recipe.lr
+
+    def flag(self, name: str) -> Any:
+        """The value of the flat flag ``name``."""
+        group, attr = FLAGS[name]
+        return getattr(self if group is None else getattr(self, group), attr)
 
     def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["opt_betas"], d["scale"] = list(self.opt_betas), list(self.scale)
+        """Flat, one key per flag (config.json's format)."""
+        d = {name: self.flag(name) for name in FLAGS}
+        d["opt_betas"], d["scale"] = list(d["opt_betas"]), list(d["scale"])
         d["given"] = sorted(self.given)
         return d
 
@@ -151,16 +226,11 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        kwargs = {k: v for k, v in d.items() if k in known}
-        for name in ("opt_betas", "scale"):
-            if name in kwargs:
-                kwargs[name] = tuple(kwargs[name])
-        kwargs["given"] = frozenset(kwargs.get("given", ()))
-        return cls(**kwargs)
+        """The config a :meth:`to_dict` (a config.json) describes; keys cmhsa no longer knows are ignored."""
+        return cls.from_flags(**{k: v for k, v in d.items() if k in FLAGS})
 
     def training_differences(self, other: TrainConfig) -> list[str]:
-        """Fields ``other`` sets differently that would change what a resumed run computes (only
+        """Flags ``other`` sets differently that would change what a resumed run computes (only
         those in ``other.given``, when it says which)."""
         a, b = self.to_dict(), other.to_dict()
         names = [k for k in a if k not in RUNTIME_FIELDS and a[k] != b[k]]

@@ -100,9 +100,9 @@ def train_one_epoch(loop: Loop, stop: Any, stop_after_steps: int | None = None) 
             raise CheckFailed(non_finite_message(mean_loss, epoch, step, loop.out))
         st.optimizer.zero_grad(set_to_none=True)
         st.scaler.scale(loss).backward()
-        if cfg.clip_grad is not None:
+        if cfg.recipe.clip_grad is not None:
             st.scaler.unscale_(st.optimizer)
-            nn.utils.clip_grad_norm_(st.model.parameters(), cfg.clip_grad)
+            nn.utils.clip_grad_norm_(st.model.parameters(), cfg.recipe.clip_grad)
         st.scaler.step(st.optimizer)
         st.scaler.update()
         st.global_step += 1

@@ -37,15 +37,15 @@ def flag_config(cfg: TrainConfig, num_classes: int) -> ViTConfig:
     """The conv config the model flags describe. A kernel reaching past the image is refused here,
     for a model about to be trained, not in ViTConfig: the conversion is exact for it too."""
     mcfg = ViTConfig.build(
-        img_size=cfg.img_size,
-        patch_size=cfg.patch_size,
-        in_chans=cfg.in_chans,
-        hidden_chans=cfg.hidden_chans,
-        depth=cfg.depth,
-        mlp_ratio=cfg.mlp_ratio,
+        img_size=cfg.model.img_size,
+        patch_size=cfg.model.patch_size,
+        in_chans=cfg.model.in_chans,
+        hidden_chans=cfg.model.hidden_chans,
+        depth=cfg.model.depth,
+        mlp_ratio=cfg.model.mlp_ratio,
         num_classes=num_classes,
-        kernel_size=cfg.kernel_size,
-        dilation=cfg.dilation,
+        kernel_size=cfg.model.kernel_size,
+        dilation=cfg.model.dilation,
     )
     h, w = mcfg.img_size
     reach = mcfg.dilation * (mcfg.kernel_size - 1) // 2
@@ -70,12 +70,14 @@ def _check_explicit(cfg: TrainConfig, ckpt_cfg: ViTConfig, num_classes: int, pat
     }  # fmt: skip
     for name in sorted(cfg.given & as_field.keys()):
         field_name, convert = as_field[name]
-        have, typed = getattr(ckpt_cfg, field_name), getattr(cfg, name)
+        have, typed = getattr(ckpt_cfg, field_name), cfg.flag(name)
         if have is not None and typed is not None and convert(typed) != have:
             said = f"`{name}` {typed}" + (f" ({field_name} {convert(typed)})" if field_name != name else "")
             raise CmhsaError(f"{said} disagrees with the checkpoint's {field_name} {have}", path)
     if ckpt_cfg.num_classes != num_classes:
-        raise CmhsaError(f"has {ckpt_cfg.num_classes} classes but `data` {cfg.data} has {num_classes}", path)
+        raise CmhsaError(
+            f"has {ckpt_cfg.num_classes} classes but `data` {cfg.data.name} has {num_classes}", path
+        )
     image_mode(ckpt_cfg.in_chans, path)  # 1 or 3: the loader converts every image to it
 
 
@@ -89,9 +91,13 @@ def freeze_attention(model: VisionTransformer) -> None:
 def check_trainable(cfg: TrainConfig, mcfg: ViTConfig) -> None:
     """Refuse, with the estimate, a model whose training cannot fit in memory: float32 weights,
     gradients and two AdamW moments, and (on CPU) a batch's activations kept for the backward."""
-    on_cpu = cfg.device == "cpu" or not torch.cuda.is_available()
-    need = 16 * mcfg.num_params() + (mcfg.activation_bytes(cfg.batch_size, training=True) if on_cpu else 0)
-    what = f"training a {mcfg.kind} model of {mcfg.num_params():,} parameters at batch {cfg.batch_size}"
+    on_cpu = cfg.runtime.device == "cpu" or not torch.cuda.is_available()
+    need = 16 * mcfg.num_params() + (
+        mcfg.activation_bytes(cfg.recipe.batch_size, training=True) if on_cpu else 0
+    )
+    what = (
+        f"training a {mcfg.kind} model of {mcfg.num_params():,} parameters at batch {cfg.recipe.batch_size}"
+    )
     check_fits(need, what)
 
 
@@ -99,44 +105,44 @@ def build_phase_model(cfg: TrainConfig, num_classes: int, log: Any = print) -> P
     if cfg.phase == "phase1":
         mcfg = flag_config(cfg, num_classes)
         check_trainable(cfg, mcfg)
-        return PhaseModel(VisionTransformer(mcfg, cfg.drop_path), mcfg, {"init": "random"})
+        return PhaseModel(VisionTransformer(mcfg, cfg.model.drop_path), mcfg, {"init": "random"})
     if not cfg.from_checkpoint:
-        mcfg = cfg.conversion_spec.plan(flag_config(cfg, num_classes)).config  # no conversion: its layout
+        mcfg = cfg.conversion.plan(flag_config(cfg, num_classes)).config  # no conversion: its layout
         mcfg.validate()
         check_trainable(cfg, mcfg)
-        model = VisionTransformer(mcfg, cfg.drop_path)
-        if cfg.init == "random":
+        model = VisionTransformer(mcfg, cfg.model.drop_path)
+        if cfg.start.init == "random":
             return PhaseModel(model, mcfg, {"init": "random"})
-        info = start_model(model, cfg.init, seed=cfg.seed, mimetic_alpha=cfg.mimetic_alpha,
-                           mimetic_beta=cfg.mimetic_beta, impulse_offsets=cfg.impulse_offsets, margin=cfg.margin)  # fmt: skip
+        info = start_model(model, cfg.start.init, seed=cfg.seed, mimetic_alpha=cfg.start.mimetic_alpha,
+                           mimetic_beta=cfg.start.mimetic_beta, impulse_offsets=cfg.start.impulse_offsets, margin=cfg.conversion.margin)  # fmt: skip
         log(
-            f"started {cfg.init}: {', '.join(f'{k} {v}' for k, v in info.items() if k not in ('init', 'pinned'))}"
+            f"started {cfg.start.init}: {', '.join(f'{k} {v}' for k, v in info.items() if k not in ('init', 'pinned'))}"
         )
         return PhaseModel(model, mcfg, info)
 
-    ckpt = as_float32(load_checkpoint(cfg.init))
+    ckpt = as_float32(load_checkpoint(cfg.start.init))
     _check_explicit(cfg, ckpt.config, num_classes, ckpt.path)
     if ckpt.kind == "attn":
         check_trainable(cfg, ckpt.config)
-        model = VisionTransformer(ckpt.config, cfg.drop_path)
+        model = VisionTransformer(ckpt.config, cfg.model.drop_path)
         model.load_state_dict(ckpt.tensors)
-        return PhaseModel(model, ckpt.config, {"init": str(cfg.init), "init_kind": "attn"})
+        return PhaseModel(model, ckpt.config, {"init": str(cfg.start.init), "init_kind": "attn"})
     # the same conversion and verification as `cmhsa convert`
-    conv = convert_checkpoint(ckpt, cfg.conversion_spec)
+    conv = convert_checkpoint(ckpt, cfg.conversion)
     mcfg, result = conv.config, conv.verification
     assert result is not None
     check_trainable(cfg, mcfg)
     worst = result.worst
     log(
-        f"converted {cfg.init}: {mcfg.num_heads} heads ({conv.summary()['pinned_heads']} pinned), qk_dim {mcfg.qk_dim}, "
+        f"converted {cfg.start.init}: {mcfg.num_heads} heads ({conv.summary()['pinned_heads']} pinned), qk_dim {mcfg.qk_dim}, "
         f"sink {'on' if mcfg.sink else 'off'}, pinning {mcfg.pinning}; "
-        f"verified: worst relative error {worst.rel:.2e} ({worst.tensor}, {worst.region}), tol {cfg.verify_tol:g}"
+        f"verified: worst relative error {worst.rel:.2e} ({worst.tensor}, {worst.region}), tol {cfg.conversion.tol:g}"
     )
     if not result.passed:
         raise CheckFailed(
-            f"{cfg.init}: the converted model is not exact: relative error {worst.rel:.2e} at {worst.tensor} "
-            f"({worst.region}) > `verify_tol` {cfg.verify_tol:g}; not training from it"
+            f"{cfg.start.init}: the converted model is not exact: relative error {worst.rel:.2e} at {worst.tensor} "
+            f"({worst.region}) > `verify_tol` {cfg.conversion.tol:g}; not training from it"
         )
-    info = {"init": str(cfg.init), "init_kind": "conv", "verify_worst_rel": worst.rel,
-            "verify_tol": cfg.verify_tol, "verify_criterion": result.criterion}  # fmt: skip
-    return PhaseModel(conv.model(cfg.drop_path).train(), mcfg, info)
+    info = {"init": str(cfg.start.init), "init_kind": "conv", "verify_worst_rel": worst.rel,
+            "verify_tol": cfg.conversion.tol, "verify_criterion": result.criterion}  # fmt: skip
+    return PhaseModel(conv.model(cfg.model.drop_path).train(), mcfg, info)

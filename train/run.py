@@ -1,6 +1,6 @@
 """A training run: build it (data, model, recipe, resumed state), loop over epochs, write the model.
 
-    run(TrainConfig(phase="phase1", data="digits", ...))
+    run(TrainConfig.from_flags(phase="phase1", data="digits", ...))
 
 After every epoch: ``metrics.csv`` and ``checkpoint-last.pt`` (:mod:`.state`). Ctrl-C / SIGTERM
 finish the current step, save and stop; a non-finite loss stops before it reaches the weights and
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import csv
-import dataclasses
 import io
 import json
 import signal
@@ -117,9 +116,9 @@ def run(
     """Train one phase as ``cfg`` says, reporting to ``progress`` (default: plain lines on stdout;
     the CLI passes rich bars). ``stop_after_steps`` stops (and saves) like a SIGTERM would after
     that many optimizer steps in total: tests use it to interrupt a run."""
-    ctx, threads = setup(cfg.device), torch.get_num_threads()
+    ctx, threads = setup(cfg.runtime.device), torch.get_num_threads()
     try:
-        with deterministic_kernels(cfg.deterministic):
+        with deterministic_kernels(cfg.runtime.deterministic):
             return _run(cfg, ctx, progress, stop_after_steps)
     finally:
         torch.set_num_threads(threads)  # `threads` is this run's, not the caller's
@@ -167,10 +166,10 @@ def resumed_config(cfg: TrainConfig, saved: dict[str, Any], out: Path, log: Any)
     changed = old.training_differences(cfg)
     for name in RESUMABLE:
         if name in changed:
-            before, new = getattr(old, name), getattr(cfg, name)
+            before, new = old.flag(name), cfg.flag(name)
             if name == "epochs" and new < saved["epoch"] + (saved["step"] > 0):
                 raise CmhsaError(f"`epochs` {new}: the run has already trained {saved['epoch']} epochs", out)
-            old = dataclasses.replace(old, **{name: new})
+            old = old.replace(**{name: new})
             log(
                 f"resuming with --{name.replace('_', '-')} {new} instead of {before}: the schedule is rebuilt for it, "
                 "so the result is no longer that of one uninterrupted run"
@@ -181,26 +180,25 @@ def resumed_config(cfg: TrainConfig, saved: dict[str, Any], out: Path, log: Any)
     if refused:
         n = refused[0]
         raise CmhsaError(
-            f"`{n}` {getattr(cfg, n)!r} differs from the run's {getattr(old, n)!r} (only "
+            f"`{n}` {cfg.flag(n)!r} differs from the run's {old.flag(n)!r} (only "
             f"{', '.join(f'`{r}`' for r in RESUMABLE)} may change on `resume`); drop it or start a new run",
             out,
         )
     # how this invocation runs (resume included), not what it computes
-    old = dataclasses.replace(old, **{name: getattr(cfg, name) for name in RUNTIME_FIELDS})
+    old = old.replace(**{name: cfg.flag(name) for name in RUNTIME_FIELDS})
     return old, any(n in changed for n in RESUMABLE)
 
 
 def _run(
     cfg: TrainConfig, ctx: Context, progress: Progress | None, stop_after_steps: int | None
 ) -> RunResult:
-    out = Path(cfg.out).expanduser()
+    out = Path(cfg.runtime.out).expanduser()
     check_recipe(cfg)
-    cfg = dataclasses.replace(  # this run's defaults, resolved in its own copy
-        cfg,
-        workers=default_workers() if cfg.workers is None else cfg.workers,
-        threads=default_threads() if cfg.threads is None else cfg.threads,
+    cfg = cfg.replace(  # this run's defaults, resolved in its own copy
+        workers=default_workers() if cfg.runtime.workers is None else cfg.runtime.workers,
+        threads=default_threads() if cfg.runtime.threads is None else cfg.runtime.threads,
     )
-    torch.set_num_threads(cfg.threads)
+    torch.set_num_threads(cfg.runtime.threads)
     if out.exists() and not out.is_dir():
         raise CmhsaError("`out` names an existing file; give a folder for the run", out)
     created = not out.exists()
@@ -231,7 +229,7 @@ def _locked_run(
     cfg: TrainConfig, ctx: Context, out: Path, reporter: Progress, stop_after_steps: int | None
 ) -> RunResult:
     saved, reschedule = None, False
-    if cfg.resume:
+    if cfg.runtime.resume:
         saved = read_checkpoint(out / LAST)
         cfg, reschedule = resumed_config(cfg, saved, out, reporter.log)
     elif (out / LAST).exists():
@@ -239,7 +237,7 @@ def _locked_run(
             "holds a previous run (checkpoint-last.pt): pass `resume` to continue it, or choose another `out`",
             out,
         )
-    reporter.open(cfg.epochs, cfg.log_every)
+    reporter.open(cfg.recipe.epochs, cfg.runtime.log_every)
     loop = build(cfg, ctx, out, saved, reschedule, reporter)
     return train(loop, stop_after_steps)
 
@@ -249,15 +247,15 @@ def build(
     reporter: Progress,
 ) -> Loop:  # fmt: skip
     """Data, model, recipe and run state (restored from ``saved`` when resuming); writes config.json."""
-    device, dtype = ctx.device, amp_dtype(cfg.amp, ctx.device)
+    device, dtype = ctx.device, amp_dtype(cfg.recipe.amp, ctx.device)
     seed_everything(cfg.seed + ctx.rank)
 
     def load_data(img_size: tuple[int, int] | None) -> DataSpec:
         def read(download: bool) -> DataSpec:
-            return build_data(cfg.data, cfg.data_dir, img_size, download=download, num_classes=cfg.num_classes,
-                              seed=cfg.seed, train_samples=cfg.train_samples, val_samples=cfg.val_samples)  # fmt: skip
+            return build_data(cfg.data.name, cfg.data.dir, img_size, download=download, num_classes=cfg.data.num_classes,
+                              seed=cfg.seed, train_samples=cfg.data.train_samples, val_samples=cfg.data.val_samples)  # fmt: skip
 
-        spec = read(cfg.download) if ctx.is_main else None
+        spec = read(cfg.data.download) if ctx.is_main else None
         barrier(ctx)  # rank 0 downloads (if asked); the others then read
         return spec if spec is not None else read(False)
 
@@ -265,40 +263,40 @@ def build(
         if saved is None:
             return build_phase_model(cfg, num_classes, reporter.log)
         mcfg = ViTConfig.from_dict(saved["model_config"], saved["kind"])  # weights: the saved state below
-        return PhaseModel(VisionTransformer(mcfg, cfg.drop_path), mcfg, saved["init"])
+        return PhaseModel(VisionTransformer(mcfg, cfg.model.drop_path), mcfg, saved["init"])
 
     # one image size, the model's (which --init or a resumed run may set): synthetic images are made
     # at it, and every loader's transform resizes to it
-    if cfg.data == "synthetic":
-        pm = model_for(cfg.num_classes)
+    if cfg.data.name == "synthetic":
+        pm = model_for(cfg.data.num_classes)
         spec = load_data(pm.config.img_size)
     else:
         spec = load_data(None)
         pm = model_for(spec.num_classes)
-    if cfg.freeze_attention:
+    if cfg.recipe.freeze_attention:
         freeze_attention(pm.model)
     model = pm.model.to(device).train()
     loader, why = choose_loader(cfg, spec, pm.config.in_chans)
     if why:
         reporter.log(f"loader workers: {why}")
     loaders = build_loaders(cfg, spec, pm.config, ctx, loader)
-    steps_per_epoch = len(loaders[0].sampler) // cfg.batch_size
+    steps_per_epoch = len(loaders[0].sampler) // cfg.recipe.batch_size
 
     fwd: nn.Module = model
     if ctx.distributed:
         from torch.nn.parallel import DistributedDataParallel
 
         fwd = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    if cfg.compile:
+    if cfg.runtime.compile:
         fwd = torch.compile(fwd)
     optimizer, scheduler, mixup, criterion = build_recipe(
         cfg, model, spec.num_classes, ctx.world, steps_per_epoch
     )
     ema = None
-    if cfg.model_ema:
+    if cfg.recipe.model_ema:
         from timm.utils import ModelEmaV3
 
-        ema = ModelEmaV3(model, decay=cfg.model_ema_decay)
+        ema = ModelEmaV3(model, decay=cfg.recipe.model_ema_decay)
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     state = RunState(cfg, pm.config, pm.init, model, optimizer, scheduler, scaler, ema)
     if saved is not None:
@@ -315,7 +313,7 @@ def build(
         kind = pm.config.kind
         doc = {**cfg.to_dict(), "model": pm.config.to_dict(), "kind": kind, "init_info": pm.init}
         doc["world_size"], doc["backend"] = ctx.world, ctx.backend
-        doc["loader_used"], doc["threads_used"] = loader, cfg.threads
+        doc["loader_used"], doc["threads_used"] = loader, cfg.runtime.threads
         doc["scaled_lr"] = dict(zip(("lr", "min_lr", "warmup_lr"), scaled_lrs(cfg, ctx.world), strict=True))
         atomic_write_text(out / "config.json", json.dumps(doc, indent=2) + "\n")
         n_params = sum(p.numel() for p in model.parameters())
@@ -324,8 +322,8 @@ def build(
             f"{len(spec.train)} train / {len(spec.val)} val images; {ctx.world} process(es) on {device}, "
             f"amp {str(dtype).removeprefix('torch.') if dtype else 'none'}; {steps_per_epoch} steps/epoch; "
             f"loader {loader}"
-            + (f" ({cfg.workers} workers)" if loader == "workers" else "")
-            + f", {cfg.threads} threads"
+            + (f" ({cfg.runtime.workers} workers)" if loader == "workers" else "")
+            + f", {cfg.runtime.threads} threads"
         )
     probe = next(iter(loaders[1]))[0][:64].to(device) if pm.config.kind == "attn" else None
     return Loop(
@@ -334,18 +332,18 @@ def build(
 
 
 def choose_loader(cfg: TrainConfig, spec: DataSpec, in_chans: int) -> tuple[str, str]:
-    """The loader ``cfg.loader`` resolves to, and why ``auto`` fell back to workers ('' if not).
+    """The loader ``cfg.data.loader`` resolves to, and why ``auto`` fell back to workers ('' if not).
     The one place that asks whether the data can be held: ``loader`` device is refused here when not."""
-    if cfg.loader == "workers":
+    if cfg.data.loader == "workers":
         return "workers", ""
     try:
-        check_supported(cfg.aa, cfg.interpolation, cfg.remode)
+        check_supported(cfg.recipe.aa, cfg.recipe.interpolation, cfg.recipe.remode)
     except CmhsaError as e:
-        if cfg.loader == "device":
+        if cfg.data.loader == "device":
             raise
         return "workers", str(e).split(";")[0]
     why = holdable(spec.train, in_chans) or holdable(spec.val, in_chans)
-    if why and cfg.loader == "device":
+    if why and cfg.data.loader == "device":
         raise CmhsaError(f"cannot hold the data on the device: {why}; use `loader` workers")
     return ("workers", why) if why else ("device", "")
 
@@ -356,36 +354,36 @@ def build_loaders(cfg: TrainConfig, spec: DataSpec, mcfg: ViTConfig, ctx: Contex
     image_mode(chans)  # RGB or grey: what both loaders convert every image to
     if loader == "workers":
         return [
-            build_loader(split, build_transform(img, training, cfg, chans), training=training,
-                         batch_size=cfg.batch_size, seed=cfg.seed, rank=ctx.rank, world=ctx.world,
-                         workers=cfg.workers, pin_memory=device.type == "cuda", in_chans=chans)
+            build_loader(split, build_transform(img, training, cfg.recipe, chans), training=training,
+                         batch_size=cfg.recipe.batch_size, seed=cfg.seed, rank=ctx.rank, world=ctx.world,
+                         workers=cfg.runtime.workers, pin_memory=device.type == "cuda", in_chans=chans)
             for split, training in ((spec.train, True), (spec.val, False))
         ]  # fmt: skip
     mean, std = channel_stats(chans)
-    sampler = epoch_sampler(len(spec.train), training=True, batch_size=cfg.batch_size, seed=cfg.seed,  # type: ignore[arg-type]
+    sampler = epoch_sampler(len(spec.train), training=True, batch_size=cfg.recipe.batch_size, seed=cfg.seed,  # type: ignore[arg-type]
                             rank=ctx.rank, world=ctx.world)  # fmt: skip
     x, y = hold(spec.train, chans, device)
     vx, vy = hold(spec.val, chans, device)
-    vx = eval_view(vx, img, cfg.crop_pct, cfg.interpolation)
+    vx = eval_view(vx, img, cfg.recipe.crop_pct, cfg.recipe.interpolation)
     return [
-        HeldLoader(x, y, sampler, augment_spec(cfg, img, mean, std), cfg.seed),
-        HeldEvalLoader(vx, vy, cfg.batch_size, mean, std, ctx.rank, ctx.world),
+        HeldLoader(x, y, sampler, augment_spec(cfg.recipe, img, mean, std), cfg.seed),
+        HeldEvalLoader(vx, vy, cfg.recipe.batch_size, mean, std, ctx.rank, ctx.world),
     ]
 
 
 def train(loop: Loop, stop_after_steps: int | None = None) -> RunResult:
-    """Epochs until ``cfg.epochs``, saving after each; then the trained model as safetensors."""
+    """Epochs until ``cfg.recipe.epochs``, saving after each; then the trained model as safetensors."""
     cfg, ctx, st, out = loop.cfg, loop.ctx, loop.state, loop.out
     result = RunResult(out, st.metrics)
 
     def save(epoch_end: bool = False) -> None:
         if ctx.is_main:  # the checkpoint and the epoch's metrics row land together or not at all
-            st.save(out, cfg.keep, {"metrics.csv": metrics_text(st.metrics)} if epoch_end else None)
+            st.save(out, cfg.runtime.keep, {"metrics.csv": metrics_text(st.metrics)} if epoch_end else None)
         barrier(ctx)
 
     stop = StopRequest()
     with stop.installed():
-        while st.epoch < cfg.epochs:
+        while st.epoch < cfg.recipe.epochs:
             if not train_one_epoch(loop, stop, stop_after_steps):
                 result.stopped = stop.signal or "limit"
                 save()
@@ -399,7 +397,7 @@ def train(loop: Loop, stop_after_steps: int | None = None) -> RunResult:
     if ctx.is_main:
         result.model_path = out / OUTPUT[cfg.phase]
         meta = {
-            "cmhsa.trained": f"{cfg.phase} {cfg.data}, {cfg.epochs} epochs",
+            "cmhsa.trained": f"{cfg.phase} {cfg.data.name}, {cfg.recipe.epochs} epochs",
             "cmhsa.init": json.dumps(st.init),
         }
         save_checkpoint(result.model_path, st.model_config, st.model.state_dict(), meta)
@@ -407,7 +405,7 @@ def train(loop: Loop, stop_after_steps: int | None = None) -> RunResult:
             ema_path = result.model_path.with_name(result.model_path.stem + "-ema.safetensors")
             save_checkpoint(ema_path, st.model_config, st.ema.module.state_dict(), meta)
         loop.reporter.log(f"wrote {result.model_path}, metrics.csv, config.json")
-        if cfg.export_onnx:  # the model in memory, as saved: no second read of the file just written
+        if cfg.runtime.export_onnx:  # the model in memory, as saved: no second read of the file just written
             tensors = {k: v.detach().float().cpu() for k, v in st.model.state_dict().items()}
             loop.reporter.log(
                 f"exporting {result.model_path.with_suffix('.onnx')} and checking it in onnxruntime"

@@ -153,7 +153,7 @@ class RunState:
         except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as e:
             raise CmhsaError(
                 f"`resume`: {LAST} does not fit the run it belongs to ({type(e).__name__}: {first_line(e, 200)})",
-                self.config.out,
+                self.config.runtime.out,
             ) from None
 
     def _load(self, saved: dict[str, Any], reschedule: Any) -> None:

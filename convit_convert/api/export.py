@@ -59,55 +59,63 @@ class ExportReport:
         }
 
 
+@dataclass(frozen=True)
+class ExportOptions:
+    """How ``cmhsa export`` writes and checks: validated when made, each default stated once."""
+
+    opset: int | None = None  # ai.onnx opset; None: the exporter's
+    tol: float = 1e-4  # largest relative error of onnxruntime against PyTorch
+    exporter: str = "dynamo"  # or "legacy" (TorchScript)
+    form: str = "fused"  # attention models: "fused" (W_V·W_O folded) or "trained"
+    device: str = "cpu"  # onnxruntime provider of the check: cpu, cuda or auto
+    seed: int = 0  # of the check images
+
+    def __post_init__(self) -> None:
+        from ..onnx.export import check_options
+
+        if self.device not in ("cpu", "cuda", "auto"):
+            raise CmhsaError(f"`device` must be cpu, cuda or auto, got {self.device!r}")
+        check_tol(self.tol)
+        check_options(self.exporter, self.opset, self.form)
+
+
 def export_file(
-    checkpoint: Path, output: Path, *, opset: int | None = None, tol: float = 1e-4, exporter: str = "dynamo",
-    device: str = "cpu", seed: int = 0, report: Path | None = None, form: str = "fused",
-) -> ExportReport:  # fmt: skip
-    """``cmhsa export``: load a model file, then :func:`export_checkpoint`."""
-    report_path = _check(checkpoint, output, report, tol, exporter, opset, form, device)
+    checkpoint: Path, output: Path, options: ExportOptions | None = None, report: Path | None = None
+) -> ExportReport:
+    """``cmhsa export``: load a model file, then export it as :func:`export_checkpoint` does."""
+    options = options or ExportOptions()
+    report_path = _report_path(checkpoint, output, report)
     t = time.perf_counter()
     ckpt = load_checkpoint(checkpoint)
-    load_s = time.perf_counter() - t
-    return _export(ckpt, output, report_path, opset, tol, exporter, device, seed, form, {"load_s": load_s})
+    return _export(ckpt, output, report_path, options, {"load_s": time.perf_counter() - t})
 
 
 def export_checkpoint(
-    ckpt: Checkpoint, output: Path, *, opset: int | None = None, tol: float = 1e-4, exporter: str = "dynamo",
-    device: str = "cpu", seed: int = 0, report: Path | None = None, form: str = "fused",
-) -> ExportReport:  # fmt: skip
+    ckpt: Checkpoint, output: Path, options: ExportOptions | None = None, report: Path | None = None
+) -> ExportReport:
     """Export a model held in memory (``cmhsa train --export-onnx``: the model just trained; its
     ``path`` the file it was saved to), check it in onnxruntime, write the ONNX file only if the
-    check passes; the JSON report either way."""
-    report_path = _check(ckpt.path, output, report, tol, exporter, opset, form, device)
-    return _export(ckpt, output, report_path, opset, tol, exporter, device, seed, form, {})
+    check passes; the JSON report (default: OUTPUT + .report.json) either way."""
+    return _export(ckpt, output, _report_path(ckpt.path, output, report), options or ExportOptions(), {})
 
 
-def _check(
-    source: Path, output: Path, report: Path | None, tol: float, exporter: str, opset: int | None, form: str,
-    device: str,
-) -> Path:  # fmt: skip
-    """Every option and output path checked before the model is loaded or exported; the report path."""
-    from ..onnx.export import check_options
-
-    if device not in ("cpu", "cuda", "auto"):
-        raise CmhsaError(f"`device` must be cpu, cuda or auto, got {device!r}")
+def _report_path(source: Path, output: Path, report: Path | None) -> Path:
+    """The output paths checked before the model is loaded or exported; the report path."""
     report_path = report or output.with_name(output.name + ".report.json")
     check_outputs(source, output, report_path, ".onnx", "ONNX (convert writes safetensors checkpoints)")
-    check_tol(tol)
-    check_options(exporter, opset, form)
     return report_path
 
 
 def _export(
-    ckpt: Checkpoint, output: Path, report_path: Path, opset: int | None, tol: float, exporter: str, device: str,
-    seed: int, form: str, timings: dict[str, float],
-) -> ExportReport:  # fmt: skip
+    ckpt: Checkpoint, output: Path, report_path: Path, options: ExportOptions, timings: dict[str, float]
+) -> ExportReport:
     from ..onnx.export import export_and_check
     from ..onnx.load import providers_for
 
+    o = options
     ex = export_and_check(
-        ckpt.model(), exporter=exporter, opset=opset, tol=tol, providers=providers_for(device), seed=seed,
-        path=output, form=form,
+        ckpt.model(), exporter=o.exporter, opset=o.opset, tol=o.tol, providers=providers_for(o.device),
+        seed=o.seed, path=output, form=o.form,
     )  # fmt: skip
     facts = None
     with atomic_paths(*([output] if ex.check.passed else []), report_path) as tmps:  # both or neither

@@ -43,12 +43,12 @@ def print_export(r: Any) -> None:
     print_written(r.passed, r.output, r.report_path, "check")
 
 
-def run_export(checkpoint: Path, output: Path, **options: Any) -> bool:
+def run_export(checkpoint: Path, output: Path, options: Any, report: Path | None) -> bool:
     """Export with a spinner and print the report; whether the check passed."""
     from ..api import export_file
 
     with console.status(f"Exporting {safe(str(checkpoint))} and checking it in onnxruntime..."):
-        r = export_file(checkpoint, output, **options)
+        r = export_file(checkpoint, output, options, report)
     print_export(r)
     return r.passed
 
@@ -68,8 +68,8 @@ def export_cmd(
 ) -> None:  # fmt: skip
 # fmt: on
     """Export a checkpoint to one self-contained ONNX file and check it in onnxruntime (exit 1 outside --tol)."""
-    passed = run_export(
-        checkpoint, output, opset=opset, tol=tol, exporter=exporter, device=device, seed=seed, report=report,
-        form=form,
-    )  # fmt: skip
+    from ..api.export import ExportOptions
+
+    options = ExportOptions(opset=opset, tol=tol, exporter=exporter, form=form, device=device, seed=seed)
+    passed = run_export(checkpoint, output, options, report)
     raise typer.Exit(0 if passed else EXIT_FAIL)

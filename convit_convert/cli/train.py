@@ -3,14 +3,14 @@
 
 Imports typer only: torch, timm and torchvision load when a command runs, so ``cmhsa --help``
 stays fast. The training flags are one table (FLAGS) shared by both phases; each becomes a
-``--kebab-case`` option whose default is TrainConfig's. A flag left out stays "not given", which
+``--kebab-case`` option whose default is TrainConfig's; the typed flags become one TrainConfig
+(``TrainConfig.from_flags``). A flag left out stays "not given", which
 lets phase 2 take the architecture from its ``--init`` checkpoint and complain only about flags
 that were typed and disagree.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 from pathlib import Path
 from typing import Annotated, Any, Optional
@@ -122,11 +122,13 @@ def _option(name: str, typ: Any, help_text: str, panel: str, default: Any) -> in
 
 
 def _train_command(phase: str) -> Any:
-    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    defaults = TrainConfig.from_flags().to_dict()
 
     def command(**kwargs: Any) -> None:
         given = {k: v for k, v in kwargs.items() if v is not None and k != "out"}
-        _run_training(TrainConfig(phase=phase, out=str(kwargs["out"]), given=frozenset(given), **given))
+        _run_training(
+            TrainConfig.from_flags(phase=phase, out=str(kwargs["out"]), given=frozenset(given), **given)
+        )
 
     out = inspect.Parameter(
         "out",
