@@ -1,3 +1,0 @@
-from .cli import main
-
-main()

@@ -1,1 +1,0 @@
-"""Files: the checkpoint format (read, validate, write), atomic writes, JSON reports."""
