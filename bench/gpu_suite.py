@@ -538,7 +538,7 @@ def e2e_section(out: Path, device: str, epochs: int) -> dict[str, Any]:
     conv, vit = work / "p1" / "conv.safetensors", work / "p2" / "vit.safetensors"
     common = [*E2E_FLAGS, "--epochs", str(epochs), "--device", device]
     steps = [
-        ("phase 1", ["train", "phase1", *common, "--lr", "2e-3", "--out", str(work / "p1")]),
+        ("phase 1", ["train", "phase1", *common, "--lr", "2e-3", "-o", str(work / "p1")]),
         ("convert", ["convert", str(conv), "-o", str(work / "vit0.safetensors"), "--device", device]),
         (
             "verify",
@@ -546,7 +546,7 @@ def e2e_section(out: Path, device: str, epochs: int) -> dict[str, Any]:
         ),
         (
             "phase 2",
-            ["train", "phase2", *common, "--lr", "5e-4", "--init", str(conv), "--out", str(work / "p2")],
+            ["train", "phase2", *common, "--lr", "5e-4", "--init", str(conv), "-o", str(work / "p2")],
         ),
         ("eval phase 2", ["eval", str(vit), "--data", "digits", "--workers", "4", "--device", device]),
         (

@@ -95,7 +95,7 @@ def output_projection(
 
 
 def check_heads(plan: ConversionPlan, path: object = None) -> None:
-    """Refuse head counts below what the construction needs, citing the lower bound."""
+    """Refuse head counts below what the construction needs, citing the lower bound and the way out."""
     cfg, num_heads = plan.source, plan.config.num_heads
     if plan.exact:
         return
@@ -108,7 +108,8 @@ def check_heads(plan: ConversionPlan, path: object = None) -> None:
     raise CmhsaError(
         f"{num_heads} heads are too few: a {cfg.kernel_size}x{cfg.kernel_size} kernel "
         f"(dilation {cfg.dilation}) with {cfg.patch_size}-pixel patches touches "
-        f"{plan.needed} patch offsets, one head each {why}",
+        f"{plan.needed} patch offsets, one head each {why}; with `approximate`, cmhsa convert builds "
+        f"the best {num_heads}-head approximation instead and measures what it costs",
         path,
     )
 

@@ -8,6 +8,7 @@ the number of workers, the number of processes, or where a run was stopped and r
 
 from __future__ import annotations
 
+import os
 import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -259,6 +260,25 @@ def channel_stats(in_chans: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
     if in_chans == 3:
         return tuple(IMAGENET_DEFAULT_MEAN), tuple(IMAGENET_DEFAULT_STD)
     return (sum(IMAGENET_DEFAULT_MEAN) / 3,), (sum(IMAGENET_DEFAULT_STD) / 3,)
+
+
+def cpus() -> int:
+    """The CPUs this process may use."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def default_workers() -> int:
+    """Workers of the workers loader when `workers` is not given: up to 4, never more than the CPUs
+    this process may use (PyTorch warns above that). On 2 CPUs, 0, 1 and 2 workers ran the same
+    in-memory data within this VM's run-to-run spread (BENCHMARKS.md, 'Small-data training')."""
+    return min(4, cpus())
+
+
+def default_threads() -> int:
+    """torch CPU threads when `threads` is not given: every CPU this process may use (BENCHMARKS.md,
+    'Small-data training': on 2 cores, 2 threads trained 1.3x (phase 1) and 1.7x (phase 2) faster
+    than 1 with the device loader)."""
+    return cpus()
 
 
 def build_transform(

@@ -137,7 +137,7 @@ def test_heads_checkpoint_sweep(tmp_path: Path) -> None:
     r = run("heads", "--checkpoint", FIXTURE, "--kernel", "3")
     assert r.exit_code == 2 and "K = 5" in r.stderr
     r = run("heads")
-    assert r.exit_code == 2 and "give --kernel and --patch, or --checkpoint" in r.stderr
+    assert r.exit_code == 2 and "give --kernel-size and --patch-size, or --checkpoint" in r.stderr
     for bad, why in (
         (("--rule", "x"), "--rule must be one of"),
         (("--heldout-images", "0"), "--heldout-images must be 1 ≤ x ≤ 10000000, got 0"),

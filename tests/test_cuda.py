@@ -148,7 +148,7 @@ def test_ddp_over_nccl_under_torchrun(tmp_path: Path) -> None:
               "--lr-base-batch", "32", "--batch-size", "32", "--workers", "0", "--mixup", "0",
               "--cutmix", "0", "--drop-path", "0", "--device", "cuda", "--amp", "none"]  # fmt: skip
     ddp = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port", "29531",
-           "-m", "convit_convert", "train", "phase1", *common, "--out", str(tmp_path / "ddp")]  # fmt: skip
+           "-m", "convit_convert", "train", "phase1", *common, "-o", str(tmp_path / "ddp")]  # fmt: skip
     r = subprocess.run(ddp, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     cfg = json.loads((tmp_path / "ddp" / "config.json").read_text())
@@ -160,7 +160,7 @@ def test_ddp_over_nccl_under_torchrun(tmp_path: Path) -> None:
         "train",
         "phase1",
         *common,
-        "--out",
+        "-o",
         str(tmp_path / "one"),
     ]
     r = subprocess.run(single, capture_output=True, text=True, timeout=300)

@@ -93,8 +93,8 @@ def required_args(path: list[str], folder: Path) -> list[str]:
         "eval": [f],
         "attention": [f, "-o", str(folder / "att")],
         "plot": [str(folder)],
-        "train phase1": ["--out", str(folder / "run")],
-        "train phase2": ["--out", str(folder / "run")],
+        "train phase1": ["-o", str(folder / "run")],
+        "train phase2": ["-o", str(folder / "run")],
     }.get(" ".join(path), [])
 
 

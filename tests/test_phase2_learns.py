@@ -162,7 +162,7 @@ def test_fashion_mnist_from_idx_files(tmp_path: Path) -> None:
     )
     (tmp_path / "t10k-labels-idx1-ubyte.gz").unlink()
     r = CliRunner().invoke(app, ["train", "phase1", "--data", "fashion-mnist", "--data-dir", str(tmp_path),
-                                 "--out", str(tmp_path / "run"), "--device", "cpu"])  # fmt: skip
+                                 "-o", str(tmp_path / "run"), "--device", "cpu"])  # fmt: skip
     assert r.exit_code == 2 and "apt-get install dataset-fashion-mnist" in r.stderr, r.output
     assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
 
@@ -203,7 +203,7 @@ def test_attention_learning_rate_multiplier_groups() -> None:
 
 def test_bad_pinning_is_one_line(tmp_path: Path) -> None:
     fixture = str(Path(__file__).resolve().parent.parent / "fixtures" / "conv_digits.safetensors")
-    phase2 = ["train", "phase2", "--init", fixture, "--data", "digits", "--out", str(tmp_path / "r")]
+    phase2 = ["train", "phase2", "--init", fixture, "--data", "digits", "-o", str(tmp_path / "r")]
     for argv in (
         ["convert", fixture, "-o", str(tmp_path / "v.safetensors"), "--pinning", "soft"],
         [*phase2, "--pinning", "soft"],

@@ -122,7 +122,7 @@ def test_out_of_range_numbers_are_refused_naming_the_flag(
 ) -> None:
     """The issue's cases: each used to end in a traceback, run away, or be accepted silently."""
     monkeypatch.chdir(tmp_path)
-    args = [*args, "--out", tmp_path / "run"] if args[0] == "train" else args
+    args = [*args, "-o", tmp_path / "run"] if args[0] == "train" else args
     one_line(invoke(*args), 2, fragment)
     assert list(tmp_path.iterdir()) == []
 
@@ -159,7 +159,7 @@ def test_escape_sequences_from_a_file_never_reach_the_terminal(tmp_path: Path) -
 def test_a_second_training_into_a_busy_run_folder_is_refused(tmp_path: Path) -> None:
     out = tmp_path / "run"
     first = subprocess.Popen(
-        [sys.executable, "-m", "convit_convert", "train", "phase1", *TINY, "--epochs", "1000", "--out", str(out)],
+        [sys.executable, "-m", "convit_convert", "train", "phase1", *TINY, "--epochs", "1000", "-o", str(out)],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)},
     )  # fmt: skip
     try:
@@ -170,25 +170,25 @@ def test_a_second_training_into_a_busy_run_folder_is_refused(tmp_path: Path) -> 
             )
             time.sleep(0.2)
         for extra in (["--seed", "7"], ["--resume"]):
-            one_line(invoke("train", "phase1", *TINY, *extra, "--out", out), 2, "in use by another cmhsa process", f"PID {first.pid}")  # fmt: skip
+            one_line(invoke("train", "phase1", *TINY, *extra, "-o", out), 2, "in use by another cmhsa process", f"PID {first.pid}")  # fmt: skip
         assert json.loads((out / "config.json").read_text())["seed"] == 0
     finally:
         first.send_signal(signal.SIGTERM)
         first.wait(timeout=120)
-    r = invoke("train", "phase1", *TINY, "--resume", "--out", out)  # the lock went with its process
+    r = invoke("train", "phase1", *TINY, "--resume", "-o", out)  # the lock went with its process
     assert "in use" not in r.output and (r.exit_code == 0 or "already trained" in r.stderr), r.output
 
 
 def test_resume_refuses_another_phase_and_changed_flags(tmp_path: Path) -> None:
     out = tmp_path / "p1"
-    assert invoke("train", "phase1", *TINY, "--out", out).exit_code == 0
-    one_line(invoke("train", "phase2", *TINY, "--resume", "--out", out), 2, "holds a phase1 run", "cmhsa train phase1 --resume")  # fmt: skip
-    one_line(invoke("train", "phase1", *TINY, "--resume", "--seed", "7", "--out", out), 2, "--seed 7 differs from the run's 0")  # fmt: skip
+    assert invoke("train", "phase1", *TINY, "-o", out).exit_code == 0
+    one_line(invoke("train", "phase2", *TINY, "--resume", "-o", out), 2, "holds a phase1 run", "cmhsa train phase1 --resume")  # fmt: skip
+    one_line(invoke("train", "phase1", *TINY, "--resume", "--seed", "7", "-o", out), 2, "--seed 7 differs from the run's 0")  # fmt: skip
 
 
 def crafted_checkpoints(tmp_path: Path) -> tuple[Path, dict]:
     out = tmp_path / "base"
-    assert invoke("train", "phase1", *TINY, "--out", out).exit_code == 0
+    assert invoke("train", "phase1", *TINY, "-o", out).exit_code == 0
     return out, torch.load(out / "checkpoint-last.pt", weights_only=True)
 
 
@@ -230,7 +230,7 @@ def test_a_crafted_training_checkpoint_is_refused_in_one_line(tmp_path: Path) ->
             (run_dir / f).write_bytes((out / f).read_bytes())
         torch.save(state, run_dir / "checkpoint-last.pt")
         before = sorted(p.name for p in run_dir.iterdir())
-        r = invoke("train", "phase1", *TINY, "--epochs", "2", "--resume", "--out", run_dir)
+        r = invoke("train", "phase1", *TINY, "--epochs", "2", "--resume", "-o", run_dir)
         one_line(r, 2, "checkpoint-last.pt", fragment)
         assert sorted(p.name for p in run_dir.iterdir() if p.name != ".cmhsa.lock") == before, name
 
@@ -242,7 +242,7 @@ class Payload:  # pickled by reference: loading it would need this global
 def test_an_unsafe_pickle_is_refused_without_advice_to_load_it_unsafely(tmp_path: Path) -> None:
     out, good = crafted_checkpoints(tmp_path)
     torch.save({**good, "extra": Payload()}, out / "checkpoint-last.pt")
-    r = invoke("train", "phase1", *TINY, "--epochs", "2", "--resume", "--out", out)
+    r = invoke("train", "phase1", *TINY, "--epochs", "2", "--resume", "-o", out)
     one_line(r, 2, "will not load it", "not written by cmhsa train")
     assert "weights_only" not in r.stderr and "--weights-only" not in r.stderr
 
@@ -261,7 +261,7 @@ def test_a_full_disk_at_a_checkpoint_keeps_the_last_one_and_its_metrics(tmp_path
 
     monkeypatch.setattr(torch, "save", full_on_the_second)
     out = tmp_path / "run"
-    r = invoke("train", "phase1", *TINY, "--epochs", "3", "--out", out)
+    r = invoke("train", "phase1", *TINY, "--epochs", "3", "-o", out)
     one_line(
         r, 2, "checkpoint-last.pt", "cannot write (PytorchStreamWriter failed writing file", "nor metrics.csv"
     )
@@ -322,11 +322,9 @@ def test_a_real_short_write_at_a_checkpoint_keeps_the_last_one_and_its_metrics(t
     """torch.save under the limit raises "unexpected pos N vs M" (not "failed writing file"): that
     too is a failed write, not an internal error."""
     out = tmp_path / "run"
-    assert invoke("train", "phase1", *TINY, "--out", out).exit_code == 0
+    assert invoke("train", "phase1", *TINY, "-o", out).exit_code == 0
     before = (out / "checkpoint-last.pt").read_bytes(), (out / "metrics.csv").read_text()
-    p = cli_under_a_file_size_limit(
-        20_000, "train", "phase1", *TINY, "--epochs", "2", "--out", out, "--resume"
-    )
+    p = cli_under_a_file_size_limit(20_000, "train", "phase1", *TINY, "--epochs", "2", "-o", out, "--resume")
     one_line_from(p, 2, "checkpoint-last.pt", "cannot write (", "nor metrics.csv", "previous file is kept")
     assert ((out / "checkpoint-last.pt").read_bytes(), (out / "metrics.csv").read_text()) == before
     assert temps(tmp_path) == []
@@ -353,7 +351,7 @@ def test_a_graph_that_passes_the_checker_but_fails_in_onnxruntime(tmp_path: Path
 
 
 def test_a_kernel_reaching_past_the_image_is_refused(tmp_path: Path) -> None:
-    one_line(invoke("train", "phase1", *TINY, "--kernel-size", "33", "--out", tmp_path / "r"), 2, "kernel_size 33 (dilation 1) reaches 16 pixels, beyond the 16x16 image")  # fmt: skip
+    one_line(invoke("train", "phase1", *TINY, "--kernel-size", "33", "-o", tmp_path / "r"), 2, "kernel_size 33 (dilation 1) reaches 16 pixels, beyond the 16x16 image")  # fmt: skip
     assert not (tmp_path / "r").exists()
 
 
@@ -410,8 +408,8 @@ def test_sizes_beyond_memory_are_refused_with_the_estimate(tmp_path: Path) -> No
     out = tmp_path / "v.safetensors"
     one_line(invoke("convert", FIXTURE, "-o", out, "--heads", "4096", "--qk-dim", "65536"), 2, str(FIXTURE), "would need about", "GiB of memory available")  # fmt: skip
     # a model that fits (hidden_chans 1: d = 32², 128×128 patches) on images that do not
-    one_line(invoke("train", "phase1", *TINY, "--img-size", "4096", "--patch-size", "32", "--hidden-chans", "1", "--batch-size", "2", "--out", tmp_path / "r"), 2, "synthetic data at 4096x4096 px would need")  # fmt: skip
-    one_line(invoke("train", "phase1", *TINY, "--img-size", "512", "--hidden-chans", "64", "--depth", "24", "--out", tmp_path / "r"), 2, "training a conv model of", "would need about")  # fmt: skip
+    one_line(invoke("train", "phase1", *TINY, "--img-size", "4096", "--patch-size", "32", "--hidden-chans", "1", "--batch-size", "2", "-o", tmp_path / "r"), 2, "synthetic data at 4096x4096 px would need")  # fmt: skip
+    one_line(invoke("train", "phase1", *TINY, "--img-size", "512", "--hidden-chans", "64", "--depth", "24", "-o", tmp_path / "r"), 2, "training a conv model of", "would need about")  # fmt: skip
     assert invoke("convert", FIXTURE, "-o", out).exit_code == 0
     one_line(
         invoke("verify", FIXTURE, out, "--batch", "65536", "--dtype", "float64"),

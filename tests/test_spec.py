@@ -122,7 +122,7 @@ def test_export_flags_default_to_the_export_options() -> None:
     options = {f.name: f.default for f in dataclasses.fields(ExportOptions)}
     flags = {name: p.default for name, p in inspect.signature(export_cmd).parameters.items()}
     assert {name: flags[name] for name in options} == options
-    with pytest.raises(CmhsaError, match="`device` must be cpu, cuda or auto"):
+    with pytest.raises(CmhsaError, match="`device` must be auto, cpu, cuda or cuda:N"):
         ExportOptions(device="tpu")
     with pytest.raises(CmhsaError, match="`tol` must be >= 0"):
         ExportOptions(tol=-1.0)

@@ -84,14 +84,12 @@ def test_mimetic_is_seeded_and_refuses_gated_pinning(tmp_path: Path) -> None:
     a, b, c = built(init="mimetic"), built(init="mimetic"), built(init="mimetic", seed=1)
     qa, qb, qc = (m.model.blocks[0].attn.q.weight for m in (a, b, c))
     assert torch.equal(qa, qb) and not torch.equal(qa, qc)
-    r = invoke(
-        "train", "phase2", *CLI_TINY, "--init", "mimetic", "--pinning", "gated", "--out", tmp_path / "g"
-    )
+    r = invoke("train", "phase2", *CLI_TINY, "--init", "mimetic", "--pinning", "gated", "-o", tmp_path / "g")
     assert r.exit_code == 2 and "give --pinning hard" in r.output and "Traceback" not in r.output, r.output
     for flag, value, msg in (("--mimetic-alpha", "-1", "--mimetic-alpha must be 0 ≤ x ≤ 100, got -1"),
                              ("--mimetic-beta", "nan", "--mimetic-beta must be 0 ≤ x ≤ 100, got nan"),
                              ("--impulse-offsets", "diagonal", "--impulse-offsets must be one of conversion, random")):  # fmt: skip
-        r = invoke("train", "phase2", *CLI_TINY, "--init", "impulse", flag, value, "--out", tmp_path / "bad")
+        r = invoke("train", "phase2", *CLI_TINY, "--init", "impulse", flag, value, "-o", tmp_path / "bad")
         assert r.exit_code == 2 and msg in r.output and len(r.output.strip().splitlines()) == 1, r.output
         assert not (tmp_path / "bad").exists()
 
@@ -141,7 +139,7 @@ def test_impulse_heads_attend_to_their_offset(tmp_path: Path, offsets: str) -> N
 @pytest.mark.parametrize("init", ["mimetic", "impulse"])
 def test_starts_train_save_inspect_and_export(tmp_path: Path, init: str) -> None:
     given = [] if init == "impulse" else ["--init", init]  # impulse: the default without a checkpoint
-    r = invoke("train", "phase2", *CLI_TINY, *given, "--out", tmp_path / "run")
+    r = invoke("train", "phase2", *CLI_TINY, *given, "-o", tmp_path / "run")
     assert r.exit_code == 0, r.output
     assert f"started {init}" in r.output
     cfg = json.loads((tmp_path / "run" / "config.json").read_text())
@@ -154,3 +152,24 @@ def test_starts_train_save_inspect_and_export(tmp_path: Path, init: str) -> None
     r = invoke("export", vit, "-o", tmp_path / "vit.onnx")
     assert r.exit_code == 0, r.output
     assert json.loads((tmp_path / "vit.onnx.report.json").read_text())["passed"]
+
+
+def test_phase2_without_init_says_where_it_starts(tmp_path: Path) -> None:
+    """A forgotten --init turns a two-phase run into a 'phase 2 only' arm: the run says so, once,
+    and names the flag; a warm-up of all the epochs says the peak is never reached."""
+    r = invoke(
+        "train", "phase2", "-o", tmp_path / "a", *CLI_TINY, "--train-samples", "64", "--val-samples", "32"
+    )
+    assert r.exit_code == 0, r.output
+    said = [line for line in r.output.splitlines() if "--init not given" in line]
+    assert (
+        len(said) == 1
+        and "starts from impulse weights" in said[0]
+        and "--init PHASE1_RUN/conv.safetensors" in said[0]
+    )
+    assert "never reaches its peak" not in r.output
+    r = invoke("train", "phase2", "-o", tmp_path / "b", *CLI_TINY, "--init", "random", "--warmup-epochs", "1",
+               "--train-samples", "64", "--val-samples", "32")  # fmt: skip
+    assert r.exit_code == 0, r.output
+    assert "--init not given" not in r.output
+    assert "warning: --warmup-epochs 1 >= --epochs 1: the learning rate never reaches its peak" in r.output

@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
+import convit_convert.data as cdata
 from convit_convert.cli import app
 from convit_convert.data import EpochSampler, build_data, build_loader, build_transform
 from convit_convert.errors import CheckFailed, CmhsaError
@@ -240,9 +241,9 @@ def test_default_workers_follow_the_machine(tmp_path: Path, monkeypatch) -> None
     """No more workers than CPUs (PyTorch warns above that): 2 on a 2-core machine, at most 4;
     threads: every CPU."""
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
-    assert engine.default_workers() == 2 and engine.default_threads() == 2
+    assert cdata.default_workers() == 2 and cdata.default_threads() == 2
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)))
-    assert engine.default_workers() == 4
+    assert cdata.default_workers() == 4
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
     cfg = tiny(tmp_path, epochs=1, **PLAIN).replace(workers=None)
     run(cfg)
@@ -322,12 +323,12 @@ def test_ddp_two_gloo_processes_match_one_process(tmp_path: Path) -> None:
               "--drop-path", "0", "--device", "cpu"]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     ddp = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29517",
-           "-m", "convit_convert", "train", "phase1", *common, "--batch-size", "16", "--out", str(tmp_path / "ddp")]  # fmt: skip
+           "-m", "convit_convert", "train", "phase1", *common, "--batch-size", "16", "-o", str(tmp_path / "ddp")]  # fmt: skip
     r = subprocess.run(ddp, capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert r.stdout.count("epoch 2/2  train_loss") == 1  # rank 0 logs, rank 1 is silent
     single = [sys.executable, "-m", "convit_convert", "train", "phase1", *common, "--batch-size", "32",
-              "--out", str(tmp_path / "one")]  # fmt: skip
+              "-o", str(tmp_path / "one")]  # fmt: skip
     r = subprocess.run(single, capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     a, b = metrics(tmp_path / "ddp"), metrics(tmp_path / "one")
@@ -349,7 +350,7 @@ def invoke(*args: object):
 
 
 def test_cli_phase1_phase2_eval_plot(tmp_path: Path) -> None:
-    r = invoke("train", "phase1", *CLI_TINY, "--out", tmp_path / "p1")
+    r = invoke("train", "phase1", *CLI_TINY, "-o", tmp_path / "p1")
     assert r.exit_code == 0, r.output
     conv = tmp_path / "p1" / "conv.safetensors"
     cfg = json.loads((tmp_path / "p1" / "config.json").read_text())
@@ -362,7 +363,7 @@ def test_cli_phase1_phase2_eval_plot(tmp_path: Path) -> None:
         conv,
         "--qk-dim",
         "8",
-        "--out",
+        "-o",
         tmp_path / "p2",
         "--export-onnx",
     )
@@ -385,13 +386,13 @@ def test_cli_phase1_phase2_eval_plot(tmp_path: Path) -> None:
     assert r.exit_code == 0 and (tmp_path / "p1" / "curves.png").read_bytes()[:4] == b"\x89PNG"
     # phase 2 from an attention checkpoint, and from random (the paper's "2nd phase only")
     for init, name in ((vit, "p2b"), ("random", "p2r")):
-        r = invoke("train", "phase2", *CLI_TINY, "--init", init, "--out", tmp_path / name)
+        r = invoke("train", "phase2", *CLI_TINY, "--init", init, "-o", tmp_path / name)
         assert r.exit_code == 0, r.output
 
 
 def test_cli_refuses_bad_training_input(tmp_path: Path, monkeypatch) -> None:
     conv_rgb = tmp_path / "p1" / "conv.safetensors"
-    assert invoke("train", "phase1", *CLI_TINY, "--out", tmp_path / "p1").exit_code == 0
+    assert invoke("train", "phase1", *CLI_TINY, "-o", tmp_path / "p1").exit_code == 0
     cases = [
         (
             ["train", "phase1", *CLI_TINY, "--data", "imagefolder", "--data-dir", tmp_path / "none"],
@@ -439,7 +440,7 @@ def test_cli_refuses_bad_training_input(tmp_path: Path, monkeypatch) -> None:
         (["train", "phase2", *CLI_TINY, "--init", conv_rgb, "--margin", "0.5"], 1, "not exact"),
     ]
     for i, (args, code, msg) in enumerate(cases):
-        r = invoke(*args, "--out", tmp_path / f"bad{i}")
+        r = invoke(*args, "-o", tmp_path / f"bad{i}")
         assert r.exit_code == code, (args, r.output)
         assert msg in r.output and "Traceback" not in r.output, (args, r.output)
         assert len(r.output.strip().splitlines()) == 1 or code == 1, (args, r.output)
@@ -447,17 +448,17 @@ def test_cli_refuses_bad_training_input(tmp_path: Path, monkeypatch) -> None:
         assert not (tmp_path / f"bad{i}").exists(), args  # nothing left behind, not even the folder
     # --out that cannot be a run folder: an existing file, a path through a file, a read-only disk
     (tmp_path / "afile").write_text("keep")
-    r = invoke("train", "phase1", *CLI_TINY, "--out", tmp_path / "afile")
+    r = invoke("train", "phase1", *CLI_TINY, "-o", tmp_path / "afile")
     assert r.exit_code == 2 and "names an existing file" in r.output
     assert (tmp_path / "afile").read_text() == "keep"
-    r = invoke("train", "phase1", *CLI_TINY, "--out", tmp_path / "afile" / "run")
+    r = invoke("train", "phase1", *CLI_TINY, "-o", tmp_path / "afile" / "run")
     assert r.exit_code == 2 and "cannot create the run folder (Not a directory)" in r.output, r.output
 
     def read_only(self, *a, **k):
         raise OSError(30, "Read-only file system")
 
     monkeypatch.setattr(Path, "mkdir", read_only)
-    r = invoke("train", "phase1", *CLI_TINY, "--out", tmp_path / "ro")
+    r = invoke("train", "phase1", *CLI_TINY, "-o", tmp_path / "ro")
     assert r.exit_code == 2 and "cannot create the run folder (Read-only file system)" in r.output
     assert len(r.output.strip().splitlines()) == 1
 
@@ -472,7 +473,7 @@ def test_shipped_fixture_trains_and_evaluates(fixture_path: Path, tmp_path: Path
         r.output
     )  # the README's figure, give or take 2 of 359 images
     r = invoke("train", "phase2", "--init", fixture_path, "--data", "digits", "--epochs", "1",
-               "--batch-size", "64", "--workers", "0", "--device", "cpu", "--out", tmp_path / "p2")  # fmt: skip
+               "--batch-size", "64", "--workers", "0", "--device", "cpu", "-o", tmp_path / "p2")  # fmt: skip
     assert r.exit_code == 0, r.output
     assert json.loads((tmp_path / "p2" / "config.json").read_text())["model"]["in_chans"] == 1
     r = invoke(
@@ -486,12 +487,12 @@ def test_init_accepts_the_flags_that_built_the_checkpoint(tmp_path: Path) -> Non
     the same flag is the same model (it was refused: 2.7 against the 130 / 48 read back)."""
     tiny = ["--data", "synthetic", "--img-size", "16", "--patch-size", "4", "--depth", "1", "--kernel-size", "3",
             "--batch-size", "32", "--workers", "0", "--epochs", "1", "--warmup-epochs", "0", "--device", "cpu"]  # fmt: skip
-    r = invoke("train", "phase1", *tiny, "--mlp-ratio", "2.7", "--out", tmp_path / "p1")
+    r = invoke("train", "phase1", *tiny, "--mlp-ratio", "2.7", "-o", tmp_path / "p1")
     assert r.exit_code == 0, r.output
     conv = tmp_path / "p1" / "conv.safetensors"
-    r = invoke("train", "phase2", *tiny, "--init", conv, "--mlp-ratio", "2.7", "--out", tmp_path / "p2")
+    r = invoke("train", "phase2", *tiny, "--init", conv, "--mlp-ratio", "2.7", "-o", tmp_path / "p2")
     assert r.exit_code == 0, r.output
-    r = invoke("train", "phase2", *tiny, "--init", conv, "--mlp-ratio", "3", "--out", tmp_path / "p3")
+    r = invoke("train", "phase2", *tiny, "--init", conv, "--mlp-ratio", "3", "-o", tmp_path / "p3")
     assert r.exit_code == 2, r.output
     assert (
         "--mlp-ratio 3.0 (mlp_hidden_dim 144) disagrees with the checkpoint's mlp_hidden_dim 130" in r.stderr

@@ -26,9 +26,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..data import cpus
 from ..errors import CmhsaError
 from .config import TrainConfig
-from .recipe import cpus
 from .run import OUTPUT
 from .state import LAST
 

@@ -112,8 +112,8 @@ class RuntimeConfig:
     device: str = "auto"
     compile: bool = False
     deterministic: bool = False  # deterministic CUDA kernels (CPU runs are deterministic anyway)
-    workers: int | None = None  # workers loader only; default: train/recipe.default_workers
-    threads: int | None = None  # torch CPU threads; default: train/recipe.default_threads
+    workers: int | None = None  # workers loader only; default: data.default_workers
+    threads: int | None = None  # torch CPU threads; default: data.default_threads
     resume: bool = False
     keep: int = 0
     log_every: int = 50

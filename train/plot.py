@@ -60,7 +60,6 @@ def pyplot() -> Any:
 
 
 def _save(fig: Any, output: Path) -> None:
-    fig.tight_layout()
     check_image_path(output)
     suffix = output.suffix.lstrip(".").lower()
     with atomic_path(output) as tmp:
@@ -68,52 +67,108 @@ def _save(fig: Any, output: Path) -> None:
     pyplot().close(fig)
 
 
-def plot_runs(runs: list[Path], output: Path) -> None:
-    """Validation loss and top-1; with phase-2 runs, also each block's pinned share and gate."""
-    check_image_path(output)
+def _series(key: str) -> tuple[int, str]:
+    """metrics.csv's ``attn{block}_{share|gate|dist_px}`` as (block, what)."""
+    block, _, what = key.removeprefix("attn").partition("_")
+    return int(block), {"share": "pinned share", "gate": "gate", "dist_px": "distance px"}.get(what, what)
+
+
+def curves_figure(runs: list[Path]) -> Any:
+    """Validation loss and top-1 against epoch, one line per run; with phase-2 runs, each block's
+    pinned share (solid) and gate (dashed) in that block's colour."""
     plt = pyplot()
     data = {run: read_metrics(run) for run in runs}
-    attn = sorted({k for rows in data.values() for k in (rows[0] if rows else {}) if k.startswith("attn")})
-    fig, axes = plt.subplots(1, 3 if attn else 2, figsize=(16 if attn else 11, 4))
+    attn = sorted(
+        {k for rows in data.values() for k in rows[0] if k.startswith("attn") and not k.endswith("_dist_px")}
+    )
+    fig, axes = plt.subplots(1, 3 if attn else 2, figsize=(16 if attn else 11, 4.4), layout="constrained")
     ax_loss, ax_acc = axes[0], axes[1]
-    for run, rows in data.items():
+    for n, (run, rows) in enumerate(data.items()):
         epochs = [r["epoch"] for r in rows]
         ax_loss.plot(epochs, [r["val_loss"] for r in rows], label=run.name)
         ax_acc.plot(epochs, [r["top1"] for r in rows], label=run.name)
         for key in attn:
-            if not key.endswith("_dist_px") and all(key in r for r in rows):
-                style = "--" if key.endswith("_gate") else "-"
-                axes[2].plot(epochs, [r[key] for r in rows], style, label=f"{run.name} {key}")
-    ax_loss.set(xlabel="epoch", ylabel="validation loss")
-    ax_acc.set(xlabel="epoch", ylabel="top-1 (%)")
+            if all(key in r for r in rows):
+                block, what = _series(key)
+                run_name = f"{run.name}: " if len(data) > 1 else ""
+                axes[2].plot(epochs, [r[key] for r in rows], "--" if what == "gate" else "-",
+                             color=f"C{block % 10}", alpha=1.0 if n == 0 else 0.6,
+                             label=f"{run_name}block {block} {what}")  # fmt: skip
+    ax_loss.set(xlabel="epoch", ylabel="validation loss", title="Validation loss")
+    ax_acc.set(xlabel="epoch", ylabel="top-1 (%)", title="Validation top-1")
     if attn:
-        axes[2].set(xlabel="epoch", ylabel="pinned share (solid), gate (dashed)")
+        axes[2].set(
+            xlabel="epoch",
+            ylabel="share / gate (0 to 1)",
+            title="Attention: pinned share (solid), gate (dashed)",
+        )
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    _save(fig, output)
+    fig.suptitle(f"Training curves: {', '.join(run.name for run in runs)}")
+    return fig
 
 
-def plot_attention(report: Any, output: Path, title: str = "") -> None:
-    """One heat map per block and head: the mean attention weight at each relative offset."""
+def plot_runs(runs: list[Path], output: Path) -> None:
+    """:func:`curves_figure`, written to ``output`` (.png, .pdf, .svg)."""
+    check_image_path(output)
+    _save(curves_figure(runs), output)
+
+
+ATTENTION_LEGEND = (
+    "Colour: mean attention weight a query patch gives the key patch at offset (dy, dx), over the images; "
+    "one scale per block (its colour bar). Red square: the head's pinned offset.\n"
+    "Panel title: head, pinned offset (free: not pinned); share = weight on the pinned offset; "
+    "gate = weight of content attention in a gated head (0: pinned only); dist = mean attention distance in pixels."
+)
+
+
+def attention_figure(report: Any, title: str = "") -> Any:
+    """One heat map per block (row) and head (column): the mean attention weight at each relative
+    offset, one colour scale per block, the pinned offset marked."""
+    from matplotlib.patches import Rectangle
+
     plt = pyplot()
     blocks = report.blocks
     heads = max(len(b) for b in blocks)
-    fig, axes = plt.subplots(len(blocks), heads, figsize=(1.9 * heads, 2.0 * len(blocks)), squeeze=False)
+    fig, axes = plt.subplots(len(blocks), heads, figsize=(1.9 * heads + 1.2, 2.1 * len(blocks) + 1.3),
+                             squeeze=False, layout="constrained")  # fmt: skip
     gh, gw = report.grid_size
+    extent = (-gw + 0.5, gw - 0.5, gh - 0.5, -gh + 0.5)  # offset (0, 0) at the centre; dy grows downwards
+    step = max(1, (gw - 1) // 2)
     for i, block in enumerate(blocks):
+        vmax = max(max(max(row) for row in h.offset_map) for h in block) or 1.0
         for j, h in enumerate(block):
             ax = axes[i][j]
-            ax.imshow(h.offset_map, cmap="viridis", vmin=0, extent=(-gw + 0.5, gw - 0.5, gh - 0.5, -gh + 0.5))
-            off = "free" if h.offset is None else f"{h.offset[0]:+d},{h.offset[1]:+d}"
-            share = "" if h.pinned_share is None else f" {h.pinned_share:.2f}"
-            gate = "" if h.gate is None else f" g{h.gate:.2f}"
-            ax.set_title(f"b{i} h{j} {off}{share}{gate}\n{h.mean_distance_px:.1f}px", fontsize=7)
-            ax.set_xticks([])
-            ax.set_yticks([])
+            im = ax.imshow(h.offset_map, cmap="viridis", vmin=0, vmax=vmax, extent=extent)
+            if h.offset is not None:
+                dy, dx = h.offset
+                ax.add_patch(
+                    Rectangle((dx - 0.5, dy - 0.5), 1, 1, fill=False, edgecolor="red", linewidth=1.2)
+                )
+            off = "free" if h.offset is None else f"({h.offset[0]:+d}, {h.offset[1]:+d})"
+            stats = [f"share {h.pinned_share:.2f}"] if h.pinned_share is not None else []
+            stats += [f"gate {h.gate:.2f}"] if h.gate is not None else []
+            stats.append(f"dist {h.mean_distance_px:.1f}px")
+            ax.set_title(f"head {j} {off}\n{', '.join(stats)}", fontsize=7)
+            ticks = list(range(-(gw - 1), gw, step))
+            ax.set_xticks(ticks)
+            ax.set_yticks(list(range(-(gh - 1), gh, max(1, (gh - 1) // 2))))
+            ax.tick_params(labelsize=6)
+            if i == len(blocks) - 1:
+                ax.set_xlabel("dx", fontsize=7)
+            if j == 0:
+                ax.set_ylabel(f"block {i}\ndy", fontsize=8)
         for j in range(len(block), heads):
             axes[i][j].axis("off")
-    fig.suptitle(
-        title or f"mean attention by relative offset (dy down, dx right), {report.images} images", fontsize=9
-    )
-    _save(fig, output)
+        bar = fig.colorbar(im, ax=list(axes[i]), shrink=0.9, pad=0.01)
+        bar.set_label("mean weight", fontsize=7)
+        bar.ax.tick_params(labelsize=6)
+    fig.suptitle(title or f"Mean attention by relative offset, {report.images} images", fontsize=10)
+    fig.supxlabel(ATTENTION_LEGEND, fontsize=7, ha="left", x=0.01, wrap=True)
+    return fig
+
+
+def plot_attention(report: Any, output: Path, title: str = "") -> None:
+    """:func:`attention_figure`, written to ``output``."""
+    _save(attention_figure(report, title), output)

@@ -4,13 +4,12 @@ scheduler, Mixup/CutMix, loss and mixed precision."""
 from __future__ import annotations
 
 import math
-import os
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..data import build_transform
+from ..data import build_transform, cpus
 from ..errors import CmhsaError
 from ..model import ATTENTION_PARAMS
 from ..starts import check_start
@@ -22,25 +21,6 @@ def scaled_lrs(cfg: TrainConfig, world: int) -> tuple[float, float, float]:
     """DeiT's linear scaling: every learning rate × global batch / lr_base_batch."""
     scale = cfg.recipe.batch_size * world / cfg.recipe.lr_base_batch
     return cfg.peak_lr * scale, cfg.recipe.min_lr * scale, cfg.recipe.warmup_lr * scale
-
-
-def cpus() -> int:
-    """The CPUs this process may use."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
-def default_workers() -> int:
-    """Workers of the workers loader when `workers` is not given: up to 4, never more than the CPUs
-    this process may use (PyTorch warns above that). On 2 CPUs, 0, 1 and 2 workers ran the same
-    in-memory data within this VM's run-to-run spread (BENCHMARKS.md, 'Small-data training')."""
-    return min(4, cpus())
-
-
-def default_threads() -> int:
-    """torch CPU threads when `threads` is not given: every CPU this process may use (BENCHMARKS.md,
-    'Small-data training': on 2 cores, 2 threads trained 1.3x (phase 1) and 1.7x (phase 2) faster
-    than 1 with the device loader)."""
-    return cpus()
 
 
 def check_recipe(cfg: TrainConfig) -> None:

@@ -32,6 +32,8 @@ from ..data import (
     build_loader,
     build_transform,
     channel_stats,
+    default_threads,
+    default_workers,
     epoch_sampler,
     image_mode,
 )
@@ -51,8 +53,6 @@ from .recipe import (
     build_recipe,
     build_scheduler,
     check_recipe,
-    default_threads,
-    default_workers,
     scaled_lrs,
 )
 from .state import LAST, RunState, read_checkpoint
@@ -189,6 +189,26 @@ def resumed_config(cfg: TrainConfig, saved: dict[str, Any], out: Path, log: Any)
     return old, any(n in changed for n in RESUMABLE)
 
 
+def unmeant_choices(cfg: TrainConfig) -> list[str]:
+    """Choices that change the experiment and may not be what was meant, one line each: phase 2
+    without a typed ``--init`` (``given`` empty means every flag was meant: the Python API), and a
+    warm-up that never reaches the peak learning rate."""
+    lines = []
+    if cfg.phase == "phase2" and cfg.given and "init" not in cfg.given:
+        lines.append(
+            f"--init not given: phase 2 starts from {cfg.start.init} weights, with no conv checkpoint (the "
+            "'phase 2 only' arms of EXPERIMENTS.md, not two-phase training); for the paper's two phases pass "
+            "--init PHASE1_RUN/conv.safetensors"
+        )
+    r = cfg.recipe
+    if r.warmup_epochs >= r.epochs:
+        lines.append(
+            f"warning: --warmup-epochs {r.warmup_epochs} >= --epochs {r.epochs}: the learning rate never reaches "
+            f"its peak ({cfg.peak_lr:g} at batch {r.lr_base_batch}); lower --warmup-epochs or train longer"
+        )
+    return lines
+
+
 def _run(
     cfg: TrainConfig, ctx: Context, progress: Progress | None, stop_after_steps: int | None
 ) -> RunResult:
@@ -238,6 +258,8 @@ def _locked_run(
             out,
         )
     reporter.open(cfg.recipe.epochs, cfg.runtime.log_every)
+    for line in [] if saved else unmeant_choices(cfg):
+        reporter.log(line)
     loop = build(cfg, ctx, out, saved, reschedule, reporter)
     return train(loop, stop_after_steps)
 

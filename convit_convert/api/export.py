@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,14 +68,14 @@ class ExportOptions:
     tol: float = 1e-4  # largest relative error of onnxruntime against PyTorch
     exporter: str = "dynamo"  # or "legacy" (TorchScript)
     form: str = "fused"  # attention models: "fused" (W_V·W_O folded) or "trained"
-    device: str = "cpu"  # onnxruntime provider of the check: cpu, cuda or auto
+    device: str = "auto"  # onnxruntime provider of the check: auto, cpu, cuda or cuda:N
     seed: int = 0  # of the check images
 
     def __post_init__(self) -> None:
         from ..onnx.export import check_options
 
-        if self.device not in ("cpu", "cuda", "auto"):
-            raise CmhsaError(f"`device` must be cpu, cuda or auto, got {self.device!r}")
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise CmhsaError(f"`device` must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         check_tol(self.tol)
         check_options(self.exporter, self.opset, self.form)
 

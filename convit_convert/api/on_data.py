@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, Subset
 from ..analysis import AttentionReport, attention_stats
 from ..approximate import Calibration, check_image_counts
 from ..config import ViTConfig
-from ..data import DATASETS, DataSpec, build_data, build_loader, build_transform, image_mode
+from ..data import DATASETS, DataSpec, build_data, build_loader, build_transform, default_workers, image_mode
 from ..deploy import for_inference
 from ..errors import CmhsaError
 from ..io.checkpoint import Checkpoint
@@ -97,11 +97,13 @@ def _val_loader(
 
 def evaluate_checkpoint(
     path: str | Path, *, data: str, data_dir: str | None = None, download: bool = False,
-    batch_size: int = 128, device: str = "auto", amp: str = "none", workers: int = 2, crop_pct: float = 0.875,
+    batch_size: int = 128, device: str = "auto", amp: str = "none", workers: int | None = None, crop_pct: float = 0.875,
     seed: int = 0,
 ) -> EvalReport:  # fmt: skip
-    """``cmhsa eval``: top-1 / top-5 and loss of a checkpoint on ``data``'s validation split."""
+    """``cmhsa eval``: top-1 / top-5 and loss of a checkpoint on ``data``'s validation split
+    (``workers`` None: :func:`~convit_convert.data.default_workers`)."""
     ckpt = load_checkpoint(path)
+    workers = default_workers() if workers is None else workers
     if batch_size < 1:
         raise CmhsaError(f"`batch_size` must be positive, got {batch_size}")
     dev = pick_device(device)

@@ -113,6 +113,11 @@ class BoundaryGroup(TyperGroup):
         **extra: Any,
     ) -> Any:
         set_debug(False)  # one invocation's --debug does not carry to the next (CliRunner tests)
+        if not getattr(self, "_plain", False):  # --help: each default once, no type metavars
+            from .options import plain_help
+
+            plain_help(self)
+            self._plain = True
         try:
             rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         except SystemExit:

@@ -10,7 +10,7 @@ import typer
 from rich.table import Table
 
 from ..errors import CmhsaError
-from ..spec import DEFAULT_TOL, ConversionSpec
+from ..spec import DEFAULT_MARGIN, DEFAULT_TOL, ConversionSpec
 from .common import (
     EXIT_FAIL,
     console,
@@ -22,6 +22,7 @@ from .common import (
     print_written,
     safe,
 )
+from .options import DEVICE, alias_option, device_option, output_option, use_alias
 
 if TYPE_CHECKING:
     from ..approximate import Approximation, Calibration
@@ -34,12 +35,13 @@ app = typer.Typer()
 @app.command()
 def convert(
     input: Annotated[Path, path_arg("Conv-phase model: cmhsa .safetensors, an ONNX file (.onnx, read by its graph), or a bare state dict (.safetensors/.pt/.pth) with --img-size and --patch-size.")],
-    output: Annotated[Path, path_opt("Attention checkpoint to write (.safetensors).", "--output", "-o")],
+    output: Annotated[Path, output_option("Attention checkpoint to write (.safetensors).")],
     heads: Annotated[int | None, typer.Option(help="Attention heads (default: as many as the kernel needs); extra heads are free, trainable heads with zero output weights.")] = None,
     qk_dim: Annotated[int | None, typer.Option(help="Per-head query/key width (default: embed_dim, the paper's). Exactness does not depend on it.")] = None,
     pinning: Annotated[str, typer.Option(help="hard: the exact construction, attention fixed; gated: each head also gets content attention behind a gate that starts at 0 (still exact).")] = "hard",
     sink: Annotated[bool, typer.Option("--sink/--no-sink", help="Give each head a sink so border patches are exact. --no-sink: the paper's construction (inexact at the border).")] = True,
     qk_init_std: Annotated[float, typer.Option(help="Std of a small random W_Q, W_K (0 = the paper's zeros); moves phase 2 off the W_Q = W_K = 0 saddle and stays exact.")] = 0.0,
+    margin: Annotated[float, typer.Option(help="Logit margin: each pinned head attends to its patch to within e^-margin (the paper's M = 40).")] = DEFAULT_MARGIN,
     tol: Annotated[float, typer.Option(help="Largest relative error verification accepts (and, for ONNX input, the import check).")] = DEFAULT_TOL,
     verify: Annotated[bool, typer.Option("--verify/--no-verify", help="Check the result numerically before writing it.")] = True,
     report: Annotated[Path | None, path_opt("Report path (default: OUTPUT's stem + .report.json).")] = None,
@@ -50,7 +52,7 @@ def convert(
     dtype: Annotated[str, typer.Option(help="Verification dtype: float32 or float64.")] = "float32",
     batch: Annotated[int, typer.Option(help="Verification batch size.")] = 4,
     seed: Annotated[int, typer.Option(help="Seed for the verification images and any random W_Q, W_K.")] = 0,
-    device: Annotated[str, typer.Option(help="Verification device: auto, cpu, cuda, cuda:N.")] = "auto",
+    device: Annotated[str, device_option()] = DEVICE,
     approximate: Annotated[bool, typer.Option("--approximate", help="With --heads below what the kernel needs: keep the offsets that matter most on calibration images and refit their W_O (the paper's open problem; measured, not exact: verification still judges against --tol).")] = False,
     rule: Annotated[str, typer.Option(help="--approximate: greedy (drop the offset whose loss hurts least, measured, one at a time) or corner (drop the farthest offsets first, whatever the data).")] = "greedy",
     refit: Annotated[bool, typer.Option("--refit/--no-refit", help="--approximate: refit the kept heads' W_O by least squares (--no-refit: plain dropping).")] = True,
@@ -70,7 +72,7 @@ def convert(
         return calibration(cfg, calib, data_dir, calib_images, heldout_images, seed)
 
     spec = ConversionSpec(heads=heads, qk_dim=qk_dim, sink=sink, pinning=pinning, qk_init_std=qk_init_std,
-                          seed=seed, tol=tol, approximate=approximate, rule=rule, refit=refit)  # fmt: skip
+                          margin=margin, seed=seed, tol=tol, approximate=approximate, rule=rule, refit=refit)  # fmt: skip
     with console.status(f"Converting {safe(str(input))} and verifying on {batch} random images..."):
         r = convert_file(
             input, output, spec, report=report, img_size=parse_img_size(img_size), patch_size=patch_size,
@@ -143,7 +145,7 @@ def verify_cmd(
     batch: Annotated[int, typer.Option(help="Random images per check.")] = 4,
     seed: Annotated[int, typer.Option(help="Seed for the random images.")] = 0,
     report: Annotated[Path | None, path_opt("Write a JSON report here.")] = None,
-    device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N.")] = "auto",
+    device: Annotated[str, device_option()] = DEVICE,
 ) -> None:  # fmt: skip
 # fmt: on
     """Check numerically that ATTN computes what CONV computes. Exit 0 pass, 1 outside tol, 2 bad input."""
@@ -161,7 +163,7 @@ def verify_cmd(
 # fmt: off
 @app.command()
 def inspect(
-    ckpt: Annotated[Path, path_arg("A cmhsa checkpoint.")],
+    ckpt: Annotated[Path, path_arg("A checkpoint: cmhsa .safetensors, an ONNX file (read by its graph), or a bare state dict (.safetensors/.pt/.pth) with --img-size and --patch-size.")],
     img_size: Annotated[str | None, typer.Option(help="Bare state dicts only: image size, H or HxW.")] = None,
     patch_size: Annotated[int | None, typer.Option(help="Bare state dicts only: patch size P.")] = None,
 ) -> None:
@@ -209,8 +211,8 @@ def inspect(
 # fmt: off
 @app.command()
 def heads(
-    kernel: Annotated[int | None, typer.Option("--kernel", "-k", help="Kernel size K (or --checkpoint).", show_default=False)] = None,
-    patch: Annotated[int | None, typer.Option("--patch", "-p", help="Patch size P (or --checkpoint).", show_default=False)] = None,
+    kernel_size: Annotated[int | None, typer.Option("--kernel-size", "-k", help="Kernel size K (or --checkpoint).")] = None,
+    patch_size: Annotated[int | None, typer.Option("--patch-size", "-p", help="Patch size P (or --checkpoint).")] = None,
     dilation: Annotated[int, typer.Option("--dilation", "-d", help="Dilation D.")] = 1,
     channels: Annotated[int | None, typer.Option(help="Channels C (Theorem 5's pixel-input bound is min(K², C)).")] = None,
     checkpoint: Annotated[Path | None, path_opt("A conv-phase checkpoint: also measure, for every N from 1 to the bound, the error of an approximate conversion with N heads (as convert --approximate).")] = None,
@@ -220,12 +222,16 @@ def heads(
     calib_images: Annotated[int, typer.Option(help="--checkpoint: calibration images.")] = 256,
     heldout_images: Annotated[int, typer.Option(help="--checkpoint: held-out images.")] = 512,
     seed: Annotated[int, typer.Option(help="--checkpoint: seed of the calibration images.")] = 0,
+    kernel: Annotated[int | None, alias_option("--kernel", "--kernel-size")] = None,
+    patch: Annotated[int | None, alias_option("--patch", "--patch-size")] = None,
 ) -> None:
 # fmt: on
     """How many heads an MHSA layer needs to express a KxK convolution, and why; with --checkpoint,
     what fewer heads cost that checkpoint, measured."""
     from ..theory import head_count, same_padding
 
+    kernel = use_alias(kernel_size, kernel, "--kernel", "--kernel-size")
+    patch = use_alias(patch_size, patch, "--patch", "--patch-size")
     ckpt = None
     if checkpoint is not None:
         from ..api import load_checkpoint
@@ -233,13 +239,13 @@ def heads(
         ckpt = load_checkpoint(checkpoint)
         cfg = ckpt.config
         if (kernel, patch) != (None, None) and (kernel, patch) != (cfg.kernel_size, cfg.patch_size):
-            raise CmhsaError(f"has K = {cfg.kernel_size}, P = {cfg.patch_size}; drop --kernel/--patch or match them", checkpoint)
+            raise CmhsaError(f"has K = {cfg.kernel_size}, P = {cfg.patch_size}; drop --kernel-size/--patch-size or match them", checkpoint)
         kernel, patch, dilation = cfg.kernel_size, cfg.patch_size, cfg.dilation
         channels = cfg.hidden_chans if channels is None else channels
         ConversionSpec(rule=rule)  # refuses a bad --rule before anything is printed
         calib_set = calibration(cfg, calib, data_dir, calib_images, heldout_images, seed)
     if kernel is None or patch is None:
-        raise CmhsaError("give --kernel and --patch, or --checkpoint")
+        raise CmhsaError("give --kernel-size and --patch-size, or --checkpoint")
     hc = head_count(kernel, patch, dilation, channels)
     left, right = same_padding(kernel, dilation)
     console.print(

@@ -9,6 +9,7 @@ import typer
 from rich.table import Table
 
 from .common import EXIT_FAIL, console, fmt, path_arg, path_opt, print_import, print_written, safe
+from .options import DEVICE, device_option, output_option
 
 app = typer.Typer()
 
@@ -57,12 +58,12 @@ def run_export(checkpoint: Path, output: Path, options: Any, report: Path | None
 @app.command("export")
 def export_cmd(
     checkpoint: Annotated[Path, path_arg("Checkpoint to export (attn or conv).")],
-    output: Annotated[Path, path_opt("ONNX file to write (.onnx).", "--output", "-o")],
+    output: Annotated[Path, output_option("ONNX file to write (.onnx).")],
     opset: Annotated[int | None, typer.Option(help="ai.onnx opset (>= 17; default: the exporter's).", show_default=False)] = None,
     tol: Annotated[float, typer.Option(help="Largest relative error of onnxruntime vs PyTorch.")] = 1e-4,
     exporter: Annotated[str, typer.Option(help="dynamo (torch.export, torch's default) or legacy (TorchScript).")] = "dynamo",
     form: Annotated[str, typer.Option(help="Attention models: fused (W_V·W_O folded, faster inference, the same function) or trained (the projections as trained).")] = "fused",
-    device: Annotated[str, typer.Option(help="onnxruntime provider for the check: cpu, cuda, or auto (CUDA when it has it).")] = "cpu",
+    device: Annotated[str, device_option()] = DEVICE,
     seed: Annotated[int, typer.Option(help="Seed of the check images.")] = 0,
     report: Annotated[Path | None, path_opt("Report path (default: OUTPUT + .report.json).")] = None,
 ) -> None:  # fmt: skip

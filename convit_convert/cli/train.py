@@ -17,8 +17,22 @@ from typing import Annotated, Any, Optional
 
 import typer
 
+from ..errors import CmhsaError
 from ..train.config import PHASE_LR, TrainConfig
 from .common import EXIT_FAIL, console, safe
+from .options import (
+    DATA_HELP,
+    DEVICE,
+    DEVICE_HELP,
+    WORKERS_HELP,
+    alias_option,
+    data_option,
+    device_option,
+    missing_data,
+    output_option,
+    use_alias,
+    workers_option,
+)
 
 MODEL = "Model"
 PHASE2 = "Phase 2"
@@ -27,7 +41,7 @@ RUN = "Running"
 
 # (field, type, help, panel, phases); defaults come from TrainConfig
 FLAGS: list[tuple[str, Any, str, str, tuple[str, ...]]] = [
-    ("data", str, "cifar100, cifar10, imagefolder (DIR/train, DIR/val), digits (scikit-learn's), fashion-mnist (Debian's dataset-fashion-mnist), synthetic.", "Data", ("phase1", "phase2")),
+    ("data", str, DATA_HELP, "Data", ("phase1", "phase2")),
     ("data_dir", str, "Folder of the dataset (cifar*, imagefolder).", "Data", ("phase1", "phase2")),
     ("download", bool, "Let torchvision download CIFAR into --data-dir (never without this flag).", "Data", ("phase1", "phase2")),
     ("num_classes", int, "Classes of --data synthetic.", "Data", ("phase1", "phase2")),
@@ -85,11 +99,11 @@ FLAGS: list[tuple[str, Any, str, str, tuple[str, ...]]] = [
     ("model_ema", bool, "Keep an EMA of the weights (evaluated and saved as *-ema.safetensors).", RECIPE, ("phase1", "phase2")),
     ("model_ema_decay", float, "EMA decay.", RECIPE, ("phase1", "phase2")),
     ("seed", int, "Seed of everything random.", RUN, ("phase1", "phase2")),
-    ("device", str, "auto (CUDA when present), cuda, cuda:N or cpu.", RUN, ("phase1", "phase2")),
+    ("device", str, DEVICE_HELP, RUN, ("phase1", "phase2")),
     ("amp", str, "auto (bf16 on CUDA, none on CPU), bf16, fp16 or none.", RUN, ("phase1", "phase2")),
     ("compile", bool, "torch.compile the model.", RUN, ("phase1", "phase2")),
     ("deterministic", bool, "Deterministic CUDA kernels: bit-identical re-runs and resumes on a GPU, somewhat slower (CPU runs are deterministic anyway).", RUN, ("phase1", "phase2")),
-    ("workers", int, "Data-loading worker processes per process, workers loader only.", RUN, ("phase1", "phase2")),
+    ("workers", int, WORKERS_HELP, RUN, ("phase1", "phase2")),
     ("threads", int, "torch CPU threads per process.", RUN, ("phase1", "phase2")),
     ("resume", bool, "Continue the run in --out from checkpoint-last.pt (a larger --epochs extends it; a new --lr restarts the schedule from there).", RUN, ("phase1", "phase2")),
     ("keep", int, "Also keep the newest N end-of-epoch checkpoints.", RUN, ("phase1", "phase2")),
@@ -103,16 +117,15 @@ def _option(name: str, typ: Any, help_text: str, panel: str, default: Any) -> in
     decls = [f"{flag}/--no-{name.replace('_', '-')}"] if typ is bool else [flag]
     shown = {
         "lr": "per phase: " + ", ".join(f"{k} {v:g}" for k, v in PHASE_LR.items()),
-        "workers": "min(4, CPUs)",
         "threads": "the CPUs this process may use",
         "pinning": "gated from a conv-phase --init and impulse, hard from random and mimetic",
         "attn_lr_mult": "10 from a checkpoint, 1 otherwise",
     }.get(name, default)
     if isinstance(shown, tuple):
         shown = " ".join(map(str, shown))
-    info = typer.Option(
-        *decls, help=f"{help_text} \\[default: {shown}]", show_default=False, rich_help_panel=panel
-    )
+    if shown is not None and "default" not in help_text.lower():  # each default said once
+        help_text = f"{help_text} \\[default: {shown}]"
+    info = typer.Option(*decls, help=help_text, show_default=False, rich_help_panel=panel)
     return inspect.Parameter(
         name,
         inspect.Parameter.KEYWORD_ONLY,
@@ -125,17 +138,21 @@ def _train_command(phase: str) -> Any:
     defaults = TrainConfig.from_flags().to_dict()
 
     def command(**kwargs: Any) -> None:
-        given = {k: v for k, v in kwargs.items() if v is not None and k != "out"}
-        _run_training(
-            TrainConfig.from_flags(phase=phase, out=str(kwargs["out"]), given=frozenset(given), **given)
-        )
+        out = use_alias(kwargs.pop("output"), kwargs.pop("out"), "--out", "-o/--output")
+        if out is None:
+            raise CmhsaError("-o/--output is missing: give the run folder to write (created)")
+        given = {k: v for k, v in kwargs.items() if v is not None}
+        _run_training(TrainConfig.from_flags(phase=phase, out=str(out), given=frozenset(given), **given))
 
-    out = inspect.Parameter(
-        "out",
-        inspect.Parameter.KEYWORD_ONLY,
-        annotation=Annotated[Path, typer.Option("--out", help="Run folder (created).", show_default=False)],
-    )
-    params = [out] + [
+    output = inspect.Parameter(
+        "output", inspect.Parameter.KEYWORD_ONLY, default=None,
+        annotation=Annotated[Optional[Path], output_option("Run folder to write (created).")],  # noqa: UP045
+    )  # fmt: skip
+    old_out = inspect.Parameter(
+        "out", inspect.Parameter.KEYWORD_ONLY, default=None,
+        annotation=Annotated[Optional[Path], alias_option("--out", "-o/--output")],  # noqa: UP045
+    )  # fmt: skip
+    params = [output, old_out] + [
         _option(name, typ, help_text, panel, defaults[name])
         for name, typ, help_text, panel, phases in FLAGS
         if phase in phases
@@ -178,13 +195,13 @@ for _phase in ("phase1", "phase2"):
 # fmt: off
 def eval_command(
     checkpoint: Annotated[Path, typer.Argument(help="Model checkpoint (.safetensors, conv or attn).", show_default=False)],
-    data: Annotated[str, typer.Option(help="cifar100, cifar10, imagefolder, digits, fashion-mnist, synthetic.")] = "cifar100",
+    data: Annotated[Optional[str], data_option("eval")] = None,  # noqa: UP045
     data_dir: Annotated[Optional[str], typer.Option(help="Folder of the dataset.")] = None,  # noqa: UP045
     download: Annotated[bool, typer.Option(help="Let torchvision download CIFAR.")] = False,
     batch_size: Annotated[int, typer.Option(help="Batch size.")] = 128,
-    device: Annotated[str, typer.Option(help="auto, cuda, cuda:N or cpu.")] = "auto",
+    device: Annotated[str, device_option()] = DEVICE,
     amp: Annotated[str, typer.Option(help="auto, bf16, fp16 or none.")] = "none",
-    workers: Annotated[int, typer.Option(help="Data-loading workers.")] = 2,
+    workers: Annotated[Optional[int], workers_option()] = None,  # noqa: UP045
     crop_pct: Annotated[float, typer.Option(help="Eval centre-crop fraction.")] = 0.875,
     seed: Annotated[int, typer.Option(help="Seed of --data synthetic.")] = 0,
 ) -> None:
@@ -194,6 +211,8 @@ def eval_command(
 
     from ..api.on_data import evaluate_checkpoint
 
+    if data is None:
+        raise CmhsaError(missing_data("eval"))
     r = evaluate_checkpoint(
         checkpoint, data=data, data_dir=data_dir, download=download, batch_size=batch_size,
         device=device, amp=amp, workers=workers, crop_pct=crop_pct, seed=seed,
@@ -209,12 +228,12 @@ def eval_command(
 # fmt: off
 def attention_command(
     checkpoint: Annotated[Path, typer.Argument(help="Attention checkpoint (.safetensors).", show_default=False)],
-    output: Annotated[Path, typer.Option("--output", "-o", help="Folder for attention.json and attention.png (created).", show_default=False)],
-    data: Annotated[str, typer.Option(help="cifar100, cifar10, imagefolder, digits, fashion-mnist, synthetic.")] = "cifar100",
+    output: Annotated[Path, output_option("Folder for attention.json and attention.png (created).")],
+    data: Annotated[Optional[str], data_option("attention")] = None,  # noqa: UP045
     data_dir: Annotated[Optional[str], typer.Option(help="Folder of the dataset.")] = None,  # noqa: UP045
     images: Annotated[int, typer.Option(help="Validation images to average over.")] = 1000,
     batch_size: Annotated[int, typer.Option(help="Batch size.")] = 100,
-    device: Annotated[str, typer.Option(help="auto, cuda, cuda:N or cpu.")] = "auto",
+    device: Annotated[str, device_option()] = DEVICE,
     seed: Annotated[int, typer.Option(help="Seed of --data synthetic.")] = 0,
 ) -> None:
 # fmt: on
@@ -224,10 +243,11 @@ def attention_command(
     from rich.table import Table
 
     from ..api.on_data import attention_on_data
-    from ..errors import CmhsaError
     from ..io.atomic import atomic_write_text
     from ..train.plot import plot_attention, pyplot
 
+    if data is None:
+        raise CmhsaError(missing_data("attention"))
     if output.exists() and not output.is_dir():
         raise CmhsaError("is a file; give a folder for attention.json and attention.png", output)
     pyplot()  # fail before the slow part, and before anything is written, if matplotlib is missing

@@ -145,16 +145,19 @@ def _ort_message(e: BaseException) -> str:
     return msg
 
 
-def providers_for(device: str) -> list[str]:
-    """onnxruntime execution providers for ``device`` ('cpu', 'cuda' or 'auto'); CPU always last."""
+def providers_for(device: str) -> list[Any]:
+    """onnxruntime execution providers for ``device`` ('cpu', 'cuda', 'cuda:N' or 'auto'); CPU
+    always last."""
     import onnxruntime as ort
 
     available = ort.get_available_providers()
     if device == "cpu":
         return ["CPUExecutionProvider"]
     if "CUDAExecutionProvider" in available:
-        return ["CUDAExecutionProvider", "CPUExecutionProvider"]
-    if device == "cuda":
+        index = device.partition(":")[2]
+        cuda = ("CUDAExecutionProvider", {"device_id": int(index)}) if index else "CUDAExecutionProvider"
+        return [cuda, "CPUExecutionProvider"]
+    if device.startswith("cuda"):
         raise CmhsaError(
             "onnxruntime has no CUDAExecutionProvider here (install the `gpu` extra, onnxruntime-gpu, "
             f"instead of onnxruntime); available: {', '.join(available)}"

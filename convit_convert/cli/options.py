@@ -1,0 +1,79 @@
+"""The options several commands share, declared once (one spelling, one default, one help text per
+concept, as huggingface_hub's CLI shares its option aliases), the old spellings kept as hidden
+aliases, and :func:`plain_help`, which makes every command's ``--help`` show each default once,
+no type metavars, and arguments named as the README names them (``INPUT``, not ``{input}``)."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import typer
+
+DEVICE = "auto"  # every command's --device default
+DEVICE_HELP = "Where to run: auto (CUDA when there is one), cpu, cuda or cuda:N."
+WORKERS_HELP = "Data-loading worker processes (workers loader) \\[default: min(4, CPUs)]."
+DATASETS = ("cifar100", "cifar10", "imagefolder", "digits", "fashion-mnist", "synthetic")
+DATA_HELP = (
+    "Dataset: cifar100, cifar10, imagefolder (DIR/train, DIR/val), digits (scikit-learn's), "
+    "fashion-mnist (Debian's dataset-fashion-mnist), synthetic."
+)
+
+
+def output_option(help: str) -> Any:
+    """-o/--output: every path a command writes."""
+    return typer.Option("--output", "-o", readable=False, help=help, show_default=False)
+
+
+def device_option(help: str = DEVICE_HELP) -> Any:
+    return typer.Option("--device", help=help)
+
+
+def workers_option() -> Any:
+    return typer.Option("--workers", help=WORKERS_HELP, show_default=False)
+
+
+def data_option(required_by: str) -> Any:
+    """--data with no default: a command that reads a dataset says which (``required_by``)."""
+    return typer.Option("--data", help=f"{DATA_HELP} Needed by {required_by}.", show_default=False)
+
+
+def alias_option(old: str, new: str) -> Any:
+    """A hidden old spelling of ``new``, kept for one release (README, "Command line")."""
+    return typer.Option(old, hidden=True, help=f"Old spelling of {new}.", show_default=False)
+
+
+def use_alias(value: Any, old_value: Any, old: str, new: str) -> Any:
+    """The value of an option typed under its new or its old spelling; one line on stderr for the old."""
+    if old_value is None:
+        return value
+    if value is not None and value != old_value:
+        from ..errors import CmhsaError
+
+        raise CmhsaError(f"{old} and {new} are one option (the old and the new spelling); give it once")
+    print(f"note: {old} is now {new}; the old spelling goes in the next release", file=sys.stderr)
+    return old_value
+
+
+def missing_data(command: str) -> str:
+    return f"--data is missing: {command} needs a dataset, one of {', '.join(DATASETS)}"
+
+
+def plain_help(command: Any) -> None:
+    """Every option and argument of ``command`` (a built click command or group, and everything under
+    it) tidied for ``--help``: no type metavar (``<int>``), arguments shown by name in capitals, and
+    no default shown by typer where the help already states one or the default is None."""
+    from typer._click.core import Context
+
+    for param in command.get_params(Context(command)):  # the --help option included
+        is_argument = param.param_type_name == "argument"
+        if param.metavar is None:
+            param.metavar = param.name.upper() if is_argument else ""
+        if is_argument:  # typer 0.29 writes a required one as {NAME} and adds its type; the README's form
+            name = param.metavar + ("..." if param.nargs != 1 else "")
+            param._usage_display_name = lambda n=name: n
+            param.display_type_rich = lambda ctx: None
+        if param.default is None or "default" in (getattr(param, "help", None) or "").lower():
+            param.show_default = False
+    for sub in getattr(command, "commands", {}).values():
+        plain_help(sub)

@@ -1,0 +1,85 @@
+"""The figures a person reads: attention.png and curves.png carry their titles, colour bars, axis
+labels and readable series names (checked on matplotlib's objects, not on pixels)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("matplotlib")
+
+from matplotlib.patches import Rectangle
+
+from convit_convert.analysis import AttentionReport, HeadStats
+from convit_convert.train.plot import attention_figure, curves_figure, plot_attention, plot_runs
+
+
+def report() -> AttentionReport:
+    """2 blocks x 3 heads on a 3x3 grid (offset maps 5x5): block 1's weights are half block 0's, so
+    one scale per block shows both at full colour and a shared scale would not."""
+    blocks = []
+    for b, scale in enumerate((1.0, 0.5)):
+        heads = []
+        for h, offset in enumerate([(-1, 0), (0, 1), None]):
+            m = [[0.0] * 5 for _ in range(5)]
+            dy, dx = offset or (0, 0)
+            m[dy + 2][dx + 2] = scale * (0.9 if offset else 0.3)
+            gate = 0.1 * b if offset else None
+            heads.append(HeadStats(offset, None if offset is None else scale, 4.0 + h, 0.5, gate, m))
+        blocks.append(heads)
+    return AttentionReport(images=7, grid_size=(3, 3), patch_size=4, blocks=blocks)
+
+
+def test_attention_figure_can_be_read_without_the_source() -> None:
+    fig = attention_figure(report(), "model.safetensors on digits")
+    assert fig._suptitle.get_text() == "model.safetensors on digits"
+    legend = fig._supxlabel.get_text()
+    for word in ("share", "gate", "dist", "colour bar", "pinned offset"):
+        assert word in legend, word
+    panels = [ax for ax in fig.axes if ax.images]
+    bars = [ax for ax in fig.axes if ax.get_ylabel() == "mean weight"]
+    assert len(panels) == 6 and len(bars) == 2  # one colour bar per block
+    for row, block_max in ((panels[:3], 0.9), (panels[3:], 0.45)):  # one scale per block: its own max
+        assert {ax.images[0].get_clim() for ax in row} == {(0.0, block_max)}
+    assert [ax.get_ylabel() for ax in panels[::3]] == ["block 0\ndy", "block 1\ndy"]
+    assert all(ax.get_xlabel() == "dx" for ax in panels[3:])
+    assert all(len(ax.get_xticks()) > 1 and len(ax.get_yticks()) > 1 for ax in panels)
+    assert panels[0].get_title().startswith("head 0 (-1, +0)\nshare 1.00, gate 0.00, dist 4.0px")
+    assert panels[2].get_title().startswith("head 2 free")
+    # the pinned offset marked where the map has it: (dx, dy) = (0, -1) for head 0
+    (mark,) = [p for p in panels[0].patches if isinstance(p, Rectangle)]
+    assert mark.get_xy() == (-0.5, -1.5) and not panels[2].patches
+    # no title overlaps another panel (titles above the row below, as laid out)
+    fig.canvas.draw()
+    boxes = [ax.get_window_extent() for ax in panels]
+    for ax in panels:
+        title = ax.title.get_window_extent()
+        assert not any(
+            title.overlaps(box) for other, box in zip(panels, boxes, strict=True) if other is not ax
+        )
+
+
+def metrics(run: Path, rows: int) -> Path:
+    run.mkdir()
+    head = "epoch,val_loss,top1,attn0_share,attn0_dist_px,attn0_gate,attn1_share,attn1_dist_px,attn1_gate"
+    lines = [f"{e},{1.0 / e},{50 + e},0.9,4.0,0.1,0.8,5.0,0.2" for e in range(1, rows + 1)]
+    (run / "metrics.csv").write_text("\n".join([head, *lines]) + "\n")
+    return run
+
+
+def test_curves_figure_names_its_runs_and_series(tmp_path: Path) -> None:
+    runs = [metrics(tmp_path / "gated", 3), metrics(tmp_path / "impulse", 4)]
+    fig = curves_figure(runs)
+    assert fig._suptitle.get_text() == "Training curves: gated, impulse"
+    loss, acc, attn = fig.axes[:3]
+    assert (loss.get_title(), acc.get_title()) == ("Validation loss", "Validation top-1")
+    labels = [line.get_label() for line in attn.lines]
+    assert "gated: block 0 pinned share" in labels and "impulse: block 1 gate" in labels
+    assert not any("attn" in label or "dist" in label for label in labels)
+    colour = {line.get_label(): line.get_color() for line in attn.lines}
+    assert colour["gated: block 0 pinned share"] == colour["gated: block 0 gate"]  # a block's colour
+    assert colour["gated: block 0 gate"] != colour["gated: block 1 gate"]
+    plot_runs(runs, tmp_path / "curves.png")
+    plot_attention(report(), tmp_path / "attention.png")
+    assert (tmp_path / "curves.png").stat().st_size > 0 and (tmp_path / "attention.png").stat().st_size > 0

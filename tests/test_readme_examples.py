@@ -1,0 +1,53 @@
+"""README.md's console examples are what their commands print today (docs/examples.py rewrites
+them; this fails when one went stale). The training examples are marked slow and checked by
+``python docs/examples.py --slow --check``, not here."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location("readme_examples", ROOT / "docs" / "examples.py")
+examples = importlib.util.module_from_spec(_spec)  # type: ignore[arg-type]
+sys.modules["readme_examples"] = examples  # its dataclass looks its module up there
+_spec.loader.exec_module(examples)  # type: ignore[union-attr]
+README = (ROOT / "README.md").read_text(encoding="utf-8")
+
+
+def test_every_console_block_is_a_checked_example() -> None:
+    blocks = README.count("```console")
+    found = [e for e in examples.examples(README) if not e.run_only]
+    assert blocks == len(found) >= 5
+    assert {e.name for e in found if e.slow} == {"demo-eval-p1", "demo-eval"}
+
+
+def test_fast_examples_print_what_the_readme_shows() -> None:
+    got = examples.outputs(README, slow=False)
+    stale = [e.name for e in examples.examples(README) if e.name in got and got[e.name] != e.shown]
+    assert not stale, f"README examples differ from their commands (run python docs/examples.py): {stale}"
+
+
+def test_cuts_and_timings_are_marked() -> None:
+    out = "a\nb 1.5 s\nc\nd\ne\n"
+    assert examples.normalise(out, None) == "a\nb <t> s\nc\nd\ne\n"
+    assert examples.normalise(out, examples._slices("0:2,-1:")) == "a\nb <t> s\n...\ne\n"
+    assert examples.normalise(out, examples._slices("1:2")) == "...\nb <t> s\n...\n"
+
+
+def test_prose_claims_about_flags(tmp_path: Path) -> None:
+    """The sentences README says about flags name flags that exist where it says they do."""
+    assert "`--margin` shape the" in README or "and `--margin` shape the" in README
+    from typer.testing import CliRunner
+
+    from convit_convert.cli import app
+
+    for cmd in (["convert"], ["train", "phase2"]):
+        assert "--margin" in CliRunner().invoke(app, [*cmd, "--help"], env={"COLUMNS": "300"}).output
+    # "fewer are refused, citing the lower bound where one is proven ... and naming --approximate"
+    r = CliRunner().invoke(app, ["convert", "fixtures/conv_digits.safetensors", "-o", str(tmp_path / "x.safetensors"),
+                                 "--heads", "4"])  # fmt: skip
+    assert r.exit_code == 2 and "--approximate" in r.stderr and "no lower bound is proven" in r.stderr
+    assert re.search(r"fewer are refused, citing the\s+lower bound where one is proven", README)
