@@ -24,10 +24,29 @@ def test_every_console_block_is_a_checked_example() -> None:
     assert {e.name for e in found if e.slow} == {"demo-eval-p1", "demo-eval"}
 
 
+ROUNDING = re.compile(r"\b\d\.\d\de-(0[6-9]|1\d)\b")  # float32 rounding: 1e-6 and below
+WHERE = re.compile(r"at blocks\.\d+\.mixer \(\w+\)|at logits \(\w+\)|\(batch \d+\)")
+
+
+def loose(block: str) -> str:
+    """A block with its float32-rounding-level errors, and where the worst of them fell, masked: their
+    digits follow the CPU's matmul kernels (another instruction set sums in another order), while
+    everything else (shapes, verdicts, accuracies, approximation errors) must match exactly."""
+    return WHERE.sub("at ~", ROUNDING.sub("~", block))
+
+
 def test_fast_examples_print_what_the_readme_shows() -> None:
     got = examples.outputs(README, slow=False)
-    stale = [e.name for e in examples.examples(README) if e.name in got and got[e.name] != e.shown]
+    stale = [
+        e.name for e in examples.examples(README) if e.name in got and loose(got[e.name]) != loose(e.shown)
+    ]
     assert not stale, f"README examples differ from their commands (run python docs/examples.py): {stale}"
+
+
+def test_loose_masks_rounding_only() -> None:
+    line = "PASS: worst relative error 3.98e-07 at blocks.1.mixer (border) <= tol 1e-05"
+    assert loose(line) == "PASS: worst relative error ~ at ~ <= tol 1e-05"
+    assert loose("5.15e+00 0.2546 96.38% 1.2e-3") == "5.15e+00 0.2546 96.38% 1.2e-3"
 
 
 def test_cuts_and_timings_are_marked() -> None:
