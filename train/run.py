@@ -190,21 +190,22 @@ def resumed_config(cfg: TrainConfig, saved: dict[str, Any], out: Path, log: Any)
 
 
 def unmeant_choices(cfg: TrainConfig) -> list[str]:
-    """Choices that change the experiment and may not be what was meant, one line each: phase 2
+    """Choices that change the experiment and may not be what was meant, one line each (parameters in
+    backquotes, which the CLI prints as flags, as it does errors): phase 2
     without a typed ``--init`` (``given`` empty means every flag was meant: the Python API), and a
     warm-up that never reaches the peak learning rate."""
     lines = []
     if cfg.phase == "phase2" and cfg.given and "init" not in cfg.given:
         lines.append(
-            f"--init not given: phase 2 starts from {cfg.start.init} weights, with no conv checkpoint (the "
+            f"`init` not given: phase 2 starts from {cfg.start.init} weights, with no conv checkpoint (the "
             "'phase 2 only' arms of EXPERIMENTS.md, not two-phase training); for the paper's two phases pass "
-            "--init PHASE1_RUN/conv.safetensors"
+            "`init` PHASE1_RUN/conv.safetensors"
         )
     r = cfg.recipe
     if r.warmup_epochs >= r.epochs:
         lines.append(
-            f"warning: --warmup-epochs {r.warmup_epochs} >= --epochs {r.epochs}: the learning rate never reaches "
-            f"its peak ({cfg.peak_lr:g} at batch {r.lr_base_batch}); lower --warmup-epochs or train longer"
+            f"warning: `warmup_epochs` {r.warmup_epochs} >= `epochs` {r.epochs}: the learning rate never reaches "
+            f"its peak ({cfg.peak_lr:g} at batch {r.lr_base_batch}); lower `warmup_epochs` or train longer"
         )
     return lines
 

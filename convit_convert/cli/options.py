@@ -10,6 +10,8 @@ from typing import Any
 
 import typer
 
+from ..errors import CmhsaError
+
 DEVICE = "auto"  # every command's --device default
 DEVICE_HELP = "Where to run: auto (CUDA when there is one), cpu, cuda or cuda:N."
 WORKERS_HELP = "Data-loading worker processes (workers loader) \\[default: min(4, CPUs)]."
@@ -25,8 +27,8 @@ def output_option(help: str) -> Any:
     return typer.Option("--output", "-o", readable=False, help=help, show_default=False)
 
 
-def device_option(help: str = DEVICE_HELP) -> Any:
-    return typer.Option("--device", help=help)
+def device_option() -> Any:
+    return typer.Option("--device", help=DEVICE_HELP)
 
 
 def workers_option() -> Any:
@@ -48,8 +50,6 @@ def use_alias(value: Any, old_value: Any, old: str, new: str) -> Any:
     if old_value is None:
         return value
     if value is not None and value != old_value:
-        from ..errors import CmhsaError
-
         raise CmhsaError(f"{old} and {new} are one option (the old and the new spelling); give it once")
     print(f"note: {old} is now {new}; the old spelling goes in the next release", file=sys.stderr)
     return old_value

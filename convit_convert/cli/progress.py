@@ -11,11 +11,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemaini
 from rich.progress import Progress as Bars
 
 from ..train.progress import Progress, epoch_line, step_info
+from .common import as_flags
 
 
 class RichProgress(Progress):
     def __init__(self, console: Console) -> None:
-        super().__init__(lambda m: console.print(escape(m), soft_wrap=True))
+        # the library names parameters in backquotes (`warmup_epochs`); the CLI's name is --warmup-epochs
+        super().__init__(lambda m: console.print(escape(as_flags(m)), soft_wrap=True))
         self.console = console
         self.bars: Bars | None = None
 

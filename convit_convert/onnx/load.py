@@ -159,7 +159,7 @@ def providers_for(device: str) -> list[Any]:
         return [cuda, "CPUExecutionProvider"]
     if device.startswith("cuda"):
         raise CmhsaError(
-            "onnxruntime has no CUDAExecutionProvider here (install the `gpu` extra, onnxruntime-gpu, "
+            "onnxruntime has no CUDAExecutionProvider here (install onnxruntime-gpu, the gpu extra, "
             f"instead of onnxruntime); available: {', '.join(available)}"
         )
     return ["CPUExecutionProvider"]
