@@ -26,6 +26,7 @@ from typer.testing import CliRunner
 
 import convit_convert.data as cdata
 from convit_convert.cli import app
+from convit_convert.cli.common import as_flags
 from convit_convert.data import EpochSampler, build_data, build_loader, build_transform
 from convit_convert.errors import CheckFailed, CmhsaError
 from convit_convert.train import run as engine
@@ -232,7 +233,8 @@ def test_resume_with_a_new_lr_uses_it_and_says_so(tmp_path: Path) -> None:
         progress=Progress(lambda m: print(m, file=log)),
     )
     said = " ".join(log.getvalue().split())
-    assert "--lr 0.001 instead of 0.004" in said and "no longer" in said, said
+    assert "`lr` 0.001 instead of 0.004" in said and "no longer" in said, said  # the CLI says --lr (as_flags)
+    assert "--lr 0.001 instead of 0.004" in as_flags(said)
     cfg = json.loads((tmp_path / "run" / "config.json").read_text())
     assert cfg["lr"] == 1e-3 and res.rows[-1]["lr"] <= 1e-3
 

@@ -171,7 +171,7 @@ def resumed_config(cfg: TrainConfig, saved: dict[str, Any], out: Path, log: Any)
                 raise CmhsaError(f"`epochs` {new}: the run has already trained {saved['epoch']} epochs", out)
             old = old.replace(**{name: new})
             log(
-                f"resuming with --{name.replace('_', '-')} {new} instead of {before}: the schedule is rebuilt for it, "
+                f"resuming with `{name}` {new} instead of {before}: the schedule is rebuilt for it, "
                 "so the result is no longer that of one uninterrupted run"
                 if name == "lr"
                 else f"extending the run from {before} to {new} epochs; the schedule is rebuilt for {new} epochs"
@@ -412,7 +412,7 @@ def train(loop: Loop, stop_after_steps: int | None = None) -> RunResult:
                 save()
                 loop.reporter.log(
                     f"stopped ({result.stopped}) at epoch {st.epoch + 1}, step {st.step}; saved "
-                    f"{out / LAST}; continue with the same command and --resume"
+                    f"{out / LAST}; continue with the same command and `resume`"
                 )
                 return result
             loop.reporter.end_epoch(st.metrics[-1])
