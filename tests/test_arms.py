@@ -126,3 +126,18 @@ def test_init_comparison_runs_every_start_and_writes_table_curves_and_raw_result
             ("/hard", "/gated", "/free-heads", "/gated-nowarm")) else 2), name  # fmt: skip
     assert results["runs"]["seed0/impulse"]["final"]["attention"][0]["pinned_share"] > 0.5
     assert (out / "curves.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_plateau_gain_compares_means_of_epochs_a_fifth_apart(monkeypatch: pytest.MonkeyPatch) -> None:
+    """init_comparison's plateau test, against hand-computed means: the last 5 epochs against the 5
+    that end a fifth earlier; one epoch's jitter, which decided the single-epoch test, averages out."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "experiments"))
+    from init_comparison import plateau_gain
+
+    ramp = [70.0 + 0.1 * i for i in range(60)]  # 0.1 point an epoch; a fifth is 12 epochs
+    assert plateau_gain(ramp, 12) == pytest.approx(1.2)  # means of epochs 56-60 and 44-48: 75.7, 74.5
+    flat = [81.0, 80.0] * 27 + [81.0]  # 55 epochs of a plateau with one point of epoch-to-epoch jitter
+    assert flat[-1] - flat[-1 - 11] == 1.0  # the single-epoch test would call it still climbing
+    assert plateau_gain(flat, 11) == pytest.approx(0.2)  # 5-epoch means 80.6 and 80.4
+    assert plateau_gain(flat, 11, window=4) == 0.0
+    assert plateau_gain([60.0, 61.5], 1) == 1.5  # E = 2: one epoch against the one before
