@@ -56,8 +56,8 @@ class ModelFlags:
 @dataclass(frozen=True)
 class StartConfig:
     """Where phase 2's weights come from: a conv checkpoint, an attn checkpoint, "random", or a start
-    built without a checkpoint: "impulse" (the default: the best-measured start without a checkpoint
-    at 120 epochs, EXPERIMENTS.md "Which start?") or "mimetic"."""
+    built without a checkpoint: "impulse" (the default: the best-measured start without a checkpoint,
+    at the plateau and at 120 epochs, EXPERIMENTS.md "Which start?") or "mimetic"."""
 
     init: str = "impulse"
     mimetic_alpha: float = 0.7  # init mimetic: W_Q,hᵀ W_K,h = α(Z + I); Trockman & Kolter's α₁ = β₁
