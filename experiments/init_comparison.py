@@ -112,7 +112,10 @@ def final_eval(arm: Arm, args: argparse.Namespace) -> dict:
     return out
 
 
-def plateau_gain(ys: list[float], fifth: int, window: int = 5) -> float:
+PLATEAU_WINDOW = 5  # epochs averaged at each end of the plateau test's last fifth
+
+
+def plateau_gain(ys: list[float], fifth: int, window: int = PLATEAU_WINDOW) -> float:
     """Top-1 gained over the last ``fifth`` epochs of a curve: the mean of its last ``window``
     epochs minus the mean of the ``window`` epochs that end ``fifth`` epochs earlier (``window``
     at most ``fifth``, so the two never overlap). Means, not single epochs: near a plateau one
@@ -162,7 +165,7 @@ def main() -> None:
     print(f"\nFashion-MNIST, {args.train_samples} training images, 28 px, P 4, d 48, depth 2, K 5; {e} epochs in "
           f"all; seeds {' '.join(map(str, args.seeds))} (mean ± half-range); top-1 of the final model on the 10k "
           f"validation images; gain: top-1 on the first {args.val_samples} over the last {fifth} epochs (means of "
-          f"{max(1, min(5, fifth))} epochs)\n")  # fmt: skip
+          f"{max(1, min(PLATEAU_WINDOW, fifth))} epochs)\n")  # fmt: skip
     print(
         "| setting | top-1 % | gain, last fifth | pinned share | distance px | entropy nats | gate | CPU s |"
     )
