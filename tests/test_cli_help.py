@@ -70,6 +70,9 @@ def test_one_spelling_per_concept() -> None:
                 continue
             if not p.hidden:
                 assert not set(p.opts) & OLD.keys(), (path, p.opts)
+                # the help's prose names the new spellings too
+                named = set(re.findall(r"--[a-z][a-z-]*", p.help or ""))
+                assert not named & OLD.keys(), (path, p.opts, named & OLD.keys())
             seen.setdefault(p.name, []).append((path, p))
     for path, p in seen["output"]:
         assert set(p.opts) == {"--output", "-o"}, path

@@ -105,7 +105,7 @@ FLAGS: list[tuple[str, Any, str, str, tuple[str, ...]]] = [
     ("deterministic", bool, "Deterministic CUDA kernels: bit-identical re-runs and resumes on a GPU, somewhat slower (CPU runs are deterministic anyway).", RUN, ("phase1", "phase2")),
     ("workers", int, WORKERS_HELP, RUN, ("phase1", "phase2")),
     ("threads", int, "torch CPU threads per process.", RUN, ("phase1", "phase2")),
-    ("resume", bool, "Continue the run in --out from checkpoint-last.pt (a larger --epochs extends it; a new --lr restarts the schedule from there).", RUN, ("phase1", "phase2")),
+    ("resume", bool, "Continue the run in -o/--output from checkpoint-last.pt (a larger --epochs extends it; a new --lr restarts the schedule from there).", RUN, ("phase1", "phase2")),
     ("keep", int, "Also keep the newest N end-of-epoch checkpoints.", RUN, ("phase1", "phase2")),
     ("log_every", int, "Steps between log lines when not on a terminal.", RUN, ("phase1", "phase2")),
     ("export_onnx", bool, "At the end, also write the model as ONNX (vit.onnx / conv.onnx), checked in onnxruntime as by cmhsa export.", RUN, ("phase1", "phase2")),
