@@ -135,7 +135,8 @@ def attention_figure(report: Any, title: str = "") -> Any:
                              squeeze=False, layout="constrained")  # fmt: skip
     gh, gw = report.grid_size
     extent = (-gw + 0.5, gw - 0.5, gh - 0.5, -gh + 0.5)  # offset (0, 0) at the centre; dy grows downwards
-    step = max(1, (gw - 1) // 2)
+    xticks = list(range(-(gw - 1), gw, max(1, (gw - 1) // 2)))  # the same for every panel
+    yticks = list(range(-(gh - 1), gh, max(1, (gh - 1) // 2)))
     for i, block in enumerate(blocks):
         vmax = max(max(max(row) for row in h.offset_map) for h in block) or 1.0
         for j, h in enumerate(block):
@@ -151,9 +152,8 @@ def attention_figure(report: Any, title: str = "") -> Any:
             stats += [f"gate {h.gate:.2f}"] if h.gate is not None else []
             stats.append(f"dist {h.mean_distance_px:.1f}px")
             ax.set_title(f"head {j} {off}\n{', '.join(stats)}", fontsize=7)
-            ticks = list(range(-(gw - 1), gw, step))
-            ax.set_xticks(ticks)
-            ax.set_yticks(list(range(-(gh - 1), gh, max(1, (gh - 1) // 2))))
+            ax.set_xticks(xticks)
+            ax.set_yticks(yticks)
             ax.tick_params(labelsize=6)
             if i == len(blocks) - 1:
                 ax.set_xlabel("dx", fontsize=7)
