@@ -25,8 +25,9 @@ def relative_position_index(grid_size: tuple[int, int]) -> torch.Tensor:
     """(N, N) index into a flattened (2Gh-1, 2Gw-1) table: query (y, x) to key (y+dy, x+dx) reads
     entry (dy + Gh - 1, dx + Gw - 1)."""
     gh, gw = grid_size
-    cpu = "cpu"  # also when built on the meta device (for its shapes): a small index, computed at once
-    ys, xs = torch.meshgrid(torch.arange(gh, device=cpu), torch.arange(gw, device=cpu), indexing="ij")
+    # on the default device: the meta device when a model is built for its shapes only, so checking
+    # a file that claims a large image costs nothing (at 64x64 patches it is 128 MB per block)
+    ys, xs = torch.meshgrid(torch.arange(gh), torch.arange(gw), indexing="ij")
     ys, xs = ys.flatten(), xs.flatten()
     dy = ys[None, :] - ys[:, None] + gh - 1  # [query, key]
     dx = xs[None, :] - xs[:, None] + gw - 1

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from .errors import CmhsaError
+from .io.paths import parse_json
 
 KINDS: tuple[str, ...] = ("conv", "attn")
 
@@ -164,6 +165,8 @@ class ViTConfig:
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise bad(f"{name} must be a positive integer, got {v!r}")
         h, w = self.img_size
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in (h, w)):
+            raise bad(f"img_size must be positive integers, got {h!r}x{w!r}")
         p = self.patch_size
         for name, limit in LIMITS.items():  # a file's claims are bounded like the CLI's flags
             v = getattr(self, name) if name != "img_size" else max(h, w)
@@ -232,11 +235,7 @@ class ViTConfig:
 
     @classmethod
     def from_json(cls, text: str, kind: str, path: object = None) -> ViTConfig:
-        try:
-            d = json.loads(text)
-        except (json.JSONDecodeError, TypeError) as e:
-            raise CmhsaError(f"cmhsa.config is not valid JSON ({e})", path) from None
-        return cls.from_dict(d, kind, path)
+        return cls.from_dict(parse_json(text, path, "cmhsa.config"), kind, path)
 
 
 def check_supported_conv(d: dict[str, Any], path: object = None) -> None:

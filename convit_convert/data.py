@@ -8,8 +8,10 @@ the number of workers, the number of processes, or where a run was stopped and r
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
+import stat
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +21,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 
-from .errors import CmhsaError
+from .errors import CmhsaError, first_line
+from .io.paths import kind_of, open_regular
 from .resources import check_fits
 
 DATASETS = ("cifar10", "cifar100", "imagefolder", "digits", "fashion-mnist", "synthetic")
@@ -97,24 +100,49 @@ def synthetic(
     return DataSpec(make(n_train), make(n_val), num_classes)
 
 
-def read_idx(path: Path) -> np.ndarray:
-    """An IDX file (gzipped or not) as a uint8 array: the format MNIST and Fashion-MNIST ship in."""
-    import gzip
+IDX_RANKS = {"images": 3, "labels": 1}
+MAX_IDX_BYTES = 2**31  # the data an IDX file may hold (Fashion-MNIST's training images: 47 MB)
 
-    opener = gzip.open if path.suffix == ".gz" else open
+
+def read_idx(path: Path, rank: int | None = None) -> np.ndarray:
+    """An IDX file (gzipped or not) as a uint8 array: the format MNIST and Fashion-MNIST ship in.
+    The header is checked (rank, every dimension at least 1, at most MAX_IDX_BYTES of data) before
+    the data is read, and no more than the header's size is ever decompressed (a gzip bomb stops
+    there); a truncated or corrupt file is CmhsaError."""
+    import gzip
+    import zlib
+
+    def exact(f: Any, n: int) -> bytes:
+        data = f.read(n)
+        if len(data) != n:
+            raise CmhsaError(f"truncated: the IDX header promises {n:,} more bytes than the file holds", path)
+        return data
+
     try:
-        with opener(path, "rb") as f:
-            data = f.read()
+        with open_regular(path, what="IDX file") as raw:
+            f: Any = gzip.GzipFile(fileobj=raw, mode="rb") if path.suffix == ".gz" else raw
+            head = f.read(4)
+            if len(head) < 4 or head[:2] != b"\0\0" or head[2] != 8:
+                raise CmhsaError("not an IDX file of unsigned bytes", path)
+            ok = head[3] == rank if rank is not None else 1 <= head[3] <= 4
+            if not ok:
+                raise CmhsaError(f"IDX rank {head[3]}, expected {rank or '1 to 4'}", path)
+            dims = [int.from_bytes(exact(f, 4), "big") for _ in range(head[3])]
+            total = int(np.prod(dims, dtype=object))
+            if min(dims) < 1 or total > MAX_IDX_BYTES:
+                raise CmhsaError(
+                    f"IDX dimensions {dims}: each must be at least 1, {MAX_IDX_BYTES:,} bytes in all", path
+                )
+            body = exact(f, total)
+            if f.read(1):
+                raise CmhsaError(f"holds more than the {total:,} bytes its IDX header {dims} says", path)
+    except (EOFError, zlib.error, gzip.BadGzipFile) as e:
+        raise CmhsaError(
+            f"truncated or corrupt gzip data ({first_line(e) or type(e).__name__})", path
+        ) from None
     except OSError as e:
         raise CmhsaError(f"cannot read ({e.strerror or e})", path) from None
-    if len(data) < 4 or data[:2] != b"\0\0" or data[2] != 8:
-        raise CmhsaError("not an IDX file of unsigned bytes", path)
-    rank = data[3]
-    dims = [int.from_bytes(data[4 + 4 * i : 8 + 4 * i], "big") for i in range(rank)]
-    body = np.frombuffer(data, np.uint8, offset=4 + 4 * rank)
-    if body.size != int(np.prod(dims)):
-        raise CmhsaError(f"IDX header says {dims} but the file holds {body.size} bytes of data", path)
-    return body.reshape(dims)
+    return np.frombuffer(body, np.uint8).reshape(dims)
 
 
 def fashion_mnist(root: Path) -> DataSpec:
@@ -123,17 +151,21 @@ def fashion_mnist(root: Path) -> DataSpec:
              "val": "t10k-images-idx3-ubyte", "val_labels": "t10k-labels-idx1-ubyte"}  # fmt: skip
     found = {}
     for key, name in names.items():
-        path = next((root / n for n in (name + ".gz", name) if (root / n).is_file()), None)
+        path = next((root / n for n in (name + ".gz", name) if os.path.lexists(root / n)), None)
         if path is None:
             raise CmhsaError(
                 f"no {name}[.gz] here: install Fashion-MNIST with `apt-get install dataset-fashion-mnist` "
                 "or give `data_dir` a folder with its four IDX files",
                 root,
             )
-        found[key] = read_idx(path)
+        found[key] = read_idx(path, IDX_RANKS["labels" if key.endswith("labels") else "images"])
+        if key.endswith("labels") and found[key].max() >= 10:
+            raise CmhsaError(f"label {found[key].max()} in a 10-class dataset", path)
     for split in ("train", "val"):
-        if len(found[split]) != len(found[split + "_labels"]) or found[split].ndim != 3:
-            raise CmhsaError(f"{split} images and labels do not match", root)
+        if len(found[split]) != len(found[split + "_labels"]):
+            raise CmhsaError(
+                f"{split}: {len(found[split])} images but {len(found[split + '_labels'])} labels", root
+            )
     return DataSpec(
         ArrayImages(found["train"], found["train_labels"]), ArrayImages(found["val"], found["val_labels"]), 10
     )
@@ -152,6 +184,66 @@ def cifar(name: str, root: Path, download: bool) -> DataSpec:
     return DataSpec(train, val, len(train.classes))
 
 
+MAX_IMAGE_BYTES = 256 * 2**20  # one image file
+
+
+class UnreadableImage(CmhsaError):
+    """An image that cannot be decoded. Raised in a loader worker, it reaches the main process
+    re-made from the worker's formatted traceback; this keeps only the original one-line message."""
+
+    def __init__(self, message: str, path: str | Path | None = None) -> None:
+        if "Original Traceback" in message:  # torch's ExceptionWrapper.reraise
+            last = message.strip().splitlines()[-1]
+            message, path = last.split(": ", 1)[1] if ": " in last else last, None
+        super().__init__(message, path)
+
+
+@contextlib.contextmanager
+def open_image(path: str | Path) -> Iterator[Any]:
+    """A PIL image of the regular file ``path``, decoded lazily within the block; an undecodable,
+    empty, truncated or oversized file (PIL's decompression-bomb limit, as an error) is
+    UnreadableImage, whatever part of the block PIL fails in."""
+    import warnings
+
+    from PIL import Image, UnidentifiedImageError
+
+    path = Path(path)
+    with open_regular(path, MAX_IMAGE_BYTES, "image") as f, warnings.catch_warnings():
+        warnings.simplefilter("error", Image.DecompressionBombWarning)
+        try:
+            with Image.open(f) as im:
+                yield im
+        except UnidentifiedImageError:
+            raise UnreadableImage("not an image PIL can read (unknown format, or empty)", path) from None
+        except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+            raise UnreadableImage(f"cannot decode the image ({first_line(e, 150)})", path) from None
+        except (OSError, ValueError, SyntaxError, EOFError) as e:  # truncated or corrupt data
+            raise UnreadableImage(
+                f"cannot decode the image ({type(e).__name__}: {first_line(e, 150)})", path
+            ) from None
+
+
+def load_image(path: str) -> Any:
+    """An image folder's loader (torchvision's default, with every failure one line): RGB."""
+    with open_image(path) as im:
+        return im.convert("RGB")
+
+
+def _image_file(path: str) -> bool:
+    """An image folder's entry: an image's name, and a regular file (a FIFO would block a worker)."""
+    from torchvision.datasets.folder import IMG_EXTENSIONS
+
+    if not path.lower().endswith(IMG_EXTENSIONS):
+        return False
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as e:
+        raise CmhsaError(f"cannot read ({e.strerror})", path) from None
+    if not stat.S_ISREG(mode):
+        raise CmhsaError(f"is {kind_of(mode)}, not an image file; remove it from the image folder", path)
+    return True
+
+
 def image_folder(root: Path) -> DataSpec:
     from torchvision.datasets import ImageFolder
 
@@ -159,9 +251,11 @@ def image_folder(root: Path) -> DataSpec:
         if not (root / split).is_dir():
             raise CmhsaError(f"imagefolder needs {split}/ (class folders of images) inside", root)
     try:
-        train, val = ImageFolder(str(root / "train")), ImageFolder(str(root / "val"))
+        train, val = (
+            ImageFolder(str(root / s), loader=load_image, is_valid_file=_image_file) for s in ("train", "val")
+        )
     except (FileNotFoundError, RuntimeError) as e:
-        raise CmhsaError(f"not a usable image folder ({e})", root) from None
+        raise CmhsaError(f"not a usable image folder ({first_line(e, 200)})", root) from None
     if train.classes != val.classes:
         raise CmhsaError("train/ and val/ have different class folders", root)
     return DataSpec(train, val, len(train.classes))
@@ -424,4 +518,15 @@ def build_loader(
         # its own generator: each new iterator draws a base seed, which must not come from the
         # global one (drop path's), or a resumed epoch would see different drop-path masks
         generator=torch.Generator().manual_seed(seed),
+        worker_init_fn=ignore_interrupts if workers > 0 else None,
     )
+
+
+def ignore_interrupts(worker_id: int) -> None:
+    """A loader worker ignores SIGINT: Ctrl-C reaches the whole process group, and it is the main
+    process's to act on (finish the step, save, stop), which then ends its workers itself. (SIGTERM
+    keeps its default: the loader ends a worker that does not stop with it; a training run treats a
+    worker that a SIGTERM ended as part of that stop, train/epoch.py.)"""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -10,12 +10,18 @@ every time and takes about a minute.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import os
+import signal
+import stat
 import struct
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
-from typing import get_args
+from typing import Any, get_args
 
 import pytest
 import typer
@@ -372,3 +378,479 @@ def test_plot_refuses_an_output_that_is_not_an_image(tmp_path: Path) -> None:
         r = invoke("plot", run, "-o", tmp_path / f"curves{suffix}")
         check_outcome(r, run, before, allow_ok=False)
         assert not (tmp_path / f"curves{suffix}").exists()
+
+
+# issue 33: what a path, a file or a signal can do --------------------------------------------------
+# Each test below failed on the code before issue 33's changes (the cause it names in a comment).
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ["--data", "synthetic", "--img-size", "16", "--patch-size", "4", "--depth", "1", "--kernel-size", "3",
+        "--batch-size", "32", "--workers", "0", "--epochs", "1", "--warmup-epochs", "0", "--device", "cpu"]  # fmt: skip
+
+
+def refused(r, *fragments: str, code: int = 2) -> None:
+    """Exit `code`, one error line holding every fragment, no traceback."""
+    assert r.exit_code == code, (r.exit_code, r.output[-2000:])
+    err = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(err) == 1 and err[0].startswith("error: "), r.stderr[-2000:]
+    assert all(f in err[0] for f in fragments), (fragments, err[0])
+    assert "Traceback" not in r.output
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A finished one-epoch phase-1 run (checkpoint-last.pt, metrics.csv, config.json, conv.safetensors)."""
+    out = tmp_path_factory.mktemp("tiny") / "run"
+    r = invoke("train", "phase1", *TINY, "-o", out)
+    assert r.exit_code == 0, r.output
+    return out
+
+
+def copy_run(run: Path, to: Path) -> Path:
+    to.mkdir()
+    for p in run.iterdir():
+        if p.is_file() and p.name != ".cmhsa.lock":
+            (to / p.name).write_bytes(p.read_bytes())
+    return to
+
+
+# unsafe writes
+
+
+def test_a_symlinked_lock_is_never_followed(tmp_path: Path, tiny_run: Path) -> None:
+    # was: the link's target truncated to the PID, exit 0
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / ".cmhsa.lock").symlink_to(victim)
+    refused(invoke("train", "phase1", *TINY, "-o", run), ".cmhsa.lock", "symbolic link")
+    assert victim.read_text() == "precious\n"
+    assert sorted(p.name for p in run.iterdir()) == [".cmhsa.lock"]
+
+
+def special_files(folder: Path) -> dict[str, Path]:
+    """A FIFO, a symbolic link and (as root) a character device, each with a model file's name."""
+    made = {}
+    fifo = folder / "fifo.safetensors"
+    os.mkfifo(fifo)
+    made["FIFO"] = fifo
+    target = folder / "target.safetensors"
+    target.write_bytes(b"kept")
+    link = folder / "link.safetensors"
+    link.symlink_to(target)
+    made["symbolic link"] = link
+    if os.geteuid() == 0:  # a null device of our own: never /dev/null itself
+        dev = folder / "dev.safetensors"
+        os.mknod(dev, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+        made["device"] = dev
+    return made
+
+
+def test_an_output_that_is_a_device_fifo_or_link_is_refused_and_kept(tmp_path: Path) -> None:
+    # was: `--report /dev/null` and `-o FIFO` replaced by regular files
+    nodes = special_files(tmp_path)
+    kinds = {p: os.lstat(p).st_mode for p in [*nodes.values(), tmp_path / "target.safetensors"]}
+    for kind, node in nodes.items():
+        out = tmp_path / "v.safetensors"
+        for args in (["-o", node], ["-o", out, "--report", node]):
+            refused(invoke("convert", FIXTURE, *args), str(node.name), kind)
+            assert not out.exists()
+        onnx_node = node.with_name(node.name.replace(".safetensors", ".onnx"))
+        os.rename(node, onnx_node)
+        refused(invoke("export", FIXTURE, "-o", onnx_node), kind)
+        os.rename(onnx_node, node)
+    assert {p: os.lstat(p).st_mode for p in kinds} == kinds
+    assert (tmp_path / "target.safetensors").read_bytes() == b"kept"
+
+
+def test_an_input_that_is_a_fifo_or_device_is_refused_without_blocking(tmp_path: Path) -> None:
+    for kind, node in special_files(tmp_path).items():
+        if kind != "symbolic link":  # a link to a model file is read as that file
+            for args in (["inspect", node], ["verify", FIXTURE, node], ["eval", node, "--data", "digits"]):
+                refused(invoke(*args), kind)
+
+
+def test_a_run_folder_holding_another_run_is_refused_unless_overwrite(tmp_path: Path, tiny_run: Path) -> None:
+    # was: `train phase1 -o DIR` silently replaced another run's conv.safetensors, metrics.csv, config.json
+    run = copy_run(tiny_run, tmp_path / "run")
+    (run / "checkpoint-last.pt").unlink()
+    before = snapshot(run)
+    refused(
+        invoke("train", "phase1", *TINY, "--seed", "3", "-o", run), "another run's outputs", "--overwrite"
+    )
+    assert snapshot(run) == before
+    r = invoke("train", "phase1", *TINY, "--seed", "3", "--overwrite", "-o", run)
+    assert r.exit_code == 0, r.output
+    assert json.loads((run / "config.json").read_text())["seed"] == 3
+
+
+@pytest.mark.parametrize("command", ["train", "convert", "export", "attention"])
+def test_an_empty_output_path_is_refused(tmp_path: Path, monkeypatch, command: str) -> None:
+    # was: `train -o ""` trained into the current folder; `convert -o ""` an internal error (exit 3)
+    monkeypatch.chdir(tmp_path)
+    args = {
+        "train": ["train", "phase1", *TINY],
+        "convert": ["convert", FIXTURE],
+        "export": ["export", FIXTURE],
+        "attention": ["attention", FIXTURE, "--data", "digits"],
+    }[command]
+    for form in (["-o", ""], ["--output="]):
+        refused(invoke(*args, *form), "is empty")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.fixture(scope="module")
+def attn_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("attn") / "vit.safetensors"
+    assert invoke("convert", FIXTURE, "-o", out).exit_code == 0
+    return out
+
+
+def test_attention_writes_its_json_and_png_together_or_not_at_all(
+    tmp_path: Path, attn_model: Path, monkeypatch
+) -> None:
+    # was: the JSON written, then the PNG failing (disk full): one without the other, or an empty folder
+    import matplotlib.figure
+
+    def full(self, *a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", full)
+    out = tmp_path / "att"
+    refused(invoke("attention", attn_model, "--data", "digits", "--images", "20", "-o", out), "No space left")
+    assert not out.exists()
+    out.mkdir()
+    refused(invoke("attention", attn_model, "--data", "digits", "--images", "20", "-o", out), "No space left")
+    assert list(out.iterdir()) == []
+
+
+# what a file claims
+
+
+def metadata_variant(folder: Path, config: str) -> Path:
+    header, body = fixture_parts()
+    header["__metadata__"]["cmhsa.config"] = config
+    path = folder / "crafted.safetensors"
+    path.write_bytes(pack(header, body))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("name", "fragment"),
+    [("nesting", "nests deeper"), ("digits", "not valid JSON"), ("zero", "img_size must be positive"),
+     ("negative", "img_size must be positive")],
+)  # fmt: skip
+def test_a_config_no_parser_should_meet_is_bad_input(tmp_path: Path, name: str, fragment: str) -> None:
+    # was: RecursionError and int-digits ValueError as internal errors; img_size 0 accepted (inspect exit 0)
+    cfg = json.loads(fixture_parts()[0]["__metadata__"]["cmhsa.config"])
+    text = {
+        "nesting": "[" * 100_000 + "]" * 100_000,
+        "digits": json.dumps(cfg).replace('"depth": 4', '"depth": ' + "9" * 5000),
+        "zero": json.dumps({**cfg, "img_size": [0, 0]}),
+        "negative": json.dumps({**cfg, "img_size": [-32, 32]}),
+    }[name]
+    bad = metadata_variant(tmp_path, text)
+    for args in (["inspect", bad], ["convert", bad, "-o", tmp_path / "v.safetensors"]):
+        refused(invoke(*args), fragment)
+
+
+def test_a_file_claiming_a_huge_attention_model_builds_no_position_index_to_check_it() -> None:
+    # was: a 450-byte file (image 256, P 4, depth 24) made inspect build every block's (4096, 4096)
+    # index, 4.2 GB for 14 s, before saying "missing tensors"
+    import torch
+
+    from convit_convert.config import ViTConfig
+    from convit_convert.io.checkpoint import expected_shapes
+    from convit_convert.model import VisionTransformer
+
+    cfg = ViTConfig.build(img_size=256, patch_size=4, in_chans=1, depth=24, kernel_size=3).with_attention(9)
+    with torch.device("meta"):
+        model = VisionTransformer(cfg)
+    assert all(b.attn.rel_pos_index.is_meta for b in model.blocks)
+    assert len(expected_shapes(cfg)) > 24 * 10
+
+
+def crafted_resume(tiny_run: Path, folder: Path, change: Any) -> Path:
+    import torch
+
+    run = copy_run(tiny_run, folder)
+    saved = torch.load(run / "checkpoint-last.pt", weights_only=True)
+    change(saved)
+    torch.save(saved, run / "checkpoint-last.pt")
+    return run
+
+
+def _set_config(**values: Any) -> Any:
+    return lambda s: s["config"].update(values)
+
+
+def _exp_avg_shape(s: dict) -> None:
+    import torch
+
+    state = next(iter(s["optimizer"]["state"].values()))
+    state["exp_avg"] = torch.zeros(3)
+
+
+def _model_config(**values: Any) -> Any:
+    return lambda s: s["model_config"].update(values)
+
+
+RESUME_CASES = {
+    # each was an internal error (exit 3), a silent skip, a runaway, or a skipped memory estimate
+    "optimizer state shape": (_exp_avg_shape, "exp_avg"),
+    "optimizer betas": (lambda s: s["optimizer"]["param_groups"][0].update(betas=(1.5, 0.9)), "betas"),
+    "optimizer lr type": (lambda s: s["optimizer"]["param_groups"][0].update(lr="fast"), "lr"),
+    "scheduler field": (lambda s: s["scheduler"].update(t_initial="x"), "scheduler.t_initial"),
+    "scheduler keys": (lambda s: s["scheduler"].clear(), "scheduler"),
+    "partial state": (lambda s: s.update(partial={"loss_sum": "x", "seconds": 0.0, "images": 0}), "partial"),
+    "step past the epoch": (lambda s: s.update(step=10**9), "step 1000000000"),
+    "seed": (_set_config(seed=2**40), "--seed must be"),
+    "config betas": (_set_config(opt_betas=[0.9, 2.0]), "--opt-betas must be"),
+    "epochs 10^12": (_set_config(epochs=10**12), "--epochs must be"),
+    "img_size 0": (_model_config(img_size=[0, 0]), "img_size must be positive"),
+    "model beyond memory": (_model_config(depth=1024, hidden_chans=4096, embed_dim=4096 * 16, mlp_hidden_dim=1 << 22, patch_embed="linear"),
+                            "would need about"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", RESUME_CASES)
+def test_every_value_a_resume_reads_is_checked_like_a_flag(tmp_path: Path, tiny_run: Path, case: str) -> None:
+    change, fragment = RESUME_CASES[case]
+    run = crafted_resume(tiny_run, tmp_path / "run", change)
+    before = snapshot(run)
+    r = invoke("train", "phase1", *TINY, "--epochs", "2", "--resume", "-o", run)
+    refused(r, fragment)
+    assert snapshot(run) == before
+
+
+@pytest.mark.parametrize(
+    ("content", "outcome"),
+    [(b"epoch,val_loss,top1,attnX_share,attn99999999_gate,\xc3\xa9\n1,2,3,4,5,6\n2,1,4,5,6,7\n", 0),
+     (b"epoch,val_loss,top1\n1,1e308,3\n2,-1e308,4\n", 2),
+     (b"epoch,val_loss,top1\n1,inf,3\n2,nan,4\n", 2)],
+)  # fmt: skip
+def test_plot_reads_only_its_columns_and_refuses_values_no_metric_takes(
+    tmp_path: Path, content: bytes, outcome: int
+) -> None:
+    # was: odd column names (int('X')) and ±1e308 (matplotlib's overflow) as internal errors
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.csv").write_bytes(content)
+    r = invoke("plot", run, "-o", tmp_path / "c.png")
+    if outcome:
+        refused(r, "metrics.csv")
+    else:
+        assert r.exit_code == 0 and r.stderr == "", r.output
+
+
+def test_plot_refuses_a_huge_metrics_file_without_reading_it(tmp_path: Path) -> None:
+    # was: a 1 GB one-line metrics.csv read whole
+    run = tmp_path / "run"
+    run.mkdir()
+    with open(run / "metrics.csv", "wb") as f:
+        f.truncate(2**30)  # sparse: no disk used
+    refused(invoke("plot", run, "-o", tmp_path / "c.png"), "more than cmhsa reads")
+
+
+# datasets: IDX files and image folders
+
+
+def idx_bytes(dims: list[int], body: bytes, rank: int | None = None, magic: bytes = b"\0\0\x08") -> bytes:
+    return (
+        magic
+        + bytes([len(dims) if rank is None else rank])
+        + b"".join(d.to_bytes(4, "big") for d in dims)
+        + body
+    )
+
+
+def fashion_folder(folder: Path, broken: str) -> Path:
+    import gzip
+
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    good = {
+        "train-images-idx3-ubyte": idx_bytes([20, 28, 28], rng.integers(0, 255, 20 * 784, dtype=np.uint8).tobytes()),
+        "train-labels-idx1-ubyte": idx_bytes([20], bytes(i % 10 for i in range(20))),
+        "t10k-images-idx3-ubyte": idx_bytes([10, 28, 28], rng.integers(0, 255, 10 * 784, dtype=np.uint8).tobytes()),
+        "t10k-labels-idx1-ubyte": idx_bytes([10], bytes(range(10))),
+    }  # fmt: skip
+    bad = {
+        "rank": ("train-images-idx3-ubyte", idx_bytes([20 * 28 * 28], bytes(20 * 784))),
+        "overflowing dims": ("train-images-idx3-ubyte", idx_bytes([2**31, 2**31, 2**31], b"")),
+        "label shape": ("train-labels-idx1-ubyte", idx_bytes([20, 1], bytes(20))),
+        "label values": ("train-labels-idx1-ubyte", idx_bytes([20], bytes([200] * 20))),
+        "0x0 images": ("train-images-idx3-ubyte", idx_bytes([20, 0, 0], b"")),
+        "truncated": ("train-images-idx3-ubyte", good["train-images-idx3-ubyte"][:1000]),
+        "bomb": ("t10k-labels-idx1-ubyte", idx_bytes([10], bytes(range(10)) + bytes(300 * 2**20))),
+    }
+    name, data = bad.get(broken, (None, b""))
+    for n, content in good.items():
+        payload = gzip.compress(data if n == name else content, compresslevel=1)
+        if broken == "truncated gzip" and n == "train-images-idx3-ubyte":
+            payload = payload[: len(payload) // 2]
+        (folder / (n + ".gz")).write_bytes(payload)
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("broken", "fragment"),
+    [("rank", "IDX rank 1, expected 3"), ("overflowing dims", "IDX dimensions"), ("label shape", "IDX rank 2"),
+     ("label values", "label 200"), ("0x0 images", "at least 1"), ("truncated", "truncated"),
+     ("truncated gzip", "truncated or corrupt gzip"), ("bomb", "holds more than")],
+)  # fmt: skip
+def test_malformed_idx_files_are_bad_input(tmp_path: Path, broken: str, fragment: str) -> None:
+    # was: internal errors (reshape, prod overflow, 0x0 images), 'error: aborted' exit 1 (a truncated
+    # gzip's EOFError became click's Abort), and a gzip bomb decompressed whole
+    folder = fashion_folder(tmp_path, broken)
+    refused(invoke("eval", FIXTURE, "--data", "fashion-mnist", "--data-dir", folder), fragment)
+
+
+def image_corpus(root: Path, broken: str) -> Path:
+    import struct
+    import zlib
+
+    from PIL import Image
+
+    for split in ("train", "val"):
+        for label in ("a", "b"):
+            (root / split / label).mkdir(parents=True)
+            for i in range(3):
+                Image.new("L", (32, 32), 40 * i).save(root / split / label / f"{i}.png")
+    target = root / "val" / "a" / "x.png"
+    good = (root / "val" / "a" / "0.png").read_bytes()
+    if broken == "fifo":
+        os.mkfifo(target)
+    elif broken == "bomb":  # a valid PNG header claiming 60000x60000 pixels
+        ihdr = struct.pack(">IIBBBBB", 60000, 60000, 8, 0, 0, 0, 0)
+        chunk = b"IHDR" + ihdr
+        target.write_bytes(
+            b"\x89PNG\r\n\x1a\n" + struct.pack(">I", 13) + chunk + struct.pack(">I", zlib.crc32(chunk))
+        )
+    else:
+        target.write_bytes(
+            {"undecodable": b"not an image at all", "empty": b"", "truncated": good[: len(good) // 2]}[broken]
+        )
+    return root
+
+
+@pytest.mark.parametrize(
+    ("broken", "loader"),
+    [("undecodable", "device"), ("empty", "device"), ("truncated", "device"), ("bomb", "device"),
+     ("fifo", "device"), ("truncated", "workers")],
+)  # fmt: skip
+def test_a_bad_image_in_an_image_folder_is_one_line_never_a_hang(
+    tmp_path: Path, broken: str, loader: str
+) -> None:
+    # was: internal errors from PIL, a decompression bomb decoded, a FIFO named x.png hanging eval and train
+    root = image_corpus(tmp_path / "images", broken)
+    args = ["train", "phase1", "--data", "imagefolder", "--data-dir", root, "--img-size", "32", "--in-chans", "1",
+            "--hidden-chans", "1", "--patch-size", "4", "--depth", "1", "--kernel-size", "3", "--batch-size", "4",
+            "--epochs", "1", "--warmup-epochs", "0", "--device", "cpu", "--loader", loader,
+            "--workers", "1" if loader == "workers" else "0", "-o", tmp_path / "run"]  # fmt: skip
+    if loader == "device":  # read in this process, before any training: no worker, no hang to fear
+        refused(invoke(*args), "x.png", "FIFO" if broken == "fifo" else "")
+        return
+    p = subprocess.run([sys.executable, "-m", "convit_convert", *map(str, args)], capture_output=True, text=True,
+                       cwd=ROOT, timeout=240)  # fmt: skip
+    err = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(err) == 1 and "x.png" in err[0], (p.returncode, p.stderr[-2000:])
+    assert "Traceback" not in p.stdout + p.stderr
+
+
+# the terminal, the locale and signals
+
+
+def test_an_ascii_locale_prints_escapes_never_crashes(tmp_path: Path) -> None:
+    # was: UnicodeEncodeError on ≥ or Δ after the outputs were written (exit 3)
+    env = {**os.environ, "PYTHONIOENCODING": "ascii", "COLUMNS": "100"}
+    for args in (["inspect", FIXTURE], ["convert", FIXTURE, "-o", tmp_path / "v.safetensors"]):
+        p = subprocess.run([sys.executable, "-m", "convit_convert", *map(str, args)], capture_output=True,
+                           cwd=ROOT, env=env, timeout=240)  # fmt: skip
+        assert p.returncode == 0 and p.stderr == b"", p.stderr[-2000:]
+        assert b"\\u0394" in p.stdout or b"\\u2265" in p.stdout
+
+
+def test_escape_sequences_in_paths_never_reach_the_terminal(tmp_path: Path, tiny_run: Path) -> None:
+    # was: `-o $'run\e]0;X\a'` and plot's run folders printed raw
+    evil = tmp_path / "run\x1b]0;X\x07"
+    r = invoke("train", "phase1", *TINY, "-o", evil)
+    assert r.exit_code == 0 and "\x1b" not in r.output and "\\x1b]0;X\\x07" in r.output, r.output
+    r = invoke("plot", evil, tiny_run)
+    assert r.exit_code == 0 and "\x1b" not in r.output and r.stderr == "", r.output
+
+
+def test_library_warnings_reach_the_terminal_only_with_debug() -> None:
+    # was: torch's and matplotlib's warnings printed on a successful run. A subprocess: pytest
+    # records warnings itself, which would hide them from a CliRunner's stderr
+    program = (
+        "import sys, warnings\n"
+        "import convit_convert.api as api\n"
+        "real = api.inspect_file\n"
+        "def noisy(*a, **k):\n"
+        '    warnings.warn("a library\'s warning", UserWarning, stacklevel=1)\n'
+        "    return real(*a, **k)\n"
+        "api.inspect_file = noisy\n"
+        "from convit_convert.cli import main\n"
+        "sys.argv = ['cmhsa', *sys.argv[1:]]\n"
+        "main()\n"
+    )
+    for debug in ([], ["--debug"]):
+        p = subprocess.run([sys.executable, "-c", program, *debug, "inspect", str(FIXTURE)], capture_output=True,
+                           text=True, cwd=ROOT, timeout=240)  # fmt: skip
+        assert p.returncode == 0, p.stderr[-2000:]
+        assert ("a library's warning" in p.stderr) == bool(debug), p.stderr[-2000:]
+
+
+def test_help_shows_every_range_on_every_command() -> None:
+    # was: `[range: …]` only in train's help
+    missing = []
+    for path, cmd in commands():
+        text = CliRunner().invoke(app, [*path, "--help"], env={"COLUMNS": "500"}).stdout
+        for p in cmd.params:  # type: ignore[attr-defined]
+            if (
+                p.name in BOUNDS
+                and p.opts[0].startswith("--")
+                and f"[range: {BOUNDS[p.name].text()}]" not in " ".join(text.split())
+            ):
+                missing.append(f"{' '.join(path)} {p.opts[0]}")  # fmt: skip
+    assert missing == []
+
+
+def signalled_training(tmp_path: Path, sig: int, after: str) -> tuple[int, str, Path]:
+    """`cmhsa train` with loader workers, in its own process group, sent `sig` (to the whole group,
+    as Ctrl-C in a terminal does) once its output shows `after`."""
+    out = tmp_path / f"run-{sig}-{after.split()[0]}"
+    args = ["train", "phase1", "--data", "digits", "--img-size", "16", "--in-chans", "1", "--hidden-chans", "1",
+            "--patch-size", "4", "--depth", "1", "--kernel-size", "3", "--batch-size", "16", "--epochs", "3",
+            "--warmup-epochs", "0", "--device", "cpu", "--loader", "workers", "--workers", "2", "--log-every", "5",
+            "-o", str(out)]  # fmt: skip
+    p = subprocess.Popen([sys.executable, "-m", "convit_convert", *args], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, cwd=ROOT, start_new_session=True, text=True)  # fmt: skip
+    assert p.stdout is not None and p.stderr is not None
+    for line in p.stdout:
+        if after in line:
+            os.killpg(p.pid, sig)
+            break
+    rest = p.communicate(timeout=240)
+    return p.returncode, rest[1], out
+
+
+@pytest.mark.parametrize(
+    ("sig", "after"),
+    [(signal.SIGTERM, "step 10/"), (signal.SIGTERM, "epoch 1/3 "), (signal.SIGTERM, "wrote"),
+     (signal.SIGINT, "step 10/"), (signal.SIGINT, "wrote")],
+)  # fmt: skip
+def test_a_signal_to_the_process_group_is_an_interruption(tmp_path: Path, sig: int, after: str) -> None:
+    # was: loader workers killed by a SIGTERM made the loader raise: an internal error (exit 3) mid-epoch,
+    # a traceback between epochs; a signal while the finished run's workers shut down printed a
+    # traceback or killed the process (-15, -2)
+    code, err, out = signalled_training(tmp_path, sig, after)
+    assert "Traceback" not in err and "internal error" not in err, err[-2000:]
+    if after != "wrote":  # mid-run: saved and stopped, resumable
+        assert code == 128 + sig and (out / "checkpoint-last.pt").is_file(), (code, err[-2000:])
+    else:  # the run was done: it exits 0, or with the signal's code, never killed by it
+        assert code in (0, 128 + sig), (code, err[-2000:])
+        assert (out / "conv.safetensors").is_file()

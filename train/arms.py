@@ -165,7 +165,10 @@ def run_arms(
 
 def _launch(arm: Arm, threads: int) -> _Running:
     arm.out.mkdir(parents=True, exist_ok=True)
-    cfg = arm.config.replace(resume=(arm.out / LAST).is_file(), threads=threads)
+    started = (
+        arm.out / LAST
+    ).is_file()  # else a fresh start: whatever an earlier attempt left is the arm's own
+    cfg = arm.config.replace(resume=started, overwrite=not started, threads=threads)
     spec = arm.out / "arm.json"
     spec.write_text(cfg.to_json())
     log = open(arm.out / "log.txt", "a")  # noqa: SIM115 (closed when the child is collected)

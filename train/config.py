@@ -12,9 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import types
+import typing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, Union
 
+from ..bounds import check
+from ..errors import CmhsaError
 from ..spec import ConversionSpec
 
 PHASE_LR = {"phase1": 5e-4, "phase2": 5e-5}  # peak learning rates the paper used (Appendix B)
@@ -115,6 +119,7 @@ class RuntimeConfig:
     workers: int | None = None  # workers loader only; default: data.default_workers
     threads: int | None = None  # torch CPU threads; default: data.default_threads
     resume: bool = False
+    overwrite: bool = False  # start anew in a folder holding another run's outputs (replacing them)
     keep: int = 0
     log_every: int = 50
     export_onnx: bool = False
@@ -229,9 +234,44 @@ class TrainConfig:
         """The config a :meth:`to_dict` (a config.json) describes; keys cmhsa no longer knows are ignored."""
         return cls.from_flags(**{k: v for k, v in d.items() if k in FLAGS})
 
+    def check_values(self, path: object = None) -> None:
+        """Every flag's value of its field's type and within its range (bounds.BOUNDS), as the CLI
+        holds typed flags: for a config read back from a file (a resumed run's), which no parser saw."""
+        for name in FLAGS:
+            if name in ("given", "out"):
+                continue
+            group, attr = FLAGS[name]
+            owner = {None: TrainConfig, "conversion": ConversionSpec}.get(group) or _GROUPED[group]  # type: ignore[index]
+            value = self.flag(name)
+            if not _fits(value, typing.get_type_hints(owner)[attr]):
+                raise CmhsaError(f"config: `{name}` is {value!r}, not a value it can take", path)
+            check(name, value, path)
+
     def training_differences(self, other: TrainConfig) -> list[str]:
         """Flags ``other`` sets differently that would change what a resumed run computes (only
         those in ``other.given``, when it says which)."""
         a, b = self.to_dict(), other.to_dict()
         names = [k for k in a if k not in RUNTIME_FIELDS and a[k] != b[k]]
         return [k for k in names if k in other.given] if other.given else names
+
+
+def _fits(value: Any, hint: Any) -> bool:
+    """Whether ``value`` is of the type ``hint`` names (bool is no int; an int is a float)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (Union, types.UnionType):
+        return any(_fits(value, a) for a in args)
+    if origin is Literal:
+        return value in args
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if origin is tuple:
+        return isinstance(value, tuple) and len(value) == len(args) and all(map(_fits, value, args))
+    if origin is not None:
+        return isinstance(value, origin)
+    return not isinstance(hint, type) or isinstance(value, hint)

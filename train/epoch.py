@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import random
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -69,6 +70,23 @@ def non_finite_message(loss: float, epoch: int, step: int, out: Path) -> str:
     return head + "no checkpoint was saved yet: start again with a lower `lr`, `amp` none or `clip_grad`"
 
 
+def until_stopped(loader: Any, stop: Any) -> Iterator[Any]:
+    """The loader's batches; ends early, instead of raising, when the loader fails after a stop was
+    requested: a SIGTERM to the process group ends the loader's workers too, and their end is part
+    of that stop (the run saves its last finished step)."""
+    it = iter(loader)
+    while True:
+        try:
+            batch = next(it)
+        except StopIteration:
+            return
+        except RuntimeError:
+            if stop.signal is None:
+                raise
+            return
+        yield batch
+
+
 def train_one_epoch(loop: Loop, stop: Any, stop_after_steps: int | None = None) -> bool:
     """Train the epoch ``loop.state`` is in, from its step on; evaluate and append the epoch's row
     to ``state.metrics``. False if a stop request (or ``stop_after_steps``) ended it early, with
@@ -84,7 +102,8 @@ def train_one_epoch(loop: Loop, stop: Any, stop_after_steps: int | None = None) 
     loop.reporter.start_epoch(epoch, loop.steps_per_epoch, first)
     lr = st.optimizer.param_groups[0]["lr"]
     t_last = time.perf_counter()
-    for step, (x, y) in enumerate(loop.train_loader, start=first):
+    batches = until_stopped(loop.train_loader, stop)
+    for step, (x, y) in enumerate(batches, start=first):
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         if loop.mixup is not None:
             x, y = loop.mixup(x, y)
@@ -115,9 +134,11 @@ def train_one_epoch(loop: Loop, stop: Any, stop_after_steps: int | None = None) 
         st.partial["images"] += len(x) * ctx.world
         loop.reporter.step(epoch, step, mean_loss, lr, len(x) * ctx.world / max(now - t_last, 1e-9))
         t_last = now
+        st.step = step + 1
         if flags[1].item() > 0 or limit:
-            st.step = step + 1
             return False
+    if stop.signal is not None and st.step < loop.steps_per_epoch:  # the loader ended with the stop
+        return False
     st.scheduler.step(epoch + 1)
 
     def reduce(sums: torch.Tensor) -> None:  # every rank's validation share summed

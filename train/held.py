@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, Subset
 
-from ..data import ArrayImages, EpochSampler, sample_seed
+from ..data import ArrayImages, EpochSampler, open_image, sample_seed
 from ..errors import CmhsaError
 from .augment import AugmentSpec, augment, grey, normalise, sample_params
 
@@ -50,11 +50,9 @@ def _array_source(ds: Dataset) -> tuple[Any, np.ndarray, list[int]] | None:
 
 def _folder_size(paths: list[str], indices: list[int]) -> tuple[int, int] | None:
     """The one (H, W) every image has (read from headers only), or None if they differ."""
-    from PIL import Image
-
     sizes = set()
     for i in indices:
-        with Image.open(paths[i]) as im:
+        with open_image(paths[i]) as im:
             sizes.add((im.height, im.width))
         if len(sizes) > 1:
             return None
@@ -70,9 +68,7 @@ def holdable(ds: Dataset, in_chans: int) -> str | None:
     if isinstance(imgs, np.ndarray):
         hw = imgs.shape[1:3]
     else:
-        from PIL import Image
-
-        with Image.open(imgs[idx[0]]) as im:  # a first estimate, before reading every header
+        with open_image(imgs[idx[0]]) as im:  # a first estimate, before reading every header
             if len(idx) * im.height * im.width * in_chans > MAX_BYTES:
                 return f"its {len(idx)} images need more than {MAX_BYTES / 2**30:.0f} GiB decoded"
         size = _folder_size(imgs, idx)
@@ -97,11 +93,9 @@ def hold(ds: Dataset, in_chans: int, device: torch.device) -> tuple[torch.Tensor
     if isinstance(imgs, np.ndarray):
         x = torch.from_numpy(np.ascontiguousarray(imgs[idx]))
     else:
-        from PIL import Image
-
         arrays = []
         for i in idx:
-            with Image.open(imgs[i]) as im:
+            with open_image(imgs[i]) as im:
                 arrays.append(np.asarray(im.convert("RGB" if in_chans == 3 else "L")))
         x = torch.from_numpy(np.stack(arrays))
     x = x[..., None] if x.ndim == 3 else x  # grey (N, H, W) -> (N, H, W, 1)

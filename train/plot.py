@@ -6,25 +6,41 @@ matplotlib is an optional extra: ``pip install 'cmhsa[plot]'``.
 from __future__ import annotations
 
 import csv
+import io
+import os
+import re
 from pathlib import Path
 from typing import Any
 
 from ..errors import CmhsaError
-from ..io.atomic import atomic_path
+from ..io.atomic import atomic_path, atomic_paths
+from ..io.paths import read_text
+from ..text import label_safe
+
+_ATTN_COLUMN = re.compile(r"^attn(\d{1,4})_(share|gate|dist_px)$")
+LARGEST = 1e12  # no metric cmhsa writes comes near; matplotlib's axes overflow near 1e308
+
+
+def _column(name: str | None) -> bool:
+    """A column the plots read: the run's own metrics and ``attn{block}_{share|gate|dist_px}``."""
+    return name is not None and (name in METRIC_COLUMNS or _ATTN_COLUMN.match(name) is not None)
 
 
 def read_metrics(run: Path) -> list[dict[str, float]]:
+    """metrics.csv of a run folder: its known columns as numbers (others are ignored), every value
+    finite and within ±LARGEST; CmhsaError otherwise."""
     path = run / "metrics.csv"
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise CmhsaError("has no metrics.csv (not a training run folder?)", run)
+    text = read_text(path, what="metrics.csv")
     try:
-        with open(path, newline="", encoding="utf-8") as f:
-            rows = list(csv.DictReader(f))
-        parsed = [{k: float(v) for k, v in r.items() if v not in (None, "") and k is not None} for r in rows]
-    except (ValueError, TypeError, csv.Error) as e:  # UnicodeDecodeError is a ValueError
+        rows = list(csv.DictReader(io.StringIO(text, newline="")))
+        parsed = [{k: float(v) for k, v in r.items() if _column(k) and v not in (None, "")} for r in rows]
+    except (ValueError, TypeError, csv.Error) as e:
         raise CmhsaError(f"malformed metrics.csv ({type(e).__name__}: {str(e)[:120]})", path) from None
-    except OSError as e:
-        raise CmhsaError(f"cannot read ({e.strerror})", path) from None
+    bad = next((v for r in parsed for v in r.values() if not abs(v) <= LARGEST), None)
+    if bad is not None:
+        raise CmhsaError(f"metrics.csv holds {bad!r}, not a metric (finite, within ±{LARGEST:g})", path)
     if not parsed:
         raise CmhsaError("metrics.csv has no epochs yet", path)
     missing = [c for c in COLUMNS if any(c not in r for r in parsed)]
@@ -36,6 +52,9 @@ def read_metrics(run: Path) -> list[dict[str, float]]:
 
 
 COLUMNS = ("epoch", "val_loss", "top1")  # what the plots draw
+# what cmhsa train writes (train/run.py's METRICS and EMA_METRICS)
+METRIC_COLUMNS = ("epoch", "train_loss", "val_loss", "top1", "top5", "lr", "epoch_seconds", "images_per_s",
+                  "ema_val_loss", "ema_top1", "ema_top5")  # fmt: skip
 FORMATS = ("png", "pdf", "svg")
 
 
@@ -85,12 +104,13 @@ def curves_figure(runs: list[Path]) -> Any:
     ax_loss, ax_acc = axes[0], axes[1]
     for n, (run, rows) in enumerate(data.items()):
         epochs = [r["epoch"] for r in rows]
-        ax_loss.plot(epochs, [r["val_loss"] for r in rows], label=run.name)
-        ax_acc.plot(epochs, [r["top1"] for r in rows], label=run.name)
+        name = label_safe(run.name)
+        ax_loss.plot(epochs, [r["val_loss"] for r in rows], label=name)
+        ax_acc.plot(epochs, [r["top1"] for r in rows], label=name)
         for key in attn:
             if all(key in r for r in rows):
                 block, what = _series(key)
-                run_name = f"{run.name}: " if len(data) > 1 else ""
+                run_name = f"{name}: " if len(data) > 1 else ""
                 axes[2].plot(epochs, [r[key] for r in rows], "--" if what == "gate" else "-",
                              color=f"C{block % 10}", alpha=1.0 if n == 0 else 0.6,
                              label=f"{run_name}block {block} {what}")  # fmt: skip
@@ -105,7 +125,7 @@ def curves_figure(runs: list[Path]) -> Any:
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle(f"Training curves: {', '.join(run.name for run in runs)}")
+    fig.suptitle(f"Training curves: {', '.join(label_safe(run.name) for run in runs)}")
     return fig
 
 
@@ -164,7 +184,9 @@ def attention_figure(report: Any, title: str = "") -> Any:
         bar = fig.colorbar(im, ax=list(axes[i]), shrink=0.9, pad=0.01)
         bar.set_label("mean weight", fontsize=7)
         bar.ax.tick_params(labelsize=6)
-    fig.suptitle(title or f"Mean attention by relative offset, {report.images} images", fontsize=10)
+    fig.suptitle(
+        label_safe(title) or f"Mean attention by relative offset, {report.images} images", fontsize=10
+    )
     fig.supxlabel(ATTENTION_LEGEND, fontsize=7, ha="left", x=0.01, wrap=True)
     return fig
 
@@ -172,3 +194,15 @@ def attention_figure(report: Any, title: str = "") -> Any:
 def plot_attention(report: Any, output: Path, title: str = "") -> None:
     """:func:`attention_figure`, written to ``output``."""
     _save(attention_figure(report, title), output)
+
+
+def write_attention(report: Any, folder: Path, doc: str, title: str = "") -> tuple[Path, Path]:
+    """``attention.json`` (``doc``) and ``attention.png`` in ``folder``, both or neither: the figure
+    is drawn first, then the two files are written together."""
+    fig = attention_figure(report, title)
+    paths = (folder / "attention.json", folder / "attention.png")
+    with atomic_paths(*paths) as (json_tmp, png_tmp):
+        json_tmp.write_text(doc, encoding="utf-8")
+        fig.savefig(png_tmp, format="png")
+    pyplot().close(fig)
+    return paths

@@ -8,6 +8,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from ..text import terminal_safe
+
 
 class Progress:
     """Plain log lines through ``write`` (``None``: silent). :func:`convit_convert.train.run.run`
@@ -21,8 +23,8 @@ class Progress:
         self.epochs, self.log_every = epochs, max(1, log_every)
 
     def log(self, message: str) -> None:
-        if self.write is not None:
-            self.write(message)
+        if self.write is not None:  # messages name paths the user gave: never raw escape sequences
+            self.write(terminal_safe(message))
 
     def start_epoch(self, epoch: int, steps: int, done: int = 0) -> None:
         self.steps = steps

@@ -13,6 +13,7 @@ import contextlib
 import csv
 import io
 import json
+import os
 import signal
 import threading
 from collections.abc import Iterator
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .. import signals
 from ..api.common import amp_dtype
 from ..api.export import ExportReport, export_checkpoint
 from ..config import ViTConfig
@@ -47,7 +49,7 @@ from .config import RUNTIME_FIELDS, TrainConfig
 from .distributed import Context, barrier, setup, teardown
 from .epoch import Loop, seed_everything, train_one_epoch
 from .held import HeldEvalLoader, HeldLoader, eval_view, hold, holdable
-from .phases import PhaseModel, build_phase_model, freeze_attention
+from .phases import PhaseModel, build_phase_model, check_trainable, freeze_attention
 from .progress import Progress
 from .recipe import (
     build_recipe,
@@ -80,6 +82,7 @@ class StopRequest:
         self._old: dict[int, Any] = {}
 
     def _handle(self, signum: int, frame: Any) -> None:
+        signals.note(signum)
         if self.signal is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self.signal = signal.Signals(signum).name
@@ -155,6 +158,7 @@ def resumed_config(cfg: TrainConfig, saved: dict[str, Any], out: Path, log: Any)
     (as timm's train.py allows); whether the schedule must be rebuilt for it."""
     try:
         old = TrainConfig.from_dict(saved["config"])
+        old.check_values(out / LAST)
         check_recipe(old)
         ViTConfig.from_dict(saved["model_config"], saved["kind"], out / LAST)
     except (TypeError, ValueError) as e:
@@ -213,6 +217,8 @@ def unmeant_choices(cfg: TrainConfig) -> list[str]:
 def _run(
     cfg: TrainConfig, ctx: Context, progress: Progress | None, stop_after_steps: int | None
 ) -> RunResult:
+    if not str(cfg.runtime.out).strip():  # Path("") is the current folder: never meant
+        raise CmhsaError("`out` is empty: give the run folder")
     out = Path(cfg.runtime.out).expanduser()
     check_recipe(cfg)
     cfg = cfg.replace(  # this run's defaults, resolved in its own copy
@@ -223,6 +229,7 @@ def _run(
     if out.exists() and not out.is_dir():
         raise CmhsaError("`out` names an existing file; give a folder for the run", out)
     created = not out.exists()
+    had_lock = os.path.lexists(out / LOCK_NAME)
     if ctx.is_main:
         try:
             out.mkdir(parents=True, exist_ok=True)
@@ -237,10 +244,12 @@ def _run(
             try:
                 return _locked_run(cfg, ctx, out, reporter, stop_after_steps)
             except CmhsaError:
-                if created and ctx.is_main:  # refused before writing anything: leave no empty run folder
+                if ctx.is_main:  # refused before writing anything: leave the folder as it was
                     with contextlib.suppress(OSError):
-                        (out / LOCK_NAME).unlink()
-                        out.rmdir()
+                        if not had_lock:
+                            (out / LOCK_NAME).unlink()
+                        if created:
+                            out.rmdir()
                 raise
     finally:
         reporter.close()
@@ -253,16 +262,42 @@ def _locked_run(
     if cfg.runtime.resume:
         saved = read_checkpoint(out / LAST)
         cfg, reschedule = resumed_config(cfg, saved, out, reporter.log)
-    elif (out / LAST).exists():
-        raise CmhsaError(
-            "holds a previous run (checkpoint-last.pt): pass `resume` to continue it, or choose another `out`",
-            out,
-        )
+    else:
+        clear_previous_run(out, cfg.runtime.overwrite)
     reporter.open(cfg.recipe.epochs, cfg.runtime.log_every)
     for line in [] if saved else unmeant_choices(cfg):
         reporter.log(line)
     loop = build(cfg, ctx, out, saved, reschedule, reporter)
     return train(loop, stop_after_steps)
+
+
+def run_outputs(out: Path) -> list[Path]:
+    """What a run writes into its folder (any phase), as far as it is there."""
+    names = [LAST, "metrics.csv", "config.json", *OUTPUT.values()]
+    names += [n.replace(".safetensors", s) for n in OUTPUT.values() for s in ("-ema.safetensors", ".onnx")]
+    found = [out / n for n in names if os.path.lexists(out / n)]
+    return found + sorted(p for p in out.glob("checkpoint-epoch*.pt"))
+
+
+def clear_previous_run(out: Path, overwrite: bool) -> None:
+    """A new run in ``out``: refused while another run's outputs are there (its metrics and model
+    would be silently replaced, or mixed with this run's), unless ``overwrite``, which removes them."""
+    previous = run_outputs(out)
+    if not previous:
+        return
+    if not overwrite:
+        what = "a previous run (checkpoint-last.pt)" if previous[0].name == LAST else "another run's outputs"
+        names = ", ".join(p.name for p in previous[:4]) + (" ..." if len(previous) > 4 else "")
+        raise CmhsaError(
+            f"holds {what}: {names}; pass `resume` to continue it, `overwrite` to replace it, "
+            "or choose another `out`",
+            out,
+        )
+    for p in previous:
+        try:
+            p.unlink()
+        except OSError as e:
+            raise CmhsaError(f"`overwrite`: cannot remove {p.name} ({e.strerror})", out) from None
 
 
 def build(
@@ -285,7 +320,8 @@ def build(
     def model_for(num_classes: int) -> PhaseModel:
         if saved is None:
             return build_phase_model(cfg, num_classes, reporter.log)
-        mcfg = ViTConfig.from_dict(saved["model_config"], saved["kind"])  # weights: the saved state below
+        mcfg = ViTConfig.from_dict(saved["model_config"], saved["kind"], out / LAST)  # weights: loaded below
+        check_trainable(cfg, mcfg)  # as a fresh run would, before anything of that size is made
         return PhaseModel(VisionTransformer(mcfg, cfg.model.drop_path), mcfg, saved["init"])
 
     # one image size, the model's (which --init or a resumed run may set): synthetic images are made
@@ -330,7 +366,7 @@ def build(
                 group["initial_lr"] = group["lr"] = lr
             return build_scheduler(cfg, opt, lr, min_lr, warmup_lr, steps_per_epoch)
 
-        state.load(saved, fresh_schedule if reschedule else None)
+        state.load(saved, fresh_schedule if reschedule else None, steps_per_epoch)
         reporter.log(f"resumed {out / LAST} at epoch {state.epoch + 1}, step {state.step}")
     if ctx.is_main:
         kind = pm.config.kind

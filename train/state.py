@@ -8,6 +8,7 @@ previous checkpoint. ``--keep N`` also keeps the last N end-of-epoch copies. Rea
 
 from __future__ import annotations
 
+import math
 import random
 import re
 import shutil
@@ -112,6 +113,90 @@ def _checkpoint_problem(saved: Any) -> str | None:
     return None
 
 
+def _number(x: Any) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def same_structure(saved: Any, fresh: Any, where: str) -> str | None:
+    """What differs in kind between a saved value and the one the run built fresh (dict keys, list
+    lengths, numbers, strings, tensor shapes and dtypes), or None: state that loads into an object
+    without checks of its own (a scheduler's ``__dict__``, a scaler's) is held to what it replaces."""
+    if isinstance(fresh, torch.Tensor):
+        if not isinstance(saved, torch.Tensor) or saved.shape != fresh.shape or saved.dtype != fresh.dtype:
+            return f"{where} is not a {fresh.dtype} tensor of shape {list(fresh.shape)}"
+        return None
+    if isinstance(fresh, bool) or fresh is None or isinstance(fresh, str):
+        return None if type(saved) is type(fresh) else f"{where} is {type(saved).__name__}"
+    if _number(fresh):
+        return None if _number(saved) else f"{where} is {saved!r}, not a finite number"
+    if isinstance(fresh, dict):
+        if not isinstance(saved, dict) or set(saved) != set(fresh):
+            return f"{where} does not hold {sorted(map(str, fresh))}"
+        return next((p for k in fresh if (p := same_structure(saved[k], fresh[k], f"{where}.{k}"))), None)
+    if isinstance(fresh, list | tuple):
+        if not isinstance(saved, list | tuple) or len(saved) != len(fresh):
+            return f"{where} is not a sequence of {len(fresh)}"
+        pairs = enumerate(zip(saved, fresh, strict=True))
+        return next((p for i, (a, b) in pairs if (p := same_structure(a, b, f"{where}[{i}]"))), None)
+    return None
+
+
+def optimizer_problem(saved: dict[str, Any], optimizer: Any) -> str | None:
+    """The saved optimizer state against the optimizer built for the model: the same groups with
+    the same settings (numbers finite, betas in [0, 1)), and each parameter's state tensors of its
+    shape (or scalars, like ``step``)."""
+    groups = saved["param_groups"]
+    fresh = optimizer.state_dict()["param_groups"]
+    if len(groups) != len(fresh) or not all(isinstance(g, dict) for g in groups):
+        return f"optimizer: {len(groups)} parameter groups, the run has {len(fresh)}"
+    shapes: dict[Any, torch.Size] = {}
+    for i, (g, f) in enumerate(zip(groups, fresh, strict=True)):
+        settings = {k: v for k, v in f.items() if k != "params"}
+        problem = same_structure({k: g.get(k) for k in settings}, settings, f"optimizer group {i}")
+        if problem:
+            return problem
+        betas = g.get("betas")
+        if betas is not None and not all(0 <= b < 1 for b in betas):
+            return f"optimizer group {i}: betas {betas} are not in [0, 1)"
+        params = list(optimizer.param_groups[i]["params"])
+        if not isinstance(g.get("params"), list) or len(g["params"]) != len(params):
+            return f"optimizer group {i} holds {len(g.get('params') or [])} parameters, the run has {len(params)}"
+        shapes |= {pid: p.shape for pid, p in zip(g["params"], params, strict=True)}
+    for pid, state in saved["state"].items():
+        if pid not in shapes or not isinstance(state, dict):
+            return f"optimizer state for an unknown parameter {pid!r}"
+        for k, v in state.items():
+            ok = (
+                isinstance(v, torch.Tensor)
+                and v.is_floating_point()
+                and (v.shape == shapes[pid] or v.numel() == 1)
+            ) or _number(v)
+            if not ok:
+                return f"optimizer state {k!r} of parameter {pid} is not a float tensor of its shape"
+    return None
+
+
+def fit_problem(saved: dict[str, Any], run: RunState, steps_per_epoch: int | None) -> str | None:
+    """What in a saved state does not fit the run built to take it, or None."""
+    epochs = run.config.recipe.epochs
+    if saved["epoch"] > epochs:
+        return f"{saved['epoch']} epochs done, more than the run's {epochs}"
+    if steps_per_epoch is not None and saved["step"] >= steps_per_epoch:
+        return f"step {saved['step']} of an epoch of {steps_per_epoch} steps"
+    fresh_partial = {"loss_sum": 0.0, "seconds": 0.0, "images": 0}
+    problem = same_structure(saved["partial"], fresh_partial, "partial")
+    if problem or min(saved["partial"].values()) < 0:
+        return problem or "negative partial-epoch counters"
+    problem = optimizer_problem(saved["optimizer"], run.optimizer)
+    if problem:
+        return problem
+    for name in ("scheduler", "scaler"):
+        problem = same_structure(saved[name], getattr(run, name).state_dict(), name)
+        if problem:
+            return problem
+    return None
+
+
 @dataclass
 class RunState:
     """The objects a run trains and the counters that say how far it got."""
@@ -144,17 +229,21 @@ class RunState:
             "rng": rng_state(),
         }
 
-    def load(self, saved: dict[str, Any], reschedule: Any = None) -> None:
+    def load(self, saved: dict[str, Any], reschedule: Any = None, steps_per_epoch: int | None = None) -> None:
         """Restore from :func:`read_checkpoint`'s dict. ``reschedule(optimizer)``, when given, builds
         a fresh scheduler instead of loading the saved one (a resume that changed epochs or lr).
-        State that does not fit what was built (shapes, parameter groups) is a CmhsaError."""
-        try:
-            self._load(saved, reschedule)
-        except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as e:
+        State that does not fit what was built (types, shapes, parameter groups, counters past
+        ``steps_per_epoch`` or the run's epochs) is a CmhsaError, before any of it is used."""
+        problem = fit_problem(saved, self, steps_per_epoch)
+        if problem is None:
+            try:
+                self._load(saved, reschedule)
+            except (RuntimeError, ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+                problem = f"{type(e).__name__}: {first_line(e, 200)}"
+        if problem is not None:
             raise CmhsaError(
-                f"`resume`: {LAST} does not fit the run it belongs to ({type(e).__name__}: {first_line(e, 200)})",
-                self.config.runtime.out,
-            ) from None
+                f"`resume`: {LAST} does not fit the run it belongs to ({problem})", self.config.runtime.out
+            )
 
     def _load(self, saved: dict[str, Any], reschedule: Any) -> None:
         self.model.load_state_dict(saved["model"])

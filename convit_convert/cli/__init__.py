@@ -6,6 +6,7 @@ Start-up matters: nothing here imports torch or timm at import time, so ``cmhsa 
 
 from __future__ import annotations
 
+import contextlib
 from typing import Annotated
 
 import typer
@@ -49,7 +50,22 @@ def _root(
 
 
 def main() -> None:
-    from .boundary import exit_on_sigterm
+    """The ``cmhsa`` program: the app, then an exit whose code says whether SIGINT or SIGTERM came."""
+    from .boundary import exit_on_sigterm, exit_status
 
     exit_on_sigterm()  # a killed convert/export unwinds and removes its temp files (training traps it first)
-    app()
+    code: object = 0
+    try:
+        app()
+    except SystemExit as e:
+        code = e.code
+    code = exit_status(code)
+    import atexit
+    import os
+    import sys
+
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)  # not the interpreter's teardown: a signal there would kill it with no code of ours

@@ -2,22 +2,27 @@
 
 Exit codes: 0 success; 1 a check that failed (``CheckFailed``, a failed verification or export);
 2 bad input (``CmhsaError``, a bad flag, a file that cannot be read or written, an allocation too
-large); 3 an internal error (a bug: one line asking for a report). A traceback is shown only with
-``cmhsa --debug ...`` or ``CMHSA_DEBUG=1``.
+large); 3 an internal error (a bug: one line asking for a report); 130 / 143 interrupted by SIGINT
+/ SIGTERM, whatever the interruption made fail. A traceback, and the warnings libraries raised, are
+shown only with ``cmhsa --debug ...`` or ``CMHSA_DEBUG=1``.
 """
 
 from __future__ import annotations
 
 import errno
+import gc
+import io
 import os
 import re
 import signal
 import sys
 import traceback
+import warnings
 from typing import Any
 
 from typer.core import TyperGroup
 
+from .. import signals
 from ..errors import CheckFailed, CmhsaError, first_line
 from .common import EXIT_BAD_INPUT, EXIT_FAIL, as_flags, terminal_safe
 
@@ -57,19 +62,57 @@ def _allocation_failure(e: BaseException) -> str | None:
     return f"out of memory: {what}; reduce the sizes given (image size, batch, heads, qk-dim, depth)"
 
 
+_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    """Unwind like Ctrl-C (exit 130 or 143), so every pending write removes its temp file."""
+    signals.note(signum)
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt
+    raise SystemExit(128 + signum)
+
+
 def exit_on_sigterm() -> None:
-    """Make SIGTERM unwind like Ctrl-C (exit 143), so every pending write removes its temp file."""
+    """SIGINT and SIGTERM unwind the program (training traps them first, to save and stop); each one
+    is also recorded, so the exit code says it came even where its exception was swallowed."""
+    for s in _SIGNALS:
+        signal.signal(s, _interrupt)
 
-    def handler(signum: int, frame: object) -> None:
-        raise SystemExit(128 + signum)
+    def quiet(u: Any) -> None:  # an exception in a finaliser after a signal: the exit code tells it
+        interrupted = isinstance(u.exc_value, KeyboardInterrupt | SystemExit) or signals.first() is not None
+        if not interrupted or debug_enabled():
+            sys.__unraisablehook__(u)
 
-    signal.signal(signal.SIGTERM, handler)
+    sys.unraisablehook = quiet
+
+
+def exit_status(code: object) -> int:
+    """The process's exit code, once the command is over. From here SIGINT and SIGTERM are only
+    recorded, never raised; the finalisers run (loader workers are joined); then a signal that came
+    during the command or meanwhile is the exit code, 128 + its number. (The caller then exits at
+    once: the interpreter's own teardown would restore the default handlers and could die of a
+    signal, with no exit code of ours.)"""
+    for s in _SIGNALS:
+        signal.signal(s, lambda signum, frame: signals.note(signum))
+    gc.collect()
+    came = signals.first()
+    if came is not None:
+        return 128 + came
+    if code is None:
+        return 0
+    return code if isinstance(code, int) else 1
 
 
 def report(e: BaseException) -> int:
     """Print `e` as one line on stderr; its exit code."""
     if isinstance(e, KeyboardInterrupt):
         return 130
+    came = (
+        signals.first()
+    )  # whatever a signal caused (a worker it ended, a read cut short) is the interruption
+    if came is not None:
+        return 128 + came
     if isinstance(e, CmhsaError):
         _say(as_flags(str(e)))
         return EXIT_FAIL if isinstance(e, CheckFailed) else EXIT_BAD_INPUT
@@ -101,6 +144,15 @@ def report(e: BaseException) -> int:
     return EXIT_INTERNAL
 
 
+def empty_argument(args: list[str]) -> None:
+    """An empty argument is never meant (``-o ""`` would be the current folder): refuse it, naming
+    the option it was given to."""
+    for i, a in enumerate(args):
+        if a == "" or (a.startswith("--") and a.endswith("=")):
+            name = a[:-1] if a else (args[i - 1] if i > 0 and args[i - 1].startswith("-") else "an argument")
+            raise CmhsaError(f"{name} is empty: give a value")
+
+
 class BoundaryGroup(TyperGroup):
     """The root command group: runs click in non-standalone mode and renders whatever escapes."""
 
@@ -118,8 +170,23 @@ class BoundaryGroup(TyperGroup):
 
             plain_help(self)
             self._plain = True
+        signals.clear()  # this invocation's signals only (CliRunner runs many in one process)
+        args = list(sys.argv[1:] if args is None else args)
+        for stream in (sys.stdout, sys.stderr):  # an ASCII locale: Δ and ≥ as escapes, never a crash
+            if isinstance(stream, io.TextIOWrapper):
+                stream.reconfigure(errors="backslashreplace")
         try:
-            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("default")  # each once, so the record stays small
+                empty_argument(args)
+                rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+            if debug_enabled():  # a library's warnings are for whoever asked for the details
+                for w in caught:
+                    print(
+                        terminal_safe(warnings.formatwarning(w.message, w.category, w.filename, w.lineno)),
+                        end="",
+                        file=sys.stderr,
+                    )
         except SystemExit:
             raise
         except BaseException as e:

@@ -11,8 +11,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from ..bounds import check
 from ..errors import CmhsaError
-from .bounds import check
+from ..text import terminal_safe
 
 EXIT_FAIL, EXIT_BAD_INPUT = 1, 2
 console = Console(highlight=False)
@@ -21,15 +22,6 @@ console = Console(highlight=False)
 def as_flags(message: str) -> str:
     """Library messages name parameters in backquotes (`img_size`); the CLI's name is --img-size."""
     return re.sub(r"`([a-z][a-z0-9_]*)`", lambda m: "--" + m.group(1).replace("_", "-"), message)
-
-
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
-
-
-def terminal_safe(text: str) -> str:
-    """`text` with control characters (escape sequences, bidi overrides) shown as \\xNN: a string
-    from a file cannot move the cursor, set the title or hide text. Newlines and tabs stay."""
-    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
 
 
 def safe(text: object) -> str:

@@ -1,7 +1,7 @@
 """The options several commands share, declared once (one spelling, one default, one help text per
 concept, as huggingface_hub's CLI shares its option aliases), the old spellings kept as hidden
 aliases, and :func:`plain_help`, which makes every command's ``--help`` show each default once,
-no type metavars, and arguments named as the README names them (``INPUT``, not ``{input}``)."""
+no type metavars, every numeric option's range (bounds.BOUNDS), and arguments named as the README names them (``INPUT``, not ``{input}``)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from typing import Any
 
 import typer
 
+from ..bounds import BOUNDS
 from ..errors import CmhsaError
 
 DEVICE = "auto"  # every command's --device default
@@ -75,5 +76,8 @@ def plain_help(command: Any) -> None:
             param.display_type_rich = lambda ctx: None
         if param.default is None or "default" in (getattr(param, "help", None) or "").lower():
             param.show_default = False
+        bound = BOUNDS.get(param.name or "")
+        if bound is not None and not is_argument and "[range:" not in (param.help or ""):
+            param.help = f"{param.help or ''} \\[range: {bound.text()}]".strip()
     for sub in getattr(command, "commands", {}).values():
         plain_help(sub)

@@ -11,6 +11,7 @@ that were typed and disagree.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from pathlib import Path
 from typing import Annotated, Any, Optional
@@ -106,6 +107,7 @@ FLAGS: list[tuple[str, Any, str, str, tuple[str, ...]]] = [
     ("workers", int, WORKERS_HELP, RUN, ("phase1", "phase2")),
     ("threads", int, "torch CPU threads per process.", RUN, ("phase1", "phase2")),
     ("resume", bool, "Continue the run in -o/--output from checkpoint-last.pt (a larger --epochs extends it; a new --lr restarts the schedule from there).", RUN, ("phase1", "phase2")),
+    ("overwrite", bool, "Start a new run in an -o/--output folder that holds another run's outputs (its model, metrics, config and checkpoints are removed first); without it such a folder is refused.", RUN, ("phase1", "phase2")),
     ("keep", int, "Also keep the newest N end-of-epoch checkpoints.", RUN, ("phase1", "phase2")),
     ("log_every", int, "Steps between log lines when not on a terminal.", RUN, ("phase1", "phase2")),
     ("export_onnx", bool, "At the end, also write the model as ONNX (vit.onnx / conv.onnx), checked in onnxruntime as by cmhsa export.", RUN, ("phase1", "phase2")),
@@ -243,8 +245,7 @@ def attention_command(
     from rich.table import Table
 
     from ..api.on_data import attention_on_data
-    from ..io.atomic import atomic_write_text
-    from ..train.plot import plot_attention, pyplot
+    from ..train.plot import pyplot, write_attention
 
     if data is None:
         raise CmhsaError(missing_data("attention"))
@@ -253,12 +254,20 @@ def attention_command(
     pyplot()  # fail before the slow part, and before anything is written, if matplotlib is missing
     r = attention_on_data(checkpoint, data=data, data_dir=data_dir, images=images, batch_size=batch_size,
                           device=device, seed=seed)  # fmt: skip
+    created = not output.exists()
     try:
         output.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise CmhsaError(f"cannot create the folder ({e.strerror})", output) from None
-    atomic_write_text(output / "attention.json", json.dumps(r.to_dict(str(checkpoint)), indent=2) + "\n")
-    plot_attention(r, output / "attention.png", f"{checkpoint.name} on {data}: mean attention by relative offset, {r.images} images")
+    doc = json.dumps(r.to_dict(str(checkpoint)), indent=2) + "\n"
+    title = f"{checkpoint.name} on {data}: mean attention by relative offset, {r.images} images"
+    try:
+        written = write_attention(r, output, doc, title)
+    except BaseException:
+        if created:  # nothing was written: leave no empty folder either
+            with contextlib.suppress(OSError):
+                output.rmdir()
+        raise
     table = Table(title=f"{safe(str(checkpoint))} on {data} (val, {r.images} images)")
     for col in ("block", "head", "offset", "pinned share", "distance px", "entropy", "gate"):
         table.add_column(col, justify="right")
@@ -269,7 +278,7 @@ def attention_command(
             table.add_row(str(i), str(j), off, fmt(h.pinned_share, ".3f"), f"{h.mean_distance_px:.2f}",
                           f"{h.entropy:.3f}", fmt(h.gate, ".3f"))  # fmt: skip
     console.print(table)
-    console.print(f"wrote {safe(str(output / 'attention.json'))} and {safe(str(output / 'attention.png'))}")
+    console.print(f"wrote {safe(str(written[0]))} and {safe(str(written[1]))}")
 
 
 # fmt: off
@@ -283,7 +292,7 @@ def plot_command(
 
     output = output or runs[0] / "curves.png"  # beside the runs, never in whatever folder the shell is in
     plot_runs(runs, output)
-    print(f"wrote {output}")
+    console.print(f"wrote {safe(str(output))}")
 
 
 app = typer.Typer()

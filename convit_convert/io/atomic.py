@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from ..errors import CmhsaError, first_line
+from .paths import check_output_target
 
 
 def _umask() -> int:
@@ -26,10 +27,10 @@ def _umask() -> int:
 
 
 def check_writable(path: Path) -> None:
-    """Fail early, before any expensive work, if ``path`` cannot be written."""
+    """Fail early, before any expensive work, if ``path`` cannot be written: it names a file that is
+    absent or regular (never a folder, link, device or FIFO), in a writable folder."""
+    check_output_target(path)
     folder = path.parent if str(path.parent) else Path(".")
-    if path.is_dir():
-        raise CmhsaError("output path is a directory", path)
     if not folder.is_dir():
         raise CmhsaError("output folder does not exist", path)
     if not os.access(folder, os.W_OK | os.X_OK):

@@ -20,6 +20,7 @@ from .. import __version__
 from ..config import KINDS, ViTConfig
 from ..errors import CmhsaError, article
 from ..model import VisionTransformer
+from . import paths
 from .atomic import atomic_path
 from .safetensors_writer import write_safetensors
 
@@ -112,12 +113,7 @@ def validate_tensors(cfg: ViTConfig, tensors: dict[str, torch.Tensor], path: obj
 
 def check_input_file(path: Path) -> None:
     """An existing, non-empty regular file, or CmhsaError."""
-    if not path.exists():
-        raise CmhsaError("no such file", path)
-    if path.is_dir():
-        raise CmhsaError("is a directory, expected a model file", path)
-    if path.stat().st_size == 0:
-        raise CmhsaError("file is empty", path)
+    paths.check_input_file(path, "model file")
 
 
 def read_tensors(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:

@@ -8,8 +8,10 @@ holds the holder's PID, for the message a second process gets.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,11 +25,16 @@ def locked_folder(folder: Path) -> Iterator[None]:
     """Hold ``folder``'s lock for the block; a second holder is refused in one line naming the
     first one's PID."""
     path = folder / LOCK_NAME
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:  # never through a link (its target would be truncated), never blocking on a FIFO
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY, 0o644)
     except OSError as e:
-        raise CmhsaError(f"cannot create the run folder's lock ({e.strerror})", folder) from None
+        why = "it is a symbolic link" if e.errno == errno.ELOOP else e.strerror
+        raise CmhsaError(
+            f"cannot open the run folder's lock {LOCK_NAME} ({why}); remove it", folder
+        ) from None
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise CmhsaError(f"the run folder's lock {LOCK_NAME} is not a regular file; remove it", folder)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -1,0 +1,137 @@
+"""Every number a user can give, bounded in one table (BOUNDS, by parameter name): a flag of any
+command, and the same value read back from a file (a resumed run's config and counters) are held
+to the same range. NaN and infinities are never in range.
+
+Sizes are bounded generously (far above the paper's models) but finitely, by the same limits as a
+model file's config (``config.LIMITS``); what the sizes imply together (memory) is checked by the
+library, which knows the model (``resources.check_fits``). The CLI shows each range in ``--help``
+and checks it before a command runs (cli/bounds.py).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from .config import LIMITS
+from .errors import CmhsaError
+
+CPUS = os.cpu_count() or 1
+
+
+@dataclass(frozen=True)
+class Bound:
+    """lo ≤ x ≤ hi, either end open when asked; always finite."""
+
+    lo: float
+    hi: float
+    lo_open: bool = False
+    hi_open: bool = False
+
+    def text(self) -> str:
+        lo, hi = num(self.lo), num(self.hi)
+        return f"{lo} {'<' if self.lo_open else '≤'} x {'<' if self.hi_open else '≤'} {hi}"
+
+    def holds(self, x: float) -> bool:
+        if isinstance(x, float) and not math.isfinite(x):
+            return False
+        above = x > self.lo if self.lo_open else x >= self.lo
+        below = x < self.hi if self.hi_open else x <= self.hi
+        return above and below
+
+
+def num(x: float) -> str:
+    """1000000 rather than 1e+06, 0.5 as 0.5, nan as nan."""
+    return (
+        str(int(x))
+        if isinstance(x, int) or (math.isfinite(x) and x == int(x) and abs(x) < 1e16)
+        else f"{x:g}"
+    )
+
+
+SEED = Bound(0, 2**32 - 1)  # numpy's seeds are 32-bit
+PROB = Bound(0, 1)
+COUNT = Bound(1, 10**9)  # images, epochs, steps
+
+
+def size(name: str) -> Bound:
+    """1 to the largest a model file may claim (config.LIMITS): a flag and a file agree."""
+    return Bound(1, LIMITS[name])
+
+
+BOUNDS: dict[str, Bound] = {
+    # sizes of the model
+    "img_size": size("img_size"),
+    "in_chans": size("in_chans"),
+    "patch_size": size("patch_size"),
+    "patch": size("patch_size"),
+    "hidden_chans": size("hidden_chans"),
+    "depth": size("depth"),
+    "mlp_ratio": Bound(0, 64, lo_open=True),
+    "kernel_size": size("kernel_size"),
+    "kernel": size("kernel_size"),
+    "dilation": size("dilation"),
+    "channels": Bound(1, 65536),
+    "heads": size("num_heads"),
+    "qk_dim": size("qk_dim"),
+    "num_classes": Bound(2, LIMITS["num_classes"]),
+    "norm_eps": Bound(0, 1, lo_open=True, hi_open=True),
+    # conversion and checks
+    "margin": Bound(0, 1e4, lo_open=True),
+    "qk_init_std": Bound(0, 10),
+    "tol": Bound(0, 1e6),
+    "verify_tol": Bound(0, 1e6),
+    "batch": Bound(1, 65536),
+    "opset": Bound(17, 99),
+    "calib_images": Bound(1, 10**7),
+    "heldout_images": Bound(1, 10**7),
+    "images": Bound(1, 10**7),
+    "mimetic_alpha": Bound(0, 100),
+    "mimetic_beta": Bound(0, 100),
+    # data and recipe
+    "train_samples": COUNT,
+    "val_samples": COUNT,
+    "epochs": Bound(1, 10**6),
+    "batch_size": Bound(1, 65536),
+    "lr": Bound(0, 10, lo_open=True),
+    "lr_base_batch": Bound(1, 10**7),
+    "min_lr": Bound(0, 10),
+    "warmup_lr": Bound(0, 10),
+    "warmup_epochs": Bound(0, 10**6),
+    "weight_decay": Bound(0, 10),
+    "opt_eps": Bound(0, 1, lo_open=True),
+    "opt_betas": Bound(0, 1, hi_open=True),
+    "clip_grad": Bound(0, 1e6, lo_open=True),
+    "color_jitter": Bound(0, 10),
+    "reprob": PROB,
+    "scale": Bound(0, 1, lo_open=True),
+    "hflip": PROB,
+    "crop_pct": Bound(0, 1, lo_open=True),
+    "mixup": Bound(0, 100),
+    "cutmix": Bound(0, 100),
+    "mixup_prob": PROB,
+    "mixup_switch_prob": PROB,
+    "smoothing": Bound(0, 1, hi_open=True),
+    "model_ema_decay": Bound(0, 1, hi_open=True),
+    "drop_path": Bound(0, 1, hi_open=True),
+    "attn_lr_mult": Bound(0, 1e4, lo_open=True),
+    # running
+    "seed": SEED,
+    "workers": Bound(0, 4 * CPUS),
+    "threads": Bound(1, 4 * CPUS),
+    "keep": Bound(0, 10**4),
+    "log_every": COUNT,
+}
+
+
+def check(name: str, value: Any, path: object = None) -> None:
+    """Raise CmhsaError naming the parameter (`name`, which the CLI prints as its flag) unless every
+    number in `value` is in BOUNDS[name]."""
+    bound = BOUNDS.get(name)
+    if bound is None or value is None or isinstance(value, bool):
+        return
+    for x in value if isinstance(value, (tuple, list)) else (value,):
+        if isinstance(x, (int, float)) and not bound.holds(x):
+            raise CmhsaError(f"`{name}` must be {bound.text()}, got {num(x)}", path)
