@@ -624,6 +624,22 @@ def test_every_value_a_resume_reads_is_checked_like_a_flag(tmp_path: Path, tiny_
     assert snapshot(run) == before
 
 
+def test_a_stop_after_an_epoch_s_last_step_resumes(tmp_path: Path, tiny_run: Path) -> None:
+    """The one step count past the last that is a real state: stopped after the epoch's last step,
+    before its evaluation (the bound above must not refuse it)."""
+    import torch
+
+    steps = torch.load(tiny_run / "checkpoint-last.pt", weights_only=True)["global_step"]  # one epoch's
+    run = crafted_resume(tiny_run, tmp_path / "run", lambda s: s.update(step=steps))
+    r = invoke("train", "phase1", *TINY, "--epochs", "2", "--resume", "-o", run)
+    assert r.exit_code == 0, r.output
+    assert epochs_in(run) == [1, 2]
+
+
+def epochs_in(run: Path) -> list[int]:
+    return [int(line.split(",")[0]) for line in (run / "metrics.csv").read_text().splitlines()[1:]]
+
+
 @pytest.mark.parametrize(
     ("content", "outcome"),
     [(b"epoch,val_loss,top1,attnX_share,attn99999999_gate,\xc3\xa9\n1,2,3,4,5,6\n2,1,4,5,6,7\n", 0),

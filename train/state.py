@@ -141,6 +141,9 @@ def same_structure(saved: Any, fresh: Any, where: str) -> str | None:
     return None
 
 
+_HYPER = ("lr", "initial_lr", "betas", "eps", "weight_decay")  # what every step reads
+
+
 def optimizer_problem(saved: dict[str, Any], optimizer: Any) -> str | None:
     """The saved optimizer state against the optimizer built for the model: the same groups with
     the same settings (numbers finite, betas in [0, 1)), and each parameter's state tensors of its
@@ -151,10 +154,19 @@ def optimizer_problem(saved: dict[str, Any], optimizer: Any) -> str | None:
         return f"optimizer: {len(groups)} parameter groups, the run has {len(fresh)}"
     shapes: dict[Any, torch.Size] = {}
     for i, (g, f) in enumerate(zip(groups, fresh, strict=True)):
-        settings = {k: v for k, v in f.items() if k != "params"}
-        problem = same_structure({k: g.get(k) for k in settings}, settings, f"optimizer group {i}")
-        if problem:
-            return problem
+        for k, v in f.items():
+            if k == "params" or (k not in g and k not in _HYPER):  # flags another torch version lacks
+                continue
+            if k not in g:
+                return f"optimizer group {i} has no {k!r}"
+            switch = v is None or isinstance(v, bool)  # foreach, fused, ...: None or a bool either way
+            problem = (
+                (None if g[k] is None or isinstance(g[k], bool) else f"optimizer group {i}.{k} is {g[k]!r}")
+                if switch
+                else same_structure(g[k], v, f"optimizer group {i}.{k}")
+            )
+            if problem:
+                return problem
         betas = g.get("betas")
         if betas is not None and not all(0 <= b < 1 for b in betas):
             return f"optimizer group {i}: betas {betas} are not in [0, 1)"
@@ -181,7 +193,8 @@ def fit_problem(saved: dict[str, Any], run: RunState, steps_per_epoch: int | Non
     epochs = run.config.recipe.epochs
     if saved["epoch"] > epochs:
         return f"{saved['epoch']} epochs done, more than the run's {epochs}"
-    if steps_per_epoch is not None and saved["step"] >= steps_per_epoch:
+    # step == steps_per_epoch is a stop after an epoch's last step, before its evaluation
+    if steps_per_epoch is not None and saved["step"] > steps_per_epoch:
         return f"step {saved['step']} of an epoch of {steps_per_epoch} steps"
     fresh_partial = {"loss_sum": 0.0, "seconds": 0.0, "images": 0}
     problem = same_structure(saved["partial"], fresh_partial, "partial")
