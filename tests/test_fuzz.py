@@ -14,6 +14,7 @@ import errno
 import hashlib
 import json
 import os
+import re
 import signal
 import stat
 import struct
@@ -870,3 +871,35 @@ def test_a_signal_to_the_process_group_is_an_interruption(tmp_path: Path, sig: i
     else:  # the run was done: it exits 0, or with the signal's code, never killed by it
         assert code in (0, 128 + sig), (code, err[-2000:])
         assert (out / "conv.safetensors").is_file()
+
+
+# errors that name the right fix (issue 34, in part) -----------------------------------------------
+
+
+def test_errors_name_the_fix_the_command_can_take(tmp_path: Path, tiny_run: Path, monkeypatch) -> None:
+    """Each message used to name a fix the command does not take: --out (train's hidden old
+    spelling), --img-size/--patch-size for eval, --data cifar100 (train's hidden default)."""
+    r = invoke("eval", tiny_run / "checkpoint-last.pt", "--data", "digits")
+    refused(r, "training checkpoint", "conv.safetensors", "--resume")
+    assert "--img-size" not in r.stderr
+    (tmp_path / "file").write_text("x")
+    refused(invoke("train", "phase1", *TINY, "-o", tmp_path / "file"), "-o/--output")
+    monkeypatch.chdir(tmp_path)
+    no_data = [a for a in TINY if a not in ("--data", "synthetic")]
+    r = invoke("train", "phase1", *no_data, "-o", tmp_path / "run")
+    refused(r, "--data not given", "cifar100", "--data-dir")
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_approximate_conversion_that_fails_its_check_says_which_tol_writes_it(tmp_path: Path) -> None:
+    from convit_convert.cli.convert import rounded_up
+
+    for x in (0.2234, 0.22, 0.0999, 3.98e-7, 1.0, 12345.0):  # never below the error it must pass
+        assert x <= float(rounded_up(x)) <= x * 1.1, x
+    r = invoke("convert", FIXTURE, "-o", tmp_path / "a.safetensors", "--heads", "4", "--approximate",
+               "--calib-images", "16", "--heldout-images", "16")  # fmt: skip
+    assert r.exit_code == 1 and "pass --tol" in " ".join(r.stdout.split()), r.output
+    tol = re.search(r"pass --tol (\S+)", " ".join(r.stdout.split())).group(1)  # type: ignore[union-attr]
+    r = invoke("convert", FIXTURE, "-o", tmp_path / "a.safetensors", "--heads", "4", "--approximate",
+               "--calib-images", "16", "--heldout-images", "16", "--tol", tol)  # fmt: skip
+    assert r.exit_code == 0 and (tmp_path / "a.safetensors").is_file(), r.output

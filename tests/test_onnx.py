@@ -25,7 +25,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from conftest import conv_model
+from conftest import FIXTURE, conv_model
 from convit_convert.api import load_checkpoint
 from convit_convert.cli import app
 from convit_convert.construct import convert_state_dict
@@ -354,9 +354,15 @@ def test_attention_onnx_is_refused(fixture_path: Path, tmp_path: Path) -> None:
     assert_bad(
         run("convert", tmp_path / "vit.onnx", "-o", out / "x.safetensors"),
         tmp_path / "vit.onnx",
-        "this is an attention model (its token mixers are Softmax attention, not Conv), not a conv-phase one",
+        "this is an attention model (its token mixers are Softmax attention, not Conv)",
         out,
     )
+    for args in (
+        ["eval", tmp_path / "vit.onnx", "--data", "digits"],
+        ["verify", FIXTURE, tmp_path / "vit.onnx"],
+    ):
+        r = run(*args)  # the fix named is the same whatever the command: never "convert takes ..."
+        assert r.exit_code == 2 and "the .safetensors this graph was exported from" in r.stderr, r.stderr
 
 
 def test_import_that_disagrees_with_onnxruntime_is_refused(exported, tmp_path: Path, monkeypatch) -> None:

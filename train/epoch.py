@@ -80,7 +80,7 @@ def until_stopped(loader: Any, stop: Any) -> Iterator[Any]:
             batch = next(it)
         except StopIteration:
             return
-        except RuntimeError:
+        except Exception:  # "worker killed", or a batch half-received from it (ConnectionResetError)
             if stop.signal is None:
                 raise
             return

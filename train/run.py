@@ -29,6 +29,7 @@ from ..api.common import amp_dtype
 from ..api.export import ExportReport, export_checkpoint
 from ..config import ViTConfig
 from ..data import (
+    DATASETS,
     DataSpec,
     build_data,
     build_loader,
@@ -62,6 +63,7 @@ from .state import LAST, RunState, read_checkpoint
 METRICS = ("epoch", "train_loss", "val_loss", "top1", "top5", "lr", "epoch_seconds", "images_per_s")
 EMA_METRICS = ("ema_val_loss", "ema_top1", "ema_top5")
 OUTPUT = {"phase1": "conv.safetensors", "phase2": "vit.safetensors"}
+NEEDS_DIR = ("cifar10", "cifar100", "imagefolder")  # the datasets only a folder can give
 RESUMABLE = ("epochs", "lr")  # what a resume may change; the schedule is then rebuilt
 
 
@@ -217,6 +219,11 @@ def unmeant_choices(cfg: TrainConfig) -> list[str]:
 def _run(
     cfg: TrainConfig, ctx: Context, progress: Progress | None, stop_after_steps: int | None
 ) -> RunResult:
+    if cfg.given and "data" not in cfg.given and cfg.data.dir is None and cfg.data.name in NEEDS_DIR:
+        raise CmhsaError(  # the default dataset needs a folder: say so, not "--data cifar100 needs ..."
+            f"`data` not given: the default, {cfg.data.name}, needs `data_dir`; name a dataset with `data` "
+            f"({', '.join(DATASETS)}) and, for cifar10, cifar100 and imagefolder, its folder with `data_dir`"
+        )
     if not str(cfg.runtime.out).strip():  # Path("") is the current folder: never meant
         raise CmhsaError("`out` is empty: give the run folder")
     out = Path(cfg.runtime.out).expanduser()
@@ -430,6 +437,26 @@ def build_loaders(cfg: TrainConfig, spec: DataSpec, mcfg: ViTConfig, ctx: Contex
     ]
 
 
+@contextlib.contextmanager
+def worker_deaths_at_fetch() -> Iterator[None]:
+    """While training, a loader worker's death is found where the loader fetches a batch (it checks
+    its workers while it waits), never raised by torch's SIGCHLD handler wherever the main thread
+    happens to be. A SIGTERM to the process group ends the workers too; raised asynchronously, that
+    would cut a checkpoint's write short or skip the save a stop makes. (torch installs the handler
+    once per process, with its first worker loader: this marks it installed. Private, so guarded.)"""
+    from torch.utils.data._utils import signal_handling
+
+    before = getattr(signal_handling, "_SIGCHLD_handler_set", None)
+    if before is None:
+        yield
+        return
+    signal_handling._SIGCHLD_handler_set = True
+    try:
+        yield
+    finally:
+        signal_handling._SIGCHLD_handler_set = before
+
+
 def train(loop: Loop, stop_after_steps: int | None = None) -> RunResult:
     """Epochs until ``cfg.recipe.epochs``, saving after each; then the trained model as safetensors."""
     cfg, ctx, st, out = loop.cfg, loop.ctx, loop.state, loop.out
@@ -441,7 +468,7 @@ def train(loop: Loop, stop_after_steps: int | None = None) -> RunResult:
         barrier(ctx)
 
     stop = StopRequest()
-    with stop.installed():
+    with stop.installed(), worker_deaths_at_fetch():
         while st.epoch < cfg.recipe.epochs:
             if not train_one_epoch(loop, stop, stop_after_steps):
                 result.stopped = stop.signal or "limit"

@@ -19,9 +19,17 @@ EXIT_FAIL, EXIT_BAD_INPUT = 1, 2
 console = Console(highlight=False)
 
 
+# parameters whose flag is not --name-with-dashes: `out` is train's -o/--output (--out is its old spelling)
+FLAG_NAMES = {"out": "-o/--output"}
+
+
 def as_flags(message: str) -> str:
     """Library messages name parameters in backquotes (`img_size`); the CLI's name is --img-size."""
-    return re.sub(r"`([a-z][a-z0-9_]*)`", lambda m: "--" + m.group(1).replace("_", "-"), message)
+    return re.sub(
+        r"`([a-z][a-z0-9_]*)`",
+        lambda m: FLAG_NAMES.get(m.group(1)) or "--" + m.group(1).replace("_", "-"),
+        message,
+    )
 
 
 def safe(text: object) -> str:

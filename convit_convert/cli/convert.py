@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -94,6 +95,11 @@ def convert(
     if c.verification is not None:
         print_verification(c.verification, "Verification: attention vs convolution")
     print_written(r.passed, output, r.report_path, "verification")
+    if not r.passed and c.approximation is not None and c.verification is not None:
+        console.print(
+            f"An approximate conversion is not exact: to write it, pass --tol {rounded_up(c.verification.worst.rel)} "
+            "or more (the held-out errors above say what the approximation costs)."
+        )
     if not r.passed:
         raise typer.Exit(EXIT_FAIL)
 
@@ -298,3 +304,11 @@ def print_sweep(ckpt: Any, rule: str, calib_set: Calibration, seed: int) -> None
         "taps (drop) or refit W_O; held-out: each block's mixer on the conv model's activations, and the logits"
         + (f"; the conv model's top-1 is {rows[0]['conv_top1']:.2f}%" if labelled else "") + "[/]"
     )
+
+
+def rounded_up(x: float) -> str:
+    """``x`` rounded up to two significant digits: a --tol that ``x`` passes."""
+    if not x > 0 or not math.isfinite(x):
+        return f"{x:g}"
+    step = 10.0 ** (math.floor(math.log10(x)) - 1)
+    return f"{math.ceil(x / step) * step:.2g}"

@@ -174,6 +174,12 @@ def _read_torch(path: Path) -> dict[str, torch.Tensor]:
         raise CmhsaError(f"not a readable PyTorch file ({type(e).__name__}: {e})", path) from None
     except Exception as e:  # whatever else a damaged file makes the unpickler raise
         raise CmhsaError(f"not a readable PyTorch file ({type(e).__name__}: {e})", path) from None
+    if isinstance(obj, dict) and {"model", "optimizer", "model_config"} <= obj.keys():
+        raise CmhsaError(
+            "is a cmhsa training checkpoint (a run's state, not a model file): give the run's conv.safetensors "
+            "or vit.safetensors, or continue the run with `cmhsa train PHASE -o RUN --resume`",
+            path,
+        )
     if isinstance(obj, dict):  # training checkpoints often nest the weights
         for key in ("state_dict", "model", "model_state_dict"):
             if isinstance(obj.get(key), dict):
@@ -293,7 +299,8 @@ def load_tensor_checkpoint(
     else:
         if img_size is None or patch_size is None:
             raise CmhsaError(
-                "has no cmhsa metadata; to read it as a bare conv-phase state dict give `img_size` and `patch_size`",
+                "has no cmhsa metadata; to read it as a bare conv-phase state dict give `img_size` and `patch_size` "
+                "(cmhsa convert, verify, inspect and export take them; convert it first for eval and train)",
                 path,
             )
         source = "state dict"

@@ -151,8 +151,8 @@ def read_structure(model: Any, path: Path, seed: int = 0) -> Structure:
     ops = {n.op_type for n in model.graph.node}
     if "Conv" not in ops and "Softmax" in ops:
         raise g.error(
-            "this is an attention model (its token mixers are Softmax attention, not Conv), not a conv-phase one: "
-            "convert takes the conv phase's model"
+            "this is an attention model (its token mixers are Softmax attention, not Conv): cmhsa imports only "
+            "conv-phase ONNX graphs; give the .safetensors this graph was exported from"
         )
     forms: dict[str, set[str]] = {"linear": set(), "gelu": set(), "conv padding": set()}
 
