@@ -19,7 +19,7 @@ _SHARED_INT = ("patch_size", "in_chans", "hidden_chans", "embed_dim", "depth", "
 _ATTN_INT = ("num_heads", "qk_dim", "v_dim")
 PINNING = ("hard", "gated")  # how a converted head holds its offset (docs/FORMAT.md, version 2)
 OPTIONAL = {"attn": {"pinning": "hard"}}  # keys version 1 files lack, with the value they meant
-# the largest sizes a config may claim (the CLI's flags are bounded alike, in cli/bounds.py);
+# the largest sizes a config may claim (the CLI's flags are bounded alike, in bounds.py);
 # num_patches bounds the (N, N) relative-position index every attention block holds
 LIMITS = {"img_size": 16384, "patch_size": 1024, "in_chans": 64, "hidden_chans": 4096, "embed_dim": 1 << 20,
           "depth": 1024, "mlp_hidden_dim": 1 << 22, "num_classes": 10**6, "kernel_size": 1025, "dilation": 1024,

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import os
 import random
-import stat
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,10 +21,11 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 
 from .errors import CmhsaError, first_line
-from .io.paths import kind_of, open_regular
+from .io.paths import open_regular, require_regular
 from .resources import check_fits
 
 DATASETS = ("cifar10", "cifar100", "imagefolder", "digits", "fashion-mnist", "synthetic")
+NEEDS_DIR = ("cifar10", "cifar100", "imagefolder")  # the datasets only `data_dir` can give
 FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"  # Debian's dataset-fashion-mnist
 MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: spreads (seed, epoch, index) over the seed space
 
@@ -236,11 +236,10 @@ def _image_file(path: str) -> bool:
     if not path.lower().endswith(IMG_EXTENSIONS):
         return False
     try:
-        mode = os.stat(path).st_mode
+        st = os.stat(path)
     except OSError as e:
         raise CmhsaError(f"cannot read ({e.strerror})", path) from None
-    if not stat.S_ISREG(mode):
-        raise CmhsaError(f"is {kind_of(mode)}, not an image file; remove it from the image folder", path)
+    require_regular(st, path, "image file", fix="remove it from the image folder")
     return True
 
 
@@ -313,7 +312,7 @@ def _build_data(
                 "no such folder: install Fashion-MNIST with `apt-get install dataset-fashion-mnist`", root
             )
         return fashion_mnist(root)
-    if data_dir is None:
+    if data_dir is None:  # every name left is in NEEDS_DIR
         raise CmhsaError(f"`data` {name} needs `data_dir`")
     root = Path(data_dir).expanduser()
     if not root.is_dir() and not (download and name.startswith("cifar")):

@@ -1,6 +1,6 @@
 """Malformed input through every command that reads it: mutated safetensors headers and bodies,
 mutated ONNX protos and external-data entries, renamed formats, crafted metrics, and every
-numeric flag of every command out of its range (generated from cli/bounds.py's declarations).
+numeric flag of every command out of its range (generated from bounds.py's declarations).
 
 Each case must end with exit 1 or 2 (never 3, an internal error; 0 where the mutation left a
 valid file), exactly one line on stderr, no traceback, no new file beside the inputs, and the
@@ -31,8 +31,8 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from conftest import FIXTURE
+from convit_convert.bounds import BOUNDS, num
 from convit_convert.cli import app
-from convit_convert.cli.bounds import BOUNDS, num
 
 SETTINGS = settings(
     max_examples=40,

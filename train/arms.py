@@ -165,9 +165,8 @@ def run_arms(
 
 def _launch(arm: Arm, threads: int) -> _Running:
     arm.out.mkdir(parents=True, exist_ok=True)
-    started = (
-        arm.out / LAST
-    ).is_file()  # else a fresh start: whatever an earlier attempt left is the arm's own
+    # without a checkpoint it is a fresh start: whatever an earlier attempt left is the arm's own
+    started = (arm.out / LAST).is_file()
     cfg = arm.config.replace(resume=started, overwrite=not started, threads=threads)
     spec = arm.out / "arm.json"
     spec.write_text(cfg.to_json())

@@ -16,6 +16,7 @@ from ..errors import CmhsaError
 from ..io.atomic import atomic_path, atomic_paths
 from ..io.paths import read_text
 from ..text import label_safe
+from .progress import EMA_METRICS, METRICS
 
 _ATTN_COLUMN = re.compile(r"^attn(\d{1,4})_(share|gate|dist_px)$")
 LARGEST = 1e12  # no metric cmhsa writes comes near; matplotlib's axes overflow near 1e308
@@ -23,7 +24,7 @@ LARGEST = 1e12  # no metric cmhsa writes comes near; matplotlib's axes overflow 
 
 def _column(name: str | None) -> bool:
     """A column the plots read: the run's own metrics and ``attn{block}_{share|gate|dist_px}``."""
-    return name is not None and (name in METRIC_COLUMNS or _ATTN_COLUMN.match(name) is not None)
+    return name is not None and (name in METRICS + EMA_METRICS or _ATTN_COLUMN.match(name) is not None)
 
 
 def read_metrics(run: Path) -> list[dict[str, float]]:
@@ -52,9 +53,6 @@ def read_metrics(run: Path) -> list[dict[str, float]]:
 
 
 COLUMNS = ("epoch", "val_loss", "top1")  # what the plots draw
-# what cmhsa train writes (train/run.py's METRICS and EMA_METRICS)
-METRIC_COLUMNS = ("epoch", "train_loss", "val_loss", "top1", "top5", "lr", "epoch_seconds", "images_per_s",
-                  "ema_val_loss", "ema_top1", "ema_top5")  # fmt: skip
 FORMATS = ("png", "pdf", "svg")
 
 

@@ -10,6 +10,10 @@ from typing import Any
 
 from ..text import terminal_safe
 
+# metrics.csv's columns, one row per finished epoch (written by run.py, read by plot.py)
+METRICS = ("epoch", "train_loss", "val_loss", "top1", "top5", "lr", "epoch_seconds", "images_per_s")
+EMA_METRICS = ("ema_val_loss", "ema_top1", "ema_top5")
+
 
 class Progress:
     """Plain log lines through ``write`` (``None``: silent). :func:`convit_convert.train.run.run`

@@ -30,6 +30,7 @@ from ..api.export import ExportReport, export_checkpoint
 from ..config import ViTConfig
 from ..data import (
     DATASETS,
+    NEEDS_DIR,
     DataSpec,
     build_data,
     build_loader,
@@ -51,7 +52,7 @@ from .distributed import Context, barrier, setup, teardown
 from .epoch import Loop, seed_everything, train_one_epoch
 from .held import HeldEvalLoader, HeldLoader, eval_view, hold, holdable
 from .phases import PhaseModel, build_phase_model, check_trainable, freeze_attention
-from .progress import Progress
+from .progress import EMA_METRICS, METRICS, Progress
 from .recipe import (
     build_recipe,
     build_scheduler,
@@ -60,10 +61,7 @@ from .recipe import (
 )
 from .state import LAST, RunState, read_checkpoint
 
-METRICS = ("epoch", "train_loss", "val_loss", "top1", "top5", "lr", "epoch_seconds", "images_per_s")
-EMA_METRICS = ("ema_val_loss", "ema_top1", "ema_top5")
 OUTPUT = {"phase1": "conv.safetensors", "phase2": "vit.safetensors"}
-NEEDS_DIR = ("cifar10", "cifar100", "imagefolder")  # the datasets only a folder can give
 RESUMABLE = ("epochs", "lr")  # what a resume may change; the schedule is then rebuilt
 
 

@@ -159,13 +159,10 @@ def optimizer_problem(saved: dict[str, Any], optimizer: Any) -> str | None:
                 continue
             if k not in g:
                 return f"optimizer group {i} has no {k!r}"
-            switch = v is None or isinstance(v, bool)  # foreach, fused, ...: None or a bool either way
-            problem = (
-                (None if g[k] is None or isinstance(g[k], bool) else f"optimizer group {i}.{k} is {g[k]!r}")
-                if switch
-                else same_structure(g[k], v, f"optimizer group {i}.{k}")
-            )
-            if problem:
+            if v is None or isinstance(v, bool):  # foreach, fused, ...: None or a bool, whichever torch wrote
+                if g[k] is not None and not isinstance(g[k], bool):
+                    return f"optimizer group {i}.{k} is {g[k]!r}"
+            elif problem := same_structure(g[k], v, f"optimizer group {i}.{k}"):
                 return problem
         betas = g.get("betas")
         if betas is not None and not all(0 <= b < 1 for b in betas):

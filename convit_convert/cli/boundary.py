@@ -108,9 +108,8 @@ def report(e: BaseException) -> int:
     """Print `e` as one line on stderr; its exit code."""
     if isinstance(e, KeyboardInterrupt):
         return 130
-    came = (
-        signals.first()
-    )  # whatever a signal caused (a worker it ended, a read cut short) is the interruption
+    # whatever a signal caused (a worker it ended, a read cut short) is the interruption
+    came = signals.first()
     if came is not None:
         return 128 + came
     if isinstance(e, CmhsaError):

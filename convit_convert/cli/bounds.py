@@ -8,9 +8,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from ..bounds import BOUNDS, Bound, check, num
-
-__all__ = ["BOUNDS", "Bound", "bound_all", "bounded", "check", "num"]
+from ..bounds import BOUNDS, check
 
 
 def bounded(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -20,8 +20,8 @@ from .. import __version__
 from ..config import KINDS, ViTConfig
 from ..errors import CmhsaError, article
 from ..model import VisionTransformer
-from . import paths
 from .atomic import atomic_path
+from .paths import check_input_file
 from .safetensors_writer import write_safetensors
 
 KIND_KEY = "cmhsa.kind"
@@ -111,16 +111,11 @@ def validate_tensors(cfg: ViTConfig, tensors: dict[str, torch.Tensor], path: obj
             raise CmhsaError(f"tensor {name} holds NaN or Inf values", path)
 
 
-def check_input_file(path: Path) -> None:
-    """An existing, non-empty regular file, or CmhsaError."""
-    paths.check_input_file(path, "model file")
-
-
 def read_tensors(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Tensors and string metadata of a .safetensors file, or of a .pt/.pth/.bin state dict
     (read with ``weights_only=True``; never an unsafe fallback). Raises CmhsaError."""
     path = Path(path)
-    check_input_file(path)
+    check_input_file(path, "model file")
     try:
         with open(path, "rb") as f:
             head = f.read(9)

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
-from ..errors import CmhsaError
+from ..errors import CmhsaError, article
 
 # the largest text files cmhsa reads whole: a run's metrics.csv and config.json, a model's JSON
 # metadata (1,000,000 epochs of metrics are about 100 MB; a config is a few KB)
@@ -42,6 +42,17 @@ def kind_of(mode: int) -> str:
     return "not a regular file"
 
 
+def require_regular(st: os.stat_result, path: object, what: str = "file", fix: str | None = None) -> None:
+    """CmhsaError unless ``st`` (a stat result of ``path``) is a regular file; ``fix`` says what to
+    do instead (default: give one)."""
+    if stat.S_ISDIR(st.st_mode):
+        raise CmhsaError(f"is a directory, expected {article(what)}", path)
+    if not stat.S_ISREG(st.st_mode):
+        raise CmhsaError(
+            f"is {kind_of(st.st_mode)}, not a regular file; {fix or 'give ' + article(what)}", path
+        )
+
+
 def check_input_file(path: Path, what: str = "file") -> os.stat_result:
     """An existing, non-empty regular file (a link to one is fine), or CmhsaError; its stat."""
     if not str(path):
@@ -52,10 +63,7 @@ def check_input_file(path: Path, what: str = "file") -> os.stat_result:
         raise CmhsaError("no such file", path) from None
     except OSError as e:
         raise CmhsaError(f"cannot read ({e.strerror})", path) from None
-    if stat.S_ISDIR(st.st_mode):
-        raise CmhsaError(f"is a directory, expected a {what}", path)
-    if not stat.S_ISREG(st.st_mode):
-        raise CmhsaError(f"is {kind_of(st.st_mode)}, not a regular file; give a {what}", path)
+    require_regular(st, path, what)
     if st.st_size == 0:
         raise CmhsaError("file is empty", path)
     return st
@@ -98,10 +106,7 @@ def open_regular(path: Path, max_bytes: int | None = None, what: str = "file") -
         raise CmhsaError(f"cannot read ({e.strerror})", path) from None
     try:
         st = os.fstat(fd)
-        if stat.S_ISDIR(st.st_mode):
-            raise CmhsaError(f"is a directory, expected a {what}", path)
-        if not stat.S_ISREG(st.st_mode):
-            raise CmhsaError(f"is {kind_of(st.st_mode)}, not a regular file; give a {what}", path)
+        require_regular(st, path, what)
         if max_bytes is not None and st.st_size > max_bytes:
             raise CmhsaError(
                 f"is {st.st_size:,} bytes, more than cmhsa reads for a {what} ({max_bytes:,})", path

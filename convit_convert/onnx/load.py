@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CmhsaError, first_line
-from ..io.checkpoint import check_input_file
+from ..io.paths import check_input_file
 
 # element types cmhsa reads weights and images in (onnx.TensorProto.FLOAT / DOUBLE)
 FLOAT, DOUBLE = 1, 11
@@ -113,7 +113,7 @@ def load_onnx(path: str | Path) -> Any:
     from google.protobuf.message import DecodeError
 
     path = Path(path)
-    check_input_file(path)
+    check_input_file(path, "model file")
     try:
         model = onnx.load_model(str(path), load_external_data=False)
     except (DecodeError, ValueError, RuntimeWarning) as e:
