@@ -19,6 +19,7 @@ import dataclasses
 from typing import Any
 
 import torch
+import torch.fx
 import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
@@ -157,6 +158,19 @@ def init_weights(module: nn.Module) -> None:
             nn.init.zeros_(module.bias)
 
 
+def check_image_shape(x: torch.Tensor, expected: tuple[int, ...]) -> torch.Tensor:
+    """``x`` if it is (B, *expected), else a ValueError naming both shapes. A leaf for torch.fx,
+    which cannot compare a traced shape: the check stays in the traced graph, as one call."""
+    if tuple(x.shape[1:]) != expected:
+        raise ValueError(
+            f"expected images of shape (B, {', '.join(map(str, expected))}), got {tuple(x.shape)}"
+        )
+    return x
+
+
+torch.fx.wrap("check_image_shape")
+
+
 ATTENTION_PARAMS = (".attn.q.weight", ".attn.q.bias", ".attn.k.weight", ".attn.k.bias", ".attn.gate",
                     ".attn.content_bias", ".attn.rel_pos_bias", ".attn.sink")  # fmt: skip # where attention looks
 
@@ -179,6 +193,9 @@ class VisionTransformer(nn.Module):
         self.cfg = cfg
         self.kind = cfg.kind
         self.num_classes = cfg.num_classes
+        self.in_chans = cfg.in_chans
+        self.num_features = self.head_hidden_size = self.embed_dim = cfg.embed_dim  # timm's names
+        self.global_pool = "avg"
         self.patch_embed = PatchEmbed(
             cfg.patch_size, cfg.in_chans, cfg.embed_dim, linear=cfg.patch_embed == "linear"
         )
@@ -194,6 +211,11 @@ class VisionTransformer(nn.Module):
         self.norm = nn.LayerNorm(cfg.embed_dim, eps=cfg.norm_eps)
         self.head: nn.Module = nn.Linear(cfg.embed_dim, cfg.num_classes)
         self.grad_checkpointing = False
+        # timm's feature API: every block's output, (B, embed_dim, H/P, W/P) in forward_intermediates
+        self.feature_info = [
+            {"module": f"blocks.{i}", "num_chs": cfg.embed_dim, "reduction": cfg.patch_size}
+            for i in range(cfg.depth)
+        ]
         self.apply(init_weights)
 
     @staticmethod
@@ -207,12 +229,7 @@ class VisionTransformer(nn.Module):
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """(B, in_chans, H, W) images -> (B, N, embed_dim) normalised tokens."""
-        expected = (self.cfg.in_chans, *self.cfg.img_size)
-        if tuple(x.shape[1:]) != expected:
-            raise ValueError(
-                f"expected images of shape (B, {', '.join(map(str, expected))}), got {tuple(x.shape)}"
-            )
-        x = self.patch_embed(x)
+        x = self.patch_embed(check_image_shape(x, (self.cfg.in_chans, *self.cfg.img_size)))
         for block in self.blocks:
             if self.grad_checkpointing and torch.is_grad_enabled():
                 x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
@@ -227,14 +244,12 @@ class VisionTransformer(nn.Module):
         """timm's feature API: the outputs of the blocks ``indices`` (an int n: the last n; default:
         all), as (B, embed_dim, gh, gw) ("NCHW") or (B, N, embed_dim) ("NLC"), after the final norm
         with ``norm``; and, unless ``intermediates_only``, the final normalised tokens."""
-        depth = len(self.blocks)
-        take = list(range(depth))[-indices:] if isinstance(indices, int) else list(indices or range(depth))
-        if any(not -depth <= i < depth for i in take) or output_fmt not in ("NCHW", "NLC"):
-            raise ValueError(f"indices must be blocks of 0..{depth - 1} and output_fmt NCHW or NLC")
-        take = [i % depth for i in take]
+        if output_fmt not in ("NCHW", "NLC"):
+            raise ValueError(f"output_fmt must be NCHW or NLC, got {output_fmt!r}")
+        depth, take = len(self.blocks), self._take_indices(indices)
         b = x.shape[0]
         gh, gw = self.cfg.grid_size
-        out, feats = self.patch_embed(x), []
+        out, feats = self.patch_embed(check_image_shape(x, (self.cfg.in_chans, *self.cfg.img_size))), []
         last = max(take) if stop_early or intermediates_only else depth - 1
         for i, block in enumerate(self.blocks[: last + 1]):
             out = block(out)
@@ -243,9 +258,38 @@ class VisionTransformer(nn.Module):
                 feats.append(f if output_fmt == "NLC" else f.transpose(1, 2).reshape(b, -1, gh, gw))
         return feats if intermediates_only else (self.norm(out), feats)
 
+    def _take_indices(self, indices: int | list[int] | None) -> list[int]:
+        """Blocks by index (negative from the end); an int n: the last n; None: all."""
+        depth = len(self.blocks)
+        if isinstance(indices, int):
+            if not 0 < indices <= depth:
+                raise ValueError(f"the last {indices} blocks: the model has {depth}")
+            return list(range(depth - indices, depth))
+        take = list(range(depth)) if indices is None else list(indices)
+        if not take or any(not -depth <= i < depth for i in take):
+            raise ValueError(f"indices must be blocks of 0..{depth - 1}, got {take}")
+        return [i % depth for i in take]
+
+    def prune_intermediate_layers(
+        self, indices: int | list[int] = 1, prune_norm: bool = False, prune_head: bool = True
+    ) -> list[int]:
+        """timm's feature API: drop the blocks after the last of ``indices`` (an int n: the last n),
+        the final norm with ``prune_norm``, the head and pooling with ``prune_head``; returns the
+        blocks' indices, which stay those of the unpruned model."""
+        take = self._take_indices(indices)
+        self.blocks = self.blocks[: max(take) + 1]
+        self.cfg = dataclasses.replace(self.cfg, depth=len(self.blocks))
+        if prune_norm:
+            self.norm = nn.Identity()
+        if prune_head:
+            self.reset_classifier(0, "")
+        return take
+
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
-        """(B, N, embed_dim) -> (B, num_classes) logits, or the pooled (B, embed_dim) features."""
-        x = x.mean(dim=1)
+        """(B, N, embed_dim) -> (B, num_classes) logits, or the pooled (B, embed_dim) features;
+        with ``global_pool`` "" (timm's "no pooling"), the tokens themselves."""
+        if self.global_pool == "avg":
+            x = x.mean(dim=1)
         return x if pre_logits else self.head(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -255,11 +299,22 @@ class VisionTransformer(nn.Module):
     def get_classifier(self) -> nn.Module:
         return self.head
 
-    def reset_classifier(self, num_classes: int) -> None:
-        """A new, freshly initialised head for ``num_classes`` (0: none, forward returns features)."""
+    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
+        """A new, freshly initialised head for ``num_classes`` (0: none, forward returns features)
+        on the model's device and dtype; ``global_pool`` "avg" (mean over tokens) or "" (none),
+        unchanged when None."""
+        if global_pool is not None:
+            if global_pool not in ("avg", ""):
+                raise ValueError(f"global_pool must be 'avg' or '' (none), got {global_pool!r}")
+            self.global_pool = global_pool
+        like = next(self.parameters(), None)
+        factory = {} if like is None else {"device": like.device, "dtype": like.dtype}
         self.num_classes = num_classes
-        self.head = nn.Linear(self.cfg.embed_dim, num_classes) if num_classes > 0 else nn.Identity()
+        self.head = (
+            nn.Linear(self.cfg.embed_dim, num_classes, **factory) if num_classes > 0 else nn.Identity()
+        )
         self.head.apply(init_weights)
+        self.head.train(self.training)
         if num_classes > 0:
             self.cfg = dataclasses.replace(self.cfg, num_classes=num_classes)
 

@@ -33,13 +33,12 @@ from pathlib import Path
 from arms_cli import add_arm_flags, run_or_exit
 
 from convit_convert.train.arms import DONE, Arm, run_arms
-from convit_convert.train.config import TrainConfig
+from convit_convert.train.config import PEAK_LR, TrainConfig
 
-MODEL = dict(img_size=28, in_chans=1, patch_size=4, hidden_chans=3, depth=2, mlp_ratio=4.0, kernel_size=5)
-# cut to fit 2 cores: no RandAugment, Mixup/CutMix or random erasing (they need far more epochs)
-RECIPE = dict(aa="none", mixup=0.0, cutmix=0.0, reprob=0.0, scale=(0.5, 1.0), hflip=0.5, smoothing=0.1,
-              drop_path=0.1, batch_size=64, lr_base_batch=64, workers=0, log_every=10_000)  # fmt: skip
-LR_SCRATCH, LR_PHASE2, ATTN_LR_MULT = 2e-3, 2e-4, 10.0  # the paper's 10:1 between its phase peaks
+# the model and recipe: `cmhsa train --preset cpu` (train/config.py PRESETS: 28 px, P 4, d 48, 2 blocks,
+# K 5; no RandAugment, Mixup/CutMix or random erasing, which need far more epochs), on grey images
+LR_SCRATCH, LR_PHASE2 = PEAK_LR["cpu"]  # the preset's: the paper's 10:1 between its phase peaks
+ATTN_LR_MULT = 10.0
 SECOND_PHASE = {  # name -> phase-2 settings after the same phase-1 half (explicit: the defaults follow this table)
     "hard": {"pinning": "hard", "attn_lr_mult": 1.0},
     "free heads": {"pinning": "hard", "heads": 12, "attn_lr_mult": ATTN_LR_MULT},
@@ -80,7 +79,9 @@ def arms_for(args: argparse.Namespace) -> tuple[list[Arm], dict[tuple[str, int],
 
 def config(out: Path, **kw) -> TrainConfig:
     """A run of this script's model and recipe on Fashion-MNIST."""
-    return TrainConfig.from_flags(out=str(out), data="fashion-mnist", **MODEL, **{**RECIPE, **kw})
+    return TrainConfig.from_flags(
+        out=str(out), preset="cpu", data="fashion-mnist", in_chans=1, log_every=10_000, **kw
+    )
 
 
 def train(out: Path, **kw) -> dict:

@@ -148,3 +148,15 @@ def test_a_missing_data_names_the_flag_and_the_choices(tmp_path) -> None:
             in r.stderr
         )
         assert "cifar100` needs" not in r.stderr and "--data-dir" not in r.stderr  # not a dataset never typed
+
+
+@pytest.mark.parametrize("path", [p for p, _ in COMMANDS], ids=lambda p: " ".join(p))
+def test_a_flag_pairs_default_is_shown_one_way(path: tuple[str, ...]) -> None:
+    """--x/--no-x shows "[default: x]" or "[default: no-x]" in every command (typer's own way),
+    never True/False."""
+    r = runner.invoke(app, [*path, "--help"], env=WIDE)
+    for row in (line for line in r.output.splitlines() if "--no-" in line):
+        flag = re.search(r"--([a-z-]+)\s+--no-\1", row)
+        assert flag, row.strip()
+        said = re.search(r"\[default: ([^\]]*)\]", row)
+        assert said and said.group(1) in (flag.group(1), f"no-{flag.group(1)}"), row.strip()

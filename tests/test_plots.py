@@ -77,9 +77,37 @@ def test_curves_figure_names_its_runs_and_series(tmp_path: Path) -> None:
     labels = [line.get_label() for line in attn.lines]
     assert "gated: block 0 pinned share" in labels and "impulse: block 1 gate" in labels
     assert not any("attn" in label or "dist" in label for label in labels)
+    # one colour per run, the same in every panel; blocks apart by marker, share and gate by line style
     colour = {line.get_label(): line.get_color() for line in attn.lines}
-    assert colour["gated: block 0 pinned share"] == colour["gated: block 0 gate"]  # a block's colour
-    assert colour["gated: block 0 gate"] != colour["gated: block 1 gate"]
+    marker = {line.get_label(): line.get_marker() for line in attn.lines}
+    assert [line.get_color() for line in loss.lines] == [line.get_color() for line in acc.lines]
+    assert loss.lines[0].get_color() != loss.lines[1].get_color()
+    assert {colour[k] for k in colour if k.startswith("gated")} == {loss.lines[0].get_color()}
+    assert {colour[k] for k in colour if k.startswith("impulse")} == {loss.lines[1].get_color()}
+    assert (
+        marker["gated: block 0 gate"]
+        == marker["impulse: block 0 pinned share"]
+        != marker["gated: block 1 gate"]
+    )
     plot_runs(runs, tmp_path / "curves.png")
     plot_attention(report(), tmp_path / "attention.png")
     assert (tmp_path / "curves.png").stat().st_size > 0 and (tmp_path / "attention.png").stat().st_size > 0
+
+
+def test_two_runs_of_one_name_are_told_apart(tmp_path: Path) -> None:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    runs = [metrics(tmp_path / "a" / "phase2", 2), metrics(tmp_path / "b" / "phase2", 2)]
+    fig = curves_figure(runs)
+    labels = [line.get_label() for line in fig.axes[0].lines]
+    assert labels == [str(runs[0]), str(runs[1])]
+
+
+@pytest.mark.parametrize("grid", [(3, 3), (14, 14), (7, 4), (16, 2)])
+def test_attention_ticks_mark_offset_zero(grid: tuple[int, int]) -> None:
+    r = report()
+    gh, gw = grid
+    r = AttentionReport(images=r.images, grid_size=grid, patch_size=r.patch_size, blocks=r.blocks)
+    ax = next(ax for ax in attention_figure(r).axes if ax.images)
+    for ticks, g in ((ax.get_xticks(), gw), (ax.get_yticks(), gh)):
+        assert 0 in ticks and min(ticks) >= -(g - 1) and max(ticks) <= g - 1 and len(ticks) <= 5

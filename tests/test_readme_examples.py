@@ -9,6 +9,8 @@ import re
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 _spec = importlib.util.spec_from_file_location("readme_examples", ROOT / "docs" / "examples.py")
 examples = importlib.util.module_from_spec(_spec)  # type: ignore[arg-type]
@@ -24,15 +26,7 @@ def test_every_console_block_is_a_checked_example() -> None:
     assert {e.name for e in found if e.slow} == {"demo-eval-p1", "demo-eval"}
 
 
-ROUNDING = re.compile(r"\b\d\.\d\de-(0[6-9]|1\d)\b")  # float32 rounding: 1e-6 and below
-WHERE = re.compile(r"at blocks\.\d+\.mixer \(\w+\)|at logits \(\w+\)|\(batch \d+\)")
-
-
-def loose(block: str) -> str:
-    """A block with its float32-rounding-level errors, and where the worst of them fell, masked: their
-    digits follow the CPU's matmul kernels (another instruction set sums in another order), while
-    everything else (shapes, verdicts, accuracies, approximation errors) must match exactly."""
-    return WHERE.sub("at ~", ROUNDING.sub("~", block))
+loose = examples.loose
 
 
 def test_fast_examples_print_what_the_readme_shows() -> None:
@@ -70,3 +64,23 @@ def test_prose_claims_about_flags(tmp_path: Path) -> None:
                                  "--heads", "4"])  # fmt: skip
     assert r.exit_code == 2 and "--approximate" in r.stderr and "no lower bound is proven" in r.stderr
     assert re.search(r"fewer are refused, citing the\s+lower bound where one is proven", README)
+
+
+def test_check_passes_another_cpus_rounding_and_fails_anything_else(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``docs/examples.py --check`` on a README whose blocks differ from the commands' output only in
+    float32 rounding digits: exit 0, README untouched; in a verdict: exit 1."""
+    readme = tmp_path / "README.md"
+    readme.write_text(
+        "<!-- example: one -->\n```console\n$ cmhsa verify a b\nPASS: worst relative error 3.98e-07 at "
+        "blocks.1.mixer (border) <= tol 1e-05\n```\n"
+    )
+    monkeypatch.setattr(examples, "README", readme)
+    monkeypatch.setattr(sys, "argv", ["examples.py", "--check"])
+    other_cpu = "PASS: worst relative error 4.21e-07 at blocks.0.mixer (interior) <= tol 1e-05\n"
+    monkeypatch.setattr(examples, "outputs", lambda text, slow: {"one": other_cpu})
+    before = readme.read_text()
+    assert examples.main() == 0 and readme.read_text() == before
+    monkeypatch.setattr(examples, "outputs", lambda text, slow: {"one": other_cpu.replace("PASS", "FAIL")})
+    assert examples.main() == 1 and readme.read_text() == before

@@ -144,3 +144,47 @@ def test_forward_intermediates_is_what_the_blocks_compute() -> None:
         assert len(only) == 1 and torch.equal(only[0], m.norm(ref[0]))
     with pytest.raises(ValueError, match="indices"):
         m.forward_intermediates(x, indices=[3])
+
+
+def test_traced_and_exported_graphs_compute_the_model() -> None:
+    """torch.fx (timm's feature extraction traces it) and torch.export give the model's logits
+    exactly (the same kernels, float32); the traced graph still refuses a wrong image size."""
+    from torch.fx import symbolic_trace
+
+    m = timm.create_model("cmhsa_attn", img_size=16, patch_size=4, depth=2, num_classes=4).eval()
+    x = torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        expected = m(x)
+        traced = symbolic_trace(m)
+        assert torch.equal(traced(x), expected)
+        assert torch.equal(torch.export.export(m, (x,)).module()(x), expected)
+        with pytest.raises(ValueError, match=r"expected images of shape \(B, 3, 16, 16\)"):
+            traced(torch.randn(1, 3, 16, 20))
+
+
+def test_factory_keywords_features_and_heads() -> None:
+    """timm's create_model keywords: device/dtype, num_classes=0, global_pool='', features_only."""
+    meta = timm.create_model("cmhsa_attn", device="meta", dtype=torch.float64)
+    assert {(t.device.type, t.dtype) for t in meta.parameters()} == {("meta", torch.float64)}
+    assert meta.num_features == meta.head_hidden_size == 768 and meta.in_chans == 3
+    assert timm.get_pretrained_cfg_value("cmhsa5_224", "fixed_input_size") is True
+    meta.reset_classifier(5)
+    assert meta.head.weight.dtype == torch.float64 and meta.head.weight.device.type == "meta"
+    kw = dict(img_size=16, patch_size=4, depth=3)
+    model = timm.create_model("cmhsa_conv", **kw, num_classes=4).eval()
+    tokens = timm.create_model("cmhsa_conv", **kw, num_classes=0, global_pool="").eval()
+    feats = timm.create_model("cmhsa_conv", **kw, features_only=True, out_indices=(0, 2)).eval()
+    body = {k: v for k, v in model.state_dict().items() if not k.startswith("head.")}
+    tokens.load_state_dict(body)
+    missing, unexpected = feats.model.load_state_dict(body, strict=False)
+    assert not missing and set(unexpected) == {"norm.weight", "norm.bias"}  # pruned: features end at the taps
+    x = torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        assert torch.equal(tokens(x), model.forward_features(x))  # (B, N, D): no pool, no head
+        _, ref = model.forward_intermediates(x, indices=[0, 2])
+        out = feats(x)
+    assert feats.feature_info.channels() == [48, 48] and feats.feature_info.reduction() == [4, 4]
+    assert len(out) == 2 and all(torch.equal(a, b) for a, b in zip(out, ref, strict=True))
+    assert len(feats.model.blocks) == 3 and isinstance(feats.model.head, torch.nn.Identity)
+    with pytest.raises(TypeError):
+        timm.create_model("cmhsa_conv", **kw, not_a_model_arg=1)

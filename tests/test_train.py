@@ -140,7 +140,8 @@ def test_recipe_is_deits(tmp_path: Path) -> None:
     from convit_convert.model import VisionTransformer
     from convit_convert.train.phases import flag_config
 
-    cfg = TrainConfig.from_flags(phase="phase2", img_size=16, patch_size=4, depth=1, epochs=10)
+    cfg = TrainConfig.from_flags(phase="phase2", init="conv.safetensors", img_size=16, patch_size=4, depth=1,
+                                 epochs=10)  # fmt: skip
     assert (cfg.peak_lr, TrainConfig.from_flags().peak_lr) == (5e-5, 5e-4)  # the paper's peaks
     lr, min_lr, warm = scaled_lrs(cfg, world=4)  # 4 × 128 = 512: DeiT's reference batch
     assert (lr, min_lr, warm) == pytest.approx((5e-5, 1e-5, 1e-6))

@@ -97,3 +97,92 @@ def test_a_bad_conversion_flag_is_one_line() -> None:
         TrainConfig.from_flags(pinning="soft")
     with pytest.raises(CmhsaError, match="`heads` must be at least 1"):
         TrainConfig.from_flags(heads=0)
+
+
+@pytest.mark.parametrize(
+    ("flags", "lr"),
+    [
+        (dict(phase="phase1"), 5e-4),
+        (dict(phase="phase2"), 5e-4),  # the default start, impulse, is from scratch (issue 34's trap)
+        (dict(phase="phase2", init="random"), 5e-4),
+        (dict(phase="phase2", init="mimetic"), 5e-4),
+        (dict(phase="phase2", init="runs/p1/conv.safetensors"), 5e-5),  # the paper's rate after conversion
+        (dict(phase="phase2", preset="cpu"), 2e-3),
+        (dict(phase="phase1", preset="cpu"), 2e-3),
+        (dict(phase="phase2", preset="cpu", init="runs/p1/conv.safetensors"), 2e-4),
+        (dict(phase="phase2", preset="cpu", lr=1e-3), 1e-3),  # given: always wins
+    ],
+)
+def test_default_learning_rate_follows_where_the_weights_start(flags: dict, lr: float) -> None:
+    assert TrainConfig.from_flags(**flags).peak_lr == lr
+
+
+def test_a_config_saved_before_presets_keeps_its_learning_rate() -> None:
+    """Phase 2 from impulse saved with lr None ran at 5e-5 then; a resume must not change it."""
+    old = {k: v for k, v in TrainConfig.from_flags(phase="phase2").to_dict().items() if k != "preset"}
+    assert TrainConfig.from_dict(old).peak_lr == 5e-5
+    assert TrainConfig.from_dict({**old, "preset": "paper"}).peak_lr == 5e-4
+
+
+def test_the_cpu_preset_fills_only_the_flags_not_given() -> None:
+    cfg = TrainConfig.from_flags(preset="cpu", depth=4, epochs=50)
+    assert (cfg.model.img_size, cfg.model.patch_size, cfg.model.depth) == (28, 4, 4)
+    assert (cfg.recipe.batch_size, cfg.recipe.lr_base_batch, cfg.recipe.aa, cfg.recipe.mixup) == (
+        64,
+        64,
+        "none",
+        0.0,
+    )
+    assert cfg.recipe.warmup_epochs == 5 and cfg.runtime.workers == 0  # a tenth of --epochs
+    assert TrainConfig.from_flags(preset="cpu", epochs=50, warmup_epochs=0).recipe.warmup_epochs == 0
+    assert TrainConfig.from_dict(cfg.to_dict()) == cfg  # saved values, the preset's name included
+    with pytest.raises(CmhsaError, match="`preset` must be one of paper, cpu"):
+        TrainConfig.from_flags(preset="gpu")
+
+
+def test_readme_which_start_commands_are_the_experiments_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """README's "Which start?" commands build, flag for flag, what init_comparison.py trained for the
+    table (seed 0): the settings that decide what is computed, defaults resolved (learning rates,
+    pinning, attention lr multiplier, warm-up); not where it runs or what it evaluates each epoch."""
+    import argparse
+    import re
+    import shlex
+    from pathlib import Path
+
+    from typer.testing import CliRunner
+
+    import convit_convert.cli.train as cli_train
+    from convit_convert.cli import app
+    from convit_convert.train.config import RUNTIME_FIELDS
+
+    root = Path(__file__).resolve().parent.parent
+    monkeypatch.syspath_prepend(str(root / "experiments"))
+    from init_comparison import seed_arms
+
+    args = argparse.Namespace(epochs=200, train_samples=1000, val_samples=2000, batch_size=64, compile=False,
+                              data_dir=None, device="auto", loader="auto", out=Path("runs"))  # fmt: skip
+    arms = {arm.name.split("/")[1]: arm.config for arm in seed_arms(args, 0)}
+    block = re.search(
+        r"<!-- which-start -->\n```bash\n(.*?)```", (root / "README.md").read_text(), re.S
+    ).group(1)
+    lines = block.splitlines()
+    common = shlex.split(lines[0].split("=", 1)[1])[0]
+    built: dict = {}
+    monkeypatch.setattr(
+        cli_train, "_run_training", lambda cfg: built.update({Path(cfg.runtime.out).name: cfg})
+    )
+    for line in lines[1:]:
+        words = shlex.split(line.replace("$C", common), comments=True)
+        assert words[:2] == ["cmhsa", "train"], line
+        r = CliRunner().invoke(app, words[1:])
+        assert r.exit_code == 0, (line, r.output)
+
+    def computed(cfg: TrainConfig) -> dict:
+        d = {k: v for k, v in cfg.to_dict().items() if k not in (*RUNTIME_FIELDS, "val_samples", "preset")}
+        d.update(lr=cfg.peak_lr, attn_lr_mult=cfg.attn_lr_scale, pinning=cfg.conversion.pinning)
+        d["init"] = Path(d["init"]).name  # the two-phase start: the same half-p1 model, here or there
+        return d
+
+    assert len(built) == 7
+    for name, cfg in built.items():
+        assert computed(cfg) == computed(arms[name]), name

@@ -21,9 +21,25 @@ from ..bounds import check
 from ..errors import CmhsaError
 from ..spec import ConversionSpec
 
-PHASE_LR = {"phase1": 5e-4, "phase2": 5e-5}  # peak learning rates the paper used (Appendix B)
 LOADERS = ("auto", "device", "workers")
 INIT_STARTS = ("mimetic", "impulse")  # phase-2 starts built without a checkpoint (convit_convert/starts.py)
+
+# --preset: flag defaults in one word. "paper": the paper's model and recipe (the fields' defaults).
+# "cpu": the model and recipe of EXPERIMENTS.md's tables, sized for 2 CPU cores (28 px, P 4, d 48,
+# 2 blocks, K 5; no RandAugment, Mixup, CutMix or random erasing, which need far more epochs than
+# a CPU gives), warm-up a tenth of --epochs. A flag given overrides its preset value.
+PRESETS: dict[str, dict[str, Any]] = {
+    "paper": {},
+    "cpu": dict(img_size=28, patch_size=4, hidden_chans=3, depth=2, mlp_ratio=4.0, kernel_size=5, drop_path=0.1,
+                aa="none", mixup=0.0, cutmix=0.0, reprob=0.0, scale=(0.5, 1.0), hflip=0.5, smoothing=0.1,
+                batch_size=64, lr_base_batch=64, workers=0),
+}  # fmt: skip
+WARMUP_FRACTION = {"cpu": 0.1}  # presets whose warm-up is a fraction of --epochs
+# Default peak learning rates at lr_base_batch: (from scratch, phase 2 from a checkpoint). From
+# scratch covers phase 1 and phase 2 from random, impulse or mimetic: starting from a checkpoint's
+# trained weights is what takes the 10x lower rate. The paper's (Appendix B): 5e-4 and 5e-5 at 512;
+# cpu: EXPERIMENTS.md's, 2e-3 and 2e-4 at 64 (the paper's 10:1).
+PEAK_LR = {"paper": (5e-4, 5e-5), "cpu": (2e-3, 2e-4)}
 
 
 @dataclass(frozen=True)
@@ -75,7 +91,7 @@ class RecipeConfig:
 
     epochs: int = 200
     batch_size: int = 128  # per process
-    lr: float | None = None  # peak lr at a global batch of lr_base_batch; default per phase
+    lr: float | None = None  # peak lr at a global batch of lr_base_batch; default: PEAK_LR
     lr_base_batch: int = 512  # DeiT: lr scales with global batch / 512
     min_lr: float = 1e-5
     warmup_lr: float = 1e-6
@@ -133,6 +149,7 @@ _RENAMED = {"data": ("data", "name"), "data_dir": ("data", "dir"), "verify_tol":
 _CONVERSION_FLAGS = ("heads", "qk_dim", "sink", "pinning", "qk_init_std", "margin", "verify_tol")
 FLAGS: dict[str, tuple[str | None, str]] = {
     "phase": (None, "phase"),
+    "preset": (None, "preset"),
     "out": ("runtime", "out"),
     **{n: _RENAMED.get(n, ("data", n)) for n in ("data", "data_dir", "download", "num_classes", "train_samples",
                                                   "val_samples", "loader")},
@@ -155,6 +172,7 @@ class TrainConfig:
     resolves its own defaults into a copy (:meth:`replace`), never into the caller's config."""
 
     phase: str = "phase1"  # "phase1" (ConvViT) or "phase2" (attention ViT)
+    preset: str = "paper"  # the defaults of the flags not given (PRESETS), and of the learning rate
     seed: int = 0
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelFlags = field(default_factory=ModelFlags)
@@ -179,6 +197,15 @@ class TrainConfig:
         unknown = sorted(set(flags) - FLAGS.keys())
         if unknown:
             raise TypeError(f"TrainConfig has no flag {', '.join(map(repr, unknown))}")
+        preset = flags.get("preset", "paper")
+        if preset not in PRESETS:
+            raise CmhsaError(f"`preset` must be one of {', '.join(PRESETS)}, got {preset!r}")
+        flags = {**PRESETS[preset], **flags}
+        if preset in WARMUP_FRACTION and "warmup_epochs" not in flags:
+            epochs = flags.get("epochs", RecipeConfig.epochs)
+            flags["warmup_epochs"] = (
+                int(epochs * WARMUP_FRACTION[preset]) if isinstance(epochs, int) else epochs
+            )
         groups: dict[str, dict[str, Any]] = {g: {} for g in (*_GROUPED, "conversion")}
         top: dict[str, Any] = {}
         for name, value in flags.items():
@@ -212,7 +239,11 @@ class TrainConfig:
 
     @property
     def peak_lr(self) -> float:
-        return PHASE_LR[self.phase] if self.recipe.lr is None else self.recipe.lr
+        """--lr, or its default: :data:`PEAK_LR` of the preset, by where the weights start."""
+        if self.recipe.lr is not None:
+            return self.recipe.lr
+        scratch, after_checkpoint = PEAK_LR[self.preset]
+        return after_checkpoint if self.from_checkpoint else scratch
 
     def flag(self, name: str) -> Any:
         """The value of the flat flag ``name``."""
@@ -232,7 +263,12 @@ class TrainConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
         """The config a :meth:`to_dict` (a config.json) describes; keys cmhsa no longer knows are ignored."""
-        return cls.from_flags(**{k: v for k, v in d.items() if k in FLAGS})
+        flags = {k: v for k, v in d.items() if k in FLAGS}
+        if "preset" not in d and flags.get("phase") == "phase2" and flags.get("lr") is None:
+            flags["lr"] = PEAK_LR["paper"][
+                1
+            ]  # saved before presets: phase 2's default was 5e-5 from any start
+        return cls.from_flags(**flags)
 
     def check_values(self, path: object = None) -> None:
         """Every flag's value of its field's type and within its range (bounds.BOUNDS), as the CLI

@@ -90,9 +90,18 @@ def _series(key: str) -> tuple[int, str]:
     return int(block), {"share": "pinned share", "gate": "gate", "dist_px": "distance px"}.get(what, what)
 
 
+BLOCK_MARKERS = "osD^vP*Xph"  # the attention panel's blocks; a run's colour is the same in every panel
+
+
+def run_labels(runs: list[Path]) -> list[str]:
+    """Each run's name in the legend: its folder's name, or the path as given where two share a name."""
+    names = [run.name for run in runs]
+    return [label_safe(str(run) if names.count(run.name) > 1 else run.name) for run in runs]
+
+
 def curves_figure(runs: list[Path]) -> Any:
-    """Validation loss and top-1 against epoch, one line per run; with phase-2 runs, each block's
-    pinned share (solid) and gate (dashed) in that block's colour."""
+    """Validation loss and top-1 against epoch, one colour per run in every panel; with phase-2 runs,
+    each block's pinned share (solid) and gate (dashed), the run's colour, a marker per block."""
     plt = pyplot()
     data = {run: read_metrics(run) for run in runs}
     attn = sorted(
@@ -100,30 +109,30 @@ def curves_figure(runs: list[Path]) -> Any:
     )
     fig, axes = plt.subplots(1, 3 if attn else 2, figsize=(16 if attn else 11, 4.4), layout="constrained")
     ax_loss, ax_acc = axes[0], axes[1]
-    for n, (run, rows) in enumerate(data.items()):
-        epochs = [r["epoch"] for r in rows]
-        name = label_safe(run.name)
-        ax_loss.plot(epochs, [r["val_loss"] for r in rows], label=name)
-        ax_acc.plot(epochs, [r["top1"] for r in rows], label=name)
+    labels = run_labels(runs)
+    for n, (rows, name) in enumerate(zip(data.values(), labels, strict=True)):
+        colour, epochs = f"C{n % 10}", [r["epoch"] for r in rows]
+        ax_loss.plot(epochs, [r["val_loss"] for r in rows], color=colour, label=name)
+        ax_acc.plot(epochs, [r["top1"] for r in rows], color=colour, label=name)
         for key in attn:
             if all(key in r for r in rows):
                 block, what = _series(key)
                 run_name = f"{name}: " if len(data) > 1 else ""
-                axes[2].plot(epochs, [r[key] for r in rows], "--" if what == "gate" else "-",
-                             color=f"C{block % 10}", alpha=1.0 if n == 0 else 0.6,
-                             label=f"{run_name}block {block} {what}")  # fmt: skip
+                axes[2].plot(epochs, [r[key] for r in rows], "--" if what == "gate" else "-", color=colour,
+                             marker=BLOCK_MARKERS[block % len(BLOCK_MARKERS)], markevery=max(1, len(rows) // 8),
+                             markersize=4, label=f"{run_name}block {block} {what}")  # fmt: skip
     ax_loss.set(xlabel="epoch", ylabel="validation loss", title="Validation loss")
     ax_acc.set(xlabel="epoch", ylabel="top-1 (%)", title="Validation top-1")
     if attn:
         axes[2].set(
             xlabel="epoch",
             ylabel="share / gate (0 to 1)",
-            title="Attention: pinned share (solid), gate (dashed)",
+            title="Attention: pinned share (solid), gate (dashed), a marker per block",
         )
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle(f"Training curves: {', '.join(label_safe(run.name) for run in runs)}")
+    fig.suptitle(f"Training curves: {', '.join(labels)}")
     return fig
 
 
@@ -141,6 +150,12 @@ ATTENTION_LEGEND = (
 )
 
 
+def offset_ticks(g: int) -> list[int]:
+    """Ticks for the offsets -(g-1)..g-1 of a g-patch side: 0 and its multiples, at most 5 in all."""
+    step = max(1, -(-(g - 1) // 2))  # ceil((g-1)/2): 0, ±step within the range
+    return [k * step for k in range(-((g - 1) // step), (g - 1) // step + 1)]
+
+
 def attention_figure(report: Any, title: str = "") -> Any:
     """One heat map per block (row) and head (column): the mean attention weight at each relative
     offset, one colour scale per block, the pinned offset marked."""
@@ -153,8 +168,7 @@ def attention_figure(report: Any, title: str = "") -> Any:
                              squeeze=False, layout="constrained")  # fmt: skip
     gh, gw = report.grid_size
     extent = (-gw + 0.5, gw - 0.5, gh - 0.5, -gh + 0.5)  # offset (0, 0) at the centre; dy grows downwards
-    xticks = list(range(-(gw - 1), gw, max(1, (gw - 1) // 2)))  # the same for every panel
-    yticks = list(range(-(gh - 1), gh, max(1, (gh - 1) // 2)))
+    xticks, yticks = offset_ticks(gw), offset_ticks(gh)  # the same for every panel
     for i, block in enumerate(blocks):
         vmax = max(max(max(row) for row in h.offset_map) for h in block) or 1.0
         for j, h in enumerate(block):

@@ -19,7 +19,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from ..errors import CmhsaError
-from ..train.config import PHASE_LR, TrainConfig
+from ..train.config import PEAK_LR, TrainConfig
 from .common import EXIT_FAIL, console, safe
 from .options import (
     DATA_HELP,
@@ -49,6 +49,7 @@ FLAGS: list[tuple[str, Any, str, str, tuple[str, ...]]] = [
     ("train_samples", int, "Train on a fixed, seeded subset of this many training images (short runs).", "Data", ("phase1", "phase2")),
     ("val_samples", int, "Evaluate each epoch on the first this many validation images (the same for every seed; default: all).", "Data", ("phase1", "phase2")),
     ("loader", str, "device: the data held as one tensor on the training device, augmented per batch there (train/held.py); workers: timm's per-image transforms in worker processes (any dataset, any timm augmentation); auto: device when the data fits (2 GiB decoded, one image size) and the augmentation is one it runs.", "Data", ("phase1", "phase2")),
+    ("preset", str, "The value of every flag not given. paper: the paper's model and recipe (224 px, P 16, d 768, 6 blocks, DeiT's augmentation). cpu: the EXPERIMENTS.md model and recipe, sized for a few CPU cores: 28 px, P 4, d 48, 2 blocks, K 5, batch 64 with --lr-base-batch 64, no RandAugment, Mixup, CutMix or erasing, warm-up a tenth of --epochs, workers 0, learning rate 2e-3 (2e-4 from a checkpoint).", MODEL, ("phase1", "phase2")),
     ("img_size", int, "Image size (the data is resized to it).", MODEL, ("phase1", "phase2")),
     ("in_chans", int, "Image channels: 3 (RGB) or 1 (grayscale); every image is converted to it.", MODEL, ("phase1", "phase2")),
     ("patch_size", int, "Patch size P.", MODEL, ("phase1", "phase2")),
@@ -114,17 +115,28 @@ FLAGS: list[tuple[str, Any, str, str, tuple[str, ...]]] = [
 ]  # fmt: skip
 
 
+def _sci(x: float) -> str:
+    """5e-4, not 0.0005: learning rates as people write them."""
+    mantissa, exponent = f"{x:e}".split("e")
+    return f"{float(mantissa):g}e{int(exponent)}"
+
+
 def _option(name: str, typ: Any, help_text: str, panel: str, default: Any) -> inspect.Parameter:
     flag = "--" + name.replace("_", "-")
     decls = [f"{flag}/--no-{name.replace('_', '-')}"] if typ is bool else [flag]
     shown = {
-        "lr": "per phase: " + ", ".join(f"{k} {v:g}" for k, v in PHASE_LR.items()),
+        "lr": "{} from scratch (phase 1; phase 2 from random, impulse or mimetic), {} for phase 2 from a "
+        "checkpoint (the paper's); --preset cpu: {}, {}".format(
+            *map(_sci, (*PEAK_LR["paper"], *PEAK_LR["cpu"]))
+        ),
         "threads": "the CPUs this process may use",
         "pinning": "gated from a conv-phase --init and impulse, hard from random and mimetic",
         "attn_lr_mult": "10 from a checkpoint, 1 otherwise",
     }.get(name, default)
     if isinstance(shown, tuple):
         shown = " ".join(map(str, shown))
+    elif typ is bool:  # as typer shows a flag pair's default everywhere else: sink, no-download
+        shown = name.replace("_", "-") if shown else f"no-{name.replace('_', '-')}"
     if shown is not None and "default" not in help_text.lower():  # each default said once
         help_text = f"{help_text} \\[default: {shown}]"
     info = typer.Option(*decls, help=help_text, show_default=False, rich_help_panel=panel)
@@ -163,7 +175,8 @@ def _train_command(phase: str) -> Any:
     command.__name__ = phase
     command.__doc__ = {
         "phase1": "Phase 1: train the convolutional ViT (each block's attention replaced by a KxK conv).",
-        "phase2": "Phase 2: train the attention ViT, from an exactly converted phase-1 checkpoint (--init).",
+        "phase2": "Phase 2: train the attention ViT, from a phase-1 checkpoint converted exactly (--init conv.safetensors, "
+        "the paper's) or without one (--init impulse, the default; mimetic; random).",
     }[phase]
     return command
 
