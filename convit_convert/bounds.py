@@ -93,6 +93,7 @@ BOUNDS: dict[str, Bound] = {
     # data and recipe
     "train_samples": COUNT,
     "val_samples": COUNT,
+    "holdout": COUNT,
     "epochs": Bound(1, 10**6),
     "batch_size": Bound(1, 65536),
     "lr": Bound(0, 10, lo_open=True),

@@ -263,18 +263,32 @@ def image_folder(root: Path) -> DataSpec:
 def build_data(
     name: str, data_dir: str | Path | None, img_size: tuple[int, int] | None = None, *, download: bool = False,
     num_classes: int = 10, seed: int = 0, train_samples: int | None = None, val_samples: int | None = None,
+    holdout: int | None = None,
 ) -> DataSpec:  # fmt: skip
     """The named dataset's train and val splits, untransformed (``img_size``: the size synthetic
     images are made at; the other sources have their own); with ``train_samples``, a fixed
     subset of that many training images (seeded by ``seed``); with ``val_samples``, the first that
-    many validation images (the same for every seed, so runs are compared on the same images). Bad
-    folders raise CmhsaError."""
+    many validation images (the same for every seed, so runs are compared on the same images); with
+    ``holdout``, ``val`` is that many training images outside the subset instead (the next ones of
+    the same seeded permutation), so tuning never sees the validation split. Bad folders and counts
+    raise CmhsaError."""
     spec = _build_data(name, data_dir, img_size, download, num_classes, seed)
+    if holdout is not None:
+        if train_samples is None or val_samples is not None:
+            raise CmhsaError(
+                "`holdout` takes images the `train_samples` subset leaves out, and replaces `val_samples`"
+            )
+        _subset_size("holdout", holdout, spec.train, name)
+        if train_samples + holdout > len(spec.train):  # type: ignore[arg-type]
+            raise CmhsaError(
+                f"`train_samples` + `holdout` must be at most {len(spec.train)} for `data` {name}"
+            )  # type: ignore[arg-type]
     if train_samples is not None:
         n = _subset_size("train_samples", train_samples, spec.train, name)
-        spec.train = Subset(
-            spec.train, np.sort(np.random.default_rng(seed).permutation(n)[:train_samples]).tolist()
-        )
+        order = np.random.default_rng(seed).permutation(n)
+        full, spec.train = spec.train, Subset(spec.train, np.sort(order[:train_samples]).tolist())
+        if holdout is not None:
+            spec.val = Subset(full, np.sort(order[train_samples : train_samples + holdout]).tolist())
     if val_samples is not None:
         _subset_size("val_samples", val_samples, spec.val, name)
         spec.val = Subset(spec.val, list(range(val_samples)))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -141,3 +142,66 @@ def test_plateau_gain_compares_means_of_epochs_a_fifth_apart(monkeypatch: pytest
     assert plateau_gain(flat, 11) == pytest.approx(0.2)  # 5-epoch means 80.6 and 80.4
     assert plateau_gain(flat, 11, window=4) == 0.0
     assert plateau_gain([60.0, 61.5], 1) == 1.5  # E = 2: one epoch against the one before
+
+
+def test_tuned_comparison_tunes_every_arm_alike_then_trains_the_chosen_values(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """experiments/tuned_comparison.py's stages, on made-up finished runs: the two-phase grids wait
+    for phase 1's choice, each arm's choice is its best held-out score (mean of the last 5 epochs,
+    not the last one), tuning runs evaluate on held-out training images and the full runs on
+    the validation split, at the chosen values."""
+    import argparse
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "experiments"))
+    import tuned_comparison as tc
+
+    args = argparse.Namespace(depth=6, epochs=200, tune_epochs=50, seeds=[0, 1], train_samples=1000, holdout=2000,
+                              val_samples=2000, batch_size=64, out=tmp_path, data_dir=None, device="cpu",
+                              loader="auto", compile=False, record=tmp_path / "sweep.json")  # fmt: skip
+
+    def finish(arm, last5: float, last: float) -> None:
+        arm.out.mkdir(parents=True, exist_ok=True)
+        tops = [last5] * 4 + [last]
+        rows = "\n".join(f"{e},1.0,{t}" for e, t in enumerate([0.0] * 45 + tops, start=1))
+        (arm.out / "metrics.csv").write_text("epoch,val_loss,top1\n" + rows + "\n")
+        arm.model.write_bytes(b"")
+
+    first, _, _ = tc.stages(args)
+    assert [a.name for a in first][:3] == ["tune/p1/lr0.00063", "tune/p1/lr0.002", "tune/p1/lr0.0063"]
+    assert len(first) == 9 and all(a.config.data.holdout == 2000 and a.config.seed == 0 for a in first)
+    # p1: 6.3e-3 ends highest on its last epoch, 2e-3 on the mean of its last 5
+    for arm, (m, last) in zip(first[:3], ((70, 70), (80, 76), (75, 90)), strict=True):
+        finish(arm, m, last)
+    second, _, _ = tc.stages(args)
+    assert len(second) == 9 + 1 + 12
+    half = next(a for a in second if a.name == "tune/half-p1")
+    assert half.config.recipe.lr == 2e-3 and half.config.recipe.epochs == 25
+    for arm in second:
+        kind = arm.name.split("/")[1]
+        if not arm.model.is_file():
+            lr, mult = arm.config.recipe.lr, arm.config.recipe.attn_lr_mult
+            best = {"impulse": lr == 6.3e-3, "random": lr == 6.3e-4, "gated": (lr, mult) == (6.3e-5, 10.0),
+                    "hard": (lr, mult) == (6.3e-4, 1.0)}.get(kind, False)  # fmt: skip
+            finish(arm, 85 if best else 60, 60)
+    everything, chosen, grid = tc.stages(args)
+    full = everything[len(second) :]
+    assert len(full) == 2 * 8
+    cfg = {a.name: a.config for a in full}
+    assert all(c.data.holdout is None and c.data.val_samples == 2000 for c in cfg.values())
+    assert cfg["seed1/p1"].recipe.lr == 2e-3 and cfg["seed1/p1"].recipe.epochs == 200
+    assert cfg["seed0/impulse"].recipe.lr == 6.3e-3 and cfg["seed0/random"].recipe.lr == 6.3e-4
+    gated, hard = cfg["seed0/gated"], cfg["seed0/hard"]
+    assert (gated.recipe.lr, gated.recipe.attn_lr_mult, gated.conversion.pinning) == (6.3e-5, 10.0, "gated")
+    assert (hard.recipe.lr, hard.recipe.attn_lr_mult, hard.conversion.pinning) == (6.3e-4, 1.0, "hard")
+    assert gated.start.init == str(tmp_path / "seed0" / "half-p1" / "conv.safetensors")
+    long_p1, short = cfg["seed0/long-p1"].recipe.epochs, cfg["seed0/short-gated"].recipe.epochs
+    ratio = tc.macs_per_image("phase2", args) / tc.macs_per_image("phase1", args)
+    assert long_p1 > 100 and long_p1 + short * ratio <= 200 < long_p1 + 1 + short * ratio  # compute-matched
+    # the sweep is recorded: without the tuning folders (a new machine), the same full runs
+    assert chosen["p1"]["score"] == pytest.approx(79.2) and len(grid["gated"]) == 6  # (4 x 80 + 76) / 5
+    shutil.rmtree(tmp_path / "tune")
+    again, chosen_again, _ = tc.stages(args)
+    assert [(a.name, a.config) for a in again] == [
+        (a.name, a.config) for a in full
+    ] and chosen_again == chosen

@@ -547,3 +547,33 @@ def test_export_onnx_exports_the_trained_model_from_memory(tmp_path: Path) -> No
         want = load_checkpoint(res.model_path).model(torch.float32)(x)
     # float32 through two runtimes: 1e-4 relative is the export check's own tolerance
     assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+
+
+def test_holdout_is_training_images_the_subset_left_out(tmp_path: Path) -> None:
+    """--holdout: the evaluation images are training-split images, none of them trained on, none of
+    them validation images; each image's pixels say which it is (train i: value i, val: 200 + i)."""
+    from conftest import write_idx
+
+    data = tmp_path / "fm"
+    data.mkdir()
+    for split, n, base in (("train", 120, 0), ("t10k", 30, 200)):
+        write_idx(
+            data / f"{split}-images-idx3-ubyte.gz", np.stack([np.full((28, 28), base + i) for i in range(n)])
+        )
+        write_idx(data / f"{split}-labels-idx1-ubyte.gz", np.arange(n) % 10)
+
+    def ids(split) -> list[int]:
+        return [int(np.asarray(split[i][0])[0, 0]) for i in range(len(split))]
+
+    spec = cdata.build_data("fashion-mnist", data, train_samples=50, holdout=40, seed=3)
+    train, held = ids(spec.train), ids(spec.val)
+    assert len(set(train)) == 50 and len(set(held)) == 40 and not set(train) & set(held)
+    assert max(held) < 120  # from the training split, not the validation images (200+)
+    assert train == ids(
+        cdata.build_data("fashion-mnist", data, train_samples=50, seed=3).train
+    )  # same subset
+    for kw, msg in ((dict(holdout=5), "`holdout` takes images the `train_samples` subset leaves out"),
+                    (dict(train_samples=50, holdout=5, val_samples=5), "replaces `val_samples`"),
+                    (dict(train_samples=100, holdout=21), "`train_samples` \\+ `holdout` must be at most 120")):  # fmt: skip
+        with pytest.raises(CmhsaError, match=msg):
+            cdata.build_data("fashion-mnist", data, **kw)

@@ -52,6 +52,9 @@ class DataConfig:
     num_classes: int = 10  # synthetic data only; the others know theirs
     train_samples: int | None = None  # a fixed, seeded subset of the training set (short runs)
     val_samples: int | None = None  # the first images of the validation set (cheaper per-epoch evaluation)
+    # evaluate on this many training-split images outside train_samples' subset instead of the
+    # validation split: for tuning, so the images a table reports stay unseen
+    holdout: int | None = None
     # auto: the data held on the device and augmented per batch (train/held.py) when it fits, else
     # timm's per-image transforms in worker processes (convit_convert/data.py)
     loader: str = "auto"
@@ -152,7 +155,7 @@ FLAGS: dict[str, tuple[str | None, str]] = {
     "preset": (None, "preset"),
     "out": ("runtime", "out"),
     **{n: _RENAMED.get(n, ("data", n)) for n in ("data", "data_dir", "download", "num_classes", "train_samples",
-                                                  "val_samples", "loader")},
+                                                  "val_samples", "holdout", "loader")},
     **{f.name: ("model", f.name) for f in dataclasses.fields(ModelFlags)},
     **{f.name: ("start", f.name) for f in dataclasses.fields(StartConfig)},
     **{n: _RENAMED.get(n, ("conversion", n)) for n in _CONVERSION_FLAGS},

@@ -316,7 +316,8 @@ def build(
     def load_data(img_size: tuple[int, int] | None) -> DataSpec:
         def read(download: bool) -> DataSpec:
             return build_data(cfg.data.name, cfg.data.dir, img_size, download=download, num_classes=cfg.data.num_classes,
-                              seed=cfg.seed, train_samples=cfg.data.train_samples, val_samples=cfg.data.val_samples)  # fmt: skip
+                              seed=cfg.seed, train_samples=cfg.data.train_samples, val_samples=cfg.data.val_samples,
+                              holdout=cfg.data.holdout)  # fmt: skip
 
         spec = read(cfg.data.download) if ctx.is_main else None
         barrier(ctx)  # rank 0 downloads (if asked); the others then read

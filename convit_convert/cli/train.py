@@ -48,6 +48,7 @@ FLAGS: list[tuple[str, Any, str, str, tuple[str, ...]]] = [
     ("num_classes", int, "Classes of --data synthetic.", "Data", ("phase1", "phase2")),
     ("train_samples", int, "Train on a fixed, seeded subset of this many training images (short runs).", "Data", ("phase1", "phase2")),
     ("val_samples", int, "Evaluate each epoch on the first this many validation images (the same for every seed; default: all).", "Data", ("phase1", "phase2")),
+    ("holdout", int, "Evaluate each epoch on this many training-split images left out of --train-samples' subset, instead of the validation split: tune on them and the validation images stay unseen.", "Data", ("phase1", "phase2")),
     ("loader", str, "device: the data held as one tensor on the training device, augmented per batch there (train/held.py); workers: timm's per-image transforms in worker processes (any dataset, any timm augmentation); auto: device when the data fits (2 GiB decoded, one image size) and the augmentation is one it runs.", "Data", ("phase1", "phase2")),
     ("preset", str, "The value of every flag not given. paper: the paper's model and recipe (224 px, P 16, d 768, 6 blocks, DeiT's augmentation). cpu: the EXPERIMENTS.md model and recipe, sized for a few CPU cores: 28 px, P 4, d 48, 2 blocks, K 5, batch 64 with --lr-base-batch 64, no RandAugment, Mixup, CutMix or erasing, warm-up a tenth of --epochs, workers 0, learning rate 2e-3 (2e-4 from a checkpoint).", MODEL, ("phase1", "phase2")),
     ("img_size", int, "Image size (the data is resized to it).", MODEL, ("phase1", "phase2")),

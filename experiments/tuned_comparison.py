@@ -1,0 +1,334 @@
+"""Which start, at the paper's depth, with every start's learning rate tuned alike, and what each costs.
+
+    python experiments/tuned_comparison.py [--depth 6] [--epochs 200] [--tune-epochs 50] [--train-samples 1000]
+                                           [--holdout 2000] [--val-samples 2000] [--seeds 0 1]
+                                           [--out experiments/out/tuned-d6] [--data-dir DIR] [--device auto|cpu|cuda]
+                                           [--loader auto|device|workers] [--parallel N] [--time-budget SECONDS]
+                                           [--record SWEEP.json]
+
+The model and recipe of init_comparison.py (``--preset cpu``: 28 px, P 4, d 48, K 5, 9 heads) at
+``--depth`` blocks, on a seeded subset of ``--train-samples`` Fashion-MNIST training images. The
+rule, fixed before any result (EXPERIMENTS.md, "Tuned alike"):
+
+1. **Tune** on seed 0 for ``--tune-epochs`` epochs (warm-up a tenth), every arm over its grid:
+   phase 1 only, impulse init and random init over :data:`SCRATCH` (3 rates spanning 10x); two-phase
+   gated and two-phase hard (the paper's) over :data:`AFTER` x :data:`MULT` for phase 2 (6 pairs),
+   after a phase-1 half at phase 1's chosen rate. Each run is judged on ``--holdout`` training
+   images the subset leaves out (``--holdout``, never the validation split): the mean top-1 of its
+   last :data:`WINDOW` epochs; the highest wins.
+2. **Train** every arm at its chosen values for ``--epochs`` (two-phase: half and half) on every
+   seed, evaluated each epoch on the first ``--val-samples`` validation images, then finally on
+   all 10k. Plus the compute-matched arm: phase 1 (at its chosen rate) for longer than two-phase's
+   half, then a short gated phase 2 (at gated's chosen values) taking about a quarter of the
+   multiply-adds, the two together costing what phase 1 alone costs (:func:`matched_epochs`).
+3. **Report**: the table (top-1, the plateau gain of the last fifth, CPU seconds and training
+   multiply-adds), the sweep, and cost.png (top-1 against CPU seconds and against multiply-adds).
+
+Every run is an arm (convit_convert/train/arms.py): finished ones are skipped, stopped ones resumed,
+a stage starts once the one before it is done; exit code 3 until everything is (run the same
+command again, in the same or a later session).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+from pathlib import Path
+
+from arms_cli import add_arm_flags, run_or_exit
+from fashion_mnist import config, stat
+from init_comparison import curve, final_eval, plateau_gain
+
+from convit_convert.train.arms import DONE, Arm
+
+SCRATCH = (6.3e-4, 2e-3, 6.3e-3)  # from scratch: the table's 2e-3 in the middle, sqrt(10) apart
+AFTER = (6.3e-5, 2e-4, 6.3e-4)  # phase 2 after conversion: the same, 10x lower (the paper's ratio)
+MULT = (1.0, 10.0)  # --attn-lr-mult after conversion: the paper's 1, and cmhsa's default 10
+WINDOW = 5  # a tuning run's score: mean held-out top-1 of its last WINDOW epochs
+MATCHED_P2_COST = 0.25  # the compute-matched arm's phase 2: a quarter of phase 1 alone's multiply-adds
+SETTINGS = [  # (setting, arm whose tuned values it uses, run names it is made of)
+    ("phase 1 only", "p1", ("p1",)),
+    ("phase 2 only, impulse init", "impulse", ("impulse",)),
+    ("phase 2 only, random init", "random", ("random",)),
+    ("two-phase, gated pinning", "gated", ("half-p1", "gated")),
+    ("two-phase, hard pinning (the paper's)", "hard", ("half-p1", "hard")),
+    ("long phase 1, short gated phase 2 (compute-matched)", "gated", ("long-p1", "short-gated")),
+]
+
+
+def tag(lr: float, mult: float | None = None) -> str:
+    return f"lr{lr:g}" + ("" if mult is None else f"-mult{mult:g}")
+
+
+def score(arm: Arm) -> float:
+    """A tuning run's score: its held-out top-1, mean of the last WINDOW epochs."""
+    rows = arm.rows()
+    return statistics.mean(r["top1"] for r in rows[-WINDOW:])
+
+
+def common(args: argparse.Namespace, seed: int, tuning: bool) -> dict:
+    samples = dict(holdout=args.holdout) if tuning else dict(val_samples=args.val_samples)
+    return dict(seed=seed, depth=args.depth, train_samples=args.train_samples, batch_size=args.batch_size,
+                data_dir=args.data_dir, device=args.device, loader=args.loader, **samples)  # fmt: skip
+
+
+def tuning_arms(args: argparse.Namespace, chosen: dict[str, dict]) -> list[Arm]:
+    """Stage 1's runs (phase 1, impulse, random), and stage 2's (two-phase) once phase 1's rate is chosen."""
+    e, d, kw = args.tune_epochs, args.out / "tune", common(args, 0, tuning=True)
+    arms = []
+
+    def add(name: str, epochs: int, after: tuple[str, ...] = (), **flags) -> None:
+        cfg = config(d / name, epochs=epochs, warmup_epochs=epochs // 10, **kw, **flags)
+        arms.append(Arm(f"tune/{name}", cfg, tuple(f"tune/{a}" for a in after)))
+
+    for lr in SCRATCH:  # phase 1 first: the two-phase grids wait for its choice
+        add(f"p1/{tag(lr)}", e, phase="phase1", lr=lr)
+    for start in ("impulse", "random"):
+        for lr in SCRATCH:
+            add(f"{start}/{tag(lr)}", e, phase="phase2", init=start, lr=lr)
+    if "p1" in chosen:
+        add("half-p1", e // 2, phase="phase1", lr=chosen["p1"]["lr"])
+        conv = str(d / "half-p1" / "conv.safetensors")
+        for pinning in ("gated", "hard"):
+            for lr in AFTER:
+                for mult in MULT:
+                    add(f"{pinning}/{tag(lr, mult)}", e - e // 2, ("half-p1",), phase="phase2", init=conv,
+                        pinning=pinning, lr=lr, attn_lr_mult=mult)  # fmt: skip
+    return arms
+
+
+def choices(arms: list[Arm]) -> tuple[dict[str, dict], dict[str, list]]:
+    """Each arm's chosen values, for the arms whose whole grid is done; and every grid run's score."""
+    grid: dict[str, list] = {}
+    for arm in arms:
+        kind, _, name = arm.name.removeprefix("tune/").partition("/")
+        if name:
+            r = arm.config.recipe
+            grid.setdefault(kind, []).append(
+                {
+                    "lr": r.lr,
+                    "attn_lr_mult": r.attn_lr_mult,
+                    "run": arm.name,
+                    "score": score(arm) if arm.status == DONE else None,
+                }
+            )
+    chosen = {
+        kind: max(runs, key=lambda run: run["score"])
+        for kind, runs in grid.items()
+        if all(run["score"] is not None for run in runs)
+    }
+    return chosen, grid
+
+
+def macs_per_image(phase: str, args: argparse.Namespace) -> float:
+    """Multiply-adds of one training image (forward and backward: 3x the forward's), counted by
+    torch's FlopCounterMode on the arm's model (2 FLOPs per multiply-add)."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from convit_convert.model import VisionTransformer
+    from convit_convert.train.phases import flag_config
+
+    cfg = config(
+        Path("unused"), phase=phase, depth=args.depth, init="impulse" if phase == "phase2" else "random"
+    )
+    mcfg = flag_config(cfg, 10)
+    if phase == "phase2":
+        mcfg = mcfg.with_attention(9, sink=True, pinning="gated")
+    model = VisionTransformer(mcfg)
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        model(torch.zeros(1, mcfg.in_chans, *mcfg.img_size))
+    return 3 * counter.get_total_flops() / 2
+
+
+def matched_epochs(args: argparse.Namespace) -> tuple[int, int]:
+    """(phase-1 epochs, phase-2 epochs) of the compute-matched arm: phase 2 about a quarter of what
+    phase 1 alone costs in multiply-adds, phase 1 the epochs that leave the total at most that."""
+    ratio = macs_per_image("phase2", args) / macs_per_image("phase1", args)
+    p2 = max(1, round(args.epochs * MATCHED_P2_COST / ratio))
+    return args.epochs - math.ceil(p2 * ratio), p2
+
+
+def full_arms(args: argparse.Namespace, chosen: dict[str, dict]) -> list[Arm]:
+    """Stage 3: every setting at its chosen values, every seed (those whose values are chosen)."""
+    if not {"p1", "impulse", "random", "gated", "hard"} <= chosen.keys():
+        return []
+    e, half = args.epochs, args.epochs // 2
+    long_p1, short_p2 = matched_epochs(args)
+    arms = []
+    for seed in args.seeds:
+        d, kw = args.out / f"seed{seed}", common(args, seed, tuning=False)
+
+        def add(name: str, epochs: int, after: tuple[str, ...] = (), **flags) -> None:
+            cfg = config(d / name, epochs=epochs, warmup_epochs=epochs // 10, **kw, **flags)  # noqa: B023
+            arms.append(Arm(f"seed{seed}/{name}", cfg, tuple(f"seed{seed}/{a}" for a in after)))  # noqa: B023
+
+        def after(kind: str, p1: str) -> dict:
+            c = chosen[kind]
+            return dict(phase="phase2", init=str(d / p1 / "conv.safetensors"), lr=c["lr"], attn_lr_mult=c["attn_lr_mult"])  # noqa: B023  # fmt: skip
+
+        p1_lr = chosen["p1"]["lr"]
+        add("half-p1", half, phase="phase1", lr=p1_lr)
+        if long_p1 >= 1:  # too few --epochs leave nothing to match (tiny test runs)
+            add("long-p1", long_p1, phase="phase1", lr=p1_lr)
+        add("gated", e - half, ("half-p1",), pinning="gated", **after("gated", "half-p1"))
+        add("hard", e - half, ("half-p1",), pinning="hard", **after("hard", "half-p1"))
+        if long_p1 >= 1:
+            add("short-gated", short_p2, ("long-p1",), pinning="gated", **after("gated", "long-p1"))
+        add("p1", e, phase="phase1", lr=p1_lr)
+        add("impulse", e, phase="phase2", init="impulse", lr=chosen["impulse"]["lr"])
+        add("random", e, phase="phase2", init="random", lr=chosen["random"]["lr"])
+    return arms
+
+
+def settings(args: argparse.Namespace) -> dict:
+    """What a sweep's choices depend on: a recorded sweep is reused only for the same."""
+    keys = ("depth", "tune_epochs", "train_samples", "holdout", "batch_size")
+    return {
+        **{k: getattr(args, k) for k in keys},
+        "scratch": SCRATCH,
+        "after": AFTER,
+        "mult": MULT,
+        "window": WINDOW,
+    }
+
+
+def record_path(args: argparse.Namespace) -> Path:
+    """The sweep's record, committed (experiments/results/): a later session, on a new machine,
+    trains the chosen values without the tuning runs' folders."""
+    default = Path(__file__).resolve().parent / "results" / f"tuned_comparison_d{args.depth}_sweep.json"
+    return args.record or default
+
+
+def stages(args: argparse.Namespace) -> tuple[list[Arm], dict[str, dict], dict[str, list]]:
+    """Every run whose settings are known now (stages 2 and 3 appear as the stages before them
+    finish), each arm's chosen values and the sweep; a finished sweep is recorded and read back."""
+    path = record_path(args)
+    if path.is_file():
+        record = json.loads(path.read_text())
+        if record["settings"] == json.loads(json.dumps(settings(args))):
+            return full_arms(args, record["chosen"]), record["chosen"], record["grid"]
+        print(f"note: {path} is another sweep's (its settings differ); tuning again")
+    chosen: dict[str, dict] = {}
+    for _ in range(2):  # phase 1's choice makes the two-phase grids known
+        arms = tuning_arms(args, chosen)
+        for arm in arms:
+            arm.status = DONE if arm.model.is_file() else arm.status
+        chosen, grid = choices(arms)
+    if {"p1", "impulse", "random", "gated", "hard"} <= chosen.keys():
+        path.write_text(
+            json.dumps({"settings": settings(args), "chosen": chosen, "grid": grid}, indent=1) + "\n"
+        )
+    return arms + full_arms(args, chosen), chosen, grid
+
+
+def report(args: argparse.Namespace, arms: list[Arm], chosen: dict[str, dict], grid: dict[str, list]) -> None:
+    by_name = {a.name: a for a in arms}
+    macs = {phase: macs_per_image(phase, args) for phase in ("phase1", "phase2")}
+    results: dict = {"args": {k: str(v) for k, v in vars(args).items()}, "chosen": chosen, "grid": grid,
+                     "macs_per_train_image": macs, "runs": {}}  # fmt: skip
+    e, fifth = args.epochs, max(1, args.epochs // 5)
+    print(f"\nSweep (seed 0, {args.tune_epochs} epochs, held-out top-1: {args.holdout} training images outside the "
+          f"subset, mean of the last {WINDOW} epochs; chosen in bold)\n")  # fmt: skip
+    print("| arm | value | held-out top-1 % |\n|---|---|---:|")
+    for kind, runs in grid.items():
+        for run in runs:
+            value = (
+                tag(run["lr"], run["attn_lr_mult"]).replace("lr", "lr ").replace("-mult", ", attn-lr-mult ")
+            )
+            best = chosen.get(kind, {}).get("run") == run["run"]
+            s = "" if run["score"] is None else f"{run['score']:.2f}"
+            print(f"| {kind} | {'**' + value + '**' if best else value} | {'**' + s + '**' if best else s} |")
+    print(f"\nFashion-MNIST, {args.train_samples} training images, depth {args.depth}; {e} epochs in all; seeds "
+          f"{' '.join(map(str, args.seeds))} (mean ± half-range); top-1 of the final model on the 10k validation "
+          f"images; gain: top-1 on the first {args.val_samples} over the last fifth; MACs: training multiply-adds "
+          f"(per image x images seen), both halves for two-phase\n")  # fmt: skip
+    print("| setting | top-1 % | gain, last fifth | CPU s | training MACs |\n|---|---:|---:|---:|---:|")
+    points = []
+    for setting, _, names in SETTINGS:
+        if any(f"seed{s}/{n}" not in by_name for s in args.seeds for n in names):
+            continue
+        per_seed = [[by_name[f"seed{s}/{n}"] for n in names] for s in args.seeds]
+        top1 = []
+        for runs in per_seed:
+            for run in runs:
+                results["runs"][run.name] = {"rows": run.rows(), "final": final_eval(run, args),
+                                             "cpu_seconds": run.cpu_seconds()}  # fmt: skip
+            top1.append(results["runs"][runs[-1].name]["final"]["top1"])
+        gains = [plateau_gain(ys, fifth) for _, ys in (curve(runs) for runs in per_seed) if len(ys) > fifth]
+        seconds = statistics.mean(sum(r.cpu_seconds() for r in runs) for runs in per_seed)
+        cost = sum(macs[r.config.phase] * args.train_samples * r.config.recipe.epochs for r in per_seed[0])
+        print(f"| {setting} | {stat(top1)} | {stat(gains)} | {seconds:.0f} | {cost:.3g} |")
+        points.append((setting, seconds, cost, top1))
+    (args.out / "results.json").write_text(json.dumps(results, indent=1))
+    plot_cost(
+        points, args.out / "cost.png", f"Fashion-MNIST, {args.train_samples} images, depth {args.depth}"
+    )
+    print(f"\nwrote {args.out / 'results.json'} and {args.out / 'cost.png'}")
+
+
+def plot_cost(points: list, path: Path, title: str) -> None:
+    """Top-1 (mean, seeds as a bar) against CPU seconds and against training multiply-adds."""
+    from convit_convert.train.plot import pyplot
+
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8), layout="constrained")
+    for n, (setting, seconds, cost, top1) in enumerate(points):
+        mean, lo, hi = statistics.mean(top1), min(top1), max(top1)
+        for ax, x in zip(axes, (seconds, cost), strict=True):
+            ax.errorbar([x], [mean], yerr=[[mean - lo], [hi - mean]], fmt="o", color=f"C{n}", capsize=3,
+                        label=setting)  # fmt: skip
+    axes[0].set(xlabel="CPU seconds (training, both halves)", ylabel="top-1 % (10k validation)")
+    axes[1].set(xlabel="training multiply-adds", xscale="log")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7, loc="lower right")
+    fig.suptitle(title)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--depth", type=int, default=6)
+    ap.add_argument("--epochs", type=int, default=200, help="total epochs per setting")
+    ap.add_argument("--tune-epochs", type=int, default=50, help="epochs of a tuning run")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    ap.add_argument("--train-samples", type=int, default=1000)
+    ap.add_argument(
+        "--holdout", type=int, default=2000, help="training images outside the subset that judge tuning"
+    )
+    ap.add_argument("--val-samples", type=int, default=2000, help="per-epoch validation images (the curves)")
+    ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--out", type=Path, default=Path("experiments/out/tuned-d6"))
+    ap.add_argument("--data-dir", default=None, help="Folder of the four IDX .gz files (default: Debian's).")
+    ap.add_argument("--device", default="auto", help="auto, cpu, cuda")
+    ap.add_argument(
+        "--record",
+        type=Path,
+        default=None,
+        help="the sweep's record (default: experiments/results/tuned_comparison_dDEPTH_sweep.json)",
+    )
+    ap.add_argument("--compile", action="store_true", help="unused; init_comparison's final_eval reads args")
+    add_arm_flags(ap)
+    args = ap.parse_args()
+    deadline = None if args.time_budget is None else time.time() + args.time_budget
+    while True:  # each pass runs what is known; a finished stage makes the next one known
+        arms, _, _ = stages(args)
+        if deadline is not None:
+            args.time_budget = deadline - time.time()
+            if args.time_budget < 60:  # too little left to start the next stage's runs
+                print("time budget spent; run the same command again to continue")
+                raise SystemExit(3)
+        run_or_exit(arms, args)
+        arms, chosen, grid = stages(args)
+        if all(arm.model.is_file() for arm in arms):
+            break
+    report(args, [a for a in arms if not a.name.startswith("tune/")], chosen, grid)
+
+
+if __name__ == "__main__":
+    main()
