@@ -100,20 +100,17 @@ def tuning_arms(args: argparse.Namespace, chosen: dict[str, dict]) -> list[Arm]:
     return arms
 
 
-def choices(arms: list[Arm]) -> tuple[dict[str, dict], dict[str, list]]:
-    """Each arm's chosen values, for the arms whose whole grid is done; and every grid run's score."""
+def choices(arms: list[Arm], recorded: dict[str, float]) -> tuple[dict[str, dict], dict[str, list]]:
+    """Each arm's chosen values, for the arms whose whole grid is scored; and every grid run's
+    score: its own (a finished run here), else ``recorded``'s (a run a session before finished)."""
     grid: dict[str, list] = {}
     for arm in arms:
         kind, _, name = arm.name.removeprefix("tune/").partition("/")
         if name:
             r = arm.config.recipe
+            done = score(arm) if arm.status == DONE else recorded.get(arm.name)
             grid.setdefault(kind, []).append(
-                {
-                    "lr": r.lr,
-                    "attn_lr_mult": r.attn_lr_mult,
-                    "run": arm.name,
-                    "score": score(arm) if arm.status == DONE else None,
-                }
+                {"lr": r.lr, "attn_lr_mult": r.attn_lr_mult, "run": arm.name, "score": done}
             )
     chosen = {
         kind: max(runs, key=lambda run: run["score"])
@@ -205,24 +202,29 @@ def record_path(args: argparse.Namespace) -> Path:
 
 def stages(args: argparse.Namespace) -> tuple[list[Arm], dict[str, dict], dict[str, list]]:
     """Every run whose settings are known now (stages 2 and 3 appear as the stages before them
-    finish), each arm's chosen values and the sweep; a finished sweep is recorded and read back."""
-    path = record_path(args)
+    finish), each arm's chosen values and the sweep. Every score is recorded as it comes in, and
+    read back: a tuning run scored there is not run again, wherever its folder is."""
+    path, recorded = record_path(args), {}
     if path.is_file():
         record = json.loads(path.read_text())
         if record["settings"] == json.loads(json.dumps(settings(args))):
-            return full_arms(args, record["chosen"]), record["chosen"], record["grid"]
-        print(f"note: {path} is another sweep's (its settings differ); tuning again")
+            recorded = {run["run"]: run["score"] for runs in record["grid"].values() for run in runs if run["score"] is not None}  # fmt: skip
+        else:
+            print(f"note: {path} is another sweep's (its settings differ); tuning again")
     chosen: dict[str, dict] = {}
     for _ in range(2):  # phase 1's choice makes the two-phase grids known
         arms = tuning_arms(args, chosen)
         for arm in arms:
             arm.status = DONE if arm.model.is_file() else arm.status
-        chosen, grid = choices(arms)
-    if {"p1", "impulse", "random", "gated", "hard"} <= chosen.keys():
+        chosen, grid = choices(arms, recorded)
+    if any(run["score"] is not None for runs in grid.values() for run in runs):
         path.write_text(
             json.dumps({"settings": settings(args), "chosen": chosen, "grid": grid}, indent=1) + "\n"
         )
-    return arms + full_arms(args, chosen), chosen, grid
+    full = full_arms(args, chosen)
+    if full:  # the sweep is over: the phase-1 half it tuned two-phase on is not needed again
+        return full, chosen, grid
+    return [a for a in arms if a.status == DONE or a.name not in recorded], chosen, grid
 
 
 def report(args: argparse.Namespace, arms: list[Arm], chosen: dict[str, dict], grid: dict[str, list]) -> None:
@@ -323,8 +325,10 @@ def main() -> None:
             if args.time_budget < 60:  # too little left to start the next stage's runs
                 print("time budget spent; run the same command again to continue")
                 raise SystemExit(3)
-        run_or_exit(arms, args)
-        arms, chosen, grid = stages(args)
+        try:
+            run_or_exit(arms, args)
+        finally:  # stopped or not, the scores that came in are recorded (stages writes the record)
+            arms, chosen, grid = stages(args)
         if all(arm.model.is_file() for arm in arms):
             break
     report(args, [a for a in arms if not a.name.startswith("tune/")], chosen, grid)

@@ -24,6 +24,9 @@ TINY = dict(data="synthetic", img_size=16, patch_size=4, depth=1, kernel_size=3,
 
 
 def epochs_done(out: Path) -> list[int]:
+    """The epochs metrics.csv lists ([] before the first has finished)."""
+    if not (out / "metrics.csv").is_file():
+        return []
     with open(out / "metrics.csv", newline="") as f:
         return [int(r["epoch"]) for r in csv.DictReader(f)]
 
@@ -65,18 +68,22 @@ def test_parallel_arms_with_a_dependency_and_skipping_what_is_done(tmp_path: Pat
 
 def test_time_budget_stops_cleanly_and_the_next_call_resumes(tmp_path: Path) -> None:
     """A run far longer than the budget: each budgeted call stops it cleanly before the budget
-    (checkpoint saved, status stopped), and the next call resumes it where it stopped."""
+    (checkpoint saved, status stopped), and the next call resumes it where it stopped. On a loaded
+    machine a call may end before a first epoch does: up to 4 calls, until two in a row each ended
+    epochs (2 on an idle one)."""
     cfg = TrainConfig.from_flags(out=str(tmp_path / "long"), phase="phase1", epochs=5000, **TINY)
     arm = Arm("long", cfg)
-    done = []
-    for _ in range(2):
+    done: list[list[int]] = []
+    for _ in range(4):
         t = time.monotonic()
         run_arms([arm], time_budget=14, margin=4)
         assert time.monotonic() - t < 14
         assert arm.status == STOPPED and (tmp_path / "long" / "checkpoint-last.pt").is_file()
         done.append(epochs_done(tmp_path / "long"))
-    assert 0 < len(done[0]) < len(done[1]) < 5000
-    assert done[1] == list(range(1, len(done[1]) + 1))  # continued, nothing repeated or skipped
+        if len(done) >= 2 and 0 < len(done[-2]) < len(done[-1]):
+            break
+    assert 0 < len(done[-2]) < len(done[-1]) < 5000
+    assert done[-1] == list(range(1, len(done[-1]) + 1))  # continued, nothing repeated or skipped
     assert "resumed" in (tmp_path / "long" / "log.txt").read_text()
 
 
@@ -173,8 +180,19 @@ def test_tuned_comparison_tunes_every_arm_alike_then_trains_the_chosen_values(
     # p1: 6.3e-3 ends highest on its last epoch, 2e-3 on the mean of its last 5
     for arm, (m, last) in zip(first[:3], ((70, 70), (80, 76), (75, 90)), strict=True):
         finish(arm, m, last)
+    finish(first[3], 50, 50)
+    tc.stages(args)  # what the runner does after every call, finished or stopped: records the scores
+    # every score is recorded as it comes: on a new machine (no tune/ folder) the scored runs are not
+    # run again, the phase-1 half the two-phase grids start from is (it is deterministic)
+    shutil.copytree(tmp_path / "tune", tmp_path / "tune-copy")
+    shutil.rmtree(tmp_path / "tune")
+    elsewhere, _, _ = tc.stages(args)
+    assert [a.name for a in elsewhere] == [a.name for a in first[4:]] + ["tune/half-p1"] + [
+        f"tune/{p}/{tc.tag(lr, m)}" for p in ("gated", "hard") for lr in tc.AFTER for m in tc.MULT
+    ]
+    shutil.copytree(tmp_path / "tune-copy", tmp_path / "tune")
     second, _, _ = tc.stages(args)
-    assert len(second) == 9 + 1 + 12
+    assert len(second) == 9 + 1 + 12 and not any(a.name.startswith("seed") for a in second)
     half = next(a for a in second if a.name == "tune/half-p1")
     assert half.config.recipe.lr == 2e-3 and half.config.recipe.epochs == 25
     for arm in second:
@@ -184,8 +202,7 @@ def test_tuned_comparison_tunes_every_arm_alike_then_trains_the_chosen_values(
             best = {"impulse": lr == 6.3e-3, "random": lr == 6.3e-4, "gated": (lr, mult) == (6.3e-5, 10.0),
                     "hard": (lr, mult) == (6.3e-4, 1.0)}.get(kind, False)  # fmt: skip
             finish(arm, 85 if best else 60, 60)
-    everything, chosen, grid = tc.stages(args)
-    full = everything[len(second) :]
+    full, chosen, grid = tc.stages(args)
     assert len(full) == 2 * 8
     cfg = {a.name: a.config for a in full}
     assert all(c.data.holdout is None and c.data.val_samples == 2000 for c in cfg.values())
