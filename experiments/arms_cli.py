@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 
 from convit_convert.errors import CmhsaError
 from convit_convert.train.arms import Arm, run_arms, unfinished
@@ -20,13 +21,20 @@ def add_arm_flags(ap: argparse.ArgumentParser) -> None:
                     help="seconds: stop cleanly before this (unfinished runs resume on the next call)")  # fmt: skip
 
 
-def run_or_exit(arms: list[Arm], args: argparse.Namespace) -> None:
-    """Run what is unfinished of ``arms`` (convit_convert.train.arms), a status line as each ends;
-    bad flags exit 1 with one line, unfinished arms exit 3 with what to do."""
+def run_or_exit(
+    arms: list[Arm], args: argparse.Namespace, on_end: Callable[[Arm], None] | None = None
+) -> None:
+    """Run what is unfinished of ``arms`` (convit_convert.train.arms), a status line as each ends
+    (then ``on_end(arm)``); bad flags exit 1 with one line, unfinished arms exit 3 with what to do."""
     t0 = time.time()
+
+    def report(arm: Arm) -> None:
+        print(arm.status_line(time.time() - t0), flush=True)
+        if on_end is not None:
+            on_end(arm)
+
     try:
-        run_arms(arms, parallel=args.parallel, time_budget=args.time_budget,
-                 report=lambda a: print(a.status_line(time.time() - t0), flush=True))  # fmt: skip
+        run_arms(arms, parallel=args.parallel, time_budget=args.time_budget, report=report)
     except CmhsaError as e:
         raise SystemExit(f"error: {e}") from None
     if (left := unfinished(arms)) is not None:

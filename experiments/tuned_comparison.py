@@ -325,9 +325,9 @@ def main() -> None:
             if args.time_budget < 60:  # too little left to start the next stage's runs
                 print("time budget spent; run the same command again to continue")
                 raise SystemExit(3)
-        try:
-            run_or_exit(arms, args)
-        finally:  # stopped or not, the scores that came in are recorded (stages writes the record)
+        try:  # each run's score is recorded as it ends (stages writes the record): a machine
+            run_or_exit(arms, args, on_end=lambda _: stages(args))  # lost mid-stage loses no score
+        finally:
             arms, chosen, grid = stages(args)
         if all(arm.model.is_file() for arm in arms):
             break

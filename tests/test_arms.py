@@ -222,3 +222,34 @@ def test_tuned_comparison_tunes_every_arm_alike_then_trains_the_chosen_values(
     assert [(a.name, a.config) for a in again] == [
         (a.name, a.config) for a in full
     ] and chosen_again == chosen
+
+
+def test_tuned_comparison_records_each_score_as_its_run_ends(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A machine lost in the middle of a stage loses no finished run's score: the runner writes the
+    sweep's record after every run that ends, not only once the stage's call returns."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "experiments"))
+    import arms_cli
+    import tuned_comparison as tc
+
+    record = tmp_path / "sweep.json"
+    seen: list[dict] = []
+
+    def first_run_then_machine_lost(arms, *, report, **_):
+        arm = arms[0]
+        arm.out.mkdir(parents=True, exist_ok=True)
+        rows = "\n".join(f"{e},1.0,{70 + e}" for e in range(1, 51))
+        (arm.out / "metrics.csv").write_text("epoch,val_loss,top1\n" + rows + "\n")
+        arm.model.write_bytes(b"")
+        arm.status = DONE
+        report(arm)
+        seen.append(json.loads(record.read_text()))  # before the stage's call returns
+        raise SystemExit(143)
+
+    monkeypatch.setattr(arms_cli, "run_arms", first_run_then_machine_lost)
+    monkeypatch.setattr(sys, "argv", ["tuned_comparison.py", "--out", str(tmp_path), "--record", str(record)])
+    with pytest.raises(SystemExit):
+        tc.main()
+    (scored,) = [r for runs in seen[0]["grid"].values() for r in runs if r["score"] is not None]
+    assert scored["run"] == "tune/p1/lr0.00063" and scored["score"] == pytest.approx(118.0)  # 116..120
