@@ -75,29 +75,93 @@ def common(args: argparse.Namespace, seed: int, tuning: bool) -> dict:
                 data_dir=args.data_dir, device=args.device, loader=args.loader, **samples)  # fmt: skip
 
 
+def tuning_arm(args: argparse.Namespace, name: str, epochs: int, after: tuple[str, ...] = (), **flags) -> Arm:
+    """One seed-0 tuning run, judged on held-out training images, in ``--out``/tune/``name``."""
+    kw = common(args, 0, tuning=True)
+    cfg = config(args.out / "tune" / name, epochs=epochs, warmup_epochs=epochs // 10, **kw, **flags)
+    return Arm(f"tune/{name}", cfg, tuple(f"tune/{a}" for a in after))
+
+
+def two_phase_arm(args: argparse.Namespace, name: str, pinning: str, lr: float, mult: float) -> Arm:
+    """A two-phase tuning run's phase 2: from the tuning phase-1 half's model, the other half of the epochs."""
+    e, conv = args.tune_epochs, str(args.out / "tune" / "half-p1" / "conv.safetensors")
+    flags = dict(phase="phase2", init=conv, pinning=pinning, lr=lr, attn_lr_mult=mult)
+    return tuning_arm(args, name, e - e // 2, ("half-p1",), **flags)
+
+
 def tuning_arms(args: argparse.Namespace, chosen: dict[str, dict]) -> list[Arm]:
     """Stage 1's runs (phase 1, impulse, random), and stage 2's (two-phase) once phase 1's rate is chosen."""
-    e, d, kw = args.tune_epochs, args.out / "tune", common(args, 0, tuning=True)
-    arms = []
-
-    def add(name: str, epochs: int, after: tuple[str, ...] = (), **flags) -> None:
-        cfg = config(d / name, epochs=epochs, warmup_epochs=epochs // 10, **kw, **flags)
-        arms.append(Arm(f"tune/{name}", cfg, tuple(f"tune/{a}" for a in after)))
-
-    for lr in SCRATCH:  # phase 1 first: the two-phase grids wait for its choice
-        add(f"p1/{tag(lr)}", e, phase="phase1", lr=lr)
-    for start in ("impulse", "random"):
-        for lr in SCRATCH:
-            add(f"{start}/{tag(lr)}", e, phase="phase2", init=start, lr=lr)
+    e = args.tune_epochs
+    arms = [tuning_arm(args, f"p1/{tag(lr)}", e, phase="phase1", lr=lr) for lr in SCRATCH]
+    for start in ("impulse", "random"):  # phase 1 first: the two-phase grids wait for its choice
+        arms += [
+            tuning_arm(args, f"{start}/{tag(lr)}", e, phase="phase2", init=start, lr=lr) for lr in SCRATCH
+        ]
     if "p1" in chosen:
-        add("half-p1", e // 2, phase="phase1", lr=chosen["p1"]["lr"])
-        conv = str(d / "half-p1" / "conv.safetensors")
+        arms.append(tuning_arm(args, "half-p1", e // 2, phase="phase1", lr=chosen["p1"]["lr"]))
         for pinning in ("gated", "hard"):
             for lr in AFTER:
-                for mult in MULT:
-                    add(f"{pinning}/{tag(lr, mult)}", e - e // 2, ("half-p1",), phase="phase2", init=conv,
-                        pinning=pinning, lr=lr, attn_lr_mult=mult)  # fmt: skip
+                arms += [two_phase_arm(args, f"{pinning}/{tag(lr, m)}", pinning, lr, m) for m in MULT]
     return arms
+
+
+def step_beyond(grid: tuple[float, ...]) -> float:
+    """The value one step past a geometric grid's top (its ratio once more, 2 significant digits)."""
+    return float(f"{grid[-1] ** 2 / grid[-2]:.2g}")
+
+
+def beyond_arms(args: argparse.Namespace, chosen: dict[str, dict]) -> list[Arm]:
+    """The supplementary check, outside the rule (it never changes a choice): for each arm whose
+    chosen rate is its grid's top, one tuning run a grid step past it (tune/beyond/...), at the
+    chosen multiplier, scored alike. The two-phase ones start from the sweep's phase-1 half, made
+    again where its folder is gone (it is deterministic), and the chosen gated point runs again
+    beside them: its score against the recorded one shows whether the remade half is the same."""
+    e, arms = args.tune_epochs, []
+    for kind, flags in (("p1", {"phase": "phase1"}), ("impulse", {"phase": "phase2", "init": "impulse"}),
+                        ("random", {"phase": "phase2", "init": "random"})):  # fmt: skip
+        if chosen[kind]["lr"] == SCRATCH[-1]:
+            lr = step_beyond(SCRATCH)
+            arms.append(tuning_arm(args, f"beyond/{kind}/{tag(lr)}", e, lr=lr, **flags))
+    two_phase = [kind for kind in ("gated", "hard") if chosen[kind]["lr"] == AFTER[-1]]
+    if two_phase:
+        g = chosen["gated"]
+        arms.append(tuning_arm(args, "half-p1", e // 2, phase="phase1", lr=chosen["p1"]["lr"]))
+        arms.append(two_phase_arm(args, f"gated/{tag(g['lr'], g['attn_lr_mult'])}", "gated", g["lr"], g["attn_lr_mult"]))  # fmt: skip
+    for kind in two_phase:
+        lr, mult = step_beyond(AFTER), chosen[kind]["attn_lr_mult"]
+        arms.append(two_phase_arm(args, f"beyond/{kind}/{tag(lr, mult)}", kind, lr, mult))
+    return arms
+
+
+def beyond(args: argparse.Namespace) -> None:
+    """Run :func:`beyond_arms` (the sweep must be complete), print its table, write its record."""
+    _, chosen, _ = stages(args)
+    if not {"p1", "impulse", "random", "gated", "hard"} <= chosen.keys():
+        raise SystemExit("error: --beyond needs the complete sweep; run without --beyond first")
+    arms = beyond_arms(args, chosen)
+    run_or_exit(arms, args)
+    rows = []
+    for arm in arms:
+        if arm.name != "tune/half-p1":
+            kind = arm.name.removeprefix("tune/").removeprefix("beyond/").partition("/")[0]
+            r = arm.config.recipe
+            rows.append({"run": arm.name, "kind": kind, "lr": r.lr, "attn_lr_mult": r.attn_lr_mult,
+                         "score": score(arm), "chosen": chosen[kind]})  # fmt: skip
+    path = record_path(args).with_name(f"tuned_comparison_d{args.depth}_beyond.json")
+    path.write_text(json.dumps({"settings": settings(args), "rows": rows}, indent=1) + "\n")
+    print(f"\nBeyond the grid's top (seed 0, {args.tune_epochs} epochs, held-out top-1 as in the sweep)\n")
+    print("| arm | run | value | held-out top-1 % | chosen value's, recorded |\n|---|---|---|---:|---:|")
+    for row in rows:
+        what = "one step past the top" if "/beyond/" in row["run"] else "the chosen value again"
+        print(
+            f"| {row['kind']} | {what} | {value_text(row)} | {row['score']:.2f} | {row['chosen']['score']:.2f} |"
+        )
+    print(f"\nwrote {path}")
+
+
+def value_text(run: dict) -> str:
+    """A grid point's values as the tables write them: 'lr 2e-4, attn-lr-mult 10'."""
+    return tag(run["lr"], run["attn_lr_mult"]).replace("lr", "lr ").replace("-mult", ", attn-lr-mult ")
 
 
 def choices(arms: list[Arm], recorded: dict[str, float]) -> tuple[dict[str, dict], dict[str, list]]:
@@ -238,9 +302,7 @@ def report(args: argparse.Namespace, arms: list[Arm], chosen: dict[str, dict], g
     print("| arm | value | held-out top-1 % |\n|---|---|---:|")
     for kind, runs in grid.items():
         for run in runs:
-            value = (
-                tag(run["lr"], run["attn_lr_mult"]).replace("lr", "lr ").replace("-mult", ", attn-lr-mult ")
-            )
+            value = value_text(run)
             best = chosen.get(kind, {}).get("run") == run["run"]
             s = "" if run["score"] is None else f"{run['score']:.2f}"
             print(f"| {kind} | {'**' + value + '**' if best else value} | {'**' + s + '**' if best else s} |")
@@ -315,8 +377,15 @@ def main() -> None:
         help="the sweep's record (default: experiments/results/tuned_comparison_dDEPTH_sweep.json)",
     )
     ap.add_argument("--compile", action="store_true", help="unused; init_comparison's final_eval reads args")
+    ap.add_argument(
+        "--beyond",
+        action="store_true",
+        help="only the supplementary check: one tuning run past the grid's top for each arm that chose it",
+    )
     add_arm_flags(ap)
     args = ap.parse_args()
+    if args.beyond:
+        return beyond(args)
     deadline = None if args.time_budget is None else time.time() + args.time_budget
     while True:  # each pass runs what is known; a finished stage makes the next one known
         arms, _, _ = stages(args)

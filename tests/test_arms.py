@@ -253,3 +253,45 @@ def test_tuned_comparison_records_each_score_as_its_run_ends(
         tc.main()
     (scored,) = [r for runs in seen[0]["grid"].values() for r in runs if r["score"] is not None]
     assert scored["run"] == "tune/p1/lr0.00063" and scored["score"] == pytest.approx(118.0)  # 116..120
+
+
+def test_tuned_comparison_beyond_adds_one_step_past_each_top_choice_and_reruns_one_chosen_point(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--beyond (the supplementary check): one tuning run a grid step past the top for every arm
+    that chose its grid's top rate (none for an arm that peaked inside), each judged as the sweep
+    judges (seed 0, held-out images, the tuning epochs); the two-phase ones after the phase-1 half
+    at phase 1's chosen rate, with the chosen gated point run again to check the remade half."""
+    import argparse
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "experiments"))
+    import tuned_comparison as tc
+
+    assert (tc.step_beyond(tc.SCRATCH), tc.step_beyond(tc.AFTER)) == (2e-2, 2e-3)
+    args = argparse.Namespace(depth=6, tune_epochs=50, train_samples=1000, holdout=2000, batch_size=64,
+                              out=tmp_path, data_dir=None, device="cpu", loader="auto")  # fmt: skip
+    chosen = {"p1": {"lr": 6.3e-3, "attn_lr_mult": None}, "impulse": {"lr": 2e-3, "attn_lr_mult": None},
+              "random": {"lr": 6.3e-3, "attn_lr_mult": None}, "gated": {"lr": 6.3e-4, "attn_lr_mult": 10.0},
+              "hard": {"lr": 6.3e-4, "attn_lr_mult": 1.0}}  # fmt: skip
+    arms = {a.name: a for a in tc.beyond_arms(args, chosen)}
+    assert list(arms) == ["tune/beyond/p1/lr0.02", "tune/beyond/random/lr0.02", "tune/half-p1",
+                          "tune/gated/lr0.00063-mult10", "tune/beyond/gated/lr0.002-mult10",
+                          "tune/beyond/hard/lr0.002-mult1"]  # fmt: skip
+    for arm in arms.values():
+        c = arm.config
+        assert (c.seed, c.data.holdout, c.data.val_samples) == (0, 2000, None)
+    p1, random = arms["tune/beyond/p1/lr0.02"].config, arms["tune/beyond/random/lr0.02"].config
+    assert (p1.phase, p1.recipe.lr, p1.recipe.epochs) == ("phase1", 2e-2, 50)
+    assert (random.phase, random.start.init, random.recipe.lr) == ("phase2", "random", 2e-2)
+    half = arms["tune/half-p1"].config
+    assert (half.recipe.lr, half.recipe.epochs) == (6.3e-3, 25)
+    for name, pinning, lr, mult in (("tune/gated/lr0.00063-mult10", "gated", 6.3e-4, 10.0),
+                                    ("tune/beyond/gated/lr0.002-mult10", "gated", 2e-3, 10.0),
+                                    ("tune/beyond/hard/lr0.002-mult1", "hard", 2e-3, 1.0)):  # fmt: skip
+        c = arms[name].config
+        assert arms[name].after == ("tune/half-p1",) and c.recipe.epochs == 25
+        assert (c.conversion.pinning, c.recipe.lr, c.recipe.attn_lr_mult) == (pinning, lr, mult)
+        assert c.start.init == str(tmp_path / "tune" / "half-p1" / "conv.safetensors")
+    inside = {**chosen, "p1": {"lr": 2e-3}, "random": {"lr": 2e-3}, "gated": {"lr": 2e-4, "attn_lr_mult": 1.0},
+              "hard": {"lr": 6.3e-5, "attn_lr_mult": 1.0}}  # fmt: skip
+    assert tc.beyond_arms(args, inside) == []
