@@ -291,12 +291,8 @@ def stages(args: argparse.Namespace) -> tuple[list[Arm], dict[str, dict], dict[s
     return [a for a in arms if a.status == DONE or a.name not in recorded], chosen, grid
 
 
-def report(args: argparse.Namespace, arms: list[Arm], chosen: dict[str, dict], grid: dict[str, list]) -> None:
-    by_name = {a.name: a for a in arms}
-    macs = {phase: macs_per_image(phase, args) for phase in ("phase1", "phase2")}
-    results: dict = {"args": {k: str(v) for k, v in vars(args).items()}, "chosen": chosen, "grid": grid,
-                     "macs_per_train_image": macs, "runs": {}}  # fmt: skip
-    e, fifth = args.epochs, max(1, args.epochs // 5)
+def print_sweep(args: argparse.Namespace, chosen: dict[str, dict], grid: dict[str, list]) -> None:
+    """The sweep's table: every grid point and its score, the chosen ones in bold."""
     print(f"\nSweep (seed 0, {args.tune_epochs} epochs, held-out top-1: {args.holdout} training images outside the "
           f"subset, mean of the last {WINDOW} epochs; chosen in bold)\n")  # fmt: skip
     print("| arm | value | held-out top-1 % |\n|---|---|---:|")
@@ -306,6 +302,15 @@ def report(args: argparse.Namespace, arms: list[Arm], chosen: dict[str, dict], g
             best = chosen.get(kind, {}).get("run") == run["run"]
             s = "" if run["score"] is None else f"{run['score']:.2f}"
             print(f"| {kind} | {'**' + value + '**' if best else value} | {'**' + s + '**' if best else s} |")
+
+
+def report(args: argparse.Namespace, arms: list[Arm], chosen: dict[str, dict], grid: dict[str, list]) -> None:
+    by_name = {a.name: a for a in arms}
+    macs = {phase: macs_per_image(phase, args) for phase in ("phase1", "phase2")}
+    results: dict = {"args": {k: str(v) for k, v in vars(args).items()}, "chosen": chosen, "grid": grid,
+                     "macs_per_train_image": macs, "runs": {}}  # fmt: skip
+    e, fifth = args.epochs, max(1, args.epochs // 5)
+    print_sweep(args, chosen, grid)
     print(f"\nFashion-MNIST, {args.train_samples} training images, depth {args.depth}; {e} epochs in all; seeds "
           f"{' '.join(map(str, args.seeds))} (mean ± half-range); top-1 of the final model on the 10k validation "
           f"images; gain: top-1 on the first {args.val_samples} over the last fifth; MACs: training multiply-adds "
@@ -382,13 +387,18 @@ def main() -> None:
         action="store_true",
         help="only the supplementary check: one tuning run past the grid's top for each arm that chose it",
     )
+    ap.add_argument(
+        "--sweep-only", action="store_true", help="stop once the sweep is complete: its table only"
+    )
     add_arm_flags(ap)
     args = ap.parse_args()
     if args.beyond:
         return beyond(args)
     deadline = None if args.time_budget is None else time.time() + args.time_budget
     while True:  # each pass runs what is known; a finished stage makes the next one known
-        arms, _, _ = stages(args)
+        arms, chosen, grid = stages(args)
+        if args.sweep_only and not any(a.name.startswith("tune/") for a in arms):
+            return print_sweep(args, chosen, grid)  # the sweep is complete: its choices are known
         if deadline is not None:
             args.time_budget = deadline - time.time()
             if args.time_budget < 60:  # too little left to start the next stage's runs

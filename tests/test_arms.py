@@ -295,3 +295,27 @@ def test_tuned_comparison_beyond_adds_one_step_past_each_top_choice_and_reruns_o
     inside = {**chosen, "p1": {"lr": 2e-3}, "random": {"lr": 2e-3}, "gated": {"lr": 2e-4, "attn_lr_mult": 1.0},
               "hard": {"lr": 6.3e-5, "attn_lr_mult": 1.0}}  # fmt: skip
     assert tc.beyond_arms(args, inside) == []
+
+
+def test_tuned_comparison_sweep_only_stops_before_the_full_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """--sweep-only on a complete sweep (the committed depth-6 record) prints the sweep's table,
+    the choices in bold, and starts no run."""
+    experiments = Path(__file__).resolve().parent.parent / "experiments"
+    monkeypatch.syspath_prepend(str(experiments))
+    import arms_cli
+    import tuned_comparison as tc
+
+    record = tmp_path / "sweep.json"
+    shutil.copy(experiments / "results" / "tuned_comparison_d6_sweep.json", record)
+    started: list[str] = []
+    monkeypatch.setattr(arms_cli, "run_arms", lambda arms, **_: started.extend(a.name for a in arms))
+    monkeypatch.setattr(sys, "argv", ["tuned_comparison.py", "--sweep-only", "--out", str(tmp_path / "out"),
+                                      "--record", str(record)])  # fmt: skip
+    tc.main()
+    out = capsys.readouterr().out
+    assert started == [] and not (tmp_path / "out").exists()
+    chosen = json.loads(record.read_text())["chosen"]
+    assert f"| p1 | **{tc.value_text(chosen['p1'])}** | **{chosen['p1']['score']:.2f}** |" in out
+    assert out.count("**") == 2 * 2 * 5  # the five choices, value and score each
