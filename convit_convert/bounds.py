@@ -109,7 +109,7 @@ BOUNDS: dict[str, Bound] = {
     "reprob": PROB,
     "scale": Bound(0, 1, lo_open=True),
     "hflip": PROB,
-    "crop_pct": Bound(0, 1, lo_open=True),
+    "crop_pct": Bound(0.1, 1),  # eval resizes to img_size / crop_pct: at most 10x the model's size
     "mixup": Bound(0, 100),
     "cutmix": Bound(0, 100),
     "mixup_prob": PROB,

@@ -21,7 +21,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 
 from .errors import CmhsaError, first_line
-from .io.paths import open_regular, require_regular
+from .io.paths import make_folder, open_regular, remove_made, require_regular
 from .resources import check_fits
 
 DATASETS = ("cifar10", "cifar100", "imagefolder", "digits", "fashion-mnist", "synthetic")
@@ -175,12 +175,22 @@ def cifar(name: str, root: Path, download: bool) -> DataSpec:
     from torchvision.datasets import CIFAR10, CIFAR100
 
     cls = CIFAR10 if name == "cifar10" else CIFAR100
+    made = make_folder(root) if download else []  # a failed download leaves no folder it made
     try:
         train = cls(str(root), train=True, download=download)
         val = cls(str(root), train=False, download=download)
     except RuntimeError as e:  # torchvision: "Dataset not found or corrupted. ..."
+        remove_made(made)
         hint = "" if download else " (pass `download` to fetch it)"
         raise CmhsaError(f"{name} not found or corrupt: {str(e).split('.')[0]}{hint}", root) from None
+    except OSError as e:  # a failed download: urllib's URLError, a refused connection, a full disk
+        remove_made(made)
+        why = getattr(e, "reason", None) or e.strerror or e
+        raise CmhsaError(
+            f"cannot download {name} from {cls.url} ({why}); place {cls.filename} (or its extracted "
+            f"{cls.base_folder}) in `data_dir` and run without `download`",
+            root,
+        ) from None
     return DataSpec(train, val, len(train.classes))
 
 
@@ -333,7 +343,6 @@ def _build_data(
         raise CmhsaError("data folder does not exist", root)
     if name == "imagefolder":
         return image_folder(root)
-    root.mkdir(parents=True, exist_ok=True)
     return cifar(name, root, download)
 
 

@@ -23,7 +23,14 @@ def validate(file: str, root: str, model_name: str = "cmhsa_attn", batch_size: i
     model = timm.create_model(model_name, pretrained=True, pretrained_cfg_overlay=dict(file=file)).eval()
     config = resolve_data_config(model=model)
     dataset = create_dataset("", root=root, input_img_mode="L" if config["input_size"][0] == 1 else "RGB")
-    loader = create_loader(dataset, batch_size=batch_size, use_prefetcher=False, num_workers=0, **config)
+    loader = create_loader(
+        dataset,
+        batch_size=batch_size,
+        use_prefetcher=False,
+        num_workers=0,
+        persistent_workers=False,
+        **config,
+    )
     top1 = AverageMeter()
     for images, target in loader:
         top1.update(accuracy(model(images), target, topk=(1,))[0].item(), images.size(0))

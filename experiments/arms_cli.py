@@ -1,6 +1,6 @@
 """What the experiment scripts share for running their arms: the flags and the call that runs them.
 
-add_arm_flags(ap)          # --loader, --parallel, --time-budget
+add_arm_flags(ap)          # --loader, --parallel, --threads, --time-budget
 run_or_exit(arms, args)    # prints a line per arm; exits 3 while some are unfinished
 """
 
@@ -11,12 +11,14 @@ import time
 from collections.abc import Callable
 
 from convit_convert.errors import CmhsaError
-from convit_convert.train.arms import Arm, run_arms, unfinished
+from convit_convert.train.arms import ARM_THREADS, Arm, run_arms, unfinished
 
 
 def add_arm_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--loader", default="auto", help="auto, device, workers (README: Loader)")
     ap.add_argument("--parallel", type=int, default=1, help="runs at once, each in its own process")
+    ap.add_argument("--threads", type=int, default=ARM_THREADS,
+                    help="torch CPU threads of every run, whatever --parallel is (the results depend on it)")  # fmt: skip
     ap.add_argument("--time-budget", type=float, default=None,
                     help="seconds: stop cleanly before this (unfinished runs resume on the next call)")  # fmt: skip
 
@@ -34,7 +36,9 @@ def run_or_exit(
             on_end(arm)
 
     try:
-        run_arms(arms, parallel=args.parallel, time_budget=args.time_budget, report=report)
+        run_arms(
+            arms, parallel=args.parallel, time_budget=args.time_budget, report=report, threads=args.threads
+        )
     except CmhsaError as e:
         raise SystemExit(f"error: {e}") from None
     if (left := unfinished(arms)) is not None:

@@ -159,6 +159,7 @@ def main() -> None:
             "rows": a.rows(),
             "final": final_eval(a, args),
             "cpu_seconds": a.cpu_seconds(),
+            "environments": a.environments(),
         }
 
     e, fifth = args.epochs, max(1, args.epochs // 5)

@@ -152,7 +152,7 @@ def beyond(args: argparse.Namespace) -> None:
             kind = arm.name.removeprefix("tune/").removeprefix("beyond/").partition("/")[0]
             r = arm.config.recipe
             rows.append({"run": arm.name, "kind": kind, "lr": r.lr, "attn_lr_mult": r.attn_lr_mult,
-                         "score": score(arm), "chosen": chosen[kind]})  # fmt: skip
+                         "score": score(arm), "chosen": chosen[kind], "environments": arm.environments()})  # fmt: skip
     path = record_path(args).with_name(f"tuned_comparison_d{args.depth}_beyond.json")
     path.write_text(json.dumps({"settings": settings(args), "rows": rows}, indent=1) + "\n")
     print(f"\nBeyond the grid's top (seed 0, {args.tune_epochs} epochs, held-out top-1 as in the sweep)\n")
@@ -180,7 +180,13 @@ def choices(arms: list[Arm], recorded: dict[str, float]) -> tuple[dict[str, dict
             r = arm.config.recipe
             done = score(arm) if arm.status == DONE else recorded.get(arm.name)
             grid.setdefault(kind, []).append(
-                {"lr": r.lr, "attn_lr_mult": r.attn_lr_mult, "run": arm.name, "score": done}
+                {
+                    "lr": r.lr,
+                    "attn_lr_mult": r.attn_lr_mult,
+                    "run": arm.name,
+                    "score": done,
+                    "environments": arm.environments(),
+                }
             )
     chosen = {
         kind: max(runs, key=lambda run: run["score"])
@@ -331,7 +337,8 @@ def report(args: argparse.Namespace, arms: list[Arm], chosen: dict[str, dict], g
         for runs in per_seed:
             for run in runs:
                 results["runs"][run.name] = {"rows": run.rows(), "final": final_eval(run, args),
-                                             "cpu_seconds": run.cpu_seconds()}  # fmt: skip
+                                             "cpu_seconds": run.cpu_seconds(),
+                                             "environments": run.environments()}  # fmt: skip
             top1.append(results["runs"][runs[-1].name]["final"]["top1"])
         gains = [plateau_gain(ys, fifth) for _, ys in (curve(runs) for runs in per_seed) if len(ys) > fifth]
         seconds = statistics.mean(sum(r.cpu_seconds() for r in runs) for runs in per_seed)

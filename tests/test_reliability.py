@@ -101,7 +101,7 @@ def test_usage_errors_are_one_line_too() -> None:
         (["verify", FIXTURE, FIXTURE, "--batch", "100000000"], "--batch must be 1 ≤ x ≤ 65536"),
         (["verify", FIXTURE, FIXTURE, "--device", "tpu"], "--device must be auto, cpu, cuda or cuda:N"),
         (["eval", FIXTURE, "--workers", "-1"], "--workers must be 0 ≤ x"),
-        (["eval", FIXTURE, "--crop-pct", "nan"], "--crop-pct must be 0 < x ≤ 1, got nan"),
+        (["eval", FIXTURE, "--crop-pct", "nan"], "--crop-pct must be 0.1 ≤ x ≤ 1, got nan"),
         (["train", "phase1", *TINY, "--img-size", "0"], "--img-size must be 1 ≤ x ≤ 16384, got 0"),
         (["train", "phase1", *TINY, "--opt-eps", "nan"], "--opt-eps must be 0 < x ≤ 1, got nan"),
         (["train", "phase1", *TINY, "--opt-betas", "2", "-1"], "--opt-betas must be 0 ≤ x < 1, got 2"),

@@ -6,7 +6,9 @@ Each arm is a :class:`TrainConfig` with its own run folder and the arms whose mo
 from (``after``). An arm whose model file exists is done and skipped; one with a checkpoint is
 resumed; the others start once everything they depend on is done. Up to ``parallel`` arms run
 at once, each in its own process (``python -m convit_convert.train.arms ARM.json``) with
-``threads`` = CPUs / parallel, so several small runs share the cores, or one GPU. With a
+``threads`` torch CPU threads (default :data:`ARM_THREADS`, 1), the same whatever ``parallel`` is:
+torch's CPU results depend on the thread count (README, "When two runs are bit-identical"), so an
+arm's numbers must not depend on how many arms ran beside it. With a
 ``time_budget``, no arm starts in the last ``margin`` seconds (30, or a quarter of a shorter
 budget) and every running arm gets SIGTERM then: it finishes its step, saves ``checkpoint-last.pt`` and exits, and the same command later
 resumes it. A child's output goes to ``log.txt`` in its run folder.
@@ -64,6 +66,14 @@ class Arm:
         """CPU seconds of every process that trained this arm (cpu_seconds.txt)."""
         return float((self.out / "cpu_seconds.txt").read_text())
 
+    def environments(self) -> list[dict]:
+        """Where the arm computed (config.json's ``environments``: threads, CPU code path, device,
+        torch and timm versions, from which epoch); [] before its first save."""
+        try:
+            return list(json.loads((self.out / "config.json").read_text()).get("environments", []))
+        except (OSError, ValueError):
+            return []
+
     def progress(self) -> str:
         """Epochs finished / planned."""
         return f"{len(self.rows())}/{self.config.recipe.epochs}"
@@ -94,9 +104,12 @@ class _Running:
     log: object = field(default=None)
 
 
+ARM_THREADS = 1  # every arm's torch CPU threads, whatever `parallel` is (the module docstring)
+
+
 def run_arms(
     arms: list[Arm], *, parallel: int = 1, time_budget: float | None = None, margin: float | None = None,
-    report: Callable[[Arm], None] | None = None, poll: float = 0.5,
+    report: Callable[[Arm], None] | None = None, poll: float = 0.5, threads: int = ARM_THREADS,
 ) -> list[Arm]:  # fmt: skip
     """Run what is unfinished of ``arms`` (see the module docstring); each arm's ``status`` says how
     it ended: done, stopped (by the budget: resume with the same call), failed (``note``: the last
@@ -115,7 +128,8 @@ def run_arms(
     by_name = {a.name: a for a in arms}
     for a in arms:
         a.status = DONE if a.model.is_file() else WAITING
-    threads = max(1, cpus() // parallel)
+    if not 1 <= threads <= 4 * cpus():
+        raise CmhsaError(f"`threads` must be in 1..{4 * cpus()}, got {threads}")
     start = time.monotonic()
     deadline = None if time_budget is None else start + time_budget
     if time_budget is not None and margin is None:

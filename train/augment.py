@@ -30,6 +30,7 @@ Anything else is refused by :func:`check_supported` in one line; ``--loader work
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, fields
 
 import torch
@@ -102,6 +103,44 @@ class AugmentSpec:
     @property
     def fill(self) -> tuple[int, ...]:  # timm's RandAugment fill colour: the mean in 0..255
         return tuple(round(255 * m) for m in self.mean)
+
+
+# the numbers an `aa` policy string may carry (timm's sections: rand-m9-n2-mstd0.5-mmax10-p0.5-inc1,
+# augmix-m5-w3-d2-a1-b1): op counts and chain widths/depths of a few, magnitudes in timm's 0..10
+# scale with room (mstd above 100 means uniform), probabilities and flags; bounded like any flag
+AA_SECTIONS = {
+    "n": 16,
+    "m": 100,
+    "mstd": 1000,
+    "mmax": 100,
+    "inc": 1,
+    "p": 1,
+    "w": 16,
+    "d": 16,
+    "a": 100,
+    "b": 1,
+}
+MAX_AA_CHARS = 200
+
+
+def check_aa_numbers(aa: str | None) -> None:
+    """Every number in an ``aa`` policy string within :data:`AA_SECTIONS`'s range, before timm
+    builds anything from it (``rand-n1000000`` would apply a million ops to every image)."""
+    if aa in (None, "", "none"):
+        return
+    if len(aa) > MAX_AA_CHARS:
+        raise CmhsaError(f"`aa` is {len(aa)} characters; a timm policy string is a few dozen")
+    for section in str(aa).split("-")[1:]:
+        m = re.fullmatch(r"([a-z]+)(\d[\d.]*)", section)
+        if m is None or m.group(1) not in AA_SECTIONS:
+            continue  # not a number (t..., a policy name): timm's own parser judges it
+        key, value = m.group(1), m.group(2)
+        try:
+            x = float(value)
+        except ValueError:
+            raise CmhsaError(f"`aa` {aa!r}: {section!r} is not a number") from None
+        if not 0 <= x <= AA_SECTIONS[key]:
+            raise CmhsaError(f"`aa` {aa!r}: {key} must be 0 ≤ x ≤ {AA_SECTIONS[key]}, got {value}")
 
 
 def check_supported(aa: str | None, interpolation: str, remode: str) -> None:

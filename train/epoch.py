@@ -49,6 +49,7 @@ class Loop:
     state: RunState
     reporter: Progress
     probe: torch.Tensor | None = None  # attn models: fixed val images for the per-epoch attention metrics
+    config_json: str = ""  # config.json's text, written with every checkpoint
 
 
 def seed_everything(seed: int) -> None:

@@ -127,6 +127,8 @@ def build_phase_model(cfg: TrainConfig, num_classes: int, log: Any = print) -> P
         model = VisionTransformer(ckpt.config, cfg.model.drop_path)
         model.load_state_dict(ckpt.tensors)
         return PhaseModel(model, ckpt.config, {"init": str(cfg.start.init), "init_kind": "attn"})
+    # the model the conversion will make, sized before anything of its size is built
+    check_trainable(cfg, cfg.conversion.plan(ckpt.config).config)
     # the same conversion and verification as `cmhsa convert`
     conv = convert_checkpoint(ckpt, cfg.conversion)
     mcfg, result = conv.config, conv.verification

@@ -103,6 +103,11 @@ def curves_figure(runs: list[Path]) -> Any:
     """Validation loss and top-1 against epoch, one colour per run in every panel; with phase-2 runs,
     each block's pinned share (solid) and gate (dashed), the run's colour, a marker per block."""
     plt = pyplot()
+    seen: dict[str, Path] = {}
+    for run in runs:
+        first = seen.setdefault(os.path.realpath(run), run)
+        if first is not run:
+            raise CmhsaError(f"is given twice (also as {first}); give each run once", run)
     data = {run: read_metrics(run) for run in runs}
     attn = sorted(
         {k for rows in data.values() for k in rows[0] if k.startswith("attn") and not k.endswith("_dist_px")}

@@ -13,7 +13,7 @@ from ..data import build_transform, cpus
 from ..errors import CmhsaError
 from ..model import ATTENTION_PARAMS
 from ..starts import check_start
-from .augment import check_supported
+from .augment import check_aa_numbers, check_supported
 from .config import INIT_STARTS, LOADERS, TrainConfig
 
 
@@ -27,7 +27,7 @@ def check_recipe(cfg: TrainConfig) -> None:
     """Every recipe flag against what timm actually accepts (its optimizer registry, scheduler
     factory and transform parsers) and the numbers against their ranges, before anything is read or
     created: bad input is one line (CmhsaError) naming the flag."""
-    from timm.optim import list_optimizers
+    from timm.optim import get_optimizer_info, list_optimizers
 
     r = cfg.recipe
     numbers = [
@@ -66,6 +66,7 @@ def check_recipe(cfg: TrainConfig) -> None:
         raise CmhsaError(f"`batch_size` and `epochs` must be positive (got {r.batch_size}, {r.epochs})")
     if cfg.data.loader not in LOADERS:
         raise CmhsaError(f"`loader` must be one of {', '.join(LOADERS)}, got {cfg.data.loader!r}")
+    check_aa_numbers(r.aa)
     if cfg.data.loader == "device":
         check_supported(r.aa, r.interpolation, r.remode)
     if cfg.phase == "phase2" and cfg.start.init in INIT_STARTS:
@@ -76,6 +77,11 @@ def check_recipe(cfg: TrainConfig) -> None:
     if r.opt.lower() not in known:
         raise CmhsaError(
             f"`opt` {r.opt!r} is not one of timm's {len(known)} optimizers (timm.optim.list_optimizers())"
+        )
+    if get_optimizer_info(r.opt.lower()).second_order:  # the loop's backward builds no graph of the grads
+        raise CmhsaError(
+            f"`opt` {r.opt!r} is second-order (it needs the gradients' own graph, which cmhsa's training "
+            "step does not build); choose a first-order optimizer such as adamw"
         )
     probe = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
     try:

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from .. import signals
-from ..api.common import amp_dtype
+from ..api.common import amp_dtype, same_file
 from ..api.export import ExportReport, export_checkpoint
 from ..config import ViTConfig
 from ..data import (
@@ -42,9 +42,10 @@ from ..data import (
     image_mode,
 )
 from ..errors import CmhsaError
-from ..io.atomic import atomic_write_text, check_writable
+from ..io.atomic import check_writable
 from ..io.checkpoint import Checkpoint, save_checkpoint
 from ..io.lock import LOCK_NAME, locked_folder
+from ..io.paths import make_folder, remove_made
 from ..model import VisionTransformer
 from .augment import augment_spec, check_supported
 from .config import RUNTIME_FIELDS, TrainConfig
@@ -59,7 +60,7 @@ from .recipe import (
     check_recipe,
     scaled_lrs,
 )
-from .state import LAST, RunState, read_checkpoint
+from .state import LAST, RunState, environment, environment_changes, read_checkpoint
 
 OUTPUT = {"phase1": "conv.safetensors", "phase2": "vit.safetensors"}
 RESUMABLE = ("epochs", "lr")  # what a resume may change; the schedule is then rebuilt
@@ -157,7 +158,10 @@ def resumed_config(cfg: TrainConfig, saved: dict[str, Any], out: Path, log: Any)
     """The saved run's config with this invocation's runtime fields and any RESUMABLE change
     (as timm's train.py allows); whether the schedule must be rebuilt for it."""
     try:
+        # how this invocation runs (threads, workers, device, loader...) is this machine's choice:
+        # only what defines the run is held to the saved one
         old = TrainConfig.from_dict(saved["config"])
+        old = old.replace(**{name: cfg.flag(name) for name in RUNTIME_FIELDS})
         old.check_values(out / LAST)
         check_recipe(old)
         ViTConfig.from_dict(saved["model_config"], saved["kind"], out / LAST)
@@ -188,9 +192,22 @@ def resumed_config(cfg: TrainConfig, saved: dict[str, Any], out: Path, log: Any)
             f"{', '.join(f'`{r}`' for r in RESUMABLE)} may change on `resume`); drop it or start a new run",
             out,
         )
-    # how this invocation runs (resume included), not what it computes
-    old = old.replace(**{name: cfg.flag(name) for name in RUNTIME_FIELDS})
     return old, any(n in changed for n in RESUMABLE)
+
+
+def plain_records(x: Any, limit: int = 10_000) -> bool:
+    """A list of at most ``limit`` flat dicts of short strings, numbers, bools and None: what a
+    checkpoint's ``environments`` must be to be carried into config.json (else it starts anew)."""
+    plain = (str, int, float, bool, type(None))
+    return (
+        isinstance(x, list)
+        and len(x) <= limit
+        and all(
+            isinstance(e, dict)
+            and all(isinstance(k, str) and isinstance(v, plain) and len(str(v)) < 200 for k, v in e.items())
+            for e in x
+        )
+    )
 
 
 def unmeant_choices(cfg: TrainConfig) -> list[str]:
@@ -231,49 +248,51 @@ def _run(
         threads=default_threads() if cfg.runtime.threads is None else cfg.runtime.threads,
     )
     torch.set_num_threads(cfg.runtime.threads)
-    if out.exists() and not out.is_dir():
-        raise CmhsaError("`out` names an existing file; give a folder for the run", out)
-    created = not out.exists()
-    had_lock = os.path.lexists(out / LOCK_NAME)
-    if ctx.is_main:
-        try:
-            out.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise CmhsaError(f"cannot create the run folder ({e.strerror})", out) from None
-        check_writable(out / "config.json")
-    barrier(ctx)
-    reporter = (progress or Progress()) if ctx.is_main else Progress(None)  # one per run: open() sets it up
-    lock = locked_folder(out) if ctx.is_main else contextlib.nullcontext()
     try:
+        if out.exists() and not out.is_dir():
+            raise CmhsaError("`out` names an existing file; give a folder for the run", out)
+        had_lock = os.path.lexists(out / LOCK_NAME)
+    except OSError as e:
+        raise CmhsaError(f"cannot check the run folder ({e.strerror})", out) from None
+    reporter = (progress or Progress()) if ctx.is_main else Progress(None)  # one per run: open() sets it up
+    created: list[Path] = []
+    wrote: list[Path] = []  # what this run has saved into `out` (train() adds to it)
+    try:
+        if ctx.is_main:
+            created = make_folder(out, "run folder")
+            check_writable(out / "config.json")
+        barrier(ctx)
+        lock = locked_folder(out) if ctx.is_main else contextlib.nullcontext()
         with lock:  # one process at a time writes a run folder (a second one is refused)
-            try:
-                return _locked_run(cfg, ctx, out, reporter, stop_after_steps)
-            except CmhsaError:
-                if ctx.is_main:  # refused before writing anything: leave the folder as it was
-                    with contextlib.suppress(OSError):
-                        if not had_lock:
-                            (out / LOCK_NAME).unlink()
-                        if created:
-                            out.rmdir()
-                raise
+            return _locked_run(cfg, ctx, out, reporter, stop_after_steps, wrote)
+    except BaseException:
+        if ctx.is_main and not wrote:
+            # it wrote nothing: leave the folder as it was, and no folder it made
+            if created:
+                remove_made(created, keep=(LOCK_NAME,))
+            elif not had_lock:
+                with contextlib.suppress(OSError):
+                    (out / LOCK_NAME).unlink()
+        raise
     finally:
         reporter.close()
 
 
 def _locked_run(
-    cfg: TrainConfig, ctx: Context, out: Path, reporter: Progress, stop_after_steps: int | None
-) -> RunResult:
-    saved, reschedule = None, False
+    cfg: TrainConfig, ctx: Context, out: Path, reporter: Progress, stop_after_steps: int | None,
+    wrote: list[Path],
+) -> RunResult:  # fmt: skip
+    saved, reschedule, replaces = None, False, []
     if cfg.runtime.resume:
         saved = read_checkpoint(out / LAST)
         cfg, reschedule = resumed_config(cfg, saved, out, reporter.log)
     else:
-        clear_previous_run(out, cfg.runtime.overwrite)
+        replaces = previous_run(out, cfg.runtime.overwrite, cfg.start.init if cfg.from_checkpoint else None)
     reporter.open(cfg.recipe.epochs, cfg.runtime.log_every)
     for line in [] if saved else unmeant_choices(cfg):
         reporter.log(line)
     loop = build(cfg, ctx, out, saved, reschedule, reporter)
-    return train(loop, stop_after_steps)
+    return train(loop, stop_after_steps, replaces, wrote)
 
 
 def run_outputs(out: Path) -> list[Path]:
@@ -284,12 +303,14 @@ def run_outputs(out: Path) -> list[Path]:
     return found + sorted(p for p in out.glob("checkpoint-epoch*.pt"))
 
 
-def clear_previous_run(out: Path, overwrite: bool) -> None:
+def previous_run(out: Path, overwrite: bool, init: str | None = None) -> list[Path]:
     """A new run in ``out``: refused while another run's outputs are there (its metrics and model
-    would be silently replaced, or mixed with this run's), unless ``overwrite``, which removes them."""
+    would be silently replaced, or mixed with this run's), unless ``overwrite``. Returns what the
+    new run replaces, removed only once it has written its first checkpoint (:func:`train`), and
+    never the file ``init`` names, which the new run starts from."""
     previous = run_outputs(out)
     if not previous:
-        return
+        return []
     if not overwrite:
         what = "a previous run (checkpoint-last.pt)" if previous[0].name == LAST else "another run's outputs"
         names = ", ".join(p.name for p in previous[:4]) + (" ..." if len(previous) > 4 else "")
@@ -298,9 +319,17 @@ def clear_previous_run(out: Path, overwrite: bool) -> None:
             "or choose another `out`",
             out,
         )
-    for p in previous:
+    source = Path(init).expanduser() if init else None
+    return [p for p in previous if source is None or not same_file(p, source)]
+
+
+def remove_replaced(out: Path, replaced: list[Path], written: set[str]) -> None:
+    """`overwrite`: the previous run's files that the new run's first save did not replace."""
+    for p in replaced:
+        if p.name in written:
+            continue
         try:
-            p.unlink()
+            p.unlink(missing_ok=True)
         except OSError as e:
             raise CmhsaError(f"`overwrite`: cannot remove {p.name} ({e.strerror})", out) from None
 
@@ -364,7 +393,22 @@ def build(
         ema = ModelEmaV3(model, decay=cfg.recipe.model_ema_decay)
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     state = RunState(cfg, pm.config, pm.init, model, optimizer, scheduler, scaler, ema)
+    here = environment(device, ctx.world)
+    state.environments = [{"epoch": 0, "step": 0, **here}]
     if saved is not None:
+        history = saved.get("environments")
+        changes = environment_changes(history, here)
+        if changes and cfg.runtime.deterministic:
+            raise CmhsaError(
+                f"`deterministic`: the run was saved elsewhere ({'; '.join(changes)}), so resuming it here "
+                "cannot give an uninterrupted run's bits; resume with the saved settings, or without `deterministic`",
+                out / LAST,
+            )
+        if changes:
+            reporter.log(
+                f"resuming in another environment ({'; '.join(changes)}): from here the weights differ "
+                "in the last bits from an uninterrupted run's (README, 'When two runs are bit-identical')"
+            )
 
         def fresh_schedule(opt: Any) -> Any:  # --epochs / --lr changed: a schedule from the new values
             lr, min_lr, warmup_lr = scaled_lrs(cfg, ctx.world)
@@ -373,14 +417,18 @@ def build(
             return build_scheduler(cfg, opt, lr, min_lr, warmup_lr, steps_per_epoch)
 
         state.load(saved, fresh_schedule if reschedule else None, steps_per_epoch)
+        if plain_records(history):
+            state.environments = list(history)
+            if changes:
+                state.environments.append({"epoch": state.epoch, "step": state.step, **here})
         reporter.log(f"resumed {out / LAST} at epoch {state.epoch + 1}, step {state.step}")
+    kind = pm.config.kind
+    doc = {**cfg.to_dict(), "model": pm.config.to_dict(), "kind": kind, "init_info": pm.init}
+    doc["world_size"], doc["backend"] = ctx.world, ctx.backend
+    doc["loader_used"], doc["threads_used"] = loader, cfg.runtime.threads
+    doc["environments"] = state.environments  # threads, CPU code path, versions, from which epoch
+    doc["scaled_lr"] = dict(zip(("lr", "min_lr", "warmup_lr"), scaled_lrs(cfg, ctx.world), strict=True))
     if ctx.is_main:
-        kind = pm.config.kind
-        doc = {**cfg.to_dict(), "model": pm.config.to_dict(), "kind": kind, "init_info": pm.init}
-        doc["world_size"], doc["backend"] = ctx.world, ctx.backend
-        doc["loader_used"], doc["threads_used"] = loader, cfg.runtime.threads
-        doc["scaled_lr"] = dict(zip(("lr", "min_lr", "warmup_lr"), scaled_lrs(cfg, ctx.world), strict=True))
-        atomic_write_text(out / "config.json", json.dumps(doc, indent=2) + "\n")
         n_params = sum(p.numel() for p in model.parameters())
         reporter.log(
             f"{cfg.phase}: {kind} model, {n_params / 1e6:.2f} M parameters, {spec.num_classes} classes; "
@@ -392,8 +440,9 @@ def build(
         )
     probe = next(iter(loaders[1]))[0][:64].to(device) if pm.config.kind == "attn" else None
     return Loop(
-        cfg, ctx, out, dtype, fwd, *loaders, steps_per_epoch, mixup, criterion, state, reporter, probe
-    )
+        cfg, ctx, out, dtype, fwd, *loaders, steps_per_epoch, mixup, criterion, state, reporter, probe,
+        json.dumps(doc, indent=2) + "\n",
+    )  # fmt: skip
 
 
 def choose_loader(cfg: TrainConfig, spec: DataSpec, in_chans: int) -> tuple[str, str]:
@@ -456,14 +505,28 @@ def worker_deaths_at_fetch() -> Iterator[None]:
         signal_handling._SIGCHLD_handler_set = before
 
 
-def train(loop: Loop, stop_after_steps: int | None = None) -> RunResult:
-    """Epochs until ``cfg.recipe.epochs``, saving after each; then the trained model as safetensors."""
+def train(
+    loop: Loop, stop_after_steps: int | None = None, replaces: list[Path] | None = None,
+    wrote: list[Path] | None = None,
+) -> RunResult:  # fmt: skip
+    """Epochs until ``cfg.recipe.epochs``, saving after each; then the trained model as safetensors.
+    ``replaces``: a previous run's files (`overwrite`), removed once the first save has committed;
+    ``wrote`` gets each file saved."""
+    wrote = [] if wrote is None else wrote
     cfg, ctx, st, out = loop.cfg, loop.ctx, loop.state, loop.out
     result = RunResult(out, st.metrics)
+    pending = list(replaces or [])
 
-    def save(epoch_end: bool = False) -> None:
-        if ctx.is_main:  # the checkpoint and the epoch's metrics row land together or not at all
-            st.save(out, cfg.runtime.keep, {"metrics.csv": metrics_text(st.metrics)} if epoch_end else None)
+    def save() -> None:
+        if ctx.is_main:  # checkpoint, metrics and config land together or not at all (state.save)
+            also = {"metrics.csv": metrics_text(st.metrics), "config.json": loop.config_json}
+
+            def committed() -> None:
+                wrote.append(out / LAST)
+                remove_replaced(out, pending, {LAST, *also})
+                pending.clear()
+
+            st.save(out, cfg.runtime.keep, also, committed)
         barrier(ctx)
 
     stop = StopRequest()
@@ -478,7 +541,7 @@ def train(loop: Loop, stop_after_steps: int | None = None) -> RunResult:
                 )
                 return result
             loop.reporter.end_epoch(st.metrics[-1])
-            save(epoch_end=True)
+            save()
     if ctx.is_main:
         result.model_path = out / OUTPUT[cfg.phase]
         meta = {

@@ -22,7 +22,7 @@ from torch import nn
 
 from ..config import ViTConfig
 from ..errors import CmhsaError, first_line
-from ..io.atomic import atomic_paths, atomic_write
+from ..io.atomic import atomic_paths, atomic_write, recover
 from .config import TrainConfig
 
 LAST = "checkpoint-last.pt"
@@ -51,12 +51,37 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def environment(device: torch.device | str = "cpu", world: int = 1) -> dict[str, Any]:
+    """Where a run computes, as far as it changes the numbers: torch's CPU threads (reductions are
+    summed in another order with another count), the CPU code path torch picked (AVX-512 or AVX2
+    kernels round differently), the device, the process count and the library versions."""
+    import timm
+
+    return {
+        "threads": torch.get_num_threads(),
+        "device": torch.device(device).type,
+        "world_size": world,
+        "torch": str(torch.__version__),  # a TorchVersion, which weights_only loading refuses
+        "timm": str(timm.__version__),
+        "cpu_capability": str(torch.backends.cpu.get_cpu_capability()),
+    }
+
+
+def environment_changes(saved: Any, now: dict[str, Any]) -> list[str]:
+    """What differs between the environment a checkpoint was last saved in (its ``environments``'
+    last entry) and this one, as ``name before -> now`` (an old checkpoint that recorded none:
+    nothing to compare)."""
+    last = saved[-1] if isinstance(saved, list) and saved and isinstance(saved[-1], dict) else {}
+    return [f"{k} {last[k]} -> {v}" for k, v in now.items() if k in last and last[k] != v]
+
+
 def read_checkpoint(path: Path) -> dict[str, Any]:
     """A saved run state as a dict (its config and model config tell what to build before
     :meth:`RunState.load`). The file is untrusted input: read with ``weights_only=True`` and every
     field checked, so a damaged or crafted file is one line, never a traceback."""
     import pickle
 
+    recover(path.parent)  # a save killed between its renames: complete it first
     if not path.is_file():
         raise CmhsaError("no checkpoint to resume from (run without `resume` first)", path)
     try:
@@ -91,6 +116,8 @@ def _checkpoint_problem(saved: Any) -> str | None:
             return f"{key!r} is a {type(saved[key]).__name__}"
     if min(saved["epoch"], saved["step"], saved["global_step"]) < 0:
         return "negative epoch or step counters"
+    if max(saved["epoch"], saved["step"], saved["global_step"]) > 2**53:
+        return "epoch or step counters beyond any run's"
     if len(saved["metrics"]) != saved["epoch"] or not all(isinstance(r, dict) for r in saved["metrics"]):
         return f"{len(saved['metrics'])} metrics rows for {saved['epoch']} finished epochs"
     if not all(isinstance(v, torch.Tensor) for v in saved["model"].values()):
@@ -193,6 +220,8 @@ def fit_problem(saved: dict[str, Any], run: RunState, steps_per_epoch: int | Non
     # step == steps_per_epoch is a stop after an epoch's last step, before its evaluation
     if steps_per_epoch is not None and saved["step"] > steps_per_epoch:
         return f"step {saved['step']} of an epoch of {steps_per_epoch} steps"
+    if steps_per_epoch is not None and saved["global_step"] > (saved["epoch"] + 1) * steps_per_epoch:
+        return f"global step {saved['global_step']} after {saved['epoch']} epochs of {steps_per_epoch} steps"
     fresh_partial = {"loss_sum": 0.0, "seconds": 0.0, "images": 0}
     problem = same_structure(saved["partial"], fresh_partial, "partial")
     if problem or min(saved["partial"].values()) < 0:
@@ -225,6 +254,8 @@ class RunState:
     metrics: list[dict[str, Any]] = field(default_factory=list)  # one row per finished epoch
     partial: dict[str, float] = field(default_factory=lambda: {"loss_sum": 0.0, "seconds": 0.0, "images": 0})
     rng: dict[str, Any] | None = None  # the RNGs at a mid-epoch save, restored when that epoch resumes
+    # where it computed (:func:`environment`), each from the epoch and step it took over at
+    environments: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         objects = ("model", "optimizer", "scheduler", "scaler")  # saved through their state_dict()
@@ -237,6 +268,7 @@ class RunState:
             "kind": self.model_config.kind,
             "config": self.config.to_dict(),
             "rng": rng_state(),
+            "environments": self.environments,
         }
 
     def load(self, saved: dict[str, Any], reschedule: Any = None, steps_per_epoch: int | None = None) -> None:
@@ -274,10 +306,12 @@ class RunState:
             set_rng_state(self.rng)
             set_rng_state(current)
 
-    def save(self, run_dir: Path, keep: int, also: dict[str, str] | None = None) -> Path:
+    def save(
+        self, run_dir: Path, keep: int, also: dict[str, str] | None = None, committed: Any = None
+    ) -> Path:
         """Write ``checkpoint-last.pt`` and the text files ``also`` (name -> text) in ``run_dir``,
-        all or none; at an epoch's end with ``keep`` > 0 also a numbered copy, pruning all but the
-        newest ``keep`` copies."""
+        all or none (:func:`atomic_paths` commits them together); then call ``committed()``; at an
+        epoch's end with ``keep`` > 0 also a numbered copy, pruning all but the newest ``keep``."""
         path = run_dir / LAST
         state = self.to_dict()
         also = also or {}
@@ -285,6 +319,8 @@ class RunState:
             torch.save(state, tmps[0])
             for tmp, text in zip(tmps[1:], also.values(), strict=True):
                 tmp.write_text(text, encoding="utf-8")
+        if committed is not None:
+            committed()
         if keep > 0 and self.step == 0:
             numbered = run_dir / f"checkpoint-epoch{self.epoch:04d}.pt"
             atomic_write(numbered, lambda tmp: shutil.copyfile(path, tmp))  # copy the bytes, don't re-pickle

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from ..errors import CmhsaError
-from ..io.atomic import check_writable
+from ..io.atomic import check_writable, recover
 from ..io.checkpoint import Checkpoint, check_geometry, load_tensor_checkpoint
 from ..spec import DEFAULT_TOL
 
@@ -26,6 +26,7 @@ def load_checkpoint(
     ``patch_size``), or a conv-phase ONNX graph, read by its structure and checked against
     onnxruntime within ``onnx_tol`` (:mod:`convit_convert.onnx.importer`)."""
     path = Path(path)
+    recover(path.parent)  # a pair whose write was killed between its renames: complete it first
     if path.suffix.lower() != ".onnx":
         return load_tensor_checkpoint(path, img_size=img_size, patch_size=patch_size, dilation=dilation, norm_eps=norm_eps)  # fmt: skip
     from ..onnx.importer import import_onnx
@@ -61,9 +62,11 @@ def resolve_dtype(name: str) -> torch.dtype:
 
 
 def same_file(a: Path, b: Path) -> bool:
+    """Whether two paths name one file (False where either cannot be resolved: a link loop, a
+    missing folder; the path checks that follow say what is wrong with it)."""
     try:
         return a.resolve() == b.resolve() or (a.exists() and b.exists() and a.samefile(b))
-    except OSError:
+    except (OSError, RuntimeError):  # RuntimeError: Python 3.11's "Symlink loop from ..."
         return False
 
 

@@ -51,8 +51,9 @@ def _root(
 
 def main() -> None:
     """The ``cmhsa`` program: the app, then an exit whose code says whether SIGINT or SIGTERM came."""
-    from .boundary import exit_on_sigterm, exit_status
+    from .boundary import exit_on_sigterm, exit_status, tolerate_gone_readers
 
+    tolerate_gone_readers()  # a closed or broken stdout/stderr never turns finished work into an error
     exit_on_sigterm()  # a killed convert/export unwinds and removes its temp files (training traps it first)
     code: object = 0
     try:
@@ -64,7 +65,9 @@ def main() -> None:
     import os
     import sys
 
-    atexit._run_exitfuncs()
+    run_exit_handlers = getattr(atexit, "_run_exitfuncs", None)  # private: os._exit would skip them
+    if run_exit_handlers is not None:
+        run_exit_handlers()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()

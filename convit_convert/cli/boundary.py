@@ -143,6 +143,49 @@ def report(e: BaseException) -> int:
     return EXIT_INTERNAL
 
 
+class ReaderGone:
+    """stdout or stderr as cmhsa writes to it: when the reader has gone (closed with ``>&-``, a
+    pipe whose reader exited, as in ``cmhsa ... | head -c1``), what is printed is dropped, and the
+    command goes on to finish its work and exit with its own code, never an error of the stream."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+        self._gone = stream is None
+
+    def _call(self, name: str, *args: Any) -> Any:
+        if not self._gone:
+            try:
+                return getattr(self._stream, name)(*args)
+            except (OSError, ValueError):  # EPIPE, EBADF, EIO; ValueError: I/O on a closed file
+                self._gone = True
+        return len(args[0]) if name == "write" else None
+
+    def write(self, text: str) -> int:
+        return self._call("write", text)  # type: ignore[no-any-return]
+
+    def flush(self) -> None:
+        self._call("flush")
+
+    def isatty(self) -> bool:
+        return not self._gone and bool(self._call("isatty"))
+
+    def __getattr__(self, name: str) -> Any:  # encoding, errors, fileno, ...: the real stream's
+        if self._stream is None:
+            raise AttributeError(name)
+        return getattr(self._stream, name)
+
+
+def tolerate_gone_readers() -> None:
+    """Install :class:`ReaderGone` on sys.stdout and sys.stderr (the ``cmhsa`` program does, before
+    the command runs; a closed stream arrives as None)."""
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if isinstance(stream, io.TextIOWrapper):  # an ASCII locale: Δ and ≥ as escapes, never a crash
+            stream.reconfigure(errors="backslashreplace")
+        if not isinstance(stream, ReaderGone):
+            setattr(sys, name, ReaderGone(stream))
+
+
 def empty_argument(args: list[str]) -> None:
     """An empty argument is never meant (``-o ""`` would be the current folder): refuse it, naming
     the option it was given to."""

@@ -64,9 +64,9 @@ def plain_help(command: Any) -> None:
     """Every option and argument of ``command`` (a built click command or group, and everything under
     it) tidied for ``--help``: no type metavar (``<int>``), arguments shown by name in capitals, and
     no default shown by typer where the help already states one or the default is None."""
-    from typer._click.core import Context
-
-    for param in command.get_params(Context(command)):  # the --help option included
+    # the command's own context class (click's Context, wherever this typer keeps click): no import
+    # of click or of typer's private modules
+    for param in command.get_params(command.context_class(command)):  # the --help option included
         is_argument = param.param_type_name == "argument"
         if param.metavar is None:
             param.metavar = param.name.upper() if is_argument else ""

@@ -11,7 +11,6 @@ that were typed and disagree.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 from pathlib import Path
 from typing import Annotated, Any, Optional
@@ -19,6 +18,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from ..errors import CmhsaError
+from ..io.paths import make_folder, remove_made
 from ..train.config import PEAK_LR, TrainConfig
 from .common import EXIT_FAIL, console, safe
 from .options import (
@@ -268,19 +268,13 @@ def attention_command(
     pyplot()  # fail before the slow part, and before anything is written, if matplotlib is missing
     r = attention_on_data(checkpoint, data=data, data_dir=data_dir, images=images, batch_size=batch_size,
                           device=device, seed=seed)  # fmt: skip
-    created = not output.exists()
-    try:
-        output.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise CmhsaError(f"cannot create the folder ({e.strerror})", output) from None
+    created = make_folder(output)
     doc = json.dumps(r.to_dict(str(checkpoint)), indent=2) + "\n"
     title = f"{checkpoint.name} on {data}: mean attention by relative offset, {r.images} images"
     try:
         written = write_attention(r, output, doc, title)
     except BaseException:
-        if created:  # nothing was written: leave no empty folder either
-            with contextlib.suppress(OSError):
-                output.rmdir()
+        remove_made(created)  # nothing was written: leave no folder it made either
         raise
     table = Table(title=f"{safe(str(checkpoint))} on {data} (val, {r.images} images)")
     for col in ("block", "head", "offset", "pinned share", "distance px", "entropy", "gate"):

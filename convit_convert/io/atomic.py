@@ -1,23 +1,42 @@
-"""Write-then-rename, so a failed or interrupted write never leaves a partial file behind.
+"""Write-then-rename, so a failed or interrupted write never leaves a partial file behind, and
+outputs that belong together are replaced together.
 
-The temp file sits beside the target as ``.NAME.PID.XXXXXXXX.tmp``. It is removed when the write
-fails, when Python unwinds (Ctrl-C, and SIGTERM once ``cli.boundary.exit_on_sigterm`` is installed, as the
-CLI does), and, after a kill -9 that no handler sees, by the next write to the same target: a temp
-of that target whose process no longer exists is stale.
+Each target gets a temp file beside it (``.NAME.PID.XXXXXXXX.tmp``; a long NAME is replaced by its
+hash, so any name the file system allows can be written). A single output is committed by one
+``os.replace``. Several outputs (model + report, checkpoint + metrics + config) are committed by a
+journal: ``.cmhsa-commit.PID.json`` in the first target's folder, naming every temp and its target,
+is renamed into place (the commit point), the temps are renamed onto their targets, and the
+journal is removed. SIGINT and SIGTERM are held back from the journal's rename to its removal, so a
+signal never splits a pair; a kill -9 there leaves the journal, and the next write to any of the
+targets, or :func:`recover` called by a reader, completes the renames it names (rolls forward).
+Before the commit point nothing of the previous files has changed.
+
+Temp files are removed when the write fails, when Python unwinds (Ctrl-C, and SIGTERM once
+``cli.boundary.exit_on_sigterm`` is installed, as the CLI does), and, after a kill -9 that no
+handler sees, by the next write to the same target: a temp whose process no longer exists, and
+that no journal names, is stale.
 """
 
 from __future__ import annotations
 
 import contextlib
 import glob
+import hashlib
+import json
 import os
 import re
+import signal
 import tempfile
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from ..errors import CmhsaError, first_line
 from .paths import check_output_target
+
+JOURNAL_PREFIX = ".cmhsa-commit."
+# a temp name adds at most this many bytes to the target's name (".", ".PID", ".XXXXXXXX.tmp")
+_TEMP_EXTRA = 1 + 1 + 10 + 1 + 8 + 4
 
 
 def _umask() -> int:
@@ -26,15 +45,38 @@ def _umask() -> int:
     return mask
 
 
+def _name_max(folder: Path) -> int:
+    try:
+        return os.pathconf(folder, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        return 255
+
+
+def temp_stem(path: Path) -> str:
+    """The part of ``path``'s temp names before the PID: ``.NAME``, or ``.cmhsa-HASH`` where NAME
+    is too long for the folder to hold NAME plus the temp suffix."""
+    folder = path.parent if str(path.parent) else Path(".")
+    if len(os.fsencode(path.name)) + _TEMP_EXTRA <= _name_max(folder):
+        return f".{path.name}"
+    return ".cmhsa-" + hashlib.sha256(os.fsencode(path.name)).hexdigest()[:20]
+
+
 def check_writable(path: Path) -> None:
     """Fail early, before any expensive work, if ``path`` cannot be written: it names a file that is
-    absent or regular (never a folder, link, device or FIFO), in a writable folder."""
+    absent or regular (never a folder, link, device or FIFO), in a writable folder, with a name the
+    folder can hold."""
     check_output_target(path)
     folder = path.parent if str(path.parent) else Path(".")
-    if not folder.is_dir():
+    try:
+        is_dir = folder.is_dir()
+    except OSError as e:
+        raise CmhsaError(f"cannot check the output folder ({e.strerror})", path) from None
+    if not is_dir:
         raise CmhsaError("output folder does not exist", path)
     if not os.access(folder, os.W_OK | os.X_OK):
         raise CmhsaError("output folder is not writable", path)
+    if len(os.fsencode(path.name)) > _name_max(folder):
+        raise CmhsaError(f"file name is longer than the folder allows ({_name_max(folder)} bytes)", path)
 
 
 def _alive(pid: int) -> bool:
@@ -47,13 +89,41 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _dead_writer(name: str, prefix: str) -> bool:
+    pid = name[len(prefix) :].split(".", 1)[0]
+    return pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid))
+
+
+def recover(folder: Path) -> list[Path]:
+    """Complete the commits that a killed writer left in ``folder``: every journal whose process no
+    longer runs has the renames it names done (those whose temp is still there); the journal is then
+    removed. Returns the targets written. Errors are ignored: a reader without write permission
+    leaves the journal for a writer."""
+    done: list[Path] = []
+    for name in glob.glob(glob.escape(str(folder / JOURNAL_PREFIX)) + "*.json"):
+        if not _dead_writer(Path(name).name, JOURNAL_PREFIX):
+            continue
+        try:
+            with open(name, encoding="utf-8") as f:
+                pairs = json.load(f)
+            for tmp, target in pairs:
+                if os.path.lexists(tmp):
+                    os.replace(tmp, target)
+                    done.append(Path(target))
+            os.unlink(name)
+        except (OSError, ValueError, TypeError):
+            continue
+    return done
+
+
 def remove_stale_temps(path: Path) -> list[Path]:
-    """Delete temp files of ``path`` left by writers that no longer run (killed with -9)."""
+    """Delete temp files of ``path`` left by writers that no longer run (killed with -9), after
+    completing any commit such a writer had begun (:func:`recover`)."""
+    recover(path.parent)
     removed = []
-    prefix = f".{path.name}."
+    prefix = f"{temp_stem(path)}."
     for name in glob.glob(glob.escape(str(path.parent / prefix)) + "*.tmp"):
-        pid = Path(name).name[len(prefix) :].split(".", 1)[0]
-        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+        if _dead_writer(Path(name).name, prefix):
             with contextlib.suppress(OSError):
                 os.unlink(name)
                 removed.append(Path(name))
@@ -77,11 +147,46 @@ def write_error(e: BaseException) -> str | None:
 
 
 @contextlib.contextmanager
+def signals_held() -> Iterator[None]:
+    """SIGINT and SIGTERM held back (delivered when the block ends): a commit is never split."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # handlers run in the main thread only; masking here would not cover it
+        return
+    held = {signal.SIGINT, signal.SIGTERM}
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def _commit(tmps: list[Path], targets: list[Path]) -> None:
+    """Rename every temp onto its target, all or (after a kill -9, until :func:`recover`) none."""
+    with signals_held():
+        if len(targets) == 1:
+            os.replace(tmps[0], targets[0])
+            return
+        pairs = [[os.path.abspath(t), os.path.abspath(p)] for t, p in zip(tmps, targets, strict=True)]
+        folder = targets[0].parent if str(targets[0].parent) else Path(".")
+        journal = folder / f"{JOURNAL_PREFIX}{os.getpid()}.json"
+        staged = folder / f"{JOURNAL_PREFIX}{os.getpid()}.json.part"
+        try:
+            staged.write_text(json.dumps(pairs), encoding="utf-8")
+            os.replace(staged, journal)  # the commit point
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(staged)
+        for tmp, target in pairs:
+            os.replace(tmp, target)
+        os.unlink(journal)
+
+
+@contextlib.contextmanager
 def atomic_paths(*paths: str | Path) -> Iterator[list[Path]]:
-    """Yield a temp path in each target's folder; only if the block succeeds, rename them all onto
-    their targets. A failed write (any error, a full disk included) keeps every previous file and
-    leaves no temp file: outputs that belong together (model + report, checkpoint + metrics row)
-    are written together or not at all."""
+    """Yield a temp path in each target's folder; only if the block succeeds, commit them all onto
+    their targets (the module docstring: a journal, signals held). A failed write (any error, a
+    full disk included) keeps every previous file and leaves no temp file: outputs that belong
+    together (model + report, checkpoint + metrics row) are written together or not at all."""
     targets = [Path(p) for p in paths]
     tmps: list[Path] = []
     try:
@@ -90,7 +195,7 @@ def atomic_paths(*paths: str | Path) -> Iterator[list[Path]]:
             remove_stale_temps(path)
             try:
                 fd, tmp = tempfile.mkstemp(
-                    dir=path.parent, prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp"
+                    dir=path.parent or Path("."), prefix=f"{temp_stem(path)}.{os.getpid()}.", suffix=".tmp"
                 )
             except OSError as e:
                 raise CmhsaError(f"cannot create a file in the output folder ({e.strerror})", path) from None
@@ -100,8 +205,7 @@ def atomic_paths(*paths: str | Path) -> Iterator[list[Path]]:
             yield list(tmps)
             for tmp in tmps:
                 os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give what open() would have given
-            for tmp, path in zip(tmps, targets, strict=True):
-                os.replace(tmp, path)
+            _commit(tmps, targets)
         except (OSError, RuntimeError) as e:
             why = write_error(e)
             if why is None:

@@ -13,6 +13,8 @@ from __future__ import annotations
 import math
 import os
 import re
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,21 +27,37 @@ FLOAT, DOUBLE = 1, 11
 
 
 def _tensors(graph: Any) -> Iterator[Any]:
-    """Every TensorProto a graph holds: initializers, sparse initializers, Constant values, and
-    those of subgraphs (If/Loop bodies), recursively."""
+    """Every TensorProto a graph holds: initializers, sparse initializers, and those of its nodes
+    (:func:`_node_tensors`)."""
     yield from graph.initializer
     for sparse in graph.sparse_initializer:
         yield sparse.values
         yield sparse.indices
-    for node in graph.node:
+    yield from _node_tensors(graph.node)
+
+
+def _node_tensors(nodes: Any) -> Iterator[Any]:
+    """Every TensorProto in ``nodes``' attributes: Constant values dense and sparse, tensor lists,
+    and those of subgraphs (If/Loop bodies), recursively."""
+    for node in nodes:
         for attr in node.attribute:
             if attr.HasField("t"):
                 yield attr.t
             yield from attr.tensors
+            for sparse in [attr.sparse_tensor] * attr.HasField("sparse_tensor") + list(attr.sparse_tensors):
+                yield sparse.values
+                yield sparse.indices
             if attr.HasField("g"):
                 yield from _tensors(attr.g)
             for g in attr.graphs:
                 yield from _tensors(g)
+
+
+def model_tensors(model: Any) -> Iterator[Any]:
+    """Every TensorProto of every part of a model: its graph and its local functions' nodes."""
+    yield from _tensors(model.graph)
+    for function in model.functions:
+        yield from _node_tensors(function.node)
 
 
 def _external_file(location: str, folder: Path, path: Path) -> Path:
@@ -72,7 +90,7 @@ def _load_external_data(model: Any, path: Path) -> None:
     from onnx.external_data_helper import ExternalDataInfo
 
     folder = path.parent
-    for tensor in _tensors(model.graph):
+    for tensor in model_tensors(model):
         if tensor.data_location != TensorProto.EXTERNAL:
             continue
         try:  # the entries are untrusted strings: offset "x", length "-1", data type 999
@@ -130,6 +148,74 @@ def load_onnx(path: str | Path) -> Any:
     return model
 
 
+# What onnxruntime may be asked to run. A conv-phase ViT export has no control flow, sequences,
+# local functions or other domains' ops, so none is run: a Loop of 10^12 trips would run for ever.
+CONTROL_FLOW = ("Loop", "Scan", "If", "SequenceMap")
+MAX_TENSOR_ELEMENTS = 2**28  # any one tensor of the graph at the batch it is run at (1 GiB of float32)
+RUN_SECONDS = 600.0  # one onnxruntime run of a graph; a ViT within the flags' limits takes seconds
+
+
+def check_runnable(model: Any, path: Path, batch: int) -> int:
+    """Before onnxruntime sees the graph: only standard ops, no control flow, subgraphs or local
+    functions, and every tensor's shape known from the input's by shape inference (with constant
+    propagation, so an Expand to a constant shape is sized) and at most MAX_TENSOR_ELEMENTS at
+    ``batch`` (a symbolic dimension is the batch). Returns the bytes of every node's outputs
+    together, for the caller to hold against the memory available."""
+    import onnx
+    from onnx import helper
+
+    graph = model.graph
+    if len(model.functions):
+        raise CmhsaError("defines local functions; cmhsa runs only graphs of standard ONNX ops", path)
+    for node in graph.node:
+        if node.domain not in ("", "ai.onnx"):
+            raise CmhsaError(
+                f"node {node.name!r} is a {node.domain}.{node.op_type}, not a standard ONNX op", path
+            )
+        if node.op_type in CONTROL_FLOW or any(a.HasField("g") or len(a.graphs) for a in node.attribute):
+            raise CmhsaError(
+                f"node {node.name!r} is a {node.op_type} with a subgraph; a ViT's graph has no control flow",
+                path,
+            )
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=True, data_prop=True)
+    except Exception as e:  # onnx raises several types
+        raise CmhsaError(f"shape inference fails on the graph: {_first_line(e)}", path) from None
+    types = {
+        v.name: v.type for v in [*inferred.graph.value_info, *inferred.graph.output, *inferred.graph.input]
+    }
+    total = 0
+    for node in graph.node:
+        for name in filter(None, node.output):
+            t = types.get(name)
+            if t is None or not t.HasField("tensor_type") or not t.tensor_type.HasField("shape"):
+                raise CmhsaError(
+                    f"tensor {name!r} ({node.op_type}) has no shape known before running the graph", path
+                )
+            count = 1
+            for d in t.tensor_type.shape.dim:
+                if d.HasField("dim_param") and not d.HasField("dim_value"):
+                    count *= batch
+                elif d.HasField("dim_value") and d.dim_value >= 0:
+                    count *= d.dim_value
+                else:
+                    raise CmhsaError(
+                        f"tensor {name!r} ({node.op_type}) has a dimension of unknown size", path
+                    )
+            if count > MAX_TENSOR_ELEMENTS:
+                raise CmhsaError(
+                    f"tensor {name!r} ({node.op_type}) would hold {count:,} elements at batch {batch}, more than "
+                    f"cmhsa runs ({MAX_TENSOR_ELEMENTS:,})",
+                    path,
+                )
+            try:
+                itemsize = helper.tensor_dtype_to_np_dtype(t.tensor_type.elem_type).itemsize
+            except (KeyError, TypeError, ValueError):
+                itemsize = 8
+            total += count * itemsize
+    return total
+
+
 def _first_line(e: BaseException) -> str:
     lines = [s.strip() for s in str(e).splitlines() if s.strip()]
     return lines[0] if lines else type(e).__name__
@@ -172,8 +258,9 @@ def ort_session(
     ``threads`` 0 lets onnxruntime choose; ``optimize=False`` runs the graph as written."""
     import onnxruntime as ort
 
+    ort.set_default_logger_severity(4)  # its log lines (colour escapes) never reach stderr: errors raise
     opts = ort.SessionOptions()
-    opts.log_severity_level = 3  # errors only: its warnings are about graph rewrites
+    opts.log_severity_level = 4
     if threads:
         opts.intra_op_num_threads = threads
         opts.inter_op_num_threads = 1
@@ -187,12 +274,38 @@ def ort_session(
         raise CmhsaError(f"onnxruntime {ort.__version__} cannot run it: {_ort_message(e)}", path) from None
 
 
-def run_session(session: Any, outputs: list[str] | None, feeds: dict[str, Any], path: Path) -> list[Any]:
-    """``session.run``, with onnxruntime's failure (a graph that passed the checker but does not
-    run) as one CmhsaError naming the file."""
+def run_session(
+    session: Any, outputs: list[str] | None, feeds: dict[str, Any], path: Path, seconds: float = RUN_SECONDS
+) -> list[Any]:
+    """``session.run``, bounded in time and interruptible: it runs in a thread while this one
+    waits, so SIGINT/SIGTERM handlers run, and onnxruntime is told to stop (``RunOptions.terminate``)
+    when one raises or after ``seconds``. onnxruntime's failure (a graph that passed the checker but
+    does not run) is one CmhsaError naming the file."""
+    import onnxruntime as ort
+
+    opts = ort.RunOptions()
+    opts.log_severity_level = 4
+    box: dict[str, Any] = {}
+
+    def work() -> None:
+        try:
+            box["out"] = session.run(outputs, feeds, opts)
+        except Exception as e:  # onnxruntime raises its own pybind error types
+            box["error"] = e
+
+    worker = threading.Thread(target=work, name="onnxruntime", daemon=True)
+    deadline = time.monotonic() + seconds
+    worker.start()
     try:
-        return session.run(outputs, feeds)  # type: ignore[no-any-return]
-    except Exception as e:  # onnxruntime raises its own pybind error types
-        raise CmhsaError(
-            f"onnxruntime cannot run the graph ({type(e).__name__}: {first_line(e)})", path
-        ) from None
+        while worker.is_alive():
+            worker.join(0.1)
+            if time.monotonic() > deadline:
+                raise CmhsaError(f"onnxruntime ran the graph for more than {seconds:g} s; stopped", path)
+    except BaseException:  # the deadline, or Ctrl-C / SIGTERM unwinding: stop onnxruntime first
+        opts.terminate = True
+        worker.join(30)
+        raise
+    if "error" in box:
+        e = box["error"]
+        raise CmhsaError(f"onnxruntime cannot run the graph ({type(e).__name__}: {first_line(e)})", path)
+    return box["out"]  # type: ignore[no-any-return]

@@ -33,7 +33,7 @@ from ..config import LIMITS
 from ..errors import CmhsaError
 from ..resources import check_fits
 from .graph import FLAT_OPS, LAYOUT_OPS, LINEAR_OPS, GraphReader, Linear, Norm, attr, describe
-from .load import DOUBLE, FLOAT, ort_session, run_session
+from .load import DOUBLE, FLOAT, check_runnable, ort_session, run_session
 
 
 @dataclass
@@ -83,9 +83,9 @@ def _concrete_run(model: Any, path: Path, batch: int, seed: int) -> tuple[str, s
                 probe.graph.output.append(helper.make_tensor_value_info(o, types[o], None))
                 names.append(o)
     _, c, h, w = _input_info(model, path)
-    # every intermediate comes back: about one image-sized float64 tensor per node (a crafted
-    # input shape is refused here, before onnxruntime allocates it)
-    check_fits(8 * batch * c * h * w * max(1, len(names)), f"running the graph at {c}x{h}x{w}", path)
+    # every intermediate comes back: their sizes, known before the run (a crafted shape is refused
+    # here, before onnxruntime allocates it)
+    check_fits(2 * check_runnable(model, path, batch), f"running the graph at {c}x{h}x{w}", path)
     session = ort_session(probe, path, optimize=False)
     x = random_input(model, batch, seed)
     results = run_session(session, [out, *names], {inp: x}, path)
