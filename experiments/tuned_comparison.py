@@ -4,7 +4,7 @@
                                            [--holdout 2000] [--val-samples 2000] [--seeds 0 1]
                                            [--out experiments/out/tuned-d6] [--data-dir DIR] [--device auto|cpu|cuda]
                                            [--loader auto|device|workers] [--parallel N] [--time-budget SECONDS]
-                                           [--record SWEEP.json]
+                                           [--record SWEEP.json] [--beyond | --recheck SEED ...]
 
 The model and recipe of init_comparison.py (``--preset cpu``: 28 px, P 4, d 48, K 5, 9 heads) at
 ``--depth`` blocks, on a seeded subset of ``--train-samples`` Fashion-MNIST training images. The
@@ -75,23 +75,38 @@ def common(args: argparse.Namespace, seed: int, tuning: bool) -> dict:
                 data_dir=args.data_dir, device=args.device, loader=args.loader, **samples)  # fmt: skip
 
 
-def tuning_arm(args: argparse.Namespace, name: str, epochs: int, after: tuple[str, ...] = (), **flags) -> Arm:
-    """One seed-0 tuning run, judged on held-out training images, in ``--out``/tune/``name``."""
-    kw = common(args, 0, tuning=True)
-    cfg = config(args.out / "tune" / name, epochs=epochs, warmup_epochs=epochs // 10, **kw, **flags)
-    return Arm(f"tune/{name}", cfg, tuple(f"tune/{a}" for a in after))
+def tune_dir(seed: int) -> str:
+    """Where a seed's tuning runs go: the sweep's (seed 0) in tune/, a --recheck seed's apart."""
+    return "tune" if seed == 0 else f"recheck-seed{seed}"
 
 
-def two_phase_arm(args: argparse.Namespace, name: str, pinning: str, lr: float, mult: float) -> Arm:
+def tuning_arm(
+    args: argparse.Namespace, name: str, epochs: int, after: tuple[str, ...] = (), seed: int = 0, top: str = "",
+    **flags,
+) -> Arm:  # fmt: skip
+    """One tuning run (seed 0: the sweep's), judged on held-out training images, in
+    ``--out``/``top`` (default :func:`tune_dir`)/``name``."""
+    top = top or tune_dir(seed)
+    kw = common(args, seed, tuning=True)
+    cfg = config(args.out / top / name, epochs=epochs, warmup_epochs=epochs // 10, **kw, **flags)
+    return Arm(f"{top}/{name}", cfg, tuple(f"{top}/{a}" for a in after))
+
+
+def two_phase_arm(
+    args: argparse.Namespace, name: str, pinning: str, lr: float, mult: float, seed: int = 0, top: str = ""
+) -> Arm:
     """A two-phase tuning run's phase 2: from the tuning phase-1 half's model, the other half of the epochs."""
-    e, conv = args.tune_epochs, str(args.out / "tune" / "half-p1" / "conv.safetensors")
+    top = top or tune_dir(seed)
+    e, conv = args.tune_epochs, str(args.out / top / "half-p1" / "conv.safetensors")
     flags = dict(phase="phase2", init=conv, pinning=pinning, lr=lr, attn_lr_mult=mult)
-    return tuning_arm(args, name, e - e // 2, ("half-p1",), **flags)
+    return tuning_arm(args, name, e - e // 2, ("half-p1",), seed, top, **flags)
 
 
-def half_p1_arm(args: argparse.Namespace, chosen: dict[str, dict]) -> Arm:
+def half_p1_arm(args: argparse.Namespace, chosen: dict[str, dict], seed: int = 0, top: str = "") -> Arm:
     """The two-phase tuning runs' phase-1 half: half the tuning epochs at phase 1's chosen rate."""
-    return tuning_arm(args, "half-p1", args.tune_epochs // 2, phase="phase1", lr=chosen["p1"]["lr"])
+    return tuning_arm(
+        args, "half-p1", args.tune_epochs // 2, (), seed, top, phase="phase1", lr=chosen["p1"]["lr"]
+    )
 
 
 def tuning_arms(args: argparse.Namespace, chosen: dict[str, dict]) -> list[Arm]:
@@ -162,6 +177,61 @@ def beyond(args: argparse.Namespace) -> None:
         print(
             f"| {row['kind']} | {what} | {value_text(row)} | {row['score']:.2f} | {row['chosen']['score']:.2f} |"
         )
+    print(f"\nwrote {path}")
+
+
+# the sweep's decisive two-phase points (EXPERIMENTS.md): gated's multiplier (1 against 10 at
+# 6.3e-4) and the rate past the grid's top (2e-3, --beyond) against the chosen 6.3e-4
+RECHECK = (("gated", 6.3e-4, 1.0), ("gated", 6.3e-4, 10.0), ("gated", 2e-3, 10.0), ("hard", 6.3e-4, 1.0),
+           ("hard", 2e-3, 1.0))  # fmt: skip
+
+
+def recheck(args: argparse.Namespace) -> None:
+    """The decisive points again, each ``--recheck`` seed with its own phase-1 half (seed 0: the
+    sweep's seed, remade at the fixed thread count), scored as the sweep scores; beside the scores
+    the sweep and --beyond recorded. Never changes a choice."""
+    _, chosen, _ = stages(args)
+    if "p1" not in chosen:
+        raise SystemExit("error: --recheck needs phase 1's choice from the sweep; run the sweep first")
+    arms = []
+    for seed in args.recheck:
+        top = f"recheck-seed{seed}"
+        arms.append(half_p1_arm(args, chosen, seed, top))
+        arms += [two_phase_arm(args, f"{k}/{tag(lr, m)}", k, lr, m, seed, top) for k, lr, m in RECHECK]
+    run_or_exit(arms, args)
+    recorded = {}
+    for name in (f"tuned_comparison_d{args.depth}_sweep.json", f"tuned_comparison_d{args.depth}_beyond.json"):
+        path = record_path(args).with_name(name)
+        if path.is_file():
+            doc = json.loads(path.read_text())
+            runs = [r for rs in doc.get("grid", {}).values() for r in rs] + doc.get("rows", [])
+            recorded |= {
+                r["run"].replace("beyond/", ""): r["score"]
+                for r in runs
+                if "beyond/" in r["run"] or "grid" in doc
+            }
+    rows = []
+    for kind, lr, mult in RECHECK:
+        name = f"{kind}/{tag(lr, mult)}"
+        row = {"arm": kind, "lr": lr, "attn_lr_mult": mult, "seed0_recorded": recorded.get(f"tune/{name}")}
+        for seed in args.recheck:
+            arm = next(a for a in arms if a.name == f"recheck-seed{seed}/{name}")
+            row[f"seed{seed}"] = score(arm)
+            row[f"seed{seed}_environments"] = arm.environments()
+        rows.append(row)
+    path = record_path(args).with_name(f"tuned_comparison_d{args.depth}_recheck.json")
+    path.write_text(
+        json.dumps({"settings": settings(args), "seeds": args.recheck, "rows": rows}, indent=1) + "\n"
+    )
+    seeds = " | ".join(f"seed {s} (this run)" for s in args.recheck)
+    print(
+        f"\nThe decisive points again ({args.tune_epochs} epochs, held-out top-1 as in the sweep, 1 thread each)\n"
+    )
+    print(f"| arm | value | seed 0, recorded | {seeds} |\n|---|---|---:|{'---:|' * len(args.recheck)}")
+    for row in rows:
+        rec = "" if row["seed0_recorded"] is None else f"{row['seed0_recorded']:.2f}"
+        vals = " | ".join(f"{row[f'seed{s}']:.2f}" for s in args.recheck)
+        print(f"| {row['arm']} | {value_text(row | {'lr': row['lr']})} | {rec} | {vals} |")
     print(f"\nwrote {path}")
 
 
@@ -403,10 +473,20 @@ def main() -> None:
     ap.add_argument(
         "--sweep-only", action="store_true", help="stop once the sweep is complete: its table only"
     )
+    ap.add_argument(
+        "--recheck",
+        type=int,
+        nargs="+",
+        default=None,
+        metavar="SEED",
+        help="only the decisive two-phase points (RECHECK) again on these seeds, each with its own phase-1 half",
+    )
     add_arm_flags(ap)
     args = ap.parse_args()
     if args.beyond:
         return beyond(args)
+    if args.recheck:
+        return recheck(args)
     deadline = None if args.time_budget is None else time.time() + args.time_budget
     while True:  # each pass runs what is known; a finished stage makes the next one known
         arms, chosen, grid = stages(args)

@@ -903,3 +903,343 @@ def test_an_approximate_conversion_that_fails_its_check_says_which_tol_writes_it
     r = invoke("convert", FIXTURE, "-o", tmp_path / "a.safetensors", "--heads", "4", "--approximate",
                "--calib-images", "16", "--heldout-images", "16", "--tol", tol)  # fmt: skip
     assert r.exit_code == 0 and (tmp_path / "a.safetensors").is_file(), r.output
+
+
+# issue 40: nothing lost by --overwrite, no internal error from a path, a stream or a flag's edge ----
+# Each test below failed on main 0f89488 (the case it names in its comment).
+
+# cmhsa with os.replace wrapped: the KILL_AT-th rename of a temp file first sends KILL_SIG to the
+# process itself (as `strace -e inject=rename:signal=...` would), deterministically mid-commit
+AT_RENAME = """
+import os, sys
+real = os.replace
+calls = [0]
+def replace(src, dst, *a, **k):
+    if str(src).endswith(".tmp"):
+        calls[0] += 1
+        if calls[0] == int(os.environ["KILL_AT"]):
+            os.kill(os.getpid(), int(os.environ["KILL_SIG"]))
+    return real(src, dst, *a, **k)
+os.replace = replace
+from convit_convert.cli import main
+sys.argv = ["cmhsa", *sys.argv[1:]]
+main()
+"""
+
+
+def cmhsa_signalled_at_rename(args: list[object], at: int, sig: int) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "KILL_AT": str(at), "KILL_SIG": str(int(sig))}
+    return subprocess.run([sys.executable, "-c", AT_RENAME, *map(str, args)], capture_output=True, text=True,
+                          env=env, timeout=600)  # fmt: skip
+
+
+def pair_is_one_write(model: Path, report: Path) -> bool:
+    """The report describes the model beside it (it records the model's sha256)."""
+    return (
+        json.loads(report.read_text())["output"]["sha256"] == hashlib.sha256(model.read_bytes()).hexdigest()
+    )
+
+
+def leftovers(folder: Path) -> list[str]:
+    return sorted(
+        p.name
+        for p in folder.iterdir()
+        if p.name.endswith((".tmp", ".json", ".part")) and p.name.startswith(".")
+    )
+
+
+def test_convert_killed_between_its_two_renames_is_completed_by_the_next_command(tmp_path: Path) -> None:
+    # was: the new model beside the previous report, and a temp file, for good
+    out, report = tmp_path / "vit.safetensors", tmp_path / "vit.report.json"
+    assert invoke("convert", FIXTURE, "-o", out, "--heads", "10").exit_code == 0
+    old_report = report.read_bytes()
+    r = cmhsa_signalled_at_rename(["convert", FIXTURE, "-o", out], 2, signal.SIGKILL)
+    assert r.returncode == -signal.SIGKILL
+    assert report.read_bytes() == old_report and not pair_is_one_write(out, report)  # mid-commit
+    assert invoke("inspect", out).exit_code == 0  # a reader completes the commit first
+    assert pair_is_one_write(out, report) and leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_at_a_pair_s_first_rename_is_taken_after_the_pair(tmp_path: Path, sig: int) -> None:
+    # was: exit 143/130 with the new model beside the previous report
+    out, report = tmp_path / "vit.safetensors", tmp_path / "vit.report.json"
+    assert invoke("convert", FIXTURE, "-o", out, "--heads", "10").exit_code == 0
+    r = cmhsa_signalled_at_rename(["convert", FIXTURE, "-o", out], 1, sig)
+    assert r.returncode == 128 + sig, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
+    assert pair_is_one_write(out, report) and leftovers(tmp_path) == []
+    assert json.loads(report.read_text())["conversion"]["heads"] == 9  # the new pair, whole
+
+
+def test_training_killed_between_checkpoint_and_metrics_resumes_with_every_row(tmp_path: Path) -> None:
+    # was: 2 rows in checkpoint-last.pt, 1 in metrics.csv, and `--resume` exited 0 without the row
+    out = tmp_path / "run"
+    args = ["train", "phase1", *TINY, "--epochs", "2", "-o", out]
+    r = cmhsa_signalled_at_rename(args, 2, signal.SIGKILL)  # epoch 1's save: 3 renames; epoch 2's: 4 to 6
+    assert r.returncode == -signal.SIGKILL
+    r = cmhsa_signalled_at_rename(["train", "phase1", *TINY, "--epochs", "2", "--resume", "-o", out], 5,
+                                  signal.SIGKILL)  # fmt: skip
+    assert r.returncode == -signal.SIGKILL
+    r = invoke("train", "phase1", *TINY, "--epochs", "2", "--resume", "-o", out)
+    assert r.exit_code == 0, r.output
+    rows = (out / "metrics.csv").read_text().splitlines()
+    assert len(rows) == 3 and rows[1].startswith("1,") and rows[2].startswith("2,"), rows
+    assert json.loads((out / "config.json").read_text())["epochs"] == 2
+    assert leftovers(out) == []
+
+
+def test_overwrite_keeps_the_previous_run_until_the_new_one_saves(tmp_path: Path, tiny_run: Path) -> None:
+    # was: the previous run removed, then the new one refused (exit 2): everything lost
+    run = copy_run(tiny_run, tmp_path / "run")
+    before = snapshot(run)
+    for bad in (["--data", "fashion-mnist", "--data-dir", tmp_path / "none"], ["--train-samples", "100000"]):
+        refused(invoke("train", "phase1", *TINY, *bad, "--overwrite", "-o", run))
+        assert snapshot(run) == before, bad
+    r = invoke("train", "phase1", *TINY, "--seed", "3", "--overwrite", "-o", run)
+    assert r.exit_code == 0, r.output
+    assert json.loads((run / "config.json").read_text())["seed"] == 3
+
+
+def test_overwrite_never_removes_the_file_init_starts_from(tmp_path: Path, tiny_run: Path) -> None:
+    # was: `phase2 --init RUN/conv.safetensors -o RUN --overwrite` deleted it, then "no such file"
+    run = copy_run(tiny_run, tmp_path / "run")
+    conv = (run / "conv.safetensors").read_bytes()
+    r = invoke("train", "phase2", *TINY, "--init", run / "conv.safetensors", "--overwrite", "-o", run)
+    assert r.exit_code == 0, r.output
+    assert (run / "conv.safetensors").read_bytes() == conv and (run / "vit.safetensors").is_file()
+
+
+def test_a_failed_save_on_resume_changes_no_file(tmp_path: Path, tiny_run: Path, monkeypatch) -> None:
+    # was: a full disk during `--resume` left config.json changed though the error said it was kept
+    import torch
+
+    run = copy_run(tiny_run, tmp_path / "run")
+    before = snapshot(run)
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", full)
+    refused(
+        invoke("train", "phase1", *TINY, "--epochs", "2", "--resume", "--threads", "1", "-o", run),
+        "No space left",
+    )
+    assert snapshot(run) == before
+
+
+def test_a_refused_command_leaves_no_folder_it_made(tmp_path: Path, attn_model: Path, monkeypatch) -> None:
+    # was: n1/n2 left by `-o n1/n2/run` with a bad --data-dir, nope/deeper by a --resume with nothing
+    # to resume, x/y by `attention -o x/y/att` on a full disk
+    monkeypatch.chdir(tmp_path)
+    refused(
+        invoke("train", "phase1", *TINY, "--data", "fashion-mnist", "--data-dir", "none", "-o", "n1/n2/run")
+    )
+    refused(invoke("train", "phase1", *TINY, "--resume", "-o", "nope/deeper/run"), "no checkpoint")
+    import matplotlib.figure
+
+    def full(self, *a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", full)
+    refused(
+        invoke("attention", attn_model, "--data", "digits", "--images", "20", "-o", "x/y/att"), "No space"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_a_symlink_loop_anywhere_is_bad_input(tmp_path: Path, attn_model: Path) -> None:
+    # was: `internal error: RuntimeError: Symlink loop from ...` (exit 3) for -o and --report
+    loop = tmp_path / "loop.safetensors"
+    loop.symlink_to(loop.name)
+    onnx_loop = tmp_path / "loop.onnx"
+    onnx_loop.symlink_to(onnx_loop.name)
+    ok = tmp_path / "ok.safetensors"
+    for args in (["inspect", loop], ["verify", FIXTURE, loop], ["convert", loop, "-o", ok],
+                 ["convert", FIXTURE, "-o", loop], ["convert", FIXTURE, "-o", ok, "--report", loop],
+                 ["verify", FIXTURE, attn_model, "--report", loop], ["export", attn_model, "-o", onnx_loop],
+                 ["export", attn_model, "-o", tmp_path / "ok.onnx", "--report", loop]):  # fmt: skip
+        refused(invoke(*args))
+    assert not ok.exists() and not (tmp_path / "ok.onnx").exists()
+
+
+def test_a_closed_or_broken_stdout_never_fails_finished_work(tmp_path: Path, attn_model: Path) -> None:
+    # was: `export ... >&-`: AttributeError (exit 3); `convert ... | head -c1`: exit 1 with both written
+    cmd = [sys.executable, "-m", "convit_convert"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = tmp_path / "vit.onnx"
+    code = subprocess.run(["bash", "-c", '"$@" >&-', "_", *cmd, "export", str(attn_model), "-o", str(out)],
+                          env=env, timeout=600).returncode  # fmt: skip
+    assert code == 0 and out.is_file() and (tmp_path / "vit.onnx.report.json").is_file()
+    target = tmp_path / "v.safetensors"
+    p = subprocess.run(["bash", "-c", '"$@" | head -c1; exit "${PIPESTATUS[0]}"', "_", *cmd, "convert", str(FIXTURE),
+                        "-o", str(target)], env=env, capture_output=True, timeout=600)  # fmt: skip
+    assert p.returncode == 0 and target.is_file() and b"Traceback" not in p.stderr, p.stderr[-2000:]
+
+
+def test_a_name_as_long_as_the_folder_allows_is_written(tmp_path: Path) -> None:
+    # was: a legal 236-250 character name failed after all the work: "File name too long" (the temp name)
+    out = tmp_path / ("v" * 235 + ".safetensors")
+    r = invoke("convert", FIXTURE, "-o", out, "--report", tmp_path / "r.json")
+    assert r.exit_code == 0, r.output
+    assert out.is_file() and leftovers(tmp_path) == []
+    refused(
+        invoke("convert", FIXTURE, "-o", tmp_path / ("v" * 250 + ".safetensors")),
+        "File name too long",
+    )
+
+
+def test_edges_of_flags_and_arguments_are_one_line(
+    tmp_path: Path, tiny_run: Path, attn_model: Path, monkeypatch
+) -> None:
+    # was: plot RUN RUN: ValueError (zip); --opt adahessian: "does not require grad"; --aa rand-n1000000
+    # ran past 10 minutes; --crop-pct 1e-300: OverflowError in a worker; a failed download: URLError
+    refused(invoke("plot", tiny_run, tiny_run, "-o", tmp_path / "c.png"), "given twice")
+    refused(invoke("train", "phase1", *TINY, "--opt", "adahessian", "-o", tmp_path / "a"), "second-order")
+    refused(invoke("train", "phase1", *TINY, "--aa", "rand-n1000000-m9", "-o", tmp_path / "b"), "n must be")
+    refused(invoke("eval", attn_model, "--data", "digits", "--crop-pct", "1e-300"), "--crop-pct must be")
+    import urllib.error
+    import urllib.request
+
+    def offline(*a, **k):  # no network: what urllib says then
+        raise urllib.error.URLError("[Errno -2] Name or service not known")
+
+    monkeypatch.setattr(urllib.request, "urlopen", offline)
+    r = invoke("eval", attn_model, "--data", "cifar10", "--data-dir", tmp_path / "dl" / "c10", "--download")
+    refused(r, "cannot download cifar10 from https://", "--data-dir")
+    assert not (tmp_path / "dl").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_a_run_resumes_on_a_machine_with_fewer_cores(tmp_path: Path, tiny_run: Path) -> None:
+    # was: `--threads must be 1 <= x <= 8, got 16` (exit 2) on a 2-core machine, whatever --threads said
+    import torch
+
+    run = copy_run(tiny_run, tmp_path / "run")
+    saved = torch.load(run / "checkpoint-last.pt", weights_only=True)
+    assert {"threads", "cpu_capability", "torch", "timm", "device"} <= set(saved["environments"][0])
+    saved["config"]["threads"] = 10_000
+    saved["environments"][0]["threads"] = 10_000
+    torch.save(saved, run / "checkpoint-last.pt")
+    r = invoke(
+        "train", "phase1", *TINY, "--epochs", "2", "--resume", "--threads", "1", "--deterministic", "-o", run
+    )
+    refused(r, "--deterministic", "threads 10000 -> 1")
+    r = invoke("train", "phase1", *TINY, "--epochs", "2", "--resume", "--threads", "1", "-o", run)
+    assert r.exit_code == 0, r.output
+    assert "resuming in another environment (threads 10000 -> 1" in r.output
+    envs = json.loads((run / "config.json").read_text())["environments"]
+    assert [(e["epoch"], e["threads"]) for e in envs] == [(0, 10_000), (1, 1)]
+
+
+def test_a_counter_no_run_reaches_is_refused_on_resume(tmp_path: Path, tiny_run: Path) -> None:
+    # was: a global_step of 10^30 accepted
+    import torch
+
+    run = copy_run(tiny_run, tmp_path / "run")
+    saved = torch.load(run / "checkpoint-last.pt", weights_only=True)
+    for value, fragment in ((10**30, "beyond any run's"), (10**6, "global step 1000000")):
+        saved["global_step"] = value
+        torch.save(saved, run / "checkpoint-last.pt")
+        refused(invoke("train", "phase1", *TINY, "--epochs", "2", "--resume", "-o", run), fragment)
+
+
+def test_a_huge_conversion_is_sized_before_it_is_made(tmp_path: Path, monkeypatch) -> None:
+    # was: `train phase2 --init conv --heads 4096` converted and verified the model (3.6 GB, 36 s) first
+    from convit_convert.train import phases
+
+    def never(*a, **k):
+        raise AssertionError("converted before the memory estimate")
+
+    monkeypatch.setattr(phases, "convert_checkpoint", never)
+    for flag in (["--heads", "4096"], ["--qk-dim", "65536"]):
+        r = invoke("train", "phase2", "--data", "digits", "--init", FIXTURE, *flag, "-o", tmp_path / "r")
+        refused(r, "would need about")
+
+
+def onnx_file(path: Path, nodes: list, inits: list, functions: tuple = ()) -> Path:
+    from onnx import TensorProto, helper
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 3, 8, 8])
+    graph = helper.make_graph(nodes, "g", [x], [y], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], functions=list(functions))
+    model.ir_version = 8
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(model.SerializeToString())
+    return path
+
+
+def test_onnx_runaways_are_refused_before_onnxruntime_runs_them(tmp_path: Path) -> None:
+    # was: a 171-byte Expand to (30000, 30000) took 4.3 GB in `inspect`; a Loop of 10^12 trips ran
+    # for 11+ minutes, deaf to SIGTERM and SIGINT
+    from onnx import TensorProto, helper
+
+    shape = helper.make_tensor("shape", TensorProto.INT64, [2], [30_000, 30_000])
+    one = helper.make_tensor("one", TensorProto.FLOAT, [1], [1.0])
+    expand = onnx_file(tmp_path / "expand.onnx", [helper.make_node("Expand", ["one", "shape"], ["big"]),
+                       helper.make_node("ReduceSum", ["big"], ["s"], keepdims=0), helper.make_node("Add", ["x", "s"], ["y"])],
+                       [shape, one])  # fmt: skip
+    v = helper.make_tensor_value_info
+    body = helper.make_graph([helper.make_node("Identity", ["c"], ["c2"]), helper.make_node("Identity", ["v"], ["v2"])],
+                             "body", [v("i", TensorProto.INT64, []), v("c", TensorProto.BOOL, []),
+                                      v("v", TensorProto.FLOAT, [1, 3, 8, 8])],
+                             [v("c2", TensorProto.BOOL, []), v("v2", TensorProto.FLOAT, [1, 3, 8, 8])])  # fmt: skip
+    trips = helper.make_tensor("trips", TensorProto.INT64, [], [10**12])
+    cond = helper.make_tensor("cond", TensorProto.BOOL, [], [True])
+    loop = onnx_file(tmp_path / "loop.onnx", [helper.make_node("Loop", ["trips", "cond", "x"], ["y"], body=body)],
+                     [trips, cond])  # fmt: skip
+    for path, fragment in ((expand, "900,000,000 elements"), (loop, "Loop with a subgraph")):
+        for command in (["inspect", path], ["convert", path, "-o", tmp_path / "o.safetensors"]):
+            refused(invoke(*command), fragment)
+
+
+def test_run_session_stops_onnxruntime_at_its_deadline(tmp_path: Path) -> None:
+    """The time bound and the stop: onnxruntime is told to terminate, from the waiting thread."""
+    import numpy as np
+    from onnx import TensorProto, helper
+
+    from convit_convert.errors import CmhsaError
+    from convit_convert.onnx.load import ort_session, run_session
+
+    big = helper.make_tensor("w", TensorProto.FLOAT, [2048, 2048], np.ones(2048 * 2048, np.float32))
+    nodes = [helper.make_node("MatMul", ["w", "w"], [f"m{i}"]) for i in range(200)]
+    nodes += [helper.make_node("Identity", ["x"], ["y"])]
+    model = helper.make_model(
+        helper.make_graph(nodes, "slow", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1]),
+                           *[helper.make_tensor_value_info(f"m{i}", TensorProto.FLOAT, [2048, 2048]) for i in range(200)]],
+                          [big]), opset_imports=[helper.make_opsetid("", 17)])  # fmt: skip
+    session = ort_session(model, tmp_path / "slow.onnx", threads=1)
+    with pytest.raises(CmhsaError, match=r"more than 0\.5 s"):
+        run_session(session, None, {"x": np.zeros(1, np.float32)}, tmp_path / "slow.onnx", seconds=0.5)
+
+
+def test_onnx_external_data_in_every_part_of_a_model_is_checked(tmp_path: Path) -> None:
+    # was: a Constant's sparse_value and a local function's tensors were not checked, and
+    # onnxruntime opened secret.txt in the working directory
+    import onnx
+    from onnx import TensorProto, helper
+
+    (tmp_path / "secret.txt").write_text("secret\n")
+
+    def external(name: str) -> onnx.TensorProto:
+        t = helper.make_tensor(name, TensorProto.FLOAT, [1], [0.0])
+        del t.float_data[:]
+        t.data_location = TensorProto.EXTERNAL
+        e = t.external_data.add()
+        e.key, e.value = "location", "../secret.txt"
+        return t
+
+    sparse = helper.make_sparse_tensor(
+        external("v"), helper.make_tensor("i", TensorProto.INT64, [1], [0]), [4]
+    )
+    constant = helper.make_node("Constant", [], ["k"], sparse_value=sparse)
+    a = onnx_file(tmp_path / "m" / "sparse.onnx", [constant, helper.make_node("Identity", ["x"], ["y"])], [])
+    inner = helper.make_node("Constant", [], ["k"], value=external("w"))
+    function = helper.make_function("local", "F", ["a"], ["b"], [inner, helper.make_node("Identity", ["a"], ["b"])],
+                                    [helper.make_opsetid("", 17)])  # fmt: skip
+    b = onnx_file(tmp_path / "m" / "function.onnx", [helper.make_node("F", ["x"], ["y"], domain="local")], [],
+                  (function,))  # fmt: skip
+    for path in (a, b):
+        refused(invoke("inspect", path), "leaves the model's folder")

@@ -134,7 +134,7 @@ class RuntimeConfig:
     out: str = "runs/run"
     device: str = "auto"
     compile: bool = False
-    deterministic: bool = False  # deterministic CUDA kernels (CPU runs are deterministic anyway)
+    deterministic: bool = False  # deterministic CUDA kernels; a resume in another environment refused
     workers: int | None = None  # workers loader only; default: data.default_workers
     threads: int | None = None  # torch CPU threads; default: data.default_threads
     resume: bool = False

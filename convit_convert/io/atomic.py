@@ -148,16 +148,24 @@ def write_error(e: BaseException) -> str | None:
 
 @contextlib.contextmanager
 def signals_held() -> Iterator[None]:
-    """SIGINT and SIGTERM held back (delivered when the block ends): a commit is never split."""
+    """SIGINT and SIGTERM held back while the block runs, then delivered to the handlers they were
+    meant for: a commit is never split. (Python-level, not a signal mask: torch's threads would
+    take a masked signal, and Python runs every handler in the main thread anyway.)"""
     if threading.current_thread() is not threading.main_thread():
-        yield  # handlers run in the main thread only; masking here would not cover it
+        yield  # handlers run in the main thread only: a signal cannot interrupt this one
         return
-    held = {signal.SIGINT, signal.SIGTERM}
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    came: list[int] = []
+    old = {
+        s: signal.signal(s, lambda signum, frame: came.append(signum))
+        for s in (signal.SIGINT, signal.SIGTERM)
+    }
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        for s, handler in old.items():
+            signal.signal(s, signal.SIG_DFL if handler is None else handler)  # None: set outside Python
+        for s in dict.fromkeys(came):  # each once, in the order they came
+            signal.raise_signal(s)
 
 
 def _commit(tmps: list[Path], targets: list[Path]) -> None:
