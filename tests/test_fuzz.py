@@ -1243,3 +1243,61 @@ def test_onnx_external_data_in_every_part_of_a_model_is_checked(tmp_path: Path) 
                   (function,))  # fmt: skip
     for path in (a, b):
         refused(invoke("inspect", path), "leaves the model's folder")
+
+
+def test_onnxruntime_s_own_log_lines_never_reach_stderr(tmp_path: Path) -> None:
+    # was: a graph listing an initializer as an input printed onnxruntime's colour-escaped warning
+    code = (
+        "from onnx import helper as h, TensorProto as T\n"
+        "from pathlib import Path\n"
+        "from convit_convert.onnx.load import ort_session\n"
+        "w = h.make_tensor('w', T.FLOAT, [1], [2.0])\n"
+        "g = h.make_graph([h.make_node('Mul', ['x', 'w'], ['y'])], 'g', [h.make_tensor_value_info('x', T.FLOAT, [1]),\n"
+        "    h.make_tensor_value_info('w', T.FLOAT, [1])], [h.make_tensor_value_info('y', T.FLOAT, [1])], [w])\n"
+        "m = h.make_model(g, opset_imports=[h.make_opsetid('', 17)])\n"
+        "m.ir_version = 8\n"
+        "ort_session(m, Path('x.onnx'))\n"
+        "import onnxruntime\n"
+        "onnxruntime.InferenceSession(m.SerializeToString(), providers=['CPUExecutionProvider'])\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)  # fmt: skip
+    assert r.returncode == 0 and r.stderr == "", r.stderr[-2000:]
+
+
+def test_private_attributes_cmhsa_uses_are_guarded(tmp_path: Path, monkeypatch) -> None:
+    # was: `from typer._click.core import Context` (typer 0.12 to 0.20: ModuleNotFoundError for every
+    # command, --help included); atexit._run_exitfuncs and torch's _SIGCHLD_handler_set unguarded
+    code = "import atexit, sys\ndel atexit._run_exitfuncs\nfrom convit_convert.cli import main\nsys.argv = ['cmhsa', 'heads', '--kernel-size', '3', '--patch-size', '2']\nmain()\n"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)  # fmt: skip
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    from torch.utils.data._utils import signal_handling
+
+    from convit_convert.train.run import worker_deaths_at_fetch
+
+    monkeypatch.delattr(signal_handling, "_SIGCHLD_handler_set")
+    with worker_deaths_at_fetch():
+        pass
+    text = (ROOT / "convit_convert" / "cli" / "options.py").read_text()
+    assert "typer._" not in text and "import click" not in text
+
+
+@pytest.mark.parametrize("kind", ["ENOTDIR", "ELOOP", "ENAMETOOLONG"])
+def test_every_os_error_of_a_path_is_bad_input(tmp_path: Path, attn_model: Path, kind: str) -> None:
+    # was: a symlink loop gave exit 3 (RuntimeError from pathlib); every path error is exit 2, one line
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "loop").symlink_to("loop")
+    base = {"ENOTDIR": tmp_path / "afile" / "x", "ELOOP": tmp_path / "loop" / "x",
+            "ENAMETOOLONG": tmp_path / ("d" * 300) / "x"}[kind]  # fmt: skip
+    before = snapshot(tmp_path)
+    for args in (["convert", FIXTURE, "-o", f"{base}.safetensors"],
+                 ["convert", FIXTURE, "-o", tmp_path / "o.safetensors", "--report", f"{base}.json"],
+                 ["verify", FIXTURE, attn_model, "--report", f"{base}.json"], ["export", attn_model, "-o", f"{base}.onnx"],
+                 ["inspect", f"{base}.safetensors"], ["verify", FIXTURE, f"{base}.safetensors"],
+                 ["eval", f"{base}.safetensors", "--data", "digits"], ["plot", base],
+                 ["attention", attn_model, "--data", "digits", "--images", "10", "-o", base],
+                 ["train", "phase1", *TINY, "-o", base], ["train", "phase2", *TINY, "--init", f"{base}.safetensors", "-o", tmp_path / "r"],
+                 ["eval", attn_model, "--data", "imagefolder", "--data-dir", base]):  # fmt: skip
+        refused(invoke(*args))
+    assert snapshot(tmp_path) == before
