@@ -109,7 +109,7 @@ FLAGS: list[tuple[str, Any, str, str, tuple[str, ...]]] = [
     ("workers", int, WORKERS_HELP, RUN, ("phase1", "phase2")),
     ("threads", int, "torch CPU threads per process; CPU results depend on it (README: When two runs are bit-identical).", RUN, ("phase1", "phase2")),
     ("resume", bool, "Continue the run in -o/--output from checkpoint-last.pt (a larger --epochs extends it; a new --lr restarts the schedule from there).", RUN, ("phase1", "phase2")),
-    ("overwrite", bool, "Start a new run in an -o/--output folder that holds another run's outputs (its model, metrics, config and checkpoints are removed first); without it such a folder is refused.", RUN, ("phase1", "phase2")),
+    ("overwrite", bool, "Start a new run in an -o/--output folder that holds another run's outputs (its model, metrics, config and checkpoints are removed once the new run has saved its first checkpoint; never the --init file); without it such a folder is refused.", RUN, ("phase1", "phase2")),
     ("keep", int, "Also keep the newest N end-of-epoch checkpoints.", RUN, ("phase1", "phase2")),
     ("log_every", int, "Steps between log lines when not on a terminal.", RUN, ("phase1", "phase2")),
     ("export_onnx", bool, "At the end, also write the model as ONNX (vit.onnx / conv.onnx), checked in onnxruntime as by cmhsa export.", RUN, ("phase1", "phase2")),
