@@ -249,15 +249,10 @@ def choices(arms: list[Arm], recorded: dict[str, float]) -> tuple[dict[str, dict
         if name:
             r = arm.config.recipe
             done = score(arm) if arm.status == DONE else recorded.get(arm.name)
-            grid.setdefault(kind, []).append(
-                {
-                    "lr": r.lr,
-                    "attn_lr_mult": r.attn_lr_mult,
-                    "run": arm.name,
-                    "score": done,
-                    "environments": arm.environments(),
-                }
-            )
+            run = {"lr": r.lr, "attn_lr_mult": r.attn_lr_mult, "run": arm.name, "score": done}
+            if envs := arm.environments():  # where it ran, if it ran here (a recorded score has none)
+                run["environments"] = envs
+            grid.setdefault(kind, []).append(run)
     chosen = {
         kind: max(runs, key=lambda run: run["score"])
         for kind, runs in grid.items()

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..data import cpus
+from ..bounds import check
 from ..errors import CmhsaError
 from .config import TrainConfig
 from .run import OUTPUT
@@ -128,8 +128,7 @@ def run_arms(
     by_name = {a.name: a for a in arms}
     for a in arms:
         a.status = DONE if a.model.is_file() else WAITING
-    if not 1 <= threads <= 4 * cpus():
-        raise CmhsaError(f"`threads` must be in 1..{4 * cpus()}, got {threads}")
+    check("threads", threads)  # the range `cmhsa train --threads` takes
     start = time.monotonic()
     deadline = None if time_budget is None else start + time_budget
     if time_budget is not None and margin is None:

@@ -60,7 +60,7 @@ from .recipe import (
     check_recipe,
     scaled_lrs,
 )
-from .state import LAST, RunState, environment, environment_changes, read_checkpoint
+from .state import LAST, RunState, environment, environment_changes, plain_records, read_checkpoint
 
 OUTPUT = {"phase1": "conv.safetensors", "phase2": "vit.safetensors"}
 RESUMABLE = ("epochs", "lr")  # what a resume may change; the schedule is then rebuilt
@@ -193,21 +193,6 @@ def resumed_config(cfg: TrainConfig, saved: dict[str, Any], out: Path, log: Any)
             out,
         )
     return old, any(n in changed for n in RESUMABLE)
-
-
-def plain_records(x: Any, limit: int = 10_000) -> bool:
-    """A list of at most ``limit`` flat dicts of short strings, numbers, bools and None: what a
-    checkpoint's ``environments`` must be to be carried into config.json (else it starts anew)."""
-    plain = (str, int, float, bool, type(None))
-    return (
-        isinstance(x, list)
-        and len(x) <= limit
-        and all(
-            isinstance(e, dict)
-            and all(isinstance(k, str) and isinstance(v, plain) and len(str(v)) < 200 for k, v in e.items())
-            for e in x
-        )
-    )
 
 
 def unmeant_choices(cfg: TrainConfig) -> list[str]:

@@ -75,6 +75,21 @@ def environment_changes(saved: Any, now: dict[str, Any]) -> list[str]:
     return [f"{k} {last[k]} -> {v}" for k, v in now.items() if k in last and last[k] != v]
 
 
+def plain_records(x: Any, limit: int = 10_000) -> bool:
+    """A list of at most ``limit`` flat dicts of short strings, numbers, bools and None: what a
+    checkpoint's ``environments`` must be to be carried into config.json (else it starts anew)."""
+    plain = (str, int, float, bool, type(None))
+    return (
+        isinstance(x, list)
+        and len(x) <= limit
+        and all(
+            isinstance(e, dict)
+            and all(isinstance(k, str) and isinstance(v, plain) and len(str(v)) < 200 for k, v in e.items())
+            for e in x
+        )
+    )
+
+
 def read_checkpoint(path: Path) -> dict[str, Any]:
     """A saved run state as a dict (its config and model config tell what to build before
     :meth:`RunState.load`). The file is untrusted input: read with ``weights_only=True`` and every

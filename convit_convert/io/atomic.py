@@ -63,8 +63,8 @@ def temp_stem(path: Path) -> str:
 
 def check_writable(path: Path) -> None:
     """Fail early, before any expensive work, if ``path`` cannot be written: it names a file that is
-    absent or regular (never a folder, link, device or FIFO), in a writable folder, with a name the
-    folder can hold."""
+    absent or regular (never a folder, link, device or FIFO), in a writable folder (a name too long
+    for it is refused by :func:`check_output_target`'s look-up)."""
     check_output_target(path)
     folder = path.parent if str(path.parent) else Path(".")
     try:
@@ -75,8 +75,6 @@ def check_writable(path: Path) -> None:
         raise CmhsaError("output folder does not exist", path)
     if not os.access(folder, os.W_OK | os.X_OK):
         raise CmhsaError("output folder is not writable", path)
-    if len(os.fsencode(path.name)) > _name_max(folder):
-        raise CmhsaError(f"file name is longer than the folder allows ({_name_max(folder)} bytes)", path)
 
 
 def _alive(pid: int) -> bool:
