@@ -16,6 +16,8 @@ typer, rich, safetensors, scikit-learn, pytest): run it from the repository root
 - train: training images/s and MFU at the paper's size, batch 128, bf16, eager and compiled, for
   phase 1, phase 2 (qk_dim 768 and 64) and timm's DeiT-base / DeiT-small.
 - infer: inference images/s, attention model as trained and fused, against DeiT-base / -small.
+- step: issue 41's figures: the EXPERIMENTS.md model's images/s at batch 256 and 1024, eager and
+  compiled, both phases, and the wall time of six init-comparison arms run at once.
 - e2e: phase 1 -> convert -> verify -> phase 2 -> eval -> ONNX export on scikit-learn's digits.
 """
 
@@ -36,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-SECTIONS = ("env", "tests", "exact", "attention", "train", "profile", "infer", "e2e")
+SECTIONS = ("env", "tests", "exact", "attention", "train", "profile", "infer", "step", "e2e")
 # dense (no sparsity) bf16 tensor-core peaks, TFLOP/s, from NVIDIA's data sheets; matched in order
 PEAKS = (("H200", 989.4), ("H100 PCIe", 756.0), ("H100", 989.4), ("A100", 312.0), ("L40S", 362.0))
 PAPER = "224 px, P = 16, d = 768, depth 6, MLP 3072, K = 5, 100 classes"
@@ -529,6 +531,77 @@ E2E_FLAGS = ["--data", "digits", "--img-size", "32", "--patch-size", "4", "--dep
              "--mixup", "0", "--cutmix", "0", "--reprob", "0", "--workers", "4"]  # fmt: skip
 
 
+STEP_ARMS = ("p1", "half-p1", "gated", "hard", "impulse", "random")  # issue 41's six init-comparison arms
+
+
+def step_section(
+    out: Path, device: str = "cuda", batches: tuple[int, ...] = (256, 1024), train_samples: int = 60000,
+    arm_epochs: int = 40, data_dir: str | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """Issue 41: the EXPERIMENTS.md model (``--preset cpu``, Fashion-MNIST, device loader) in one
+    process, both phases (phase 2: impulse init, gated), each batch size, eager and --compile:
+    images/s of the second of 2 epochs (the first pays for compiling; learning rate as at batch
+    64, so the large batches do not diverge). Then the wall time of the six init-comparison arms
+    (seed 0, ``arm_epochs`` epochs, batch 256, all six at once). Targets: >= 60,000 images/s in
+    phase 1 and >= 40,000 in phase 2 at batch 256; the six arms in <= 90 s."""
+    from convit_convert.train.config import TrainConfig
+    from convit_convert.train.progress import Progress
+    from convit_convert.train.run import run
+
+    rows = []
+    for phase in ("phase1", "phase2"):
+        extra = dict(init="impulse", pinning="gated") if phase == "phase2" else {}
+        for batch in batches:
+            for compiled in (False, True):
+                cfg = TrainConfig.from_flags(
+                    phase=phase, preset="cpu", data="fashion-mnist", data_dir=data_dir, in_chans=1, loader="device",
+                    device=device, batch_size=batch, lr_base_batch=batch, train_samples=train_samples,
+                    val_samples=1000, epochs=2, compile=compiled, overwrite=True,
+                    out=str(out / "step" / f"{phase}-b{batch}-{'compiled' if compiled else 'eager'}"), **extra,
+                )  # fmt: skip
+                result = run(cfg, progress=Progress(None))
+                rows.append({"phase": phase, "batch": batch, "compile": compiled,
+                             "images_per_s": round(result.rows[-1]["images_per_s"])})  # fmt: skip
+                print(rows[-1], flush=True)
+    sys.path.insert(0, str(ROOT / "experiments"))
+    from init_comparison import seed_arms
+
+    from convit_convert.train.arms import run_arms
+
+    args = argparse.Namespace(epochs=arm_epochs, out=out / "step" / "arms", train_samples=train_samples,
+                              val_samples=1000, batch_size=256, compile=False, data_dir=data_dir, device=device,
+                              loader="device")  # fmt: skip
+    arms = [a for a in seed_arms(args, 0) if a.name.split("/")[-1] in STEP_ARMS]
+    t = time.perf_counter()
+    run_arms(arms, parallel=len(arms))
+    arms_s = time.perf_counter() - t
+    by = {(r["phase"], r["batch"], r["compile"]): r["images_per_s"] for r in rows}
+    first = batches[0]  # the targets' batch: 256
+    best = {p: max(v for (ph, b, _), v in by.items() if ph == p and b == first) for p in ("phase1", "phase2")}
+    return {
+        "rows": rows,
+        "settings": f"--preset cpu, {train_samples} Fashion-MNIST images, device loader, {device}",
+        "arms": {
+            "seconds": round(arms_s, 1),
+            "status": {a.name: a.status for a in arms},
+            "epochs": arm_epochs,
+        },
+        "goals": {
+            f"phase 1 at batch {first}": {
+                "images_per_s": best["phase1"],
+                "target": 60000,
+                "met": best["phase1"] >= 60000,
+            },
+            f"phase 2 at batch {first}": {
+                "images_per_s": best["phase2"],
+                "target": 40000,
+                "met": best["phase2"] >= 40000,
+            },
+            "six arms": {"seconds": round(arms_s, 1), "target": 90, "met": arms_s <= 90},
+        },
+    }
+
+
 def e2e_section(out: Path, device: str, epochs: int) -> dict[str, Any]:
     """The two-phase pipeline through the command line, on real images (scikit-learn's digits)."""
     import csv
@@ -622,7 +695,7 @@ def markdown(results: dict[str, Any]) -> str:
             out.append(table(sec["cases"], ["test", "status", "seconds", "message"]) + "\n")
         elif name == "exact" and "rows" in sec:
             out.append(table(sec["rows"], list(sec["rows"][0])) + "\n")
-        elif name in ("attention", "train", "infer") and "rows" in sec:
+        elif name in ("attention", "train", "infer", "step") and "rows" in sec:
             cols = sorted(
                 {c for r in sec["rows"] for c in r},
                 key=lambda c: list(sec["rows"][0]).index(c) if c in sec["rows"][0] else 99,
@@ -667,6 +740,9 @@ def main() -> int:
         help="Train section: models whose label contains one of these.",
     )
     ap.add_argument("--e2e-epochs", type=int, default=15)
+    ap.add_argument(
+        "--data-dir", default=None, help="Step section: Fashion-MNIST's IDX files (default: Debian's)."
+    )
     ap.add_argument("--e2e-device", default="cuda")
     ap.add_argument("--dry-run", action="store_true", help="Print the plan and exit (no GPU needed).")
     args = ap.parse_args()
@@ -695,6 +771,7 @@ def main() -> int:
         "train": lambda: train_section(args, peak),
         "profile": lambda: profile_section(args),
         "infer": lambda: infer_section(args),
+        "step": lambda: step_section(args.out, data_dir=args.data_dir),
         "e2e": lambda: e2e_section(args.out, args.e2e_device, args.e2e_epochs),
     }
     for name in sections:

@@ -9,6 +9,7 @@ p > 1e-3 would flag a real difference of a few percent at these sample sizes.
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import numpy as np
@@ -182,6 +183,34 @@ def test_ops_match_timms_pil_ops(name: str, arg: float, chans: int) -> None:
     diff = np.abs(out.numpy().astype(int) - ref.astype(int))
     exact = name not in A.GEOMETRIC and name != "AutoContrast"
     assert diff.max() <= (0 if exact else 1), (name, diff.max())
+
+
+@pytest.mark.parametrize("chans", [3, 1])
+def test_colour_jitter_matches_pil_applied_in_each_samples_order(chans: int) -> None:
+    """The batched colour jitter against PIL's ImageEnhance (what torchvision's ColorJitter calls
+    on a PIL image) applied image by image, op by op in each sample's order, with its factors:
+    exact, since every op is a PIL blend (as for the RandAugment ops above). 12 images, every one
+    of the 6 orders twice."""
+    from PIL import ImageEnhance
+
+    rng = np.random.default_rng(1)
+    n = 12
+    shape = (n, 10, 9, 3) if chans == 3 else (n, 10, 9)
+    imgs = rng.integers(0, 256, size=shape, dtype=np.uint8)
+    factors = torch.from_numpy(rng.uniform(0.6, 1.4, size=(n, 3)))
+    orders = torch.tensor([p for p in itertools.permutations(range(3))] * 2)
+    enhance = (ImageEnhance.Brightness, ImageEnhance.Contrast, ImageEnhance.Color)
+    refs = []
+    for img, f, order in zip(imgs, factors.tolist(), orders.tolist(), strict=True):
+        im = Image.fromarray(img)
+        for op in order:
+            im = enhance[op](im).enhance(f[op])
+        refs.append(np.asarray(im))
+    x = torch.from_numpy(imgs).float()
+    x = x[:, None] if chans == 1 else x.permute(0, 3, 1, 2)
+    out = A.color_jitter(x, factors, orders)
+    out = out[:, 0] if chans == 1 else out.permute(0, 2, 3, 1)
+    assert np.array_equal(out.numpy().astype(np.uint8), np.stack(refs))
 
 
 @pytest.mark.parametrize("mode", ["bicubic", "bilinear"])

@@ -22,7 +22,7 @@ def test_without_a_gpu_it_prints_the_plan_and_exits_0(tmp_path: Path) -> None:
     args = [sys.executable, str(ROOT / "bench" / "gpu_suite.py"), str(tmp_path / "out")]
     r = subprocess.run([*args, "--dry-run"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    assert "would run, in order: env, tests, exact, attention, train, profile, infer, e2e" in r.stdout
+    assert "would run, in order: env, tests, exact, attention, train, profile, infer, step, e2e" in r.stdout
     assert "pytest -m cuda tests/test_cuda.py" in r.stdout
     if not torch.cuda.is_available():
         r = subprocess.run([*args, "--sections", "exact"], capture_output=True, text=True, timeout=120)

@@ -29,9 +29,12 @@ Anything else is refused by :func:`check_supported` in one line; ``--loader work
 
 from __future__ import annotations
 
+import functools
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -191,6 +194,11 @@ class Params:
 
     def rows(self, lo: int, hi: int) -> Params:
         return Params(**{f.name: getattr(self, f.name)[lo:hi] for f in fields(self)})
+
+    def split(self, size: int) -> list[Params]:
+        """Consecutive blocks of ``size`` samples (one op per field, not per block)."""
+        parts = [getattr(self, f.name).split(size) for f in fields(self)]
+        return [Params(*block) for block in zip(*parts, strict=True)]
 
 
 def _uniform(n: int, lo: float, hi: float, g: torch.Generator, *shape: int) -> torch.Tensor:
@@ -472,28 +480,53 @@ def _pil_filter(t: torch.Tensor, mode: str) -> torch.Tensor:
     return torch.where(t < 1, near, torch.where(t < 2, far, torch.zeros_like(t)))
 
 
-def resize_weights(
-    start: torch.Tensor, length: torch.Tensor, size_in: int, size_out: int, mode: str
-) -> torch.Tensor:
-    """(n, size_out, size_in) weights of PIL's resize of each crop [start, start + length) of an
-    axis to ``size_out`` (Resample.c's precompute_coeffs): output u is centred at (u + 0.5)·scale
-    in the crop, taps within the filter's support (scaled by ``scale`` when shrinking: antialiased)
-    and inside the crop, normalised to sum 1. Computed once per distinct crop length, then shifted
-    to each crop's start."""
+def made_once(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``fn``'s result cached per arguments in eager code; inside a graph torch.compile is
+    tracing, ``fn`` itself (its result becomes a constant of the graph)."""
+    cached = functools.lru_cache(maxsize=16)(fn)
+
+    @functools.wraps(fn)
+    def get(*args: Any) -> torch.Tensor:
+        return fn(*args) if torch.compiler.is_compiling() else cached(*args)
+
+    return get
+
+
+@made_once
+def resize_table(size_in: int, size_out: int, mode: str, device: str = "cpu") -> torch.Tensor:
+    """(size_in, size_out, size_in) float32: row L − 1 holds the weights of PIL's resize of a crop
+    of length L to ``size_out`` (Resample.c's precompute_coeffs), in crop coordinates. Output u is
+    centred at (u + 0.5)·scale in the crop, taps within the filter's support (scaled by ``scale``
+    when shrinking: antialiased) and inside the crop, normalised to sum 1. Made once per image
+    size: a batch's crops then cost an index and a gather (:func:`resize_weights`)."""
     support = 2.0 if mode == "bicubic" else 1.0
-    lengths, which = torch.unique(length, return_inverse=True)
-    scale = (lengths.double() / size_out)[:, None, None]  # (L, 1, 1)
+    lengths = torch.arange(1, size_in + 1, dtype=torch.float64)
+    scale = (lengths / size_out)[:, None, None]  # (L, 1, 1)
     fscale = scale.clamp(min=1.0)
     centre = (torch.arange(size_out, dtype=torch.float64)[None, :, None] + 0.5) * scale  # (L, out, 1)
     pos = torch.arange(size_in, dtype=torch.float64)[None, None, :]  # in the crop
     lo = torch.trunc(centre - support * fscale + 0.5).clamp(min=0)
-    hi = torch.minimum(torch.trunc(centre + support * fscale + 0.5), lengths.double()[:, None, None])
+    hi = torch.minimum(torch.trunc(centre + support * fscale + 0.5), lengths[:, None, None])
     w = _pil_filter((pos - centre + 0.5) / fscale, mode) * ((pos >= lo) & (pos < hi))
-    table = (w / w.sum(-1, keepdim=True)).float()  # (L, out, size_in), crop coordinates
-    rel = torch.arange(size_in)[None, :] - start[:, None]  # (n, size_in): image position in each crop
-    inside = (rel >= 0)[:, None, :]
-    idx = rel.clamp(min=0)[:, None, :].expand(-1, size_out, -1)
-    return table[which].gather(2, idx) * inside
+    return (w / w.sum(-1, keepdim=True)).float().to(device)
+
+
+@made_once
+def _positions(size: int, device: str) -> torch.Tensor:
+    return torch.arange(size, device=device)
+
+
+def resize_weights(
+    start: torch.Tensor, length: torch.Tensor, size_in: int, size_out: int, mode: str
+) -> torch.Tensor:
+    """(..., size_out, size_in) weights of PIL's resize of each crop [start, start + length) of an
+    axis to ``size_out``: :func:`resize_table`'s row for each crop's length, shifted to its start
+    (``start``, ``length``: (...) int64). On their device, in a fixed number of ops."""
+    dev = str(start.device)
+    table = resize_table(size_in, size_out, mode, dev)
+    rel = _positions(size_in, dev) - start[..., None]  # (..., size_in): image position in each crop
+    idx = rel.clamp(min=0).unsqueeze(-2).expand(*rel.shape[:-1], size_out, size_in)
+    return table[length - 1].gather(-1, idx) * (rel >= 0).unsqueeze(-2)
 
 
 def resized_crop(x: torch.Tensor, box: torch.Tensor, flip: torch.Tensor, size: tuple[int, int], mode: str):
@@ -513,18 +546,34 @@ def resized_crop(x: torch.Tensor, box: torch.Tensor, flip: torch.Tensor, size: t
         out = x.gather(2, rows[:, None, :, None].expand(-1, x.shape[1], -1, w_in))
         out = out.gather(3, cols[:, None, None, :].expand(-1, x.shape[1], h, -1))
     else:
-        wx = resize_weights(box[:, 1], box[:, 3], w_in, w, mode).to(dev)
-        wy = resize_weights(box[:, 0], box[:, 2], h_in, h, mode).to(dev)
-        out = torch.floor(torch.matmul(x, wx.transpose(1, 2)[:, None]).clamp(0, 255) + 0.5)  # (n, C, H, w)
-        out = torch.floor(torch.matmul(wy[:, None], out).clamp(0, 255) + 0.5)  # (n, C, h, w)
+        b = box.to(dev)
+        if (h_in, h) == (w_in, w):  # both axes' weights in one lookup
+            wy, wx = resize_weights(b[:, :2], b[:, 2:], h_in, h, mode).unbind(1)
+        else:
+            wy = resize_weights(b[:, 0], b[:, 2], h_in, h, mode)
+            wx = resize_weights(b[:, 1], b[:, 3], w_in, w, mode)
+        n, c = x.shape[:2]
+        out = torch.bmm(x.view(n, c * h_in, w_in), wx.transpose(1, 2))  # horizontal pass: (n, C·H, w)
+        out = torch.floor(out.clamp(0, 255) + 0.5)
+        if c == 1:  # vertical pass
+            out = torch.bmm(wy, out).view(n, 1, h, w)
+        else:
+            out = torch.matmul(wy[:, None], out.view(n, c, h_in, w))
+        out = torch.floor(out.clamp(0, 255) + 0.5)  # (n, C, h, w)
     flip = flip.to(dev).view(-1, 1, 1, 1)
     return torch.where(flip, out.flip(-1), out)
 
 
+@made_once
+def _levels(values: tuple[float, ...], device: str) -> torch.Tensor:
+    """(1, C, 1, 1) per-channel constants × 255 (made once, not per batch)."""
+    return torch.tensor(values, device=device).view(1, -1, 1, 1) * 255
+
+
 def normalise(x: torch.Tensor, mean: tuple[float, ...], std: tuple[float, ...]) -> torch.Tensor:
     """ToTensor + Normalize on 0..255 values: (x / 255 − mean) / std, per channel."""
-    m = torch.tensor(mean, device=x.device).view(1, -1, 1, 1) * 255
-    return (x - m) / (torch.tensor(std, device=x.device).view(1, -1, 1, 1) * 255)
+    dev = str(x.device)
+    return (x - _levels(tuple(mean), dev)) / _levels(tuple(std), dev)
 
 
 def augment(images: torch.Tensor, p: Params, spec: AugmentSpec, noise: torch.Tensor | None) -> torch.Tensor:
@@ -551,14 +600,29 @@ def augment(images: torch.Tensor, p: Params, spec: AugmentSpec, noise: torch.Ten
                 sd = sel.to(dev)
                 x[sd] = apply_op(ra.ops[j], x[sd], arg[sel].to(dev), spec)
     elif spec.color_jitter:
-        jit = p.jitter.to(dev)
-        for slot in range(3):
-            which = p.jitter_order[:, slot].to(dev).view(-1, 1, 1, 1)
-            outs = [fn(x, jit[:, k]) for k, fn in enumerate((brightness, contrast, color))]
-            x = torch.where(which == 0, outs[0], torch.where(which == 1, outs[1], outs[2]))
+        x = color_jitter(x, p.jitter.to(dev), p.jitter_order.to(dev))
     x = normalise(x, spec.mean, spec.std)
     if spec.reprob > 0:
         x = erase(x, p.erase.to(dev), spec.remode, noise)
+    return x
+
+
+def color_jitter(x: torch.Tensor, factors: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """torchvision's ColorJitter (brightness, contrast, saturation) on PIL images, batched: slot s
+    applies op ``order[:, s]`` (0 brightness, 1 contrast, 2 saturation) with its factor from
+    ``factors`` (n, 3). Each is a PIL blend towards a degenerate image (black, the grey mean, the
+    grey image), so a slot is one blend whose degenerate image is picked per sample."""
+    n = x.shape[0]
+    f = factors.gather(1, order).to(x)  # (n, 3): slot s's factor
+    plan = torch.stack(
+        [f, (order == 1).to(x), (order == 2).to(x)], 1
+    )  # (n, 3, 3): factor, contrast?, colour?
+    for slot in plan.view(n, 3, 3, 1, 1, 1).unbind(2):
+        factor, is_contrast, is_colour = slot.unbind(1)  # (n, 1, 1, 1) each
+        g = grey(x)
+        mean = torch.floor(g.mean((1, 2, 3), keepdim=True) + 0.5)
+        d = torch.addcmul(mean * is_contrast, g, is_colour)  # exact: the picks are 0 or 1
+        x = torch.floor(torch.addcmul(d, factor, x - d).clamp(0, 255))
     return x
 
 

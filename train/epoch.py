@@ -2,14 +2,14 @@
 
 Each epoch seeds every global RNG from (seed, epoch, rank), so an epoch's randomness does not
 depend on how the process got there (a resumed epoch restores the RNGs saved mid-epoch instead).
-Per step: Mixup/CutMix, forward under autocast, one all-reduce that carries the loss and any stop
-request (so every rank agrees to stop before the backward pass), backward, step, EMA, scheduler.
-A non-finite loss stops before it reaches the weights.
+Per step: :class:`.step.TrainStep` (augmentation, Mixup/CutMix, forward, loss, backward, update,
+with no read of a device value), EMA, scheduler. Every ``log_every`` steps and at the epoch's end,
+one read-out: the loss totals, a non-finite loss (its update was skipped on the device; the run
+stops with the step named) and a stop request (all-reduced, so every rank stops at the same step).
 """
 
 from __future__ import annotations
 
-import math
 import random
 import time
 from collections.abc import Iterator
@@ -19,10 +19,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch import nn
 
 from ..analysis import attention_stats
-from ..api.common import autocast
 from ..api.on_data import evaluate
 from ..data import sample_seed
 from ..errors import CheckFailed
@@ -30,6 +28,7 @@ from .config import TrainConfig
 from .distributed import Context, all_reduce_sum
 from .progress import Progress
 from .state import LAST, RunState, set_rng_state
+from .step import TrainStep
 
 
 @dataclass
@@ -39,15 +38,13 @@ class Loop:
     cfg: TrainConfig
     ctx: Context
     out: Path
-    dtype: torch.dtype | None  # autocast dtype, None for full precision
-    fwd: nn.Module  # the model as trained: DDP-wrapped and/or compiled
+    dtype: torch.dtype | None  # autocast dtype, None for full precision (evaluation's)
     train_loader: Any
     val_loader: Any
     steps_per_epoch: int
-    mixup: Any
-    criterion: nn.Module
     state: RunState
     reporter: Progress
+    step: TrainStep  # augmentation to update: the model as trained (DDP-wrapped, compiled), loss, Mixup
     probe: torch.Tensor | None = None  # attn models: fixed val images for the per-epoch attention metrics
     config_json: str = ""  # config.json's text, written with every checkpoint
 
@@ -88,10 +85,32 @@ def until_stopped(loader: Any, stop: Any) -> Iterator[Any]:
         yield batch
 
 
+def read_out(loop: Loop, stop: Any, step: int, since: int, t_last: float) -> bool:
+    """The device's totals for steps ``since``..``step`` into ``state.partial`` and the progress
+    line (the one host read of a stretch of steps); a non-finite loss among them stops the run.
+    True if a stop was requested (on any rank)."""
+    st, ctx = loop.state, loop.ctx
+    totals = loop.step.read(step + 1 - since)
+    if totals.bad_step is not None:
+        raise CheckFailed(non_finite_message(totals.bad_loss, st.epoch, since + totals.bad_step, loop.out))
+    steps = step + 1 - since
+    now = time.perf_counter()
+    st.partial["loss_sum"] += totals.loss_sum
+    st.partial["seconds"] += now - t_last
+    st.partial["images"] += steps * loop.cfg.recipe.batch_size * ctx.world
+    rate = steps * loop.cfg.recipe.batch_size * ctx.world / max(now - t_last, 1e-9)
+    lr = float(st.optimizer.param_groups[0]["lr"])
+    loop.reporter.step(st.epoch, step, totals.loss_sum / max(steps, 1), lr, rate)
+    stopping = torch.tensor(float(stop.signal is not None), device=ctx.device)
+    return all_reduce_sum(stopping, ctx).item() > 0
+
+
 def train_one_epoch(loop: Loop, stop: Any, stop_after_steps: int | None = None) -> bool:
     """Train the epoch ``loop.state`` is in, from its step on; evaluate and append the epoch's row
     to ``state.metrics``. False if a stop request (or ``stop_after_steps``) ended it early, with
-    ``state.step`` the steps done."""
+    ``state.step`` the steps done. Nothing is read from the device between read-outs (every
+    ``log_every`` steps and the epoch's last): a stop request is acted on at the next one (at the
+    next step with one process)."""
     cfg, ctx, st = loop.cfg, loop.ctx, loop.state
     device, epoch, first = ctx.device, st.epoch, st.step
     if first > 0 and st.rng is not None:
@@ -102,43 +121,27 @@ def train_one_epoch(loop: Loop, stop: Any, stop_after_steps: int | None = None) 
     loop.train_loader.sampler.set_epoch(epoch, first)
     loop.reporter.start_epoch(epoch, loop.steps_per_epoch, first)
     lr = st.optimizer.param_groups[0]["lr"]
-    t_last = time.perf_counter()
-    batches = until_stopped(loop.train_loader, stop)
-    for step, (x, y) in enumerate(batches, start=first):
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        if loop.mixup is not None:
-            x, y = loop.mixup(x, y)
-        with autocast(device, loop.dtype):
-            loss = loop.criterion(loop.fwd(x), y)
-        limit = stop_after_steps is not None and st.global_step + 1 >= stop_after_steps
-        flags = torch.stack(
-            [loss.detach().float(), torch.tensor(float(stop.signal is not None), device=device)]
-        )
-        all_reduce_sum(flags, ctx)
-        mean_loss = flags[0].item() / ctx.world
-        if not math.isfinite(mean_loss):
-            raise CheckFailed(non_finite_message(mean_loss, epoch, step, loop.out))
-        st.optimizer.zero_grad(set_to_none=True)
-        st.scaler.scale(loss).backward()
-        if cfg.recipe.clip_grad is not None:
-            st.scaler.unscale_(st.optimizer)
-            nn.utils.clip_grad_norm_(st.model.parameters(), cfg.recipe.clip_grad)
-        st.scaler.step(st.optimizer)
-        st.scaler.update()
+    every = max(1, cfg.runtime.log_every)
+    t_last, since = time.perf_counter(), first
+    loader = loop.train_loader
+    batches = until_stopped(loader.batches() if hasattr(loader, "batches") else loader, stop)
+    for step, (inputs, y) in enumerate(batches, start=first):
+        loop.step(inputs, y)
         st.global_step += 1
         if st.ema is not None:
             st.ema.update(st.model, step=st.global_step)
         st.scheduler.step_update(num_updates=st.global_step)
-        now = time.perf_counter()
-        st.partial["loss_sum"] += mean_loss
-        st.partial["seconds"] += now - t_last
-        st.partial["images"] += len(x) * ctx.world
-        loop.reporter.step(epoch, step, mean_loss, lr, len(x) * ctx.world / max(now - t_last, 1e-9))
-        t_last = now
         st.step = step + 1
-        if flags[1].item() > 0 or limit:
-            return False
+        limit = stop_after_steps is not None and st.global_step >= stop_after_steps
+        signalled = ctx.world == 1 and stop.signal is not None  # one process: no rank to agree with
+        if (step + 1) % every == 0 or step + 1 == loop.steps_per_epoch or limit or signalled:
+            stopping = read_out(loop, stop, step, since, t_last)
+            t_last, since = time.perf_counter(), step + 1
+            if stopping or limit:
+                return False
     if stop.signal is not None and st.step < loop.steps_per_epoch:  # the loader ended with the stop
+        if st.step > since:  # the steps since the last read-out, into the totals the checkpoint saves
+            read_out(loop, stop, st.step - 1, since, t_last)
         return False
     st.scheduler.step(epoch + 1)
 

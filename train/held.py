@@ -2,9 +2,10 @@
 as a batch (:mod:`.augment`); no per-sample Python and no worker processes.
 
 The training loader keeps :class:`.data.EpochSampler`'s order (so a run's batches are the workers
-path's batches) and draws each step's augmentation from a generator seeded by (seed, epoch, step)
-for the whole global batch, of which each rank takes its rows: the result does not depend on the
-number of processes, and a run stopped at any step resumes bit for bit. The validation split is
+path's batches) and draws the augmentation of 64 steps' global batches at once from a generator
+seeded by (seed, epoch, chunk), of which each rank takes its rows: the result does not depend on
+the number of processes, and a run stopped at any step resumes bit for bit (the chunk is drawn
+again). The validation split is
 resized and centre-cropped once, as timm's eval transform does (torchvision's antialiased resize),
 so an epoch's evaluation costs a forward pass.
 """
@@ -22,10 +23,17 @@ from torch.utils.data import Dataset, Subset
 
 from ..data import ArrayImages, EpochSampler, open_image, sample_seed
 from ..errors import CmhsaError
-from .augment import AugmentSpec, augment, grey, normalise, sample_params
+from .augment import AugmentSpec, Params, augment, grey, normalise, sample_params
 
 MAX_BYTES = 2 << 30  # hold at most 2 GiB of decoded images; larger sets use the workers loader
-STEP_STREAM = -2  # sample_seed index of step j's augmentation: -2 - j (the sampler uses -1)
+# sample_seed indices (the sampler uses -1): chunk c of an epoch's augmentation parameters is drawn
+# from CHUNK_STREAM - c, step j's erasing normals from NOISE_STREAM - j
+CHUNK_STREAM = -2
+NOISE_STREAM = -(1 << 40)
+CHUNK_STEPS = 64  # steps whose parameters are drawn at once: the draw's ~100 small ops amortised
+# the parameters the pixel ops read on the device (RandAugment's choices stay on the CPU, where
+# its per-op selection reads them)
+DEVICE_FIELDS = ("box", "flip", "jitter", "jitter_order", "erase")
 
 
 def _array_source(ds: Dataset) -> tuple[Any, np.ndarray, list[int]] | None:
@@ -124,9 +132,20 @@ def eval_view(
 
 
 @dataclass
+class HeldBatch:
+    """One step's inputs before augmentation: this rank's images and their parameters."""
+
+    images: torch.Tensor  # (n, C, H, W) uint8, on the images' device
+    params: Params  # the per-sample choices; the pixel ops' fields on the device
+    noise: torch.Tensor | None  # (n, C, h, w) erasing normals, None without erasing
+
+
+@dataclass
 class HeldLoader:
     """Training batches of held images: ``for x, y in loader`` gives this rank's augmented batch
-    (float32, normalised, on the images' device) and labels, in :class:`EpochSampler`'s order."""
+    (float32, normalised, on the images' device) and labels, in :class:`EpochSampler`'s order.
+    The training step takes :meth:`batches` and augments inside the step (:meth:`prepare`), so a
+    compiled step includes the augmentation."""
 
     images: torch.Tensor
     labels: torch.Tensor
@@ -137,29 +156,47 @@ class HeldLoader:
     def __len__(self) -> int:
         return len(self.sampler) // self.sampler.bs
 
-    def step_generator(self, step: int) -> torch.Generator:
-        return torch.Generator().manual_seed(sample_seed(self.seed, self.sampler.epoch, STEP_STREAM - step))
-
-    def batch(self, step: int, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Step ``step``'s batch for this rank: the global batch's parameters, this rank's rows."""
+    def chunk(self, c: int, steps_in_epoch: int) -> list[Params]:
+        """Steps c·CHUNK_STEPS.. of the epoch: their global batches' parameters drawn at once from a
+        generator seeded by (seed, epoch, c), on the CPU (then the pixel ops' fields moved to the
+        device in one copy each), split into this rank's rows per step."""
         s, dev = self.sampler, self.images.device
-        g = self.step_generator(step)
-        params = sample_params(self.spec, s.bs * s.world, tuple(self.images.shape[-2:]), g)
-        lo, hi = s.rank * s.bs, (s.rank + 1) * s.bs
-        noise = None
-        if self.spec.reprob > 0:  # erasing's normals for the global batch, drawn on the device
-            dg = torch.Generator(device=dev).manual_seed(g.initial_seed() ^ 1)
-            shape = (s.bs * s.world, self.images.shape[1], *self.spec.out_size)
-            noise = torch.randn(shape, generator=dg, device=dev)[lo:hi]
-        idx = idx.to(dev)
-        return augment(self.images[idx], params.rows(lo, hi), self.spec, noise), self.labels[idx]
+        steps = min(CHUNK_STEPS, steps_in_epoch - c * CHUNK_STEPS)
+        g = torch.Generator().manual_seed(sample_seed(self.seed, s.epoch, CHUNK_STREAM - c))
+        p = sample_params(self.spec, steps * s.bs * s.world, tuple(self.images.shape[-2:]), g)
+        p = Params(**{k: v.to(dev) if k in DEVICE_FIELDS else v for k, v in vars(p).items()})
+        return p.split(s.bs)[s.rank :: s.world]
+
+    def noise(self, step: int) -> torch.Tensor | None:
+        """Erasing's normals for step ``step``'s global batch, drawn on the device; this rank's rows."""
+        if self.spec.reprob == 0:
+            return None
+        s, dev = self.sampler, self.images.device
+        dg = torch.Generator(device=dev).manual_seed(sample_seed(self.seed, s.epoch, NOISE_STREAM - step))
+        shape = (s.bs * s.world, self.images.shape[1], *self.spec.out_size)
+        return torch.randn(shape, generator=dg, device=dev)[s.rank * s.bs : (s.rank + 1) * s.bs]
+
+    def batches(self) -> Iterator[tuple[HeldBatch, torch.Tensor]]:
+        """This epoch's steps from the sampler's start: (the step's inputs, labels)."""
+        s, dev = self.sampler, self.images.device
+        order = torch.tensor(s.indices(), dtype=torch.long, device=dev)
+        first, last = s.start // s.bs, len(order) // s.bs
+        per_step = order[: last * s.bs].split(s.bs)
+        params: list[Params] = []
+        for step in range(first, last):
+            if step == first or step % CHUNK_STEPS == 0:
+                params = self.chunk(step // CHUNK_STEPS, last)
+            idx = per_step[step]
+            batch = HeldBatch(self.images[idx], params[step % CHUNK_STEPS], self.noise(step))
+            yield batch, self.labels[idx]
+
+    def prepare(self, batch: HeldBatch) -> torch.Tensor:
+        """A step's augmented (n, C, h, w) float32 images."""
+        return augment(batch.images, batch.params, self.spec, batch.noise)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        s = self.sampler
-        order = torch.tensor(s.indices(), dtype=torch.long)
-        first = s.start // s.bs
-        for step in range(first, len(order) // s.bs):
-            yield self.batch(step, order[step * s.bs : (step + 1) * s.bs])
+        for batch, y in self.batches():
+            yield self.prepare(batch), y
 
 
 @dataclass

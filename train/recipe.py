@@ -15,6 +15,7 @@ from ..model import ATTENTION_PARAMS
 from ..starts import check_start
 from .augment import check_aa_numbers, check_supported
 from .config import INIT_STARTS, LOADERS, TrainConfig
+from .step import fusable
 
 
 def scaled_lrs(cfg: TrainConfig, world: int) -> tuple[float, float, float]:
@@ -152,12 +153,15 @@ def build_recipe(cfg: TrainConfig, model: nn.Module, num_classes: int, world: in
     r = cfg.recipe
     from timm.data import Mixup
     from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
-    from timm.optim import create_optimizer_v2
+    from timm.optim import create_optimizer_v2, get_optimizer_info
 
     lr, min_lr, warmup_lr = scaled_lrs(cfg, world)
+    # torch's fused kernel where it has one: one op per step for all parameters, and it can skip a
+    # non-finite step on the device (train/step.py)
+    fused = {"fused": True} if fusable(get_optimizer_info(r.opt.lower()).opt_class) else {}
     optimizer = create_optimizer_v2(
         param_groups(cfg, model), opt=r.opt, lr=lr, weight_decay=r.weight_decay, eps=r.opt_eps,
-        betas=tuple(r.opt_betas),
+        betas=tuple(r.opt_betas), **fused,
     )  # fmt: skip
     scheduler = build_scheduler(cfg, optimizer, lr, min_lr, warmup_lr, steps_per_epoch)
     mixup = None

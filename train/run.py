@@ -61,6 +61,7 @@ from .recipe import (
     scaled_lrs,
 )
 from .state import LAST, RunState, environment, environment_changes, plain_records, read_checkpoint
+from .step import TrainStep
 
 OUTPUT = {"phase1": "conv.safetensors", "phase2": "vit.safetensors"}
 RESUMABLE = ("epochs", "lr")  # what a resume may change; the schedule is then rebuilt
@@ -366,8 +367,6 @@ def build(
         from torch.nn.parallel import DistributedDataParallel
 
         fwd = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    if cfg.runtime.compile:
-        fwd = torch.compile(fwd)
     optimizer, scheduler, mixup, criterion = build_recipe(
         cfg, model, spec.num_classes, ctx.world, steps_per_epoch
     )
@@ -424,8 +423,13 @@ def build(
             + f", {cfg.runtime.threads} threads"
         )
     probe = next(iter(loaders[1]))[0][:64].to(device) if pm.config.kind == "attn" else None
+    prepare = getattr(loaders[0], "prepare", None)  # the device loader augments inside the step
+    step = TrainStep(model, fwd, criterion, optimizer, scaler, cfg.recipe.clip_grad, dtype, ctx, prepare, mixup,
+                     cfg.runtime.compile)  # fmt: skip
+    if step.why_not_whole is not None:
+        reporter.log(f"compile: the model's forward only, not the whole step ({step.why_not_whole})")
     return Loop(
-        cfg, ctx, out, dtype, fwd, *loaders, steps_per_epoch, mixup, criterion, state, reporter, probe,
+        cfg, ctx, out, dtype, *loaders, steps_per_epoch, state, reporter, step, probe,
         json.dumps(doc, indent=2) + "\n",
     )  # fmt: skip
 

@@ -104,14 +104,14 @@ FLAGS: list[tuple[str, Any, str, str, tuple[str, ...]]] = [
     ("seed", int, "Seed of everything random.", RUN, ("phase1", "phase2")),
     ("device", str, DEVICE_HELP, RUN, ("phase1", "phase2")),
     ("amp", str, "auto (bf16 on CUDA, none on CPU), bf16, fp16 or none.", RUN, ("phase1", "phase2")),
-    ("compile", bool, "torch.compile the model.", RUN, ("phase1", "phase2")),
+    ("compile", bool, "torch.compile the training step up to the update (CUDA graphs on a GPU); the model's forward only under torchrun or fp16.", RUN, ("phase1", "phase2")),
     ("deterministic", bool, "Deterministic CUDA kernels: bit-identical re-runs and resumes on a GPU, somewhat slower; a resume in another environment (threads, CPU code path, versions) is refused. CPU runs repeat bit for bit at the same threads and CPU code path (README: When two runs are bit-identical).", RUN, ("phase1", "phase2")),
     ("workers", int, WORKERS_HELP, RUN, ("phase1", "phase2")),
     ("threads", int, "torch CPU threads per process; CPU results depend on it (README: When two runs are bit-identical).", RUN, ("phase1", "phase2")),
     ("resume", bool, "Continue the run in -o/--output from checkpoint-last.pt (a larger --epochs extends it; a new --lr restarts the schedule from there).", RUN, ("phase1", "phase2")),
     ("overwrite", bool, "Start a new run in an -o/--output folder that holds another run's outputs (its model, metrics, config and checkpoints are removed once the new run has saved its first checkpoint; never the --init file); without it such a folder is refused.", RUN, ("phase1", "phase2")),
     ("keep", int, "Also keep the newest N end-of-epoch checkpoints.", RUN, ("phase1", "phase2")),
-    ("log_every", int, "Steps between log lines when not on a terminal.", RUN, ("phase1", "phase2")),
+    ("log_every", int, "Steps between read-outs of the loss from the device: log lines, the progress bar, stop requests under torchrun.", RUN, ("phase1", "phase2")),
     ("export_onnx", bool, "At the end, also write the model as ONNX (vit.onnx / conv.onnx), checked in onnxruntime as by cmhsa export.", RUN, ("phase1", "phase2")),
 ]  # fmt: skip
 

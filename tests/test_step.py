@@ -1,0 +1,168 @@
+"""The training step (train/step.py): no host read per step, a non-finite loss's update skipped on
+the device, and ``--compile``'s step as one graph that trains as the eager one does."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import math
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from convit_convert.train import run as engine
+from convit_convert.train.config import TrainConfig
+from convit_convert.train.distributed import Context
+from convit_convert.train.progress import Progress
+from convit_convert.train.run import run
+from convit_convert.train.step import TrainStep, fusable
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _bench() -> ModuleType:
+    """bench/ops_per_step.py, whose op counter the no-read test uses."""
+    spec = importlib.util.spec_from_file_location("ops_per_step", ROOT / "bench" / "ops_per_step.py")
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
+
+
+CountOps = _bench().CountOps
+
+
+def small(tmp_path: Path, name: str, phase: str = "phase1", **kw) -> TrainConfig:
+    """The EXPERIMENTS.md model and recipe (``--preset cpu``: crop, flip, colour jitter) at 16 px on
+    digits, on the device loader; phase 2 from impulse init with gated pinning."""
+    extra = dict(init="impulse", pinning="gated") if phase == "phase2" else {}
+    flags = dict(
+        phase=phase, preset="cpu", data=kw.pop("data", "digits"), img_size=16, in_chans=1, hidden_chans=1, loader="device",
+        device="cpu", threads=1, batch_size=4, val_samples=8, epochs=1, log_every=10**6, out=str(tmp_path / name),
+    )  # fmt: skip
+    return TrainConfig.from_flags(**{**flags, **extra, **kw})
+
+
+@pytest.mark.parametrize("phase", ["phase1", "phase2"])
+def test_training_reads_nothing_from_the_device_per_step(tmp_path: Path, phase: str) -> None:
+    """aten::_local_scalar_dense (what .item(), bool() and float() of a tensor dispatch: the host
+    waiting for the device) counted over a whole run of 16 steps and one of 48, each read out
+    once at the epoch's end: the same count, so none per step. Before issue 41 the step read the
+    loss and the stop flag every step (2 per step)."""
+    reads = {}
+    for steps in (16, 48):
+        counter = CountOps()
+        with counter:
+            run(small(tmp_path, f"{phase}-{steps}", phase, train_samples=4 * steps), progress=Progress(None))
+        reads[steps] = counter.ops["aten._local_scalar_dense"]
+    assert reads[16] == reads[48]
+
+
+def tiny_step(opt: str, clip_grad: float | None = None) -> tuple[TrainStep, nn.Module]:
+    """A TrainStep on a small MLP with timm's ``opt``, fused where torch has the kernel (as recipe.py builds it)."""
+    from timm.optim import create_optimizer_v2, get_optimizer_info
+
+    model = nn.Sequential(nn.Flatten(), nn.Linear(16, 8), nn.GELU(), nn.Linear(8, 3))
+    fused = {"fused": True} if fusable(get_optimizer_info(opt).opt_class) else {}
+    optimizer = create_optimizer_v2(model, opt=opt, lr=0.1, weight_decay=0.05, **fused)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    ctx = Context(0, 1, 0, torch.device("cpu"))
+    step = TrainStep(
+        model, model, nn.CrossEntropyLoss(), optimizer, scaler, clip_grad, None, ctx, None, None, False
+    )
+    return step, model
+
+
+@pytest.mark.parametrize("opt", ["adamw", "sgd", "lamb"])
+def test_a_non_finite_loss_changes_no_weight_or_optimizer_state(opt: str) -> None:
+    """Two good steps, a step whose input makes the loss NaN, then a good one: the NaN step leaves
+    weights and optimizer state (moments, step counters) bit for bit as they were, on the device
+    for the fused kernels (adamw, sgd) and by the host's check for the others (lamb); the read
+    names it as the third step and the sum as nan. The good step after it is skipped too (the
+    flag holds until the read), and one after the read trains again."""
+    torch.manual_seed(0)
+    step, model = tiny_step(opt, clip_grad=1.0)
+    x, y = torch.randn(4, 1, 4, 4), torch.tensor([0, 1, 2, 0])
+    for _ in range(2):
+        step(x, y)
+    weights = copy.deepcopy(model.state_dict())
+    state = copy.deepcopy(step.optimizer.state_dict())
+    step(torch.full_like(x, math.nan), y)
+    step(x, y)
+    assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
+    after = step.optimizer.state_dict()["state"]
+    for i, entry in state["state"].items():
+        for k, v in entry.items():
+            assert torch.equal(torch.as_tensor(v), torch.as_tensor(after[i][k])), (i, k)
+    totals = step.read(4)
+    assert totals.bad_step == 2 and math.isnan(totals.bad_loss)
+    step(x, y)
+    assert step.read(1).bad_step is None
+    assert not torch.equal(weights["1.weight"], model.state_dict()["1.weight"])
+
+
+def capture_loop(monkeypatch) -> dict:
+    """Runs stop after one step; the loop they built lands in the returned dict."""
+    captured: dict = {}
+    real = engine.train_one_epoch
+
+    def one_step(loop, stop, stop_after_steps=None):
+        captured["loop"] = loop
+        return real(loop, stop, 1)
+
+    monkeypatch.setattr(engine, "train_one_epoch", one_step)
+    return captured
+
+
+@pytest.mark.parametrize("phase", ["phase1", "phase2"])
+def test_compiled_step_is_one_graph(tmp_path: Path, monkeypatch, phase: str) -> None:
+    """With --compile, the step up to the update (the device loader's crop, flip and colour
+    jitter, forward, loss, gradients, the tally) is one graph: torch._dynamo.explain finds no
+    graph break."""
+    captured = capture_loop(monkeypatch)
+    run(small(tmp_path, "run", phase, train_samples=32, compile=True, drop_path=0.1), progress=Progress(None))
+    loop = captured["loop"]
+    step = loop.step
+    assert step.augment_inside and step.why_not_whole is None
+    loop.train_loader.sampler.set_epoch(0)
+    inputs, y = next(loop.train_loader.batches())
+    explained = torch._dynamo.explain(step._prepared_learn)(inputs, y, step.tally)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+
+
+def test_compiled_step_trains_as_the_eager_one(tmp_path: Path) -> None:
+    """Phase 1 on synthetic images, 8 steps of SGD (an update linear in the gradients, so rounding
+    stays rounding; Adam's first steps are about lr·sign(g), which turns a rounding-sized gradient
+    into a whole step), eager against --compile: every weight within 1e-5 of its tensor's scale.
+    Why 1e-5: the compiled graph fuses and reorders float32 sums (2^-24 ≈ 6e-8 relative per
+    rounding, over sums of a few hundred terms and 8 steps); measured, the two differ by at most
+    1.5e-8, as much as the eager run with 2 threads differs from 1 thread. Training moved every
+    weight tensor but the zero-gradient conv bias by far more (> 1e-6 absolute, checked).
+    (Not on digits: their flat backgrounds make constant tokens, where LayerNorm magnifies the
+    rounding into differences of 30% of the largest gradient, bench/compile_gradients.py.)"""
+    kw = dict(data="synthetic", train_samples=32, opt="sgd", lr=0.05, drop_path=0.0)
+    start = run(small(tmp_path, "start", **{**kw, "lr": 1e-12}), progress=Progress(None))  # the init
+    eager = run(small(tmp_path, "eager", **kw, epochs=2), progress=Progress(None))
+    compiled = run(small(tmp_path, "compiled", **kw, epochs=2, compile=True), progress=Progress(None))
+    a, b, s = (load_file(str(r.model_path)) for r in (eager, compiled, start))
+    for k in a:
+        assert (a[k] - b[k]).abs().max().item() <= 1e-5 * a[k].abs().max().item(), k
+    moved = {k for k in a if (a[k] - s[k]).abs().max().item() > 1e-6}
+    assert moved == set(a) - {"blocks.0.conv.bias", "blocks.1.conv.bias"}
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_a_stopped_run_resumes_bit_for_bit(tmp_path: Path, compile: bool) -> None:
+    """Phase 2 (gated) with drop path and the device loader's augmentation, stopped mid-epoch
+    (step 11 of 16, between read-outs: `log_every` 4) and resumed, against an uninterrupted run:
+    every weight bit-identical, eager and compiled (the compiled graph's random numbers come from
+    torch's generator, whose state the checkpoint restores)."""
+    kw = dict(train_samples=32, epochs=2, drop_path=0.1, log_every=4, compile=compile)
+    whole = run(small(tmp_path, "whole", "phase2", **kw), progress=Progress(None))
+    run(small(tmp_path, "split", "phase2", **kw), progress=Progress(None), stop_after_steps=11)
+    split = run(small(tmp_path, "split", "phase2", **kw, resume=True), progress=Progress(None))
+    a, b = (load_file(str(r.model_path)) for r in (whole, split))
+    assert all(torch.equal(a[k], b[k]) for k in a)
