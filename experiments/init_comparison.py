@@ -200,7 +200,7 @@ def main() -> None:
     print(f"\nwrote {args.out / 'results.json'} and {args.out / 'curves.png'}")
 
 
-def plot(rows: list, path: Path, title: str) -> None:
+def plot(rows: list, path: Path, title: str, ylabel: str = "top-1 % (validation subset)") -> None:
     from convit_convert.train.plot import pyplot
 
     plt = pyplot()
@@ -215,7 +215,7 @@ def plot(rows: list, path: Path, title: str) -> None:
         ax.fill_between(xs, [min(v) for v in zip(*ys, strict=True)], [max(v) for v in zip(*ys, strict=True)],
                         color=line.get_color(), alpha=0.15)  # fmt: skip
     ax.set_xlabel("epoch (two-phase: phase 1, then phase 2)")
-    ax.set_ylabel("top-1 % (validation subset)")
+    ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="lower right")
