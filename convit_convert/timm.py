@@ -14,11 +14,17 @@ resets the head, as timm users expect. Without a file, the keyword arguments are
 ``device``, ``dtype``, ``num_classes=0`` (no head), ``global_pool=""`` (tokens out), and
 ``features_only=True`` with ``out_indices`` (timm's FeatureGetterNet over ``forward_intermediates``).
 ``model.pretrained_cfg`` feeds ``timm.data.resolve_data_config(model=model)``.
+
+A model as timm's pretrained folder (``cmhsa export --format timm``; :func:`export_timm_folder`
+here), loaded back with ``timm.create_model("local-dir:DIR", pretrained=True)`` or, uploaded, with
+``hf-hub:user/name``: :mod:`convit_convert.io.timm_folder` says what the folder holds.
 """
 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,23 +35,13 @@ from torch import nn
 
 from .api import load_checkpoint
 from .config import ViTConfig
-from .data import channel_stats
 from .errors import CmhsaError, article
+from .io.checkpoint import Checkpoint
+from .io.timm_folder import CONFIG, CONFIG_ARG, config_from_arg, pretrained_cfg, write_timm_folder
 from .model import VisionTransformer
 from .theory import heads_needed
 
 _ATTN_ARGS = ("num_heads", "qk_dim", "sink", "pinning")
-
-
-def pretrained_cfg(cfg: ViTConfig, file: str | None = None) -> dict[str, Any]:
-    """timm's description of how a model wants its input, and where its head is."""
-    mean, std = channel_stats(cfg.in_chans)
-    # no first conv to adapt to other in_chans when the patch embedding is the identity (the paper's)
-    first_conv = "patch_embed" if cfg.patch_embed == "linear" else ()
-    # fixed_input_size: the relative position table is the patch grid's, so the image size is fixed
-    return {"input_size": (cfg.in_chans, *cfg.img_size), "fixed_input_size": True, "mean": mean, "std": std,
-            "interpolation": "bicubic", "crop_pct": 0.875, "num_classes": cfg.num_classes,
-            "first_conv": first_conv, "classifier": "head", "file": file, "license": "mit"}  # fmt: skip
 
 
 # Registered under each model's name, so timm's lookups by name (get_pretrained_cfg_value, the data
@@ -59,8 +55,10 @@ default_cfgs = generate_default_cfgs(
 def _create(
     kind: str, pretrained: bool = False, pretrained_cfg_overlay: dict | None = None, **kwargs: Any
 ) -> nn.Module:
-    for timm_only in ("pretrained_cfg", "cache_dir"):
-        kwargs.pop(timm_only, None)
+    source_cfg = kwargs.pop("pretrained_cfg", None)  # timm's, for a folder: its config.json's
+    cache_dir = kwargs.pop("cache_dir", None)
+    folder_args = kwargs.pop(CONFIG_ARG, None)  # a timm folder's model_args (local-dir:, hf-hub:)
+    kwargs.pop("pretrained_model_args", None)  # timm's copy of them
     num_classes, drop_path_rate = kwargs.pop("num_classes", None), kwargs.pop("drop_path_rate", 0.0)
     device, dtype = kwargs.pop("device", None), kwargs.pop("dtype", None)
     global_pool = kwargs.pop("global_pool", None)
@@ -68,7 +66,12 @@ def _create(
         k: kwargs.pop(k) for k in ("features_only", "out_indices", "feature_cls", "output_fmt") if k in kwargs
     }
     file = (pretrained_cfg_overlay or {}).get("file")
-    if pretrained:
+    if folder_args is not None:
+        model = _from_folder(
+            kind, folder_args, source_cfg, pretrained, kwargs, drop_path_rate, device, cache_dir
+        )
+        file = _as_dict(source_cfg).get("file") or _as_dict(source_cfg).get("hf_hub_id")
+    elif pretrained:
         if not file:
             raise CmhsaError(
                 f"cmhsa_{kind} with pretrained=True needs pretrained_cfg_overlay=dict(file=...): cmhsa never downloads"
@@ -99,16 +102,62 @@ def _create(
     return _features(model, **features) if features.pop("features_only", False) else model
 
 
+def _as_dict(cfg: Any) -> dict[str, Any]:
+    """timm's pretrained cfg as a dict (it may be its PretrainedCfg dataclass, or None)."""
+    if cfg is None:
+        return {}
+    return cfg if isinstance(cfg, dict) else cfg.to_dict()
+
+
+def _from_folder(
+    kind: str, folder_args: Any, source_cfg: Any, pretrained: bool, kwargs: dict[str, Any], drop_path_rate: float,
+    device: Any, cache_dir: Any,
+) -> VisionTransformer:  # fmt: skip
+    """A model described by a timm folder's config.json (io/timm_folder.py), with the folder's
+    weights through timm's own loader when ``pretrained``."""
+    source = _as_dict(source_cfg)
+    where = (
+        Path(source["file"]) / CONFIG
+        if source.get("file")
+        else source.get("hf_hub_id", "the model's config.json")
+    )
+    cfg = config_from_arg(folder_args, kind, where)
+    if kwargs:
+        raise CmhsaError(
+            f"the architecture comes from the folder; {', '.join(sorted(kwargs))} cannot change it", where
+        )
+    with torch.device(device) if device is not None else contextlib.nullcontext():
+        model = VisionTransformer(cfg, drop_path_rate)
+    if pretrained:
+        from timm.models import load_pretrained
+
+        # the model is the folder's, channels included: no first-conv adaptation (timm 1.0.16 adapts
+        # whenever in_chans != 3)
+        load_pretrained(model, {**source, "first_conv": None}, num_classes=cfg.num_classes, in_chans=cfg.in_chans,
+                        cache_dir=cache_dir)  # fmt: skip
+    return model.train()
+
+
 def _features(
     model: VisionTransformer,
-    out_indices: int | list[int] = 3,
+    out_indices: int | list[int] | None = None,
     feature_cls: str = "getter",
     output_fmt: str = "NCHW",
 ) -> nn.Module:
     """timm's ``features_only=True``: the blocks' outputs through ``forward_intermediates`` (timm's
-    FeatureGetterNet, as for its own ViTs: the last 3 blocks by default), the rest pruned."""
+    FeatureGetterNet, as for its own ViTs: the last 3 blocks by default, or every block of a
+    shallower model), the rest pruned."""
     if feature_cls != "getter":
         raise TypeError(f"cmhsa models give features through feature_cls='getter', not {feature_cls!r}")
+    depth = len(model.blocks)
+    if out_indices is None:
+        out_indices = min(3, depth)
+    if isinstance(out_indices, int):  # the last n blocks
+        fits = 0 < out_indices <= depth
+    else:  # blocks by index, negative from the end
+        fits = all(-depth <= i < depth for i in out_indices)
+    if not fits:
+        raise ValueError(f"out_indices={out_indices!r}: the model has {depth} blocks (0..{depth - 1})")
     features = FeatureGetterNet(model, out_indices, output_fmt=output_fmt)
     features.pretrained_cfg = features.default_cfg = pretrained_cfg_for_features(model.pretrained_cfg)
     return features
@@ -136,3 +185,40 @@ def cmhsa5_224(pretrained: bool = False, **kwargs: Any) -> nn.Module:
 def cmhsa3_224(pretrained: bool = False, **kwargs: Any) -> nn.Module:
     """The paper's CMHSA-3: as CMHSA-5 with a 3×3 kernel (still 9 heads: K < 2P)."""
     return _create("attn", pretrained, **{"kernel_size": 3, **kwargs})
+
+
+# the folder timm loads (io/timm_folder.py), written and checked ----------------------------------
+
+
+@dataclass
+class TimmFolderReport:
+    checkpoint: Checkpoint
+    folder: Path
+    written: list[Path]
+    max_abs: float  # timm's model against cmhsa's, the same images: logits' largest difference
+
+    @property
+    def passed(self) -> bool:
+        return self.max_abs == 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"command": "export", "format": "timm", "passed": self.passed, "folder": str(self.folder),
+                "written": [str(p) for p in self.written], "max_abs": self.max_abs}  # fmt: skip
+
+
+def export_timm_folder(checkpoint: Path, folder: Path, seed: int = 0) -> TimmFolderReport:
+    """Write ``checkpoint``'s model as timm's folder ``folder`` (io/timm_folder.py), then load it
+    with timm as a timm user would and compare logits on 4 random images (float32, CPU): they must
+    be equal, the same weights in the same model."""
+    import timm
+
+    ckpt = load_checkpoint(checkpoint)
+    model = ckpt.model(torch.float32)
+    meta = {k: ckpt.metadata[k] for k in ("cmhsa.trained", "cmhsa.init") if k in ckpt.metadata}
+    written = write_timm_folder(folder, ckpt.config, model.state_dict(), meta)
+    loaded = timm.create_model(f"local-dir:{folder}", pretrained=True).eval()
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(4, ckpt.config.in_chans, *ckpt.config.img_size, generator=g)
+    with torch.inference_mode():
+        diff = (loaded(x) - model(x)).abs().max().item()
+    return TimmFolderReport(ckpt, folder, written, diff)

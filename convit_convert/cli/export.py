@@ -8,6 +8,7 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
+from ..errors import CmhsaError
 from .common import EXIT_FAIL, console, fmt, path_arg, path_opt, print_import, print_written, safe
 from .options import DEVICE, device_option, output_option
 
@@ -54,11 +55,28 @@ def run_export(checkpoint: Path, output: Path, options: Any, report: Path | None
     return r.passed
 
 
+def run_timm_folder(checkpoint: Path, folder: Path) -> bool:
+    """Write the folder, load it with timm, print what was written and the check; whether it passed."""
+    from ..timm import export_timm_folder
+
+    with console.status(f"Writing {safe(str(folder))} and loading it with timm..."):
+        r = export_timm_folder(checkpoint, folder)
+    print_import(r.checkpoint)
+    console.print(f"Wrote timm's folder {safe(str(folder))}: {', '.join(p.name for p in r.written)}")
+    verdict = "[green]PASS[/]: equal" if r.passed else "[red]FAIL[/]: not equal"
+    console.print(
+        f"{verdict} logits from timm.create_model('local-dir:{safe(str(folder))}', pretrained=True) and cmhsa's model "
+        f"(max |Δ| {fmt(r.max_abs)}, 4 images)"
+    )
+    return r.passed
+
+
 # fmt: off
 @app.command("export")
 def export_cmd(
     checkpoint: Annotated[Path, path_arg("Checkpoint to export (attn or conv).")],
-    output: Annotated[Path, output_option("ONNX file to write (.onnx).")],
+    output: Annotated[Path, output_option("ONNX file to write (.onnx); with --format timm, the folder.")],
+    format: Annotated[str, typer.Option("--format", help="onnx (one file, checked in onnxruntime) or timm (timm's pretrained folder: model.safetensors + config.json, for timm.create_model('local-dir:DIR') and the Hugging Face Hub; checked by loading it with timm). The other options are ONNX's.")] = "onnx",
     opset: Annotated[int | None, typer.Option(help="ai.onnx opset (>= 17; default: the exporter's).", show_default=False)] = None,
     tol: Annotated[float, typer.Option(help="Largest relative error of onnxruntime vs PyTorch.")] = 1e-4,
     exporter: Annotated[str, typer.Option(help="dynamo (torch.export, torch's default) or legacy (TorchScript).")] = "dynamo",
@@ -68,7 +86,11 @@ def export_cmd(
     report: Annotated[Path | None, path_opt("Report path (default: OUTPUT + .report.json).")] = None,
 ) -> None:  # fmt: skip
 # fmt: on
-    """Export a checkpoint to one self-contained ONNX file and check it in onnxruntime (exit 1 outside --tol)."""
+    """Export a checkpoint to one self-contained ONNX file and check it in onnxruntime (exit 1 outside --tol), or as timm's pretrained folder."""
+    if format not in ("onnx", "timm"):
+        raise CmhsaError(f"`--format` must be onnx or timm, got {format!r}")
+    if format == "timm":
+        raise typer.Exit(0 if run_timm_folder(checkpoint, output) else EXIT_FAIL)
     from ..api.export import ExportOptions
 
     options = ExportOptions(opset=opset, tol=tol, exporter=exporter, form=form, device=device, seed=seed)

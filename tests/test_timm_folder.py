@@ -1,0 +1,125 @@
+"""timm's pretrained folder (io/timm_folder.py, `cmhsa export --format timm`): what
+`timm.create_model("local-dir:DIR", pretrained=True)` loads is cmhsa's model, both kinds, two sizes;
+the folder's data config is `cmhsa eval`'s transform; a folder with a bad config is one line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import timm
+import torch
+from PIL import Image
+from typer.testing import CliRunner
+
+import convit_convert.timm  # noqa: F401  (registers cmhsa's architectures)
+from conftest import conv_model
+from convit_convert.api.convert import convert_file
+from convit_convert.cli import app
+from convit_convert.errors import CmhsaError
+from convit_convert.io.checkpoint import save_checkpoint
+from convit_convert.io.timm_folder import CONFIG, WEIGHTS, write_timm_folder
+
+FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "conv_digits.safetensors"
+
+
+def checkpoints(tmp_path: Path) -> dict[str, Path]:
+    """Two sizes of each kind: the shipped digits model (1 channel, 32 px, depth 4) and a random
+    12×8 px RGB model with a linear patch embedding, each with its exact conversion."""
+    small = conv_model(seed=3, dtype=torch.float32, patch_embed="linear", in_chans=3)
+    save_checkpoint(tmp_path / "small.safetensors", small.cfg, small.state_dict())
+    files = {"conv digits": FIXTURE, "conv small": tmp_path / "small.safetensors"}
+    for name, src in list(files.items()):
+        out = tmp_path / f"{name.split()[1]}-attn.safetensors"
+        convert_file(src, out)
+        files[name.replace("conv", "attn")] = out
+    return files
+
+
+def test_a_folder_loads_in_timm_as_the_same_model_both_kinds_two_sizes(tmp_path: Path) -> None:
+    """Each model written by `cmhsa export --format timm`, then loaded by timm from the folder as a
+    timm user would: logits equal, bit for bit, to cmhsa's model from the original file on the
+    same images (the same weights in the same model), and the folder holds exactly timm's two
+    files, config.json naming the architecture, classes and features."""
+    from convit_convert.api import load_checkpoint
+
+    for name, src in checkpoints(tmp_path).items():
+        folder = tmp_path / name.replace(" ", "-")
+        r = CliRunner().invoke(app, ["export", str(src), "--format", "timm", "-o", str(folder)])
+        assert r.exit_code == 0, (name, r.output)
+        assert sorted(p.name for p in folder.iterdir()) == [CONFIG, WEIGHTS]
+        ckpt = load_checkpoint(src)
+        config = json.loads((folder / CONFIG).read_text())
+        assert config["architecture"] == f"cmhsa_{ckpt.kind}"
+        assert (config["num_classes"], config["num_features"]) == (
+            ckpt.config.num_classes,
+            ckpt.config.embed_dim,
+        )
+        model = timm.create_model(f"local-dir:{folder}", pretrained=True).eval()
+        x = torch.randn(
+            3, ckpt.config.in_chans, *ckpt.config.img_size, generator=torch.Generator().manual_seed(1)
+        )
+        with torch.inference_mode():
+            ref = ckpt.model(torch.float32)(x)
+            assert torch.equal(model(x), ref), name
+            assert torch.equal(load_checkpoint(folder / WEIGHTS).model(torch.float32)(x), ref), (
+                name
+            )  # cmhsa reads it
+
+
+def test_the_folders_data_config_is_cmhsa_evals_transform(tmp_path: Path) -> None:
+    """timm's resolve_data_config + create_transform on the loaded model against the transform
+    `cmhsa eval` applies (convit_convert.data.build_transform, eval), on an RGB image of another size:
+    the same tensor."""
+    from convit_convert.data import build_transform
+    from convit_convert.train.config import TrainConfig
+
+    small = conv_model(seed=3, dtype=torch.float32, patch_embed="linear", in_chans=3)
+    write_timm_folder(tmp_path / "m", small.cfg, small.state_dict())
+    model = timm.create_model(f"local-dir:{tmp_path / 'm'}", pretrained=True)
+    theirs = timm.data.create_transform(**timm.data.resolve_data_config(model=model))
+    ours = build_transform(small.cfg.img_size, False, TrainConfig.from_flags().recipe, 3)
+    img = Image.fromarray(np.random.default_rng(0).integers(0, 256, (30, 21, 3), dtype=np.uint8))
+    assert torch.equal(theirs(img), ours(img))
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda c: c["model_args"].update(cmhsa_config="x"), "is not a JSON object"),
+        (lambda c: c["model_args"]["cmhsa_config"].update(depth=-1), "depth"),
+        (lambda c: c.update(architecture="cmhsa_attn"), "missing key"),
+    ],
+)
+def test_a_folder_with_a_bad_config_is_one_line_naming_it(tmp_path: Path, edit, message: str) -> None:
+    """A config.json edited by hand: a CmhsaError naming the folder's config.json (a conv model's
+    config under the attention architecture is refused as not a valid attention config)."""
+    small = conv_model(seed=3, dtype=torch.float32)
+    write_timm_folder(tmp_path / "m", small.cfg, small.state_dict())
+    config = json.loads((tmp_path / "m" / CONFIG).read_text())
+    edit(config)
+    (tmp_path / "m" / CONFIG).write_text(json.dumps(config))
+    with pytest.raises(CmhsaError, match=message) as info:
+        timm.create_model(f"local-dir:{tmp_path / 'm'}", pretrained=True)
+    assert str(tmp_path / "m" / CONFIG) in str(info.value) and "\n" not in str(info.value)
+
+
+def test_export_format_timm_refuses_a_file_as_the_folder(tmp_path: Path) -> None:
+    (tmp_path / "taken").write_text("x")
+    r = CliRunner().invoke(app, ["export", str(FIXTURE), "--format", "timm", "-o", str(tmp_path / "taken")])
+    assert r.exit_code == 2 and "a timm folder is a directory" in r.output
+    assert (tmp_path / "taken").read_text() == "x"
+
+
+def test_features_only_defaults_to_the_blocks_a_shallow_model_has() -> None:
+    """timm's ViTs give their last 3 blocks; a depth-2 model gives its 2 (it raised "the last 3
+    blocks: the model has 2"), and an out_indices past the model names out_indices."""
+    feats = timm.create_model(
+        "cmhsa_conv", img_size=16, patch_size=4, depth=2, kernel_size=3, features_only=True
+    )
+    assert [f.shape for f in feats(torch.randn(1, 3, 16, 16))] == [(1, 48, 4, 4)] * 2
+    with pytest.raises(ValueError, match=r"out_indices=\(0, 5\): the model has 2 blocks"):
+        timm.create_model("cmhsa_conv", img_size=16, patch_size=4, depth=2, kernel_size=3, features_only=True,
+                          out_indices=(0, 5))  # fmt: skip
