@@ -25,6 +25,7 @@ from .io.paths import make_folder, open_regular, remove_made, require_regular
 from .resources import check_fits
 
 DATASETS = ("cifar10", "cifar100", "imagefolder", "digits", "fashion-mnist", "synthetic")
+GREY = ("digits", "fashion-mnist")  # datasets whose images are grey (digits is held as grey RGB)
 NEEDS_DIR = ("cifar10", "cifar100", "imagefolder")  # the datasets only `data_dir` can give
 FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"  # Debian's dataset-fashion-mnist
 MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: spreads (seed, epoch, index) over the seed space

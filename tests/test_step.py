@@ -203,3 +203,16 @@ def test_under_torchrun_one_ranks_stop_stops_every_rank_at_the_next_read_out(tmp
     assert (state["epoch"], state["step"] % 4) == (0, 0) and 4 <= state["step"] < 16, state["step"]
     r = subprocess.run([*cmd, "--resume"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=240)
     assert r.returncode == 0 and (out / "conv.safetensors").is_file(), r.stderr[-2000:]
+
+
+@pytest.mark.parametrize(("chans", "noted"), [(3, True), (1, False)])
+def test_the_start_line_names_the_channels_and_grey_data_at_3_gets_a_note(
+    tmp_path: Path, chans: int, noted: bool
+) -> None:
+    """Digits are grey: trained with 3 input channels (the default) the run says so in one line;
+    the start line names the channel count either way."""
+    lines: list[str] = []
+    run(small(tmp_path, f"c{chans}", train_samples=8, in_chans=chans), progress=Progress(lines.append))
+    start = next(line for line in lines if line.startswith("phase1: conv model"))
+    assert f"{chans} input channel" in start
+    assert any(line.startswith("note: the digits images are grey") for line in lines) == noted

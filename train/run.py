@@ -30,6 +30,7 @@ from ..api.export import ExportReport, export_checkpoint
 from ..config import ViTConfig
 from ..data import (
     DATASETS,
+    GREY,
     NEEDS_DIR,
     DataSpec,
     build_data,
@@ -415,13 +416,19 @@ def build(
     if ctx.is_main:
         n_params = sum(p.numel() for p in model.parameters())
         reporter.log(
-            f"{cfg.phase}: {kind} model, {n_params / 1e6:.2f} M parameters, {spec.num_classes} classes; "
+            f"{cfg.phase}: {kind} model, {n_params / 1e6:.2f} M parameters, {pm.config.in_chans} input "
+            f"channel{'s' if pm.config.in_chans > 1 else ''}, {spec.num_classes} classes; "
             f"{len(spec.train)} train / {len(spec.val)} val images; {ctx.world} process(es) on {device}, "
             f"amp {str(dtype).removeprefix('torch.') if dtype else 'none'}; {steps_per_epoch} steps/epoch; "
             f"loader {loader}"
             + (f" ({cfg.runtime.workers} workers)" if loader == "workers" else "")
             + f", {cfg.runtime.threads} threads"
         )
+        if cfg.data.name in GREY and pm.config.in_chans == 3:
+            reporter.log(
+                f"note: the {cfg.data.name} images are grey: with 3 input channels the model sees each one three "
+                "times over (--in-chans 1: the same information, a third of the input)"
+            )
     probe = next(iter(loaders[1]))[0][:64].to(device) if pm.config.kind == "attn" else None
     prepare = getattr(loaders[0], "prepare", None)  # the device loader augments inside the step
     step = TrainStep(model, fwd, criterion, optimizer, scaler, cfg.recipe.clip_grad, dtype, ctx, prepare, mixup,

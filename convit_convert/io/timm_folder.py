@@ -14,6 +14,7 @@ was; ``pretrained_cfg`` is how the model wants its input (timm's ``resolve_data_
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,21 @@ def pretrained_cfg(cfg: ViTConfig, file: str | None = None) -> dict[str, Any]:
     return {"input_size": (cfg.in_chans, *cfg.img_size), "fixed_input_size": True, "mean": mean, "std": std,
             "interpolation": "bicubic", "crop_pct": 0.875, "num_classes": cfg.num_classes,
             "first_conv": first_conv, "classifier": "head", "file": file, "license": "mit"}  # fmt: skip
+
+
+def preprocessing(cfg: ViTConfig) -> dict[str, str]:
+    """How a model of ``cfg`` wants an image, as strings (an ONNX file's ``metadata_props``):
+    ``cmhsa eval``'s transform, timm's eval one, step by step (resize the shorter side to
+    floor(size / crop_pct), centre crop, scale to 0..1, normalise)."""
+    pcfg = pretrained_cfg(cfg)
+    c, h, w = pcfg["input_size"]
+    return {
+        "input_size": json.dumps([c, h, w]), "channels": "L" if c == 1 else "RGB",
+        "resize_shorter_to": str(math.floor(min(h, w) / pcfg["crop_pct"])), "interpolation": pcfg["interpolation"],
+        "crop": "center", "crop_pct": str(pcfg["crop_pct"]), "scale": "1/255",
+        "mean": json.dumps(list(pcfg["mean"])), "std": json.dumps(list(pcfg["std"])),
+        "num_classes": str(cfg.num_classes), "layout": "NCHW float32, input pixel_values, output logits",
+    }  # fmt: skip
 
 
 def timm_config(cfg: ViTConfig) -> dict[str, Any]:

@@ -40,6 +40,7 @@ import torch
 
 from ..deploy import fuse_attention, prepare_for_export
 from ..errors import CmhsaError
+from ..io.timm_folder import preprocessing
 from ..model import VisionTransformer
 from ..verify import relative_error
 from .load import ort_session
@@ -228,6 +229,22 @@ class Exported:
     timings: dict[str, float]
 
 
+def describe(proto: Any, cfg: Any) -> None:
+    """The file says how to prepare its input: ``metadata_props`` holds the preprocessing
+    (io/timm_folder.preprocessing: size, resize, crop, mean and std, channels), ``doc_string`` a
+    sentence naming them; onnxruntime shows both (``session.get_modelmeta()``)."""
+    import onnx
+
+    props = preprocessing(cfg)
+    onnx.helper.set_model_props(proto, props)
+    proto.doc_string = (
+        f"cmhsa {cfg.kind} model, {cfg.num_classes} classes. Input pixel_values (batch, {props['input_size']}): "
+        f"an image as {props['channels']}, its shorter side resized to {props['resize_shorter_to']} "
+        f"({props['interpolation']}), centre-cropped, scaled by 1/255, normalised with mean {props['mean']} "
+        f"and std {props['std']} (metadata_props)."
+    )
+
+
 def export_and_check(
     model: VisionTransformer, *, exporter: str = "dynamo", opset: int | None = None, tol: float = 1e-4,
     providers: list[str] | None = None, seed: int = 0, path: Any = None, form: str = "fused",
@@ -251,6 +268,7 @@ def export_and_check(
         path=path,
     )
     check_s = time.perf_counter() - t
+    describe(proto, model.cfg)
     return Exported(
         data=proto.SerializeToString(),
         check=check,
