@@ -254,18 +254,23 @@ def _image_file(path: str) -> bool:
     return True
 
 
-def image_folder(root: Path) -> DataSpec:
+def image_folder(root: Path, val_only: bool = False) -> DataSpec:
+    """``root``'s train/ and val/ class folders; with ``val_only`` (evaluation), val/ alone (the
+    train split then empty)."""
     from torchvision.datasets import ImageFolder
 
-    for split in ("train", "val"):
+    splits = ("val",) if val_only else ("train", "val")
+    for split in splits:
         if not (root / split).is_dir():
             raise CmhsaError(f"imagefolder needs {split}/ (class folders of images) inside", root)
     try:
-        train, val = (
-            ImageFolder(str(root / s), loader=load_image, is_valid_file=_image_file) for s in ("train", "val")
-        )
+        found = [ImageFolder(str(root / s), loader=load_image, is_valid_file=_image_file) for s in splits]
     except (FileNotFoundError, RuntimeError) as e:
         raise CmhsaError(f"not a usable image folder ({first_line(e, 200)})", root) from None
+    val = found[-1]
+    if val_only:
+        return DataSpec(Subset(val, []), val, len(val.classes))
+    train = found[0]
     if train.classes != val.classes:
         raise CmhsaError("train/ and val/ have different class folders", root)
     return DataSpec(train, val, len(train.classes))
@@ -274,16 +279,16 @@ def image_folder(root: Path) -> DataSpec:
 def build_data(
     name: str, data_dir: str | Path | None, img_size: tuple[int, int] | None = None, *, download: bool = False,
     num_classes: int = 10, seed: int = 0, train_samples: int | None = None, val_samples: int | None = None,
-    holdout: int | None = None,
+    holdout: int | None = None, val_only: bool = False,
 ) -> DataSpec:  # fmt: skip
     """The named dataset's train and val splits, untransformed (``img_size``: the size synthetic
     images are made at; the other sources have their own); with ``train_samples``, a fixed
     subset of that many training images (seeded by ``seed``); with ``val_samples``, the first that
     many validation images (the same for every seed, so runs are compared on the same images); with
     ``holdout``, ``val`` is that many training images outside the subset instead (the next ones of
-    the same seeded permutation), so tuning never sees the validation split. Bad folders and counts
-    raise CmhsaError."""
-    spec = _build_data(name, data_dir, img_size, download, num_classes, seed)
+    the same seeded permutation), so tuning never sees the validation split. ``val_only``
+    (evaluation): an image folder needs only val/. Bad folders and counts raise CmhsaError."""
+    spec = _build_data(name, data_dir, img_size, download, num_classes, seed, val_only)
     if holdout is not None:
         if train_samples is None or val_samples is not None:
             raise CmhsaError(
@@ -321,6 +326,7 @@ def _build_data(
     download: bool,
     num_classes: int,
     seed: int,
+    val_only: bool = False,
 ) -> DataSpec:
     if name not in DATASETS:
         raise CmhsaError(f"`data` must be one of {', '.join(DATASETS)}, got {name!r}")
@@ -343,7 +349,7 @@ def _build_data(
     if not root.is_dir() and not (download and name.startswith("cifar")):
         raise CmhsaError("data folder does not exist", root)
     if name == "imagefolder":
-        return image_folder(root)
+        return image_folder(root, val_only)
     return cifar(name, root, download)
 
 

@@ -97,6 +97,39 @@ def test_imagefolder_and_bad_folders(tmp_path: Path) -> None:
     for name, root, msg in cases:
         with pytest.raises(CmhsaError, match=msg):
             build_data(name, root, (16, 16))
+    # evaluation needs only val/ (it needed train/ too); training still refuses a folder without it
+    (tmp_path / "v").mkdir()
+    (tmp_path / "f" / "val").rename(tmp_path / "v" / "val")
+    spec = build_data("imagefolder", tmp_path / "v", (16, 16), val_only=True)
+    assert (spec.num_classes, len(spec.train), len(spec.val)) == (2, 0, 2)
+    with pytest.raises(CmhsaError, match="needs train/"):
+        build_data("imagefolder", tmp_path / "v", (16, 16))
+
+
+def test_eval_of_an_image_folder_needs_only_val(tmp_path: Path) -> None:
+    """`cmhsa eval --data imagefolder` on a folder holding val/ alone: top-1 printed, exit 0."""
+    from PIL import Image
+
+    from convit_convert.config import ViTConfig
+    from convit_convert.io.checkpoint import save_checkpoint
+    from convit_convert.model import VisionTransformer
+
+    rng = np.random.default_rng(0)
+    for c in ("a", "b"):
+        (tmp_path / "val" / c).mkdir(parents=True)
+        for i in range(3):
+            Image.fromarray(rng.integers(0, 256, (8, 8, 3), dtype=np.uint8)).save(
+                tmp_path / "val" / c / f"{i}.png"
+            )
+    model = tmp_path / "m.safetensors"
+    conv = VisionTransformer(
+        ViTConfig.build(img_size=(16, 16), patch_size=4, depth=1, kernel_size=3, num_classes=2)
+    )
+    save_checkpoint(model, conv.cfg, conv.state_dict())
+    r = CliRunner().invoke(
+        app, ["eval", str(model), "--data", "imagefolder", "--data-dir", str(tmp_path), "--workers", "0"]
+    )
+    assert r.exit_code == 0 and "6 images" in " ".join(r.output.split()), r.output
 
 
 def test_sampler_batches_do_not_depend_on_world_size() -> None:

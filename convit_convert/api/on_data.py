@@ -67,13 +67,21 @@ def evaluate(
 
 def _dataset(
     cfg: ViTConfig, data: str, data_dir: str | None, *, download: bool = False, crop_pct: float, seed: int,
-    path: object = None, param: str = "data",
+    path: object = None, param: str = "data", val_only: bool = False,
 ) -> tuple[DataSpec, Any]:  # fmt: skip
     """``data`` (the value of library parameter ``param``) for a model of ``cfg``, and the evaluation
     transform for it; a dataset whose classes or images do not fit the model is refused."""
     if data not in DATASETS:
         raise CmhsaError(f"`{param}` must be one of {', '.join(DATASETS)}, got {data!r}")
-    spec = build_data(data, data_dir, cfg.img_size, download=download, num_classes=cfg.num_classes, seed=seed)
+    spec = build_data(
+        data,
+        data_dir,
+        cfg.img_size,
+        download=download,
+        num_classes=cfg.num_classes,
+        seed=seed,
+        val_only=val_only,
+    )
     if spec.num_classes != cfg.num_classes:
         msg = f"has {cfg.num_classes} classes but `{param}` {data} has {spec.num_classes}"
         raise CmhsaError(msg if path else f"the model {msg}", path)
@@ -87,7 +95,9 @@ def _val_loader(
 ) -> tuple[DataLoader, int]:  # fmt: skip
     """The validation loader of ``data`` preprocessed for ``ckpt``'s model, and the split's size."""
     cfg = ckpt.config
-    spec, tf = _dataset(cfg, data, data_dir, download=download, crop_pct=crop_pct, seed=seed, path=ckpt.path)
+    spec, tf = _dataset(
+        cfg, data, data_dir, download=download, crop_pct=crop_pct, seed=seed, path=ckpt.path, val_only=True
+    )
     loader = build_loader(
         spec.val, tf, training=False, batch_size=batch_size, seed=seed, workers=workers,
         pin_memory=dev.type == "cuda", in_chans=cfg.in_chans,
