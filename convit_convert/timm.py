@@ -55,7 +55,7 @@ default_cfgs = generate_default_cfgs(
 def _create(
     kind: str, pretrained: bool = False, pretrained_cfg_overlay: dict | None = None, **kwargs: Any
 ) -> nn.Module:
-    source_cfg = kwargs.pop("pretrained_cfg", None)  # timm's, for a folder: its config.json's
+    source = _as_dict(kwargs.pop("pretrained_cfg", None))  # timm's, for a folder: its config.json's
     cache_dir = kwargs.pop("cache_dir", None)
     folder_args = kwargs.pop(CONFIG_ARG, None)  # a timm folder's model_args (local-dir:, hf-hub:)
     kwargs.pop("pretrained_model_args", None)  # timm's copy of them
@@ -67,19 +67,14 @@ def _create(
     }
     file = (pretrained_cfg_overlay or {}).get("file")
     if folder_args is not None:
-        model = _from_folder(
-            kind, folder_args, source_cfg, pretrained, kwargs, drop_path_rate, device, cache_dir
-        )
-        file = _as_dict(source_cfg).get("file") or _as_dict(source_cfg).get("hf_hub_id")
+        file = source.get("file") or source.get("hf_hub_id")
+        model = _from_folder(kind, folder_args, source, pretrained, kwargs, drop_path_rate, device, cache_dir)
     elif pretrained:
         if not file:
             raise CmhsaError(
                 f"cmhsa_{kind} with pretrained=True needs pretrained_cfg_overlay=dict(file=...): cmhsa never downloads"
             )
-        if kwargs:
-            raise CmhsaError(
-                f"the architecture comes from the file; {', '.join(sorted(kwargs))} cannot change it", file
-            )
+        _architecture_fixed(kwargs, "file", file)
         ckpt = load_checkpoint(file)
         if ckpt.kind != kind:
             raise CmhsaError(
@@ -109,23 +104,27 @@ def _as_dict(cfg: Any) -> dict[str, Any]:
     return cfg if isinstance(cfg, dict) else cfg.to_dict()
 
 
+def _architecture_fixed(kwargs: dict[str, Any], source: str, where: object) -> None:
+    """Architecture keywords with pretrained weights: one line, the architecture is the ``source``'s."""
+    if kwargs:
+        raise CmhsaError(
+            f"the architecture comes from the {source}; {', '.join(sorted(kwargs))} cannot change it", where
+        )
+
+
 def _from_folder(
-    kind: str, folder_args: Any, source_cfg: Any, pretrained: bool, kwargs: dict[str, Any], drop_path_rate: float,
-    device: Any, cache_dir: Any,
+    kind: str, folder_args: Any, source: dict[str, Any], pretrained: bool, kwargs: dict[str, Any],
+    drop_path_rate: float, device: Any, cache_dir: Any,
 ) -> VisionTransformer:  # fmt: skip
-    """A model described by a timm folder's config.json (io/timm_folder.py), with the folder's
-    weights through timm's own loader when ``pretrained``."""
-    source = _as_dict(source_cfg)
+    """A model described by a timm folder's config.json (io/timm_folder.py; ``source``: timm's
+    pretrained cfg of it), with the folder's weights through timm's own loader when ``pretrained``."""
     where = (
         Path(source["file"]) / CONFIG
         if source.get("file")
         else source.get("hf_hub_id", "the model's config.json")
     )
     cfg = config_from_arg(folder_args, kind, where)
-    if kwargs:
-        raise CmhsaError(
-            f"the architecture comes from the folder; {', '.join(sorted(kwargs))} cannot change it", where
-        )
+    _architecture_fixed(kwargs, "folder", where)
     with torch.device(device) if device is not None else contextlib.nullcontext():
         model = VisionTransformer(cfg, drop_path_rate)
     if pretrained:

@@ -102,7 +102,7 @@ def test_a_non_finite_loss_changes_no_weight_or_optimizer_state(opt: str) -> Non
         for k, v in entry.items():
             assert torch.equal(torch.as_tensor(v), torch.as_tensor(after[i][k])), (i, k)
     totals = step.read(4)
-    assert totals.bad_step == 2 and math.isnan(totals.bad_loss)
+    assert totals.bad_step == 2 and math.isnan(totals.loss_sum)
     step(x, y)
     assert step.read(1).bad_step is None
     assert not torch.equal(weights["1.weight"], model.state_dict()["1.weight"])

@@ -192,9 +192,6 @@ class Params:
     jitter_order: torch.Tensor  # (n, 3) int64: a permutation of (0, 1, 2)
     erase: torch.Tensor  # (n, 5) int64: applied, top, left, height, width
 
-    def rows(self, lo: int, hi: int) -> Params:
-        return Params(**{f.name: getattr(self, f.name)[lo:hi] for f in fields(self)})
-
     def split(self, size: int) -> list[Params]:
         """Consecutive blocks of ``size`` samples (one op per field, not per block)."""
         parts = [getattr(self, f.name).split(size) for f in fields(self)]
@@ -337,7 +334,12 @@ def grey(x: torch.Tensor) -> torch.Tensor:
 def blend(degenerate: torch.Tensor, x: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
     """PIL's Image.blend for uint8 images: degenerate + f·(x − degenerate), clipped, truncated."""
     f = factor.view(-1, 1, 1, 1).to(x)
-    return torch.floor((degenerate + f * (x - degenerate)).clamp(0, 255))
+    return torch.floor((degenerate + f * (x - degenerate)).clamp(0, 255))  # not addcmul: it rounds otherwise
+
+
+def grey_mean(g: torch.Tensor) -> torch.Tensor:
+    """(n, 1, 1, 1): each grey image's mean level, rounded (PIL's ImageEnhance.Contrast)."""
+    return torch.floor(g.mean((1, 2, 3), keepdim=True) + 0.5)
 
 
 def brightness(x: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
@@ -345,8 +347,7 @@ def brightness(x: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
 
 
 def contrast(x: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
-    mean = torch.floor(grey(x).mean((1, 2, 3), keepdim=True) + 0.5)
-    return blend(mean.expand_as(x), x, f)
+    return blend(grey_mean(grey(x)).expand_as(x), x, f)
 
 
 def color(x: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
@@ -620,9 +621,8 @@ def color_jitter(x: torch.Tensor, factors: torch.Tensor, order: torch.Tensor) ->
     for slot in plan.view(n, 3, 3, 1, 1, 1).unbind(2):
         factor, is_contrast, is_colour = slot.unbind(1)  # (n, 1, 1, 1) each
         g = grey(x)
-        mean = torch.floor(g.mean((1, 2, 3), keepdim=True) + 0.5)
-        d = torch.addcmul(mean * is_contrast, g, is_colour)  # exact: the picks are 0 or 1
-        x = torch.floor(torch.addcmul(d, factor, x - d).clamp(0, 255))
+        d = torch.addcmul(grey_mean(g) * is_contrast, g, is_colour)  # exact: the picks are 0 or 1
+        x = blend(d, x, factor)
     return x
 
 

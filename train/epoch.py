@@ -90,17 +90,19 @@ def read_out(loop: Loop, stop: Any, step: int, since: int, t_last: float) -> boo
     line (the one host read of a stretch of steps); a non-finite loss among them stops the run.
     True if a stop was requested (on any rank)."""
     st, ctx = loop.state, loop.ctx
-    totals = loop.step.read(step + 1 - since)
-    if totals.bad_step is not None:
-        raise CheckFailed(non_finite_message(totals.bad_loss, st.epoch, since + totals.bad_step, loop.out))
     steps = step + 1 - since
+    totals = loop.step.read(steps)
+    if totals.bad_step is not None:
+        raise CheckFailed(non_finite_message(totals.loss_sum, st.epoch, since + totals.bad_step, loop.out))
     now = time.perf_counter()
+    images = steps * loop.cfg.recipe.batch_size * ctx.world
     st.partial["loss_sum"] += totals.loss_sum
     st.partial["seconds"] += now - t_last
-    st.partial["images"] += steps * loop.cfg.recipe.batch_size * ctx.world
-    rate = steps * loop.cfg.recipe.batch_size * ctx.world / max(now - t_last, 1e-9)
+    st.partial["images"] += images
     lr = float(st.optimizer.param_groups[0]["lr"])
-    loop.reporter.step(st.epoch, step, totals.loss_sum / max(steps, 1), lr, rate)
+    loop.reporter.step(st.epoch, step, totals.loss_sum / steps, lr, images / max(now - t_last, 1e-9))
+    if not ctx.distributed:
+        return stop.signal is not None
     stopping = torch.tensor(float(stop.signal is not None), device=ctx.device)
     return all_reduce_sum(stopping, ctx).item() > 0
 

@@ -49,9 +49,8 @@ def fusable(optimizer_class: type) -> bool:
 class Totals:
     """What the steps since the last read did, read back in one transfer."""
 
-    loss_sum: float  # sum of the steps' mean losses over ranks
+    loss_sum: float  # sum of the steps' mean losses over ranks: nan or ±inf from a non-finite one on
     bad_step: int | None  # index among those steps of the first non-finite loss; None: all finite
-    bad_loss: float  # nan or ±inf: the sum from that loss on
 
 
 class TrainStep:
@@ -63,7 +62,7 @@ class TrainStep:
         clip_grad: float | None, dtype: torch.dtype | None, ctx: Context,
         prepare: Callable[[Any], torch.Tensor] | None, mixup: Any, compile: bool,
     ) -> None:  # fmt: skip
-        self.model, self.fwd, self.criterion, self.optimizer = model, fwd, criterion, optimizer
+        self.fwd, self.criterion, self.optimizer = fwd, criterion, optimizer
         self.scaler, self.clip_grad, self.dtype, self.ctx = scaler, clip_grad, dtype, ctx
         self.prepare, self.mixup = prepare, mixup
         self.scaling = scaler.is_enabled()  # fp16's GradScaler (read once: dynamo does not trace it)
@@ -149,8 +148,7 @@ class TrainStep:
         then zeroed."""
         loss_sum, finite = self.tally.tolist()
         self.tally = torch.zeros_like(self.tally)
-        bad = None if finite == steps else int(finite)
-        return Totals(loss_sum, bad, loss_sum if bad is not None else 0.0)
+        return Totals(loss_sum, None if finite == steps else int(finite))
 
 
 def whole_step_refusal(ctx: Context, scaling: bool) -> str | None:
