@@ -205,13 +205,14 @@ class TimmFolderReport:
                 "written": [str(p) for p in self.written], "max_abs": self.max_abs}  # fmt: skip
 
 
-def export_timm_folder(checkpoint: Path, folder: Path, seed: int = 0) -> TimmFolderReport:
-    """Write ``checkpoint``'s model as timm's folder ``folder`` (io/timm_folder.py), then load it
-    with timm as a timm user would and compare logits on 4 random images (float32, CPU): they must
-    be equal, the same weights in the same model."""
+def export_timm_folder(checkpoint: Path | Checkpoint, folder: Path, seed: int = 0) -> TimmFolderReport:
+    """Write ``checkpoint``'s model (a file, or one held in memory: ``cmhsa train --export-timm``)
+    as timm's folder ``folder`` (io/timm_folder.py), then load it with timm as a timm user would and
+    compare logits on 4 random images (float32, CPU): they must be equal, the same weights in the
+    same model."""
     import timm
 
-    ckpt = load_checkpoint(checkpoint)
+    ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else load_checkpoint(checkpoint)
     model = ckpt.model(torch.float32)
     meta = {k: ckpt.metadata[k] for k in ("cmhsa.trained", "cmhsa.init") if k in ckpt.metadata}
     written = write_timm_folder(folder, ckpt.config, model.state_dict(), meta)

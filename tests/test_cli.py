@@ -345,3 +345,22 @@ def test_help_and_heads_do_not_import_torch() -> None:
 def test_conversion_path_does_not_import_timm(fixture_path: Path, tmp_path: Path) -> None:
     mods = imported_after(["convert", str(fixture_path), "-o", str(tmp_path / "v.safetensors")])
     assert "torch" in mods and not mods & {"timm", "torchvision"}
+
+
+def test_output_to_a_file_is_not_wrapped(converted: tuple[Path, Path], tmp_path: Path) -> None:
+    """Printed to a file or a pipe, a line ends where its text does (rich would wrap it at 80
+    columns, splitting what a reader greps); COLUMNS still sets a width. A path of 150 characters
+    makes the line long."""
+    deep = tmp_path / ("d" * 120)
+    deep.mkdir()
+    src = shutil.copy(converted[0], deep / "conv.safetensors")
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    cmd = [sys.executable, "-m", "convit_convert", "verify", src, converted[1]]
+    with open(tmp_path / "out.txt", "w") as f:
+        assert subprocess.run(cmd, stdout=f, stdin=subprocess.DEVNULL, env=env).returncode == 0
+    lines = (tmp_path / "out.txt").read_text().splitlines()
+    assert any(str(src) in ln for ln in lines), lines
+    narrow = subprocess.run(
+        cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL, env={**env, "COLUMNS": "80"}
+    )
+    assert max(len(ln) for ln in narrow.stdout.splitlines()) <= 80 and str(src) not in narrow.stdout

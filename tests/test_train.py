@@ -386,9 +386,14 @@ def invoke(*args: object):
 
 
 def test_cli_phase1_phase2_eval_plot(tmp_path: Path) -> None:
-    r = invoke("train", "phase1", *CLI_TINY, "-o", tmp_path / "p1")
+    r = invoke("train", "phase1", *CLI_TINY, "-o", tmp_path / "p1", "--export-timm")
     assert r.exit_code == 0, r.output
     conv = tmp_path / "p1" / "conv.safetensors"
+    assert "PASS: equal logits from timm.create_model('local-dir:" in r.output
+    assert sorted(p.name for p in (tmp_path / "p1" / "timm").iterdir()) == [
+        "config.json",
+        "model.safetensors",
+    ]
     cfg = json.loads((tmp_path / "p1" / "config.json").read_text())
     assert cfg["kind"] == "conv" and cfg["model"]["kernel_size"] == 3 and cfg["aa"] == "rand-m9-mstd0.5-inc1"
     r = invoke(
@@ -580,6 +585,33 @@ def test_export_onnx_exports_the_trained_model_from_memory(tmp_path: Path) -> No
         want = load_checkpoint(res.model_path).model(torch.float32)(x)
     # float32 through two runtimes: 1e-4 relative is the export check's own tolerance
     assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+
+
+def test_export_timm_writes_the_trained_model_as_a_timm_folder(tmp_path: Path) -> None:
+    """``export_timm``: the run's timm/ folder loads with timm (local-dir:) into a model whose logits
+    equal those of the safetensors file the run saved, read back by cmhsa; a new run in the folder
+    with `overwrite` and no export removes the old run's folder files with its other outputs."""
+    import timm
+
+    import convit_convert.timm  # noqa: F401  (registers cmhsa_conv / cmhsa_attn)
+    from convit_convert.api import load_checkpoint
+
+    lines = []
+    res = run(
+        tiny(tmp_path, epochs=1, export_timm=True, crop_pct=1.0, **PLAIN), progress=Progress(lines.append)
+    )
+    assert [ln for ln in lines if "exported preprocessing" in ln] == [
+        "note: the exported preprocessing is cmhsa eval's (bicubic, crop 0.875), not this run's "
+        "`interpolation` bicubic and `crop_pct` 1.0"
+    ]
+    assert res.timm is not None and res.timm.passed and res.timm.folder == res.out / "timm"
+    loaded = timm.create_model(f"local-dir:{res.out / 'timm'}", pretrained=True).eval()
+    x = torch.randn(3, 3, 16, 16)
+    with torch.no_grad():
+        # the same weights in the same model, both float32 on the CPU: equal, not close
+        assert torch.equal(loaded(x), load_checkpoint(res.model_path).model(torch.float32).eval()(x))
+    run(tiny(tmp_path, epochs=1, seed=1, overwrite=True, **PLAIN))
+    assert not any((res.out / "timm").iterdir())
 
 
 def test_holdout_is_training_images_the_subset_left_out(tmp_path: Path) -> None:

@@ -142,6 +142,7 @@ class RuntimeConfig:
     keep: int = 0
     log_every: int = 50
     export_onnx: bool = False
+    export_timm: bool = False  # timm's pretrained folder, out/timm/
 
 
 # The flat flags (config.json's keys, in its order) -> (group, field); None: a field of TrainConfig.

@@ -47,7 +47,9 @@ from ..io.atomic import check_writable
 from ..io.checkpoint import Checkpoint, save_checkpoint
 from ..io.lock import LOCK_NAME, locked_folder
 from ..io.paths import make_folder, remove_made
+from ..io.timm_folder import CONFIG, WEIGHTS, pretrained_cfg
 from ..model import VisionTransformer
+from ..timm import TimmFolderReport, export_timm_folder
 from .augment import augment_spec, check_supported
 from .config import RUNTIME_FIELDS, TrainConfig
 from .distributed import Context, barrier, setup, teardown
@@ -65,6 +67,7 @@ from .state import LAST, RunState, environment, environment_changes, plain_recor
 from .step import TrainStep
 
 OUTPUT = {"phase1": "conv.safetensors", "phase2": "vit.safetensors"}
+TIMM_FOLDER = "timm"  # `export_timm`'s folder in the run's
 RESUMABLE = ("epochs", "lr")  # what a resume may change; the schedule is then rebuilt
 
 
@@ -75,6 +78,7 @@ class RunResult:
     stopped: str | None = None  # "SIGINT" / "SIGTERM" / "limit" when stopped before the end
     model_path: Path | None = None
     export: ExportReport | None = None  # `export_onnx`'s result (rank 0, a finished run)
+    timm: TimmFolderReport | None = None  # `export_timm`'s, likewise
 
 
 class StopRequest:
@@ -286,6 +290,7 @@ def run_outputs(out: Path) -> list[Path]:
     """What a run writes into its folder (any phase), as far as it is there."""
     names = [LAST, "metrics.csv", "config.json", *OUTPUT.values()]
     names += [n.replace(".safetensors", s) for n in OUTPUT.values() for s in ("-ema.safetensors", ".onnx")]
+    names += [f"{TIMM_FOLDER}/{n}" for n in (WEIGHTS, CONFIG)]
     found = [out / n for n in names if os.path.lexists(out / n)]
     return found + sorted(p for p in out.glob("checkpoint-epoch*.pt"))
 
@@ -311,9 +316,10 @@ def previous_run(out: Path, overwrite: bool, init: str | None = None) -> list[Pa
 
 
 def remove_replaced(out: Path, replaced: list[Path], written: set[str]) -> None:
-    """`overwrite`: the previous run's files that the new run's first save did not replace."""
+    """`overwrite`: the previous run's files that the new run's first save did not replace
+    (``written``: paths relative to ``out``; timm/config.json is not config.json)."""
     for p in replaced:
-        if p.name in written:
+        if p.relative_to(out).as_posix() in written:
             continue
         try:
             p.unlink(missing_ok=True)
@@ -549,12 +555,25 @@ def train(
             ema_path = result.model_path.with_name(result.model_path.stem + "-ema.safetensors")
             save_checkpoint(ema_path, st.model_config, st.ema.module.state_dict(), meta)
         loop.reporter.log(f"wrote {result.model_path}, metrics.csv, config.json")
-        if cfg.runtime.export_onnx:  # the model in memory, as saved: no second read of the file just written
-            tensors = {k: v.detach().float().cpu() for k, v in st.model.state_dict().items()}
+        # the exports read the model in memory, as saved: no second read of the file just written
+        tensors = {k: v.detach().float().cpu() for k, v in st.model.state_dict().items()}
+        ckpt = Checkpoint(result.model_path, st.model_config, tensors, meta)
+        pcfg, r = pretrained_cfg(st.model_config), cfg.recipe
+        if (cfg.runtime.export_onnx or cfg.runtime.export_timm) and (r.interpolation, r.crop_pct) != (
+            pcfg["interpolation"],
+            pcfg["crop_pct"],
+        ):
+            loop.reporter.log(
+                f"note: the exported preprocessing is cmhsa eval's ({pcfg['interpolation']}, crop "
+                f"{pcfg['crop_pct']}), not this run's `interpolation` {r.interpolation} and `crop_pct` {r.crop_pct}"
+            )
+        if cfg.runtime.export_onnx:
             loop.reporter.log(
                 f"exporting {result.model_path.with_suffix('.onnx')} and checking it in onnxruntime"
             )
-            ckpt = Checkpoint(result.model_path, st.model_config, tensors, meta)
             result.export = export_checkpoint(ckpt, result.model_path.with_suffix(".onnx"))
+        if cfg.runtime.export_timm:
+            loop.reporter.log(f"writing timm's folder {out / TIMM_FOLDER} and loading it with timm")
+            result.timm = export_timm_folder(ckpt, out / TIMM_FOLDER)
     barrier(ctx)
     return result

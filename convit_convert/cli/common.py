@@ -7,7 +7,7 @@ import re
 from typing import Any
 
 import typer
-from rich.console import Console
+from rich.console import Console, ConsoleDimensions
 from rich.markup import escape
 from rich.table import Table
 
@@ -16,7 +16,26 @@ from ..errors import CmhsaError
 from ..text import terminal_safe
 
 EXIT_FAIL, EXIT_BAD_INPUT = 1, 2
-console = Console(highlight=False)
+UNWRAPPED = 10_000  # columns when printing to a file or a pipe: a line ends where its text does
+
+
+class _Console(Console):
+    """rich's console, except that output to a file or a pipe is not wrapped (rich wraps it at 80
+    columns, breaking lines a reader greps or a script parses); COLUMNS still sets a width."""
+
+    @property
+    def size(self) -> ConsoleDimensions:
+        size = super().size
+        if self._width is None and not self.is_terminal:
+            return ConsoleDimensions(UNWRAPPED, size.height)
+        return size
+
+    @size.setter
+    def size(self, new_size: tuple[int, int]) -> None:
+        Console.size.fset(self, new_size)  # type: ignore[attr-defined]
+
+
+console = _Console(highlight=False)
 
 
 # parameters whose flag is not --name-with-dashes: `out` is train's -o/--output (--out is its old spelling)
@@ -68,15 +87,22 @@ def fmt(x: float) -> str:
     return f"{x:.2e}"
 
 
+def print_titled(title: str, table: Table) -> None:
+    """``table`` under ``title``, a line of its own: a title inside a rich table wraps at the table's
+    width, breaking a long path over lines."""
+    console.print(title)
+    console.print(table)
+
+
 def print_verification(result: Any, title: str) -> None:
     """A verify_models result: the per-tensor table, then the verdict."""
-    table = Table(title=title, title_justify="left")
+    table = Table()
     for col in ("tensor", "region", "max |Δ|", "max |ref|", "rel. error", "status"):
         table.add_column(col, justify="right" if col not in ("tensor", "region") else "left")
     for e in result.errors:
         status = ("[green]ok[/]" if e.passed else "[red]FAIL[/]") if e.judged else "[dim]info[/]"
         table.add_row(e.tensor, e.region, fmt(e.max_abs), fmt(e.ref_max), fmt(e.rel), status)
-    console.print(table)
+    print_titled(title, table)
     worst = result.worst
     where = f"{worst.tensor} ({worst.region})"
     unjudged = [e for e in result.errors if not e.judged]

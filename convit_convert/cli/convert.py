@@ -19,6 +19,7 @@ from .common import (
     path_arg,
     path_opt,
     print_import,
+    print_titled,
     print_verification,
     print_written,
     safe,
@@ -179,7 +180,7 @@ def inspect(
 
     r = inspect_file(ckpt, img_size=parse_img_size(img_size), patch_size=patch_size)
     c, cfg = r.checkpoint, r.checkpoint.config
-    info = Table(title=safe(str(ckpt)), title_justify="left", show_header=False)
+    info = Table(show_header=False)
     info.add_column(style="bold")
     info.add_column()
     info.add_row(
@@ -195,7 +196,7 @@ def inspect(
     for key in ("trained", "init"):  # written by `cmhsa train`: how the weights were made
         if f"cmhsa.{key}" in c.metadata:
             info.add_row(key, safe(c.metadata[f"cmhsa.{key}"]))
-    console.print(info)
+    print_titled(safe(str(ckpt)), info)
     console.print(f"sha256 {r.facts['sha256']}", soft_wrap=True)
     if r.pinned is None:
         return
@@ -284,10 +285,8 @@ def print_sweep(ckpt: Any, rule: str, calib_set: Calibration, seed: int) -> None
 
     with console.status(f"Converting with 1, 2, ... heads up to the bound, measuring each on {len(calib_set.heldout)} held-out images..."):
         rows = [row.to_dict() for row in heads_sweep(ckpt, calib_set, rule=rule, seed=seed).rows]
-    table = Table(
-        title=f"{safe(str(ckpt.path))}: N heads per block (rule {rule}, W_O refit where it generalises); calibration: {safe(calib_set.source)}",
-        title_justify="left",
-    )
+    title = f"{safe(str(ckpt.path))}: N heads per block (rule {rule}, W_O refit where it generalises); calibration: {safe(calib_set.source)}"
+    table = Table()
     labelled = rows[0]["conv_top1"] is not None
     cols = ["N", "calib: drop", "calib: refit", "held-out mixer", "held-out logits"] + (["top-1 %"] if labelled else [])
     for col in cols:
@@ -298,7 +297,7 @@ def print_sweep(ckpt: Any, rule: str, calib_set: Calibration, seed: int) -> None
         if labelled:
             cells.append(f"{r['attn_top1']:.2f}")
         table.add_row(*cells)
-    console.print(table)
+    print_titled(title, table)
     console.print(
         "[dim]errors are relative (Frobenius), worst block; calib: on the calibration images, with the kept "
         "taps (drop) or refit W_O; held-out: each block's mixer on the conv model's activations, and the logits"

@@ -62,13 +62,19 @@ def run_timm_folder(checkpoint: Path, folder: Path) -> bool:
     with console.status(f"Writing {safe(str(folder))} and loading it with timm..."):
         r = export_timm_folder(checkpoint, folder)
     print_import(r.checkpoint)
+    print_timm_folder(r)
+    return r.passed
+
+
+def print_timm_folder(r: Any) -> None:
+    """A TimmFolderReport: the files written and timm's logits against cmhsa's."""
+    folder = r.folder
     console.print(f"Wrote timm's folder {safe(str(folder))}: {', '.join(p.name for p in r.written)}")
     verdict = "[green]PASS[/]: equal" if r.passed else "[red]FAIL[/]: not equal"
     console.print(
         f"{verdict} logits from timm.create_model('local-dir:{safe(str(folder))}', pretrained=True) and cmhsa's model "
         f"(max |Δ| {fmt(r.max_abs)}, 4 images)"
     )
-    return r.passed
 
 
 # fmt: off

@@ -20,7 +20,7 @@ import typer
 from ..errors import CmhsaError
 from ..io.paths import make_folder, remove_made
 from ..train.config import PEAK_LR, TrainConfig
-from .common import EXIT_FAIL, console, safe
+from .common import EXIT_FAIL, console, print_titled, safe
 from .options import (
     DATA_HELP,
     DEVICE,
@@ -113,6 +113,7 @@ FLAGS: list[tuple[str, Any, str, str, tuple[str, ...]]] = [
     ("keep", int, "Also keep the newest N end-of-epoch checkpoints.", RUN, ("phase1", "phase2")),
     ("log_every", int, "Steps between read-outs of the loss from the device: log lines, the progress bar, stop requests under torchrun.", RUN, ("phase1", "phase2")),
     ("export_onnx", bool, "At the end, also write the model as ONNX (vit.onnx / conv.onnx), checked in onnxruntime as by cmhsa export.", RUN, ("phase1", "phase2")),
+    ("export_timm", bool, "At the end, also write the model as timm's pretrained folder timm/ (model.safetensors + config.json, for timm.create_model('local-dir:DIR') and the Hugging Face Hub), checked by loading it with timm as by cmhsa export --format timm.", RUN, ("phase1", "phase2")),
 ]  # fmt: skip
 
 
@@ -192,12 +193,14 @@ def _run_training(cfg: TrainConfig) -> None:
         import signal
 
         raise typer.Exit(128 + int(getattr(signal, result.stopped)))
-    if result.export is not None:  # --export-onnx, on rank 0 of a finished run
-        from .export import print_export
+    from .export import print_export, print_timm_folder
 
+    if result.export is not None:  # --export-onnx, on rank 0 of a finished run
         print_export(result.export)
-        if not result.export.passed:
-            raise typer.Exit(EXIT_FAIL)
+    if result.timm is not None:  # --export-timm, likewise
+        print_timm_folder(result.timm)
+    if any(r is not None and not r.passed for r in (result.export, result.timm)):
+        raise typer.Exit(EXIT_FAIL)
 
 
 train_app = typer.Typer(
@@ -233,12 +236,12 @@ def eval_command(
         checkpoint, data=data, data_dir=data_dir, download=download, batch_size=batch_size,
         device=device, amp=amp, workers=workers, crop_pct=crop_pct, seed=seed,
     )  # fmt: skip
-    table = Table(title=f"{safe(str(checkpoint))} on {data} (val, {r.images} images)")
+    title, table = f"{safe(str(checkpoint))} on {data} (val, {r.images} images)", Table()
     for col in ("kind", "top-1 %", "top-5 %", "loss"):
         table.add_column(col, justify="right")
     kind = r.kind if r.form == "conv" else f"{r.kind}, {r.form} form"  # attention runs fused where exact
     table.add_row(kind, f"{r.top1:.2f}", f"{r.top5:.2f}", f"{r.val_loss:.4f}")
-    console.print(table)
+    print_titled(title, table)
 
 
 # fmt: off
@@ -276,7 +279,7 @@ def attention_command(
     except BaseException:
         remove_made(created)  # nothing was written: leave no folder it made either
         raise
-    table = Table(title=f"{safe(str(checkpoint))} on {data} (val, {r.images} images)")
+    title, table = f"{safe(str(checkpoint))} on {data} (val, {r.images} images)", Table()
     for col in ("block", "head", "offset", "pinned share", "distance px", "entropy", "gate"):
         table.add_column(col, justify="right")
     for i, block in enumerate(r.blocks):
@@ -285,7 +288,7 @@ def attention_command(
             off = "free" if h.offset is None else f"{h.offset[0]:+d},{h.offset[1]:+d}"
             table.add_row(str(i), str(j), off, fmt(h.pinned_share, ".3f"), f"{h.mean_distance_px:.2f}",
                           f"{h.entropy:.3f}", fmt(h.gate, ".3f"))  # fmt: skip
-    console.print(table)
+    print_titled(title, table)
     console.print(f"wrote {safe(str(written[0]))} and {safe(str(written[1]))}")
 
 
