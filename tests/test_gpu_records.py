@@ -21,3 +21,45 @@ def test_the_60k_table_in_experiments_md_is_the_raw_runs(tmp_path: Path) -> None
     doc = (ROOT / "EXPERIMENTS.md").read_text(encoding="utf-8").replace("**", "")
     assert len(rows) == 5 and all(row in doc for row in rows), rows
     assert png.stat().st_size > 10_000
+
+
+def _raw_rows(md: str) -> dict[str, str]:
+    """A results .md table's setting -> its "top-1 %" cell."""
+    rows = [ln.split("|")[1:3] for ln in md.splitlines() if ln.startswith("| ") and "---" not in ln]
+    return {name.strip(): top1.strip() for name, top1 in rows[1:]}
+
+
+def test_readmes_start_table_is_the_three_experiments_raw_results(tmp_path: Path) -> None:
+    """README's "Which start should I use?" table, cell for cell, is the raw results of the three
+    scales: the 1k depth-2 and depth-6 runs' result files and the 60k report's output ("–": not
+    run). Rows are matched by the setting each experiment names."""
+    results = ROOT / "experiments" / "results"
+    d2 = _raw_rows((results / "init_comparison_cpu_e200_n1000.md").read_text(encoding="utf-8"))
+    d6_md = (results / "tuned_comparison_d6.md").read_text(encoding="utf-8")
+    d6 = _raw_rows("| setting |" + d6_md.split("| setting |", 1)[1])  # its second table: the full runs
+    r = subprocess.run([sys.executable, "experiments/gpu_60k_report.py", "--plot", str(tmp_path / "c.png")],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    gpu = {k: v for k, v in (ln.split("|")[1:4:2] for ln in r.stdout.splitlines() if ln.startswith("| "))}
+    gpu = {k.strip(): v.strip().replace("**", "") for k, v in gpu.items()}
+    settings = {  # README's row -> the experiments' names of it (depth 2, depth 6, 60k)
+        "phase 1 only": ("phase 1 only", "phase 1 only", "phase 1 only"),
+        "--init impulse": ("phase 2 only, impulse init (conversion's offsets)", "phase 2 only, impulse init",
+                           "phase 2 only, impulse init"),
+        "--init mimetic": ("phase 2 only, mimetic init", None, None),
+        "gated": ("two-phase, gated pinning", "two-phase, gated pinning", "two-phase, gated pinning"),
+        "hard pinning": ("two-phase, hard pinning", "two-phase, hard pinning (the paper's)",
+                         "two-phase, hard pinning"),
+        "--init random": ("phase 2 only, random init", "phase 2 only, random init", "phase 2 only, random init"),
+    }  # fmt: skip
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme.split("### Which start should I use?", 1)[1].split("\n### ", 1)[0]
+    table = [ln.replace("**", "") for ln in section.splitlines() if ln.startswith("| ") and "---" not in ln][
+        1:
+    ]
+    assert len(table) == len(settings)
+    for line in table:
+        start, *cells = (c.strip() for c in line.strip("|").split("|"))
+        names = next(v for k, v in settings.items() if k in start)
+        want = [raw[n] if n else "–" for raw, n in zip((d2, d6, gpu), names, strict=True)]
+        assert cells == want, (start, cells, want)
