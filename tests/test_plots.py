@@ -3,12 +3,14 @@ labels and readable series names (checked on matplotlib's objects, not on pixels
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("matplotlib")
 
+from matplotlib.colors import LogNorm
 from matplotlib.patches import Rectangle
 
 from convit_convert.analysis import AttentionReport, HeadStats
@@ -38,10 +40,16 @@ def test_attention_figure_can_be_read_without_the_source() -> None:
     for word in ("share", "gate", "dist", "colour bar", "pinned offset"):
         assert word in legend, word
     panels = [ax for ax in fig.axes if ax.images]
-    bars = [ax for ax in fig.axes if ax.get_ylabel() == "mean weight"]
+    bars = [ax for ax in fig.axes if ax.get_ylabel() == "mean weight (log)"]
     assert len(panels) == 6 and len(bars) == 2  # one colour bar per block
     for row, block_max in ((panels[:3], 0.9), (panels[3:], 0.45)):  # one scale per block: its own max
-        assert {ax.images[0].get_clim() for ax in row} == {(0.0, block_max)}
+        for ax in row:
+            assert ax.images[0].get_clim() == pytest.approx((block_max * 1e-3, block_max))
+        assert all(isinstance(ax.images[0].norm, LogNorm) for ax in row)
+    # a weight 100x below the block's largest (the share a pinned head leaves elsewhere) is not the
+    # colour of zero: linear, it would be 1% up the colour bar, next to black
+    low, zero = panels[0].images[0].norm([0.009, 0.0009])
+    assert low == pytest.approx(1 / 3) and zero == pytest.approx(0.0)
     assert [ax.get_ylabel() for ax in panels[::3]] == ["block 0\ndy", "block 1\ndy"]
     assert all(ax.get_xlabel() == "dx" for ax in panels[3:])
     assert all(len(ax.get_xticks()) > 1 and len(ax.get_yticks()) > 1 for ax in panels)
@@ -111,3 +119,36 @@ def test_attention_ticks_mark_offset_zero(grid: tuple[int, int]) -> None:
     ax = next(ax for ax in attention_figure(r).axes if ax.images)
     for ticks, g in ((ax.get_xticks(), gw), (ax.get_yticks(), gh)):
         assert 0 in ticks and min(ticks) >= -(g - 1) and max(ticks) <= g - 1 and len(ticks) <= 5
+
+
+def test_phase_2_is_drawn_after_the_phase_1_it_continues(tmp_path: Path) -> None:
+    """Two-phase training drawn as it happened: the phase-2 run whose config.json names a given
+    run's conv.safetensors as its start continues that run's epochs (a dotted line at the
+    conversion); a phase-2 run from impulse init, and a run with no config.json, start at epoch 1.
+    Epoch ticks are whole numbers, and every panel's title lies inside the figure."""
+    p1, p2, impulse = (
+        metrics(tmp_path / "p1", 3),
+        metrics(tmp_path / "p2", 2),
+        metrics(tmp_path / "impulse", 2),
+    )
+    (p1 / "conv.safetensors").write_bytes(b"model")
+    (p2 / "config.json").write_text(
+        json.dumps({"phase": "phase2", "init_info": {"init": str(p1 / "conv.safetensors")}})
+    )
+    (impulse / "config.json").write_text(json.dumps({"phase": "phase2", "init_info": {"init": "impulse"}}))
+    fig = curves_figure([p1, p2, impulse])
+    loss = fig.axes[0]
+    drawn = {
+        line.get_label(): list(line.get_xdata())
+        for line in loss.lines
+        if not line.get_label().startswith("_")
+    }
+    assert drawn == {"p1": [1, 2, 3], "p2 (after p1)": [4, 5], "impulse": [1, 2]}
+    assert [list(line.get_xdata()) for line in loss.lines if line.get_linestyle() == ":"] == [[3, 3]]
+    fig.canvas.draw()
+    for ax in fig.axes[:3]:
+        assert all(float(t).is_integer() for t in ax.get_xticks()), ax.get_xticks()
+        box, page = ax.title.get_window_extent(), fig.bbox
+        assert page.x0 <= box.x0 and box.x1 <= page.x1, ax.get_title()
+    titles = [ax.title.get_window_extent() for ax in fig.axes[:3]]
+    assert not titles[1].overlaps(titles[2])

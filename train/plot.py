@@ -5,8 +5,10 @@ matplotlib is an optional extra: ``pip install 'cmhsa[plot]'``.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
+import json
 import os
 import re
 from pathlib import Path
@@ -91,6 +93,44 @@ def _series(key: str) -> tuple[int, str]:
 
 
 BLOCK_MARKERS = "osD^vP*Xph"  # the attention panel's blocks; a run's colour is the same in every panel
+MODEL_FILES = ("conv.safetensors", "conv-ema.safetensors", "vit.safetensors", "vit-ema.safetensors")
+
+
+def _started_from(run: Path) -> str | None:
+    """The checkpoint a phase-2 run started from, as its config.json names it (None: another
+    start, or no readable config.json: the curves are then drawn from epoch 1)."""
+    try:
+        cfg = json.loads((run / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    info = cfg.get("init_info") if isinstance(cfg, dict) and cfg.get("phase") == "phase2" else None
+    init = info.get("init") if isinstance(info, dict) else None
+    return init if isinstance(init, str) and init not in ("impulse", "mimetic", "random") else None
+
+
+def epoch_offsets(runs: list[Path], last_epoch: dict[Path, float]) -> dict[Path, tuple[float, Path | None]]:
+    """Per run, the epochs drawn before its own and the run it continues: a phase-2 run that
+    started from a model another of ``runs`` wrote (phase 1's conv.safetensors, say) is drawn
+    after that run's last epoch, as two-phase training happened; any other run from epoch 1."""
+    parent: dict[Path, Path] = {}
+    for run in runs:
+        init = _started_from(run)
+        for other in runs if init else []:
+            for name in MODEL_FILES if other is not run else ():
+                with contextlib.suppress(OSError):
+                    if os.path.samefile(init, other / name):
+                        parent[run] = other
+    offsets: dict[Path, tuple[float, Path | None]] = {}
+
+    def offset(run: Path, seen: tuple[Path, ...] = ()) -> float:
+        before = parent.get(run)
+        if before is None or before in seen:  # a cycle cannot come from real runs; drawn from 1
+            return 0.0
+        return offset(before, (*seen, run)) + last_epoch[before]
+
+    for run in runs:
+        offsets[run] = (offset(run), parent.get(run))
+    return offsets
 
 
 def run_labels(runs: list[Path]) -> list[str]:
@@ -101,7 +141,11 @@ def run_labels(runs: list[Path]) -> list[str]:
 
 def curves_figure(runs: list[Path]) -> Any:
     """Validation loss and top-1 against epoch, one colour per run in every panel; with phase-2 runs,
-    each block's pinned share (solid) and gate (dashed), the run's colour, a marker per block."""
+    each block's pinned share (solid) and gate (dashed), the run's colour, a marker per block. A
+    phase-2 run that continues another of ``runs`` is drawn after it (:func:`epoch_offsets`), a
+    dotted line where it was converted; epochs are whole numbers on the axes."""
+    from matplotlib.ticker import MaxNLocator
+
     plt = pyplot()
     seen: dict[str, Path] = {}
     for run in runs:
@@ -115,8 +159,15 @@ def curves_figure(runs: list[Path]) -> Any:
     fig, axes = plt.subplots(1, 3 if attn else 2, figsize=(16 if attn else 11, 4.4), layout="constrained")
     ax_loss, ax_acc = axes[0], axes[1]
     labels = run_labels(runs)
-    for n, (rows, name) in enumerate(zip(data.values(), labels, strict=True)):
-        colour, epochs = f"C{n % 10}", [r["epoch"] for r in rows]
+    label_of = dict(zip(runs, labels, strict=True))
+    offsets = epoch_offsets(runs, {run: max(r["epoch"] for r in rows) for run, rows in data.items()})
+    for n, (run, rows, name) in enumerate(zip(runs, data.values(), labels, strict=True)):
+        shift, before = offsets[run]
+        colour, epochs = f"C{n % 10}", [shift + r["epoch"] for r in rows]
+        if before is not None:
+            name = f"{name} (after {label_of[before]})"
+            for ax in axes:
+                ax.axvline(shift, color=colour, linestyle=":", linewidth=1)
         ax_loss.plot(epochs, [r["val_loss"] for r in rows], color=colour, label=name)
         ax_acc.plot(epochs, [r["top1"] for r in rows], color=colour, label=name)
         for key in attn:
@@ -130,11 +181,10 @@ def curves_figure(runs: list[Path]) -> Any:
     ax_acc.set(xlabel="epoch", ylabel="top-1 (%)", title="Validation top-1")
     if attn:
         axes[2].set(
-            xlabel="epoch",
-            ylabel="share / gate (0 to 1)",
-            title="Attention: pinned share (solid), gate (dashed), a marker per block",
+            xlabel="epoch", ylabel="0 to 1, a marker per block", title="Pinned share (solid), gate (dashed)"
         )
     for ax in axes:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle(f"Training curves: {', '.join(labels)}")
@@ -147,9 +197,11 @@ def plot_runs(runs: list[Path], output: Path) -> None:
     _save(curves_figure(runs), output)
 
 
+DECADES = 3  # the attention maps' log scale spans this many powers of ten below a block's largest weight
 ATTENTION_LEGEND = (
     "Colour: mean attention weight a query patch gives the key patch at offset (dy, dx), over the images; "
-    "one scale per block (its colour bar). Red square: the head's pinned offset.\n"
+    f"log scale, one per block (its colour bar), from its largest weight down {DECADES} decades (less: the darkest). "
+    "Red square: the head's pinned offset.\n"
     "Panel title: head, pinned offset (free: not pinned); share = weight on the pinned offset; "
     "gate = weight of content attention in a gated head (0: pinned only); dist = mean attention distance in pixels."
 )
@@ -163,7 +215,10 @@ def offset_ticks(g: int) -> list[int]:
 
 def attention_figure(report: Any, title: str = "") -> Any:
     """One heat map per block (row) and head (column): the mean attention weight at each relative
-    offset, one colour scale per block, the pinned offset marked."""
+    offset, one log colour scale per block (a pinned head's weight off its offset is orders of
+    magnitude below the pinned weight: a linear scale shows it as black), the pinned offset marked."""
+    import numpy as np
+    from matplotlib.colors import LogNorm
     from matplotlib.patches import Rectangle
 
     plt = pyplot()
@@ -176,9 +231,13 @@ def attention_figure(report: Any, title: str = "") -> Any:
     xticks, yticks = offset_ticks(gw), offset_ticks(gh)  # the same for every panel
     for i, block in enumerate(blocks):
         vmax = max(max(max(row) for row in h.offset_map) for h in block) or 1.0
+        norm = LogNorm(vmin=vmax * 10.0**-DECADES, vmax=vmax)
         for j, h in enumerate(block):
             ax = axes[i][j]
-            im = ax.imshow(h.offset_map, cmap="viridis", vmin=0, vmax=vmax, extent=extent)
+            shown = np.maximum(
+                np.asarray(h.offset_map, dtype=float), norm.vmin
+            )  # 0 (never attended): darkest
+            im = ax.imshow(shown, cmap="viridis", norm=norm, extent=extent)
             if h.offset is not None:
                 dy, dx = h.offset
                 ax.add_patch(
@@ -199,7 +258,7 @@ def attention_figure(report: Any, title: str = "") -> Any:
         for j in range(len(block), heads):
             axes[i][j].axis("off")
         bar = fig.colorbar(im, ax=list(axes[i]), shrink=0.9, pad=0.01)
-        bar.set_label("mean weight", fontsize=7)
+        bar.set_label("mean weight (log)", fontsize=7)
         bar.ax.tick_params(labelsize=6)
     fig.suptitle(
         label_safe(title) or f"Mean attention by relative offset, {report.images} images", fontsize=10
