@@ -12,6 +12,8 @@ from typing import Any, Literal
 from .errors import CmhsaError
 from .io.paths import parse_json
 
+NORM_EPS = 1e-6  # LayerNorm eps of every model cmhsa builds (timm's ViTs use the same)
+
 KINDS: tuple[str, ...] = ("conv", "attn")
 
 _SHARED_INT = ("patch_size", "in_chans", "hidden_chans", "embed_dim", "depth", "mlp_hidden_dim",
@@ -62,7 +64,7 @@ class ViTConfig:
     def build(
         cls, img_size: int | tuple[int, int] = 224, patch_size: int = 16, in_chans: int = 3,
         hidden_chans: int | None = None, depth: int = 6, mlp_ratio: float = 4.0, num_classes: int = 100,
-        kernel_size: int = 5, dilation: int = 1, norm_eps: float = 1e-6,
+        kernel_size: int = 5, dilation: int = 1, norm_eps: float = NORM_EPS,
         patch_embed: Literal["identity", "linear"] | None = None,
     ) -> ViTConfig:  # fmt: skip
         """A conv config from the usual knobs; defaults are the paper's model (CMHSA-5, CIFAR-100)."""

@@ -20,11 +20,11 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 
+from .defaults import DATASETS, EVAL_CROP_PCT, EVAL_INTERPOLATION
 from .errors import CmhsaError, first_line
 from .io.paths import make_folder, open_regular, remove_made, require_regular
 from .resources import check_fits
 
-DATASETS = ("cifar10", "cifar100", "imagefolder", "digits", "fashion-mnist", "synthetic")
 GREY = ("digits", "fashion-mnist")  # datasets whose images are grey (digits is held as grey RGB)
 NEEDS_DIR = ("cifar10", "cifar100", "imagefolder")  # the datasets only `data_dir` can give
 FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"  # Debian's dataset-fashion-mnist
@@ -406,7 +406,7 @@ def default_threads() -> int:
 
 def build_transform(
     img_size: tuple[int, int], training: bool, recipe: Any = None, in_chans: int = 3, *,
-    interpolation: str = "bicubic", crop_pct: float = 0.875,
+    interpolation: str = EVAL_INTERPOLATION, crop_pct: float = EVAL_CROP_PCT,
 ) -> Any:  # fmt: skip
     """DeiT's augmentation (timm ``create_transform``, settings from ``recipe``, a TrainConfig's recipe) for
     training; resize + centre crop for eval (``recipe``'s interpolation and crop_pct when given).

@@ -25,7 +25,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from .attention import AttentionFormName, RelPosAttention
-from .config import ViTConfig
+from .config import NORM_EPS, ViTConfig
 from .deploy import FusedRelPosAttention
 
 
@@ -122,7 +122,7 @@ class Block(nn.Module):
     """
 
     def __init__(
-        self, dim: int, mixer_name: str, mixer: nn.Module, mlp_hidden_dim: int, norm_eps: float = 1e-6,
+        self, dim: int, mixer_name: str, mixer: nn.Module, mlp_hidden_dim: int, norm_eps: float = NORM_EPS,
         drop_path: float = 0.0,
     ) -> None:  # fmt: skip
         super().__init__()

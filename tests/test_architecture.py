@@ -4,6 +4,7 @@ cycles), nothing below the CLI imports it, and library errors name parameters, n
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -170,3 +171,37 @@ def test_pinned_heads_are_counted_from_the_conversion(tmp_path: Path) -> None:
     assert report["conversion"]["pinned_heads"] == 3
     assert sum(o is not None for o in report["conversion"]["offsets"]) == 3
     assert torch.isfinite(written["blocks.0.attn.sink"]).all()
+
+
+def _modules(folder: Path) -> list[str]:
+    """The module files of a package folder (no __init__ / __main__), their stems."""
+    return sorted(f.stem for f in folder.glob("*.py") if f.stem not in ("__init__", "__main__"))
+
+
+def test_architecture_md_and_the_package_docstrings_name_every_module() -> None:
+    """docs/ARCHITECTURE.md's table has a row naming each module (top-level ones as `x.py`, those of
+    io/ and onnx/ as `io/x.py`, those of api/, train/ and cli/ in their package's row), and each
+    subpackage's docstring names each of its modules and none that is not there."""
+    doc = (ROOT / "docs" / "ARCHITECTURE.md").read_text(encoding="utf-8")
+    table = [line for line in doc.splitlines() if line.startswith("| ")]
+    row = {p: next(r for r in table if f"| `{p}/` |" in r) for p in ("api", "train", "cli")}
+    missing = [f"{m}.py" for m in _modules(ROOT / "convit_convert") if f"`{m}.py`" not in doc]
+    missing += [f"{p}/{m}.py" for p in ("io", "onnx") for m in _modules(ROOT / "convit_convert" / p)
+                if f"`{p}/{m}.py`" not in doc]  # fmt: skip
+    folders = {
+        "api": ROOT / "convit_convert" / "api",
+        "train": ROOT / "train",
+        "cli": ROOT / "convit_convert" / "cli",
+    }
+    for p, folder in folders.items():
+        missing += [
+            f"{p}/{m}.py" for m in _modules(folder) if f"`{m}.py`" not in row[p] and f"`{m}`" not in row[p]
+        ]
+    assert not missing, f"docs/ARCHITECTURE.md's table lacks {missing}"
+    wrong = []
+    for folder in [ROOT / "train", *(ROOT / "convit_convert" / p for p in ("api", "io", "onnx", "cli"))]:
+        text = ast.get_docstring(ast.parse((folder / "__init__.py").read_text(encoding="utf-8"))) or ""
+        named = {a or b for a, b in re.findall(r":mod:`\.(\w+)`|`(\w+)\.py`", text)}  # how they name modules
+        wrong += [f"{folder.name}/__init__.py names {n}.py" for n in sorted(named - set(_modules(folder)))]
+        wrong += [f"{folder.name}/__init__.py omits {m}.py" for m in sorted(set(_modules(folder)) - named)]
+    assert not wrong, wrong

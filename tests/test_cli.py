@@ -347,6 +347,7 @@ def test_conversion_path_does_not_import_timm(fixture_path: Path, tmp_path: Path
     assert "torch" in mods and not mods & {"timm", "torchvision"}
 
 
+@pytest.mark.slow
 def test_output_to_a_file_is_not_wrapped(converted: tuple[Path, Path], tmp_path: Path) -> None:
     """Printed to a file or a pipe, a line ends where its text does (rich would wrap it at 80
     columns, splitting what a reader greps); COLUMNS still sets a width. A path of 150 characters

@@ -85,12 +85,6 @@ def test_one_spelling_per_concept() -> None:
     assert len(seen["margin"]) == 2  # convert and phase 2 (which converts --init)
 
 
-def test_the_cli_lists_the_datasets_the_library_reads() -> None:
-    from convit_convert.data import DATASETS
-
-    assert set(opts.DATASETS) == set(DATASETS)
-
-
 def test_old_spellings_still_work_and_say_so() -> None:
     new = runner.invoke(app, ["heads", "--kernel-size", "5", "--patch-size", "16"])
     old = runner.invoke(app, ["heads", "--kernel", "5", "--patch", "16"])

@@ -195,6 +195,16 @@ def test_too_few_heads_is_refused_citing_the_bound() -> None:
         )
 
 
+def test_narrow_values_are_refused_naming_the_file() -> None:
+    """v_dim < embed_dim cannot carry a patch's d channels: refused, once, as bad input."""
+    conv = conv_model()
+    d = conv.cfg.embed_dim
+    with pytest.raises(CmhsaError, match=rf"conv.safetensors: v_dim {d - 1} < embed_dim {d}"):
+        convert_state_dict(
+            conv.state_dict(), ConversionSpec(v_dim=d - 1).plan(conv.cfg), path="conv.safetensors"
+        )
+
+
 def test_low_precision_weights_are_copied_exactly() -> None:
     conv = conv_model(dtype=torch.bfloat16)
     plan = ConversionSpec().plan(conv.cfg)

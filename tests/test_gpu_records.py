@@ -6,9 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow
 def test_the_60k_table_in_experiments_md_is_the_raw_runs(tmp_path: Path) -> None:
     """experiments/gpu_60k_report.py recomputes the H100 60k comparison from its raw JSON files:
     every table row it prints stands in EXPERIMENTS.md as printed (the bold of the best start
@@ -29,6 +32,7 @@ def _raw_rows(md: str) -> dict[str, str]:
     return {name.strip(): top1.strip() for name, top1 in rows[1:]}
 
 
+@pytest.mark.slow
 def test_readmes_start_table_is_the_three_experiments_raw_results(tmp_path: Path) -> None:
     """README's "Which start should I use?" table, cell for cell, is the raw results of the three
     scales: the 1k depth-2 and depth-6 runs' result files and the 60k report's output ("–": not

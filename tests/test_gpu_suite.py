@@ -48,13 +48,12 @@ def test_dense_bf16_peak(name: str, peak: float | None) -> None:
 def test_goals_and_report_from_the_recorded_h100_run() -> None:
     results = json.loads((RECORDED / "suite.json").read_text())
     train = results["sections"]["train"]
-    goals = gpu_suite.train_goals(train["rows"])
-    rows = {(r["model"], r["compiled"]): r for r in train["rows"]}
-    p2, deit = rows[("phase 2: AttnViT qk_dim 64", True)], rows[("timm deit_base_patch16_224", True)]
-    assert goals["compiled"]["phase2_qk64_vs_deit_base (goal >= 0.5)"] == pytest.approx(
-        p2["img_per_s"] / deit["img_per_s"]
-    )
-    assert goals["compiled"]["phase2_qk64_mfu (goal >= 0.40 compiled)"] == p2["mfu"]
+    goals = gpu_suite.train_goals(train["rows"])["compiled"]
+    # the recorded run's figures, worked by hand from its rows (images/s 2,380.4 for phase 2 at
+    # qk_dim 64 and 2,973.4 for DeiT-base, 3,195.2 for phase 1; MFU 30.0 %), to 4 digits
+    assert goals["phase2_qk64_vs_deit_base (goal >= 0.5)"] == pytest.approx(2380.39 / 2973.36, abs=1e-4)
+    assert goals["phase2_qk64_over_phase1_step (goal <= 3)"] == pytest.approx(3195.16 / 2380.39, abs=1e-4)
+    assert goals["phase2_qk64_mfu (goal >= 0.40 compiled)"] == pytest.approx(0.3003, abs=1e-4)
     md = gpu_suite.markdown(results)
     assert md == (RECORDED / "suite.md").read_text()  # the committed report is this renderer's output
     for heading in (

@@ -69,5 +69,14 @@ def test_inspection_report_is_json_and_reads_the_file(fixture_path: Path, tmp_pa
 def test_calibration_report(fixture_path: Path) -> None:
     from convit_convert.api import load_checkpoint
 
-    c = noise_calibration(load_checkpoint(fixture_path).config, images=12, heldout=5)
-    assert c.to_dict() == {"source": c.source, "images": 12, "heldout_images": 5, "labelled": False}
+    cfg = load_checkpoint(fixture_path).config
+    c = noise_calibration(cfg, images=12, heldout=5)
+    assert c.to_dict() == {
+        "source": "synthetic N(0, 1) images (normalised-input statistics)",
+        "images": 12,
+        "heldout_images": 5,
+        "labelled": False,
+    }
+    # the sets the report describes: 12 and 5 images of the model's input shape, standard normal
+    assert c.images.shape == (12, cfg.in_chans, *cfg.img_size) and c.heldout.shape[0] == 5
+    assert c.labels is None and abs(float(c.images.mean())) < 0.1 and abs(float(c.images.std()) - 1) < 0.1

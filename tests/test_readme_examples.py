@@ -29,6 +29,7 @@ def test_every_console_block_is_a_checked_example() -> None:
 loose = examples.loose
 
 
+@pytest.mark.slow
 def test_fast_examples_print_what_the_readme_shows() -> None:
     got = examples.outputs(README, slow=False)
     stale = [

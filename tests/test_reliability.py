@@ -127,11 +127,6 @@ def test_out_of_range_numbers_are_refused_naming_the_flag(
     assert list(tmp_path.iterdir()) == []
 
 
-def test_help_shows_the_ranges() -> None:
-    r = invoke("train", "phase1", "--help", env={"COLUMNS": "200"})
-    assert "[range: 0 ≤ x < 1]" in r.stdout and "[range: 1 ≤ x ≤ 16384]" in r.stdout
-
-
 # terminal-safe output ----------------------------------------------------------------------------
 
 
@@ -358,6 +353,7 @@ def test_a_kernel_reaching_past_the_image_is_refused(tmp_path: Path) -> None:
 # phase 2 is deterministic on CPU -----------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", ["gated", "hard", "free-heads"])
 def test_phase2_on_cpu_is_bit_identical_run_to_run_and_across_a_resume(tmp_path: Path, variant: str) -> None:
     """From the fixture (8x8 patches, 4 blocks) on digits, default threads. Before the relative

@@ -10,12 +10,11 @@ import math
 import pytest
 import torch
 
-from convit_convert.cli.convert import convert as convert_cmd
 from convit_convert.config import ViTConfig
 from convit_convert.construct import convert_state_dict, pinned_offsets
 from convit_convert.errors import CmhsaError
 from convit_convert.model import VisionTransformer
-from convit_convert.spec import DEFAULT_MARGIN, DEFAULT_TOL, ConversionSpec
+from convit_convert.spec import ConversionSpec
 from convit_convert.train.config import TrainConfig
 
 CFG = ViTConfig.build(img_size=16, patch_size=4, hidden_chans=2, depth=1, mlp_ratio=1.0, num_classes=3)
@@ -89,28 +88,6 @@ def test_the_written_tensors_carry_the_plan(spec: ConversionSpec) -> None:
     if spec.sink:
         assert torch.allclose(sd["blocks.0.attn.sink"], torch.full((9,), plan.sink_logit))
     assert pinned_offsets(table, sd.get("blocks.0.attn.sink")) == list(plan.pinned)
-
-
-def test_every_default_is_stated_once() -> None:
-    """The CLI's convert flags and train's conversion fields default to the spec's values."""
-    spec = {f.name: f.default for f in dataclasses.fields(ConversionSpec)}
-    flags = {name: p.default for name, p in inspect.signature(convert_cmd).parameters.items()}
-    for name in ("heads", "qk_dim", "sink", "pinning", "qk_init_std", "tol", "seed", "rule", "refit"):
-        assert flags[name] == spec[name], name
-    assert flags["approximate"] is spec["approximate"] is False
-    train = TrainConfig.from_flags()
-    assert (
-        train.conversion.margin,
-        train.conversion.tol,
-        train.conversion.qk_init_std,
-        train.conversion.sink,
-    ) == (
-        DEFAULT_MARGIN,
-        DEFAULT_TOL,
-        0.0,
-        True,
-    )
-    assert spec["margin"] == DEFAULT_MARGIN and spec["tol"] == DEFAULT_TOL
 
 
 def test_export_flags_default_to_the_export_options() -> None:

@@ -121,6 +121,7 @@ def capture_loop(monkeypatch) -> dict:
     return captured
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("phase", ["phase1", "phase2"])
 def test_compiled_step_is_one_graph(tmp_path: Path, monkeypatch, phase: str) -> None:
     """With --compile, the step up to the update (the device loader's crop, flip and colour
@@ -172,6 +173,7 @@ def test_a_stopped_run_resumes_bit_for_bit(tmp_path: Path, compile: bool) -> Non
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
 def test_under_torchrun_one_ranks_stop_stops_every_rank_at_the_next_read_out(tmp_path: Path) -> None:
     """2 gloo processes, 16 steps an epoch, `--log-every 4`: SIGTERM to rank 1 alone, once rank 0
     has logged step 4. No rank reads the device between read-outs, so rank 1 goes on to the next

@@ -5,13 +5,18 @@ tests/timm_plugin.py picks the models as timm picks its own ViTs and skips what 
 support (``SKIPS``, README's "timm's own tests" table). About 3 minutes on 2 cores, most of it
 timm's prune contract on the 90M-parameter attention models.
 
-Needs PyPI (pip download): with no registry the test fails, so CI cannot pass without running it;
-CMHSA_OFFLINE=1 turns that failure into a skip on a machine that is offline on purpose.
+Needs PyPI (pip download) once per timm version and machine: the sdist is cached (CMHSA_CACHE,
+default ~/.cache/cmhsa) and reused while its sha256 is the pinned one. With no registry and no cached
+copy the test fails, so CI cannot pass without running it; CMHSA_OFFLINE=1 turns that failure into
+a skip on a machine that is offline on purpose. In the full tier only (``slow``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -35,18 +40,50 @@ MUST_PASS = {
 }  # fmt: skip
 
 
-def timm_tests(dest: Path) -> Path:
-    """timm's test files from the sdist of the installed version, extracted under ``dest``."""
+# sha256 of timm's sdist by version, as PyPI serves it (pip checks the index's hash on download):
+# a cached copy is used only while it still has this hash; a version not listed is downloaded and its
+# hash kept beside the cached copy
+SDIST_SHA256 = {"1.0.31": "baa0b333339c46d3d6d4965d99b69f5053afed71210e8f433d7ea5ee6a18f0ec"}
+CACHE = Path(os.environ.get("CMHSA_CACHE", Path.home() / ".cache" / "cmhsa")) / "timm-sdist"
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def timm_sdist(dest: Path) -> Path:
+    """The installed timm's sdist: the cached copy (CMHSA_CACHE, default ~/.cache/cmhsa) where its
+    hash is the pinned one, else downloaded from PyPI once and cached."""
+    version = timm.__version__
+    cached, sidecar = CACHE / f"timm-{version}.tar.gz", CACHE / f"timm-{version}.tar.gz.sha256"
+    want = SDIST_SHA256.get(version) or (sidecar.read_text().strip() if sidecar.is_file() else None)
+    if cached.is_file() and want and _sha256(cached) == want:
+        return cached
     sdist = dest / "sdist"
     pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--quiet"]
     done = subprocess.run(
-        [*pip, f"timm=={timm.__version__}", "-d", str(sdist)], capture_output=True, text=True, timeout=600
+        [*pip, f"timm=={version}", "-d", str(sdist)], capture_output=True, text=True, timeout=600
     )
     if done.returncode != 0:
         if os.environ.get("CMHSA_OFFLINE") == "1":
             pytest.skip("CMHSA_OFFLINE=1 and timm's sdist could not be downloaded")
-        pytest.fail(f"could not download timm {timm.__version__}'s sdist from PyPI:\n{done.stderr[-2000:]}")
+        pytest.fail(f"could not download timm {version}'s sdist from PyPI:\n{done.stderr[-2000:]}")
     (archive,) = sdist.glob("timm-*.tar.gz")
+    got = _sha256(archive)
+    if version in SDIST_SHA256 and got != SDIST_SHA256[version]:
+        pytest.fail(f"timm {version}'s sdist has sha256 {got}, not the pinned {SDIST_SHA256[version]}")
+    with contextlib.suppress(OSError):  # a cache that cannot be written costs a download next time
+        CACHE.mkdir(parents=True, exist_ok=True)
+        tmp = CACHE / f".{cached.name}.{os.getpid()}"
+        shutil.copyfile(archive, tmp)
+        os.replace(tmp, cached)
+        sidecar.write_text(got + "\n")
+    return archive
+
+
+def timm_tests(dest: Path) -> Path:
+    """timm's test files from the sdist of the installed version, extracted under ``dest``."""
+    archive = timm_sdist(dest)
     root = dest / "timm"
     with tarfile.open(archive) as tar:
         for name in FILES:
@@ -57,6 +94,7 @@ def timm_tests(dest: Path) -> Path:
     return root
 
 
+@pytest.mark.slow
 def test_timm_model_suite_passes_on_every_registered_model(tmp_path: Path) -> None:
     root = timm_tests(tmp_path)
     report = tmp_path / "report.xml"

@@ -206,6 +206,7 @@ def test_recipe_is_deits(tmp_path: Path) -> None:
 # runs --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loader", ["device", "workers"])
 def test_resume_mid_epoch_equals_uninterrupted(tmp_path: Path, loader: str) -> None:
     """4 epochs straight vs stopped in epoch 2 and resumed: same metrics, same weights, bit for bit
@@ -350,6 +351,7 @@ def test_sigterm_finishes_the_step_saves_and_stops(tmp_path: Path, monkeypatch) 
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handlers restored
 
 
+@pytest.mark.slow
 def test_ddp_two_gloo_processes_match_one_process(tmp_path: Path) -> None:
     """torchrun, 2 CPU processes with batch 16 each vs 1 process with batch 32: the same global
     batches (EpochSampler), gradients averaged by DDP, so the same losses to float rounding."""
@@ -504,6 +506,7 @@ def test_cli_refuses_bad_training_input(tmp_path: Path, monkeypatch) -> None:
     assert len(r.output.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_shipped_fixture_trains_and_evaluates(fixture_path: Path, tmp_path: Path) -> None:
     """The 1-channel digits fixture: cmhsa eval reads digits as grey (the model's in_chans), and
     phase 2 starts from it (converted exactly, verified) on the same data."""

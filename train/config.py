@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Union
 
 from ..bounds import check
+from ..defaults import EVAL_CROP_PCT, EVAL_INTERPOLATION
 from ..errors import CmhsaError
 from ..spec import ConversionSpec
 
@@ -113,10 +114,10 @@ class RecipeConfig:
     color_jitter: float = 0.3
     reprob: float = 0.25
     remode: str = "pixel"
-    interpolation: str = "bicubic"
+    interpolation: str = EVAL_INTERPOLATION
     scale: tuple[float, float] = (0.08, 1.0)  # RandomResizedCrop's area range
     hflip: float = 0.5
-    crop_pct: float = 0.875
+    crop_pct: float = EVAL_CROP_PCT
     mixup: float = 0.8
     cutmix: float = 1.0
     mixup_prob: float = 1.0
@@ -167,6 +168,11 @@ FLAGS: dict[str, tuple[str | None, str]] = {
 }  # fmt: skip
 # fields that change how a run executes but not what it computes: a resumed run may change them
 RUNTIME_FIELDS = (*(f.name for f in dataclasses.fields(RuntimeConfig)), "given")
+
+
+def starts_from_checkpoint(phase: str, init: str) -> bool:
+    """Phase 2 whose ``init`` names a checkpoint, not one of the starts without one."""
+    return phase == "phase2" and init not in ("random", *INIT_STARTS)
 
 
 @dataclass(frozen=True)
@@ -222,7 +228,7 @@ class TrainConfig:
         made = {g: kind(**groups[g]) for g, kind in _GROUPED.items()}
         phase, init = top.get("phase", "phase1"), made["start"].init
         if groups["conversion"].get("pinning") is None:  # gated where attention starts pinned and should move
-            from_ckpt = phase == "phase2" and init not in ("random", *INIT_STARTS)
+            from_ckpt = starts_from_checkpoint(phase, init)
             groups["conversion"]["pinning"] = "gated" if from_ckpt or init == "impulse" else "hard"
         conversion = ConversionSpec(seed=top.get("seed", 0), **groups["conversion"])
         return cls(**top, **made, conversion=conversion)
@@ -234,7 +240,7 @@ class TrainConfig:
     @property
     def from_checkpoint(self) -> bool:
         """Phase 2 starting from a checkpoint (converted, or an attention model) rather than at random."""
-        return self.phase == "phase2" and self.start.init not in ("random", *INIT_STARTS)
+        return starts_from_checkpoint(self.phase, self.start.init)
 
     @property
     def attn_lr_scale(self) -> float:
@@ -285,7 +291,13 @@ class TrainConfig:
             value = self.flag(name)
             if not _fits(value, typing.get_type_hints(owner)[attr]):
                 raise CmhsaError(f"config: `{name}` is {value!r}, not a value it can take", path)
-            check(name, value, path)
+        self.check_ranges(path)
+
+    def check_ranges(self, path: object = None) -> None:
+        """Every flag's number within its range (bounds.BOUNDS: the table the CLI checks and shows)."""
+        for name in FLAGS:
+            if name not in ("given", "out"):
+                check(name, self.flag(name), path)
 
     def training_differences(self, other: TrainConfig) -> list[str]:
         """Flags ``other`` sets differently that would change what a resumed run computes (only

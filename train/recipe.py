@@ -3,13 +3,12 @@ scheduler, Mixup/CutMix, loss and mixed precision."""
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..data import build_transform, cpus
+from ..data import build_transform
 from ..errors import CmhsaError
 from ..model import ATTENTION_PARAMS
 from ..starts import check_start
@@ -31,40 +30,9 @@ def check_recipe(cfg: TrainConfig) -> None:
     from timm.optim import get_optimizer_info, list_optimizers
 
     r = cfg.recipe
-    numbers = [
-        ("`lr`", r.lr, r.lr is None or r.lr > 0, "> 0"),
-        ("`min_lr`", r.min_lr, r.min_lr >= 0, ">= 0"),
-        ("`warmup_lr`", r.warmup_lr, r.warmup_lr >= 0, ">= 0"),
-        ("`warmup_epochs`", r.warmup_epochs, r.warmup_epochs >= 0, ">= 0"),
-        ("`weight_decay`", r.weight_decay, r.weight_decay >= 0, ">= 0"),
-        (
-            "`workers`",
-            cfg.runtime.workers,
-            cfg.runtime.workers is None or 0 <= cfg.runtime.workers <= 4 * cpus(),
-            f"in 0..{4 * cpus()}",
-        ),
-        (
-            "`threads`",
-            cfg.runtime.threads,
-            cfg.runtime.threads is None or 1 <= cfg.runtime.threads <= 4 * cpus(),
-            f"in 1..{4 * cpus()}",
-        ),
-        ("`drop_path`", cfg.model.drop_path, 0 <= cfg.model.drop_path < 1, "in [0, 1)"),
-        ("`smoothing`", r.smoothing, 0 <= r.smoothing < 1, "in [0, 1)"),
-        ("`reprob`", r.reprob, 0 <= r.reprob <= 1, "in [0, 1]"),
-        ("`hflip`", r.hflip, 0 <= r.hflip <= 1, "in [0, 1]"),
-        ("`scale`", r.scale, 0 < r.scale[0] <= r.scale[1] <= 1, "0 < min <= max <= 1"),
-        ("`mixup`", r.mixup, r.mixup >= 0, ">= 0"),
-        ("`cutmix`", r.cutmix, r.cutmix >= 0, ">= 0"),
-        ("`attn_lr_mult`", r.attn_lr_mult, r.attn_lr_mult is None or r.attn_lr_mult > 0, "> 0"),
-        ("`mimetic_alpha`", cfg.start.mimetic_alpha, cfg.start.mimetic_alpha >= 0, ">= 0"),
-        ("`mimetic_beta`", cfg.start.mimetic_beta, cfg.start.mimetic_beta >= 0, ">= 0"),
-    ]
-    for flag, value, ok, want in numbers:
-        if not ok or (isinstance(value, float) and not math.isfinite(value)):
-            raise CmhsaError(f"{flag} must be {want}, got {value}")
-    if r.batch_size < 1 or r.epochs < 1:
-        raise CmhsaError(f"`batch_size` and `epochs` must be positive (got {r.batch_size}, {r.epochs})")
+    cfg.check_ranges()  # every number against bounds.BOUNDS, the CLI's table
+    if r.scale[0] > r.scale[1]:
+        raise CmhsaError(f"`scale` must be min <= max, got {r.scale[0]} {r.scale[1]}")
     if cfg.data.loader not in LOADERS:
         raise CmhsaError(f"`loader` must be one of {', '.join(LOADERS)}, got {cfg.data.loader!r}")
     check_aa_numbers(r.aa)

@@ -29,7 +29,6 @@ from ..api.common import amp_dtype, same_file
 from ..api.export import ExportReport, export_checkpoint
 from ..config import ViTConfig
 from ..data import (
-    DATASETS,
     GREY,
     NEEDS_DIR,
     DataSpec,
@@ -42,6 +41,7 @@ from ..data import (
     epoch_sampler,
     image_mode,
 )
+from ..defaults import DATASETS
 from ..errors import CmhsaError
 from ..io.atomic import check_writable
 from ..io.checkpoint import Checkpoint, save_checkpoint

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from ..config import NORM_EPS
 from ..errors import CmhsaError
 from ..io.atomic import check_writable, recover
 from ..io.checkpoint import Checkpoint, check_geometry, load_tensor_checkpoint
@@ -20,7 +21,7 @@ AMP = {"bf16": torch.bfloat16, "fp16": torch.float16, "none": None}
 
 def load_checkpoint(
     path: str | Path, *, img_size: tuple[int, int] | None = None, patch_size: int | None = None,
-    dilation: int = 1, norm_eps: float = 1e-6, onnx_tol: float = DEFAULT_TOL,
+    dilation: int = 1, norm_eps: float = NORM_EPS, onnx_tol: float = DEFAULT_TOL,
 ) -> Checkpoint:  # fmt: skip
     """Any model file: cmhsa safetensors, a bare conv-phase state dict (given ``img_size`` and
     ``patch_size``), or a conv-phase ONNX graph, read by its structure and checked against

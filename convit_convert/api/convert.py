@@ -25,7 +25,7 @@ from ..approximate import (
     heldout_errors,
     noise_calibration,
 )
-from ..config import ViTConfig
+from ..config import NORM_EPS, ViTConfig
 from ..construct import convert_state_dict
 from ..errors import CmhsaError, article
 from ..io.atomic import atomic_paths
@@ -222,7 +222,7 @@ class ConvertReport:
 def convert_file(
     input: Path, output: Path, spec: ConversionSpec | None = None, *, report: Path | None = None,
     img_size: tuple[int, int] | None = None, patch_size: int | None = None, dilation: int = 1,
-    norm_eps: float = 1e-6, dtype: str = "float32", device: str = "auto", verify: bool = True, batch: int = 4,
+    norm_eps: float = NORM_EPS, dtype: str = "float32", device: str = "auto", verify: bool = True, batch: int = 4,
     calibrate: Callable[[ViTConfig], Calibration] | None = None,
 ) -> ConvertReport:  # fmt: skip
     """``cmhsa convert``: load, convert as ``spec`` says and verify (:func:`convert_checkpoint`),

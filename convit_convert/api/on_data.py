@@ -16,7 +16,8 @@ from torch.utils.data import DataLoader, Subset
 from ..analysis import AttentionReport, attention_stats
 from ..approximate import Calibration, check_image_counts
 from ..config import ViTConfig
-from ..data import DATASETS, DataSpec, build_data, build_loader, build_transform, default_workers, image_mode
+from ..data import DataSpec, build_data, build_loader, build_transform, default_workers, image_mode
+from ..defaults import DATASETS, EVAL_CROP_PCT
 from ..deploy import for_inference
 from ..errors import CmhsaError
 from ..io.checkpoint import Checkpoint
@@ -107,7 +108,7 @@ def _val_loader(
 
 def evaluate_checkpoint(
     path: str | Path, *, data: str, data_dir: str | None = None, download: bool = False,
-    batch_size: int = 128, device: str = "auto", amp: str = "none", workers: int | None = None, crop_pct: float = 0.875,
+    batch_size: int = 128, device: str = "auto", amp: str = "none", workers: int | None = None, crop_pct: float = EVAL_CROP_PCT,
     seed: int = 0,
 ) -> EvalReport:  # fmt: skip
     """``cmhsa eval``: top-1 / top-5 and loss of a checkpoint on ``data``'s validation split
@@ -126,7 +127,7 @@ def evaluate_checkpoint(
 
 def attention_on_data(
     path: str | Path, *, data: str, data_dir: str | None = None, images: int = 1000, batch_size: int = 100,
-    device: str = "auto", workers: int = 0, crop_pct: float = 0.875, seed: int = 0,
+    device: str = "auto", workers: int = 0, crop_pct: float = EVAL_CROP_PCT, seed: int = 0,
 ) -> AttentionReport:  # fmt: skip
     """``cmhsa attention``: :func:`convit_convert.analysis.attention_stats` over the first
     ``images`` validation images."""
@@ -151,7 +152,7 @@ def attention_on_data(
 
 def calibration_from_data(
     cfg: ViTConfig, *, data: str, data_dir: str | None = None, images: int = 256, heldout: int = 512,
-    crop_pct: float = 0.875, seed: int = 0,
+    crop_pct: float = EVAL_CROP_PCT, seed: int = 0,
 ) -> Calibration:  # fmt: skip
     """Calibration images for ``cmhsa convert --approximate`` / ``cmhsa heads --checkpoint``: a
     seeded random ``images`` of ``data``'s training split, and the first ``heldout`` validation

@@ -1,4 +1,8 @@
-"""The ``cmhsa`` command line: one thin module per command group, rendering the library's reports.
+"""The ``cmhsa`` command line: one thin module per command group, rendering the library's reports
+(`convert.py`: convert, verify, inspect, heads; `export.py`; `train.py`: train, eval, attention,
+plot), with the one error boundary (`boundary.py`), the numeric flags' checks (`bounds.py`), the
+console and renderers (`common.py`), the shared options (`options.py`) and the progress bars
+(`progress.py`).
 
 Start-up matters: nothing here imports torch or timm at import time, so ``cmhsa --help`` and
 ``cmhsa heads`` stay fast; each command imports what it needs when it runs.

@@ -10,8 +10,9 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from rich.table import Table
 
+from ..config import NORM_EPS
 from ..errors import CmhsaError
-from ..spec import DEFAULT_MARGIN, DEFAULT_TOL, ConversionSpec
+from ..spec import ConversionSpec
 from .common import (
     EXIT_FAIL,
     console,
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
     from ..config import ViTConfig
 
 app = typer.Typer()
+SPEC = ConversionSpec()  # the flags' defaults: the spec's, stated there once
 
 
 # fmt: off
@@ -40,24 +42,24 @@ def convert(
     output: Annotated[Path, output_option("Attention checkpoint to write (.safetensors).")],
     heads: Annotated[int | None, typer.Option(help="Attention heads (default: as many as the kernel needs); extra heads are free, trainable heads with zero output weights.")] = None,
     qk_dim: Annotated[int | None, typer.Option(help="Per-head query/key width (default: embed_dim, the paper's). Exactness does not depend on it.")] = None,
-    pinning: Annotated[str, typer.Option(help="hard: the exact construction, attention fixed; gated: each head also gets content attention behind a gate that starts at 0 (still exact).")] = "hard",
-    sink: Annotated[bool, typer.Option("--sink/--no-sink", help="Give each head a sink so border patches are exact. --no-sink: the paper's construction (inexact at the border).")] = True,
-    qk_init_std: Annotated[float, typer.Option(help="Std of a small random W_Q, W_K (0 = the paper's zeros); moves phase 2 off the W_Q = W_K = 0 saddle and stays exact.")] = 0.0,
-    margin: Annotated[float, typer.Option(help="Logit margin: each pinned head attends to its patch to within e^-margin (the paper's M = 40).")] = DEFAULT_MARGIN,
-    tol: Annotated[float, typer.Option(help="Largest relative error verification accepts (and, for ONNX input, the import check).")] = DEFAULT_TOL,
+    pinning: Annotated[str, typer.Option(help="hard: the exact construction, attention fixed; gated: each head also gets content attention behind a gate that starts at 0 (still exact).")] = SPEC.pinning,
+    sink: Annotated[bool, typer.Option("--sink/--no-sink", help="Give each head a sink so border patches are exact. --no-sink: the paper's construction (inexact at the border).")] = SPEC.sink,
+    qk_init_std: Annotated[float, typer.Option(help="Std of a small random W_Q, W_K (0 = the paper's zeros); moves phase 2 off the W_Q = W_K = 0 saddle and stays exact.")] = SPEC.qk_init_std,
+    margin: Annotated[float, typer.Option(help="Logit margin: each pinned head attends to its patch to within e^-margin (the paper's M = 40).")] = SPEC.margin,
+    tol: Annotated[float, typer.Option(help="Largest relative error verification accepts (and, for ONNX input, the import check).")] = SPEC.tol,
     verify: Annotated[bool, typer.Option("--verify/--no-verify", help="Check the result numerically before writing it.")] = True,
     report: Annotated[Path | None, path_opt("Report path (default: OUTPUT's stem + .report.json).")] = None,
     img_size: Annotated[str | None, typer.Option(help="Bare state dicts only: image size, H or HxW.")] = None,
     patch_size: Annotated[int | None, typer.Option(help="Bare state dicts only: patch size P.")] = None,
     dilation: Annotated[int, typer.Option(help="Bare state dicts only: the convolutions' dilation.")] = 1,
-    norm_eps: Annotated[float, typer.Option(help="Bare state dicts only: LayerNorm eps.")] = 1e-6,
+    norm_eps: Annotated[float, typer.Option(help="Bare state dicts only: LayerNorm eps.")] = NORM_EPS,
     dtype: Annotated[str, typer.Option(help="Verification dtype: float32 or float64.")] = "float32",
     batch: Annotated[int, typer.Option(help="Verification batch size.")] = 4,
-    seed: Annotated[int, typer.Option(help="Seed for the verification images and any random W_Q, W_K.")] = 0,
+    seed: Annotated[int, typer.Option(help="Seed for the verification images and any random W_Q, W_K.")] = SPEC.seed,
     device: Annotated[str, device_option()] = DEVICE,
-    approximate: Annotated[bool, typer.Option("--approximate", help="With --heads below what the kernel needs: keep the offsets that matter most on calibration images and refit their W_O (the paper's open problem; measured, not exact: verification still judges against --tol).")] = False,
-    rule: Annotated[str, typer.Option(help="--approximate: greedy (drop the offset whose loss hurts least, measured, one at a time) or corner (drop the farthest offsets first, whatever the data).")] = "greedy",
-    refit: Annotated[bool, typer.Option("--refit/--no-refit", help="--approximate: refit the kept heads' W_O by least squares (--no-refit: plain dropping).")] = True,
+    approximate: Annotated[bool, typer.Option("--approximate", help="With --heads below what the kernel needs: keep the offsets that matter most on calibration images and refit their W_O (the paper's open problem; measured, not exact: verification still judges against --tol).")] = SPEC.approximate,
+    rule: Annotated[str, typer.Option(help="--approximate: greedy (drop the offset whose loss hurts least, measured, one at a time) or corner (drop the farthest offsets first, whatever the data).")] = SPEC.rule,
+    refit: Annotated[bool, typer.Option("--refit/--no-refit", help="--approximate: refit the kept heads' W_O by least squares (--no-refit: plain dropping).")] = SPEC.refit,
     calib: Annotated[str | None, typer.Option(help="--approximate: calibration data, as train's --data (digits, fashion-mnist, cifar10, cifar100, imagefolder, synthetic); default: N(0, 1) noise images.")] = None,
     data_dir: Annotated[str | None, typer.Option(help="--calib: the dataset's folder, as train's --data-dir.")] = None,
     calib_images: Annotated[int, typer.Option(help="--approximate: calibration images (from the training split).")] = 256,
@@ -147,7 +149,7 @@ def print_approximation(a: Approximation) -> None:
 def verify_cmd(
     conv: Annotated[Path, path_arg("Conv-phase checkpoint (.safetensors or .onnx).")],
     attn: Annotated[Path, path_arg("Attention checkpoint.")],
-    tol: Annotated[float, typer.Option(help="Largest relative error accepted.")] = DEFAULT_TOL,
+    tol: Annotated[float, typer.Option(help="Largest relative error accepted.")] = SPEC.tol,
     dtype: Annotated[str, typer.Option(help="float32 or float64.")] = "float32",
     batch: Annotated[int, typer.Option(help="Random images per check.")] = 4,
     seed: Annotated[int, typer.Option(help="Seed for the random images.")] = 0,
@@ -223,7 +225,7 @@ def heads(
     dilation: Annotated[int, typer.Option("--dilation", "-d", help="Dilation D.")] = 1,
     channels: Annotated[int | None, typer.Option(help="Channels C (Theorem 5's pixel-input bound is min(K², C)).")] = None,
     checkpoint: Annotated[Path | None, path_opt("A conv-phase checkpoint: also measure, for every N from 1 to the bound, the error of an approximate conversion with N heads (as convert --approximate).")] = None,
-    rule: Annotated[str, typer.Option(help="--checkpoint: greedy or corner (see convert --rule).")] = "greedy",
+    rule: Annotated[str, typer.Option(help="--checkpoint: greedy or corner (see convert --rule).")] = SPEC.rule,
     calib: Annotated[str | None, typer.Option(help="--checkpoint: calibration data, as train's --data; default: N(0, 1) noise images.")] = None,
     data_dir: Annotated[str | None, typer.Option(help="--calib: the dataset's folder.")] = None,
     calib_images: Annotated[int, typer.Option(help="--checkpoint: calibration images.")] = 256,

@@ -11,12 +11,12 @@ from typing import Any
 import typer
 
 from ..bounds import BOUNDS
+from ..defaults import DATASETS
 from ..errors import CmhsaError
 
 DEVICE = "auto"  # every command's --device default
 DEVICE_HELP = "Where to run: auto (CUDA when there is one), cpu, cuda or cuda:N."
 WORKERS_HELP = "Data-loading worker processes (workers loader) \\[default: min(4, CPUs)]."
-DATASETS = ("cifar100", "cifar10", "imagefolder", "digits", "fashion-mnist", "synthetic")
 DATA_HELP = (
     "Dataset: cifar100, cifar10, imagefolder (DIR/train, DIR/val), digits (scikit-learn's), "
     "fashion-mnist (Debian's dataset-fashion-mnist), synthetic."

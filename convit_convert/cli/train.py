@@ -17,6 +17,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
+from ..defaults import EVAL_CROP_PCT
 from ..errors import CmhsaError
 from ..io.paths import make_folder, remove_made
 from ..train.config import PEAK_LR, TrainConfig
@@ -221,7 +222,7 @@ def eval_command(
     device: Annotated[str, device_option()] = DEVICE,
     amp: Annotated[str, typer.Option(help="auto, bf16, fp16 or none.")] = "none",
     workers: Annotated[Optional[int], workers_option()] = None,  # noqa: UP045
-    crop_pct: Annotated[float, typer.Option(help="Eval centre-crop fraction.")] = 0.875,
+    crop_pct: Annotated[float, typer.Option(help="Eval centre-crop fraction.")] = EVAL_CROP_PCT,
     seed: Annotated[int, typer.Option(help="Seed of --data synthetic.")] = 0,
 ) -> None:
 # fmt: on

@@ -1,1 +1,4 @@
-"""Files: the checkpoint format (read, validate, write), atomic writes, JSON reports."""
+"""Files: the checkpoint format (`checkpoint.py`: read, validate, write; `safetensors_writer.py`:
+one pass, hashed), atomic writes (`atomic.py`), the paths a user gives (`paths.py`), the run
+folder's lock (`lock.py`), JSON reports (`report.py`) and timm's pretrained folder
+(`timm_folder.py`)."""

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from .. import __version__
-from ..config import KINDS, ViTConfig
+from ..config import KINDS, NORM_EPS, ViTConfig
 from ..errors import CmhsaError, article
 from ..model import VisionTransformer
 from .atomic import atomic_path
@@ -190,7 +190,7 @@ def _read_torch(path: Path) -> dict[str, torch.Tensor]:
 
 def infer_conv_config(
     tensors: dict[str, torch.Tensor], img_size: tuple[int, int], patch_size: int, dilation: int = 1,
-    norm_eps: float = 1e-6, path: object = None,
+    norm_eps: float = NORM_EPS, path: object = None,
 ) -> ViTConfig:  # fmt: skip
     """The config of a bare conv-phase state dict, from its tensor shapes and the image geometry
     (which shapes cannot tell)."""
@@ -266,7 +266,7 @@ def check_geometry(
 
 def load_tensor_checkpoint(
     path: str | Path, *, img_size: tuple[int, int] | None = None, patch_size: int | None = None,
-    dilation: int = 1, norm_eps: float = 1e-6,
+    dilation: int = 1, norm_eps: float = NORM_EPS,
 ) -> Checkpoint:  # fmt: skip
     """Load and validate a tensor file. Files with cmhsa metadata describe themselves; a bare
     conv-phase state dict needs ``img_size`` and ``patch_size`` (the rest is inferred)."""

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import ViTConfig
+from ..defaults import EVAL_CROP_PCT, EVAL_INTERPOLATION
 from ..errors import CmhsaError
 from .atomic import atomic_paths
 from .checkpoint import write_checkpoint
@@ -38,7 +39,7 @@ def pretrained_cfg(cfg: ViTConfig, file: str | None = None) -> dict[str, Any]:
     first_conv = "patch_embed" if cfg.patch_embed == "linear" else ()
     # fixed_input_size: the relative position table is the patch grid's, so the image size is fixed
     return {"input_size": (cfg.in_chans, *cfg.img_size), "fixed_input_size": True, "mean": mean, "std": std,
-            "interpolation": "bicubic", "crop_pct": 0.875, "num_classes": cfg.num_classes,
+            "interpolation": EVAL_INTERPOLATION, "crop_pct": EVAL_CROP_PCT, "num_classes": cfg.num_classes,
             "first_conv": first_conv, "classifier": "head", "file": file, "license": "mit"}  # fmt: skip
 
 

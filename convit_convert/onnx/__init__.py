@@ -1,2 +1,3 @@
-"""ONNX in and out: trusted loading (load), the graph matcher (graph), the ViT reader (read), the
-layout proof (layout), the import with its onnxruntime check (importer), and export (export)."""
+"""ONNX in and out: trusted loading (`load.py`), the graph matcher (`graph.py`), the ViT reader
+(`read.py`), the layout proof (`layout.py`), the import with its onnxruntime check
+(`importer.py`), and export (`export.py`)."""

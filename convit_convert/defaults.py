@@ -1,0 +1,6 @@
+"""Names and values several layers read, defined once (no torch): the datasets cmhsa reads and the
+evaluation transform (timm's: resize the shorter side to size / crop_pct, centre crop)."""
+
+DATASETS = ("cifar100", "cifar10", "imagefolder", "digits", "fashion-mnist", "synthetic")
+EVAL_INTERPOLATION = "bicubic"  # the resize of `cmhsa eval`, of training's evaluation, of the exports
+EVAL_CROP_PCT = 0.875  # timm's default crop: a 224 px crop of a 256 px resize
