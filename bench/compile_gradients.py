@@ -34,10 +34,22 @@ def built_step(data: str, out: Path):
     engine.train_one_epoch = one_step
     try:
         cfg = TrainConfig.from_flags(
-            preset="cpu", data=data, img_size=16, in_chans=1, hidden_chans=1, loader="device", device="cpu",
-            threads=1, batch_size=4, train_samples=32, val_samples=8, epochs=1, drop_path=0.0, compile=True,
+            preset="cpu",
+            data=data,
+            img_size=16,
+            in_chans=1,
+            hidden_chans=1,
+            loader="device",
+            device="cpu",
+            threads=1,
+            batch_size=4,
+            train_samples=32,
+            val_samples=8,
+            epochs=1,
+            drop_path=0.0,
+            compile=True,
             out=str(out),
-        )  # fmt: skip
+        )
         engine.run(cfg, progress=Progress(None))
     finally:
         engine.train_one_epoch = real

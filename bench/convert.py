@@ -113,7 +113,8 @@ def main() -> None:
         "import torch; from safetensors.torch import load_file, save_file; "
         f"dt = {{'F32': torch.float32, 'F64': torch.float64, 'F16': torch.float16, 'BF16': torch.bfloat16}}; "
         f"load_file({str(src)!r}); "
-        f"save_file({{k: torch.empty(s, dtype=dt[d]) for k, (s, d) in {layout!r}.items()}}, {str(floor_dst)!r})"
+        "save_file({k: torch.empty(s, dtype=dt[d]) for k, (s, d) in "
+        f"{layout!r}.items()}}, {str(floor_dst)!r})"
     )
     cmd_cli = [sys.executable, "-m", "convit_convert", "convert", str(src), "-o", str(dst), "--no-verify"]
     procs = {

@@ -74,8 +74,11 @@ def main() -> None:
                 err = ((out - ref).abs().max() / ref.abs().max()).item()
             ms = cuda_ms(fwd, 3, args.steps)
             tag = "compiled" if compiled else "eager"
-            print(f"{name:20s} {tag:8s} {ms:7.2f} ms  {args.batch / ms * 1e3:7.0f} img/s"
-                  + (f"  logits vs the first form eager {err:.1e}" if form is not None else ""), flush=True)  # fmt: skip
+            print(
+                f"{name:20s} {tag:8s} {ms:7.2f} ms  {args.batch / ms * 1e3:7.0f} img/s"
+                + (f"  logits vs the first form eager {err:.1e}" if form is not None else ""),
+                flush=True,
+            )
             if args.profile and compiled:
                 from torch.profiler import ProfilerActivity, profile
 

@@ -109,8 +109,11 @@ def env_section() -> dict[str, Any]:
 
 def tests_section(out: Path) -> dict[str, Any]:
     xml = out / "cuda_tests.xml"
-    cmd = [sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider",
-           "tests/test_cuda.py", f"--junitxml={xml}"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        *"-m pytest -m cuda -q -p no:cacheprovider tests/test_cuda.py".split(),
+        f"--junitxml={xml}",
+    ]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=child_env(), timeout=480)
     cases = []
     if xml.exists():
@@ -162,8 +165,13 @@ def exact_section() -> dict[str, Any]:
         attn.load_state_dict(sd)
         t = time.perf_counter()
         v = verify_models(conv, attn, batch=8, device="cuda", dtype=torch.float32, tol=1e-5)
-        row = {"qk_dim": qk, "verify_fp32_passed": v.passed, "verify_fp32_worst_rel": v.worst.rel,
-               "verify_fp32_worst_at": f"{v.worst.tensor} ({v.worst.region})", "verify_s": time.perf_counter() - t}  # fmt: skip
+        row = {
+            "qk_dim": qk,
+            "verify_fp32_passed": v.passed,
+            "verify_fp32_worst_rel": v.worst.rel,
+            "verify_fp32_worst_at": f"{v.worst.tensor} ({v.worst.region})",
+            "verify_s": time.perf_counter() - t,
+        }
         x = torch.randn(8, 3, 224, 224, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
         with torch.no_grad(), exact_matmul():
             ref = conv.double()(x.double())
@@ -352,9 +360,16 @@ def train_section(args: argparse.Namespace, peak: float | None) -> dict[str, Any
             row: dict[str, Any] = {"model": label, "compiled": compiled}
             try:
                 t = time_steps(
-                    make(), img_size=(224, 224), num_classes=100, batch=args.batch, steps=args.steps,
-                    warmup=args.warmup, compile=compiled, dev=torch.device("cuda"), dtype=torch.bfloat16,
-                )  # fmt: skip
+                    make(),
+                    img_size=(224, 224),
+                    num_classes=100,
+                    batch=args.batch,
+                    steps=args.steps,
+                    warmup=args.warmup,
+                    compile=compiled,
+                    dev=torch.device("cuda"),
+                    dtype=torch.bfloat16,
+                )
                 med = statistics.median(t.times)
                 row.update(
                     s_per_step=med,
@@ -372,8 +387,10 @@ def train_section(args: argparse.Namespace, peak: float | None) -> dict[str, Any
             rows.append(row)
             print(row, flush=True)
     return {
-        "settings": f"{PAPER}; batch {args.batch}, bf16 autocast, AdamW, SoftTargetCrossEntropy, drop path 0.1, "
-        f"TF32 on; median of {args.steps} steps after {args.warmup} warm-up; FLOPs by torch.utils.flop_counter",
+        "settings": f"{PAPER}; batch {args.batch}, bf16 autocast, AdamW, "
+        "SoftTargetCrossEntropy, drop path 0.1, "
+        f"TF32 on; median of {args.steps} steps after {args.warmup} warm-up; "
+        "FLOPs by torch.utils.flop_counter",
         "rows": rows,
         "goals": train_goals(rows),
     }
@@ -440,9 +457,16 @@ def profile_section(args: argparse.Namespace) -> dict[str, Any]:
             model = make().cuda()  # before profiling: the weights' upload is not a training cost
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 time_steps(
-                    model, img_size=(224, 224), num_classes=100, batch=args.batch, steps=3, warmup=2,
-                    compile=compiled, dev=torch.device("cuda"), dtype=torch.bfloat16,
-                )  # fmt: skip
+                    model,
+                    img_size=(224, 224),
+                    num_classes=100,
+                    batch=args.batch,
+                    steps=3,
+                    warmup=2,
+                    compile=compiled,
+                    dev=torch.device("cuda"),
+                    dtype=torch.bfloat16,
+                )
             tables[f"{label}, {'compiled' if compiled else 'eager'}"] = top_kernels(prof)
             del model
             torch.cuda.empty_cache()
@@ -521,23 +545,30 @@ def infer_section(args: argparse.Namespace) -> dict[str, Any]:
         if deit and "img_per_s" in r:
             r["vs_deit_base"] = r["img_per_s"] / deit
     return {
-        "settings": f"{PAPER}; batch {args.batch}, bf16 autocast, inference_mode, eager and compiled; median of {args.steps}",
+        "settings": f"{PAPER}; batch {args.batch}, bf16 autocast, inference_mode, eager and "
+        f"compiled; median of {args.steps}",
         "rows": rows,
     }
 
 
-E2E_FLAGS = ["--data", "digits", "--img-size", "32", "--patch-size", "4", "--depth", "4", "--kernel-size", "3",
-             "--batch-size", "128", "--lr-base-batch", "128", "--warmup-epochs", "2", "--aa", "none",
-             "--mixup", "0", "--cutmix", "0", "--reprob", "0", "--workers", "4"]  # fmt: skip
+E2E_FLAGS = [
+    *"--data digits --img-size 32 --patch-size 4 --depth 4 --kernel-size 3 "
+    "--batch-size 128 --lr-base-batch 128 --warmup-epochs 2 --aa none "
+    "--mixup 0 --cutmix 0 --reprob 0 --workers 4".split(),
+]
 
 
 STEP_ARMS = ("p1", "half-p1", "gated", "hard", "impulse", "random")  # issue 41's six init-comparison arms
 
 
 def step_section(
-    out: Path, device: str = "cuda", batches: tuple[int, ...] = (256, 1024), train_samples: int = 60000,
-    arm_epochs: int = 40, data_dir: str | None = None,
-) -> dict[str, Any]:  # fmt: skip
+    out: Path,
+    device: str = "cuda",
+    batches: tuple[int, ...] = (256, 1024),
+    train_samples: int = 60000,
+    arm_epochs: int = 40,
+    data_dir: str | None = None,
+) -> dict[str, Any]:
     """Issue 41: the EXPERIMENTS.md model (``--preset cpu``, Fashion-MNIST, device loader) in one
     process, both phases (phase 2: impulse init, gated), each batch size, eager and --compile:
     images/s of the second of 2 epochs (the first pays for compiling; learning rate as at batch
@@ -554,23 +585,49 @@ def step_section(
         for batch in batches:
             for compiled in (False, True):
                 cfg = TrainConfig.from_flags(
-                    phase=phase, preset="cpu", data="fashion-mnist", data_dir=data_dir, in_chans=1, loader="device",
-                    device=device, batch_size=batch, lr_base_batch=batch, train_samples=train_samples,
-                    val_samples=1000, epochs=2, compile=compiled, overwrite=True,
-                    out=str(out / "step" / f"{phase}-b{batch}-{'compiled' if compiled else 'eager'}"), **extra,
-                )  # fmt: skip
+                    phase=phase,
+                    preset="cpu",
+                    data="fashion-mnist",
+                    data_dir=data_dir,
+                    in_chans=1,
+                    loader="device",
+                    device=device,
+                    batch_size=batch,
+                    lr_base_batch=batch,
+                    train_samples=train_samples,
+                    val_samples=1000,
+                    epochs=2,
+                    compile=compiled,
+                    overwrite=True,
+                    out=str(out / "step" / f"{phase}-b{batch}-{'compiled' if compiled else 'eager'}"),
+                    **extra,
+                )
                 result = run(cfg, progress=Progress(None))
-                rows.append({"phase": phase, "batch": batch, "compile": compiled,
-                             "images_per_s": round(result.rows[-1]["images_per_s"])})  # fmt: skip
+                rows.append(
+                    {
+                        "phase": phase,
+                        "batch": batch,
+                        "compile": compiled,
+                        "images_per_s": round(result.rows[-1]["images_per_s"]),
+                    }
+                )
                 print(rows[-1], flush=True)
     sys.path.insert(0, str(ROOT / "experiments"))
     from init_comparison import seed_arms
 
     from convit_convert.train.arms import run_arms
 
-    args = argparse.Namespace(epochs=arm_epochs, out=out / "step" / "arms", train_samples=train_samples,
-                              val_samples=1000, batch_size=256, compile=False, data_dir=data_dir, device=device,
-                              loader="device")  # fmt: skip
+    args = argparse.Namespace(
+        epochs=arm_epochs,
+        out=out / "step" / "arms",
+        train_samples=train_samples,
+        val_samples=1000,
+        batch_size=256,
+        compile=False,
+        data_dir=data_dir,
+        device=device,
+        loader="device",
+    )
     arms = [a for a in seed_arms(args, 0) if a.name.split("/")[-1] in STEP_ARMS]
     t = time.perf_counter()
     run_arms(arms, parallel=len(arms))
@@ -631,11 +688,23 @@ def e2e_section(out: Path, device: str, epochs: int) -> dict[str, Any]:
     results = []
     for name, argv in steps:
         t = time.perf_counter()
-        r = subprocess.run([sys.executable, "-m", "convit_convert", *argv], cwd=ROOT, capture_output=True,
-                           text=True, env=child_env(), timeout=300)  # fmt: skip
-        results.append({"step": name, "command": "cmhsa " + " ".join(argv).replace(str(work), "WORK"),
-                        "returncode": r.returncode, "seconds": time.perf_counter() - t,
-                        "tail": (r.stdout + r.stderr)[-1200:]})  # fmt: skip
+        r = subprocess.run(
+            [sys.executable, "-m", "convit_convert", *argv],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            env=child_env(),
+            timeout=300,
+        )
+        results.append(
+            {
+                "step": name,
+                "command": "cmhsa " + " ".join(argv).replace(str(work), "WORK"),
+                "returncode": r.returncode,
+                "seconds": time.perf_counter() - t,
+                "tail": (r.stdout + r.stderr)[-1200:],
+            }
+        )
         print(f"{name}: exit {r.returncode} in {results[-1]['seconds']:.1f} s", flush=True)
     final = {}
     for phase in ("p1", "p2"):
@@ -720,9 +789,17 @@ def plan(sections: list[str]) -> str:
     if "tests" in sections:
         lines.append("  tests: pytest -m cuda tests/test_cuda.py")
     if "e2e" in sections:
-        lines += [f"  e2e: cmhsa {' '.join(a for a in argv)}" for argv in (
-            ["train", "phase1", "..."], ["convert", "..."], ["verify", "..."], ["train", "phase2", "--init", "..."],
-            ["eval", "..."], ["export", "--device", "cuda|cpu", "..."])]  # fmt: skip
+        lines += [
+            f"  e2e: cmhsa {' '.join(a for a in argv)}"
+            for argv in (
+                ["train", "phase1", "..."],
+                ["convert", "..."],
+                ["verify", "..."],
+                ["train", "phase2", "--init", "..."],
+                ["eval", "..."],
+                ["export", "--device", "cuda|cpu", "..."],
+            )
+        ]
     return "\n".join(lines)
 
 

@@ -80,8 +80,10 @@ def main() -> None:
         results[name] = (mean, best, gflops(model, 1), sum(w.numel() for w in weights) / 1e6)
         print(f"{name}: {mean:.2f} img/s (best {best:.2f})", flush=True)
     deit = results["timm deit_base_patch16_224"][0]
-    print(f"\ntorch {torch.__version__}, {platform.processor() or platform.machine()}, "
-          f"batch {args.batch}, {args.threads} threads, float32, mean of {args.iters} passes after 2 warm-up\n")  # fmt: skip
+    print(
+        f"\ntorch {torch.__version__}, {platform.processor() or platform.machine()}, "
+        f"batch {args.batch}, {args.threads} threads, float32, mean of {args.iters} passes after 2 warm-up\n"
+    )
     print("| model | weights (M) | GMAC/img | img/s | best img/s | vs DeiT-base |")
     print("|---|---:|---:|---:|---:|---:|")
     for name, (mean, best, g, params) in results.items():

@@ -7,10 +7,11 @@ against PyTorch eager on the same batch and thread count.
 Paper size: 224 px, P = 16, d = 768, depth 6, K = 5, 100 classes; the attention models have 9
 heads with qk_dim 768 (the paper's) or 64, as converted (W_Q = W_K = 0). Export goes through
 ``cmhsa export``'s own path (``export_and_check``: export, checker, onnxruntime vs PyTorch at batch
-1 and 3), in each of ``cmhsa export``'s attention forms (``--form fused``, the default, with
-W_V·W_O folded; ``--form trained``, the projections as trained). Both runtimes get ``--threads`` intra-op threads (onnxruntime: one inter-op thread,
-default graph optimisations); each figure is the mean of ``--iters`` timed passes after 3 warm-up
-passes. Prints a markdown table for BENCHMARKS.md, with ``session.get_providers()``.
+1 and 3), in each of ``cmhsa export``'s attention forms (``--form fused``, the default, with W_V·W_O
+folded; ``--form trained``, the projections as trained). Both runtimes get ``--threads`` intra-op
+threads (onnxruntime: one inter-op thread, default graph optimisations); each figure is the mean of
+``--iters`` timed passes after 3 warm-up passes. Prints a markdown table for BENCHMARKS.md, with
+``session.get_providers()``.
 """
 
 from __future__ import annotations
@@ -119,7 +120,8 @@ def main() -> None:
                     )
                 )
                 print(
-                    f"{name} {ex.form or '-'} {exporter} batch {b}: eager {eager[b]:.2f} img/s, onnxruntime {ips:.2f} img/s",
+                    f"{name} {ex.form or '-'} {exporter} batch {b}: eager {eager[b]:.2f} "
+                    f"img/s, onnxruntime {ips:.2f} img/s",
                     flush=True,
                 )
             del session, ex
@@ -129,12 +131,14 @@ def main() -> None:
         f"float32, mean of {args.iters} passes after 3 warm-up\n"
     )
     print(
-        "| model | form | exporter | export (s) | file (MB) | batch | PyTorch eager img/s | onnxruntime img/s | ORT / eager | check rel. error |"
+        "| model | form | exporter | export (s) | file (MB) | batch | PyTorch "
+        "eager img/s | onnxruntime img/s | ORT / eager | check rel. error |"
     )
     print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for name, form, exporter, export_s, size, b, e, o, err in rows:
         print(
-            f"| {name} | {form} | {exporter} | {export_s:.1f} | {size:.0f} | {b} | {e:.2f} | {o:.2f} | {o / e:.2f}x | {err:.1e} |"
+            f"| {name} | {form} | {exporter} | {export_s:.1f} | {size:.0f} | {b} | "
+            f"{e:.2f} | {o:.2f} | {o / e:.2f}x | {err:.1e} |"
         )
 
 

@@ -47,22 +47,39 @@ class CountOps(TorchDispatchMode):
 def config(phase: str, steps: int, batch: int, out: Path, data_dir: str | None) -> TrainConfig:
     extra = dict(init="impulse", pinning="gated") if phase == "phase2" else {}
     return TrainConfig.from_flags(
-        phase=phase, preset="cpu", data="fashion-mnist", data_dir=data_dir, in_chans=1, loader="device",
-        device="cpu", threads=1, batch_size=batch, train_samples=steps * batch, val_samples=64, epochs=1,
-        log_every=10**6, out=str(out), **extra,
-    )  # fmt: skip
+        phase=phase,
+        preset="cpu",
+        data="fashion-mnist",
+        data_dir=data_dir,
+        in_chans=1,
+        loader="device",
+        device="cpu",
+        threads=1,
+        batch_size=batch,
+        train_samples=steps * batch,
+        val_samples=64,
+        epochs=1,
+        log_every=10**6,
+        out=str(out),
+        **extra,
+    )
 
 
 # where a step's ops go: functions whose calls are counted apart, (owner, name) as looked up at call
 # time; each part counts the ops inside its calls, so the parts nest in the whole
 PARTS = {
-    "augmentation's parameters": [("convit_convert.train.augment", "sample_params"),
-                                  ("convit_convert.train.held", "sample_params")],
-    "augmentation's pixels": [("convit_convert.train.augment", "augment"), ("convit_convert.train.held", "augment")],
+    "augmentation's parameters": [
+        ("convit_convert.train.augment", "sample_params"),
+        ("convit_convert.train.held", "sample_params"),
+    ],
+    "augmentation's pixels": [
+        ("convit_convert.train.augment", "augment"),
+        ("convit_convert.train.held", "augment"),
+    ],
     "model forward": [("convit_convert.model", "VisionTransformer.forward")],
     "gradients": [("torch", "autograd.grad"), ("torch", "Tensor.backward")],
     "optimizer": [("torch.optim", "AdamW.step")],
-}  # fmt: skip
+}
 
 
 @contextlib.contextmanager
@@ -134,7 +151,8 @@ def main() -> None:
     torch.set_num_threads(1)
     print(f"torch {torch.__version__}, CPU, 1 thread, batch {args.batch}, device loader\n")
     print(
-        f"| phase | aten ops per step | of which the model's forward + gradients | CPU steps/s (median of {args.repeats}) |"
+        "| phase | aten ops per step | of which the model's forward + gradients "
+        f"| CPU steps/s (median of {args.repeats}) |"
     )
     print("|---|---:|---:|---:|")
     with tempfile.TemporaryDirectory() as tmp:

@@ -4,16 +4,16 @@
     PYTHONPATH=. python bench/train_forms.py                # CPU: batch 8, 2 threads, eager
     PYTHONPATH=. python bench/train_forms.py --model digits # the README demo's model: batch 64, 20 steps
 
-Each form is a convit_convert.attention.AttentionForm (chosen per model by
-``VisionTransformer(cfg, attention_form=name)``): "padded" splits the heads out of the (B, N, h·e) projections, pads the
-keys and values to N_pad and multiplies all heads in one batched product per side, which costs
-copies of q, k and the values (and their gradients) between the (B, N, h·e) and (B, h, N, e)
-layouts; "by_head" is the custom ops convit_convert.kernels.head_logits and head_values, each
-head's product read and written in place. The model is the attention ViT at the paper's size,
-qk_dim 64 (and 768 with --qk-dims), or with --model digits the README demo's; one step = forward, SoftTargetCrossEntropy, backward, AdamW
-(bench/train_step.py); on CUDA bf16 autocast and TF32, MFU against the H100's dense bf16 peak.
-Each form's mean log-sum-exp of a fresh model's logits on one fixed batch is printed beside the
-first form's: the forms compute one function.
+Each form is a convit_convert.attention.AttentionForm (chosen per model by ``VisionTransformer(cfg,
+attention_form=name)``): "padded" splits the heads out of the (B, N, h·e) projections, pads the keys
+and values to N_pad and multiplies all heads in one batched product per side, which costs copies of
+q, k and the values (and their gradients) between the (B, N, h·e) and (B, h, N, e) layouts;
+"by_head" is the custom ops convit_convert.kernels.head_logits and head_values, each head's product
+read and written in place. The model is the attention ViT at the paper's size, qk_dim 64 (and 768
+with --qk-dims), or with --model digits the README demo's; one step = forward,
+SoftTargetCrossEntropy, backward, AdamW (bench/train_step.py); on CUDA bf16 autocast and TF32, MFU
+against the H100's dense bf16 peak. Each form's mean log-sum-exp of a fresh model's logits on one
+fixed batch is printed beside the first form's: the forms compute one function.
 """
 
 from __future__ import annotations
@@ -89,15 +89,24 @@ def main() -> None:
                 ref = lse if ref is None else ref
                 torch.manual_seed(0)
                 t = time_steps(
-                    VisionTransformer(cfg, drop_path_rate=0.1, attention_form=name), img_size=cfg.img_size,
-                    num_classes=cfg.num_classes, batch=batch, steps=steps, warmup=args.warmup,
-                    compile=compiled, dev=dev, dtype=dtype,
-                )  # fmt: skip
+                    VisionTransformer(cfg, drop_path_rate=0.1, attention_form=name),
+                    img_size=cfg.img_size,
+                    num_classes=cfg.num_classes,
+                    batch=batch,
+                    steps=steps,
+                    warmup=args.warmup,
+                    compile=compiled,
+                    dev=dev,
+                    dtype=dtype,
+                )
                 med = statistics.median(t.times)
                 mfu = f", MFU {100 * t.flops / med / (H100_BF16_TFLOPS * 1e12):.1f}%" if cuda else ""
-                print(f"qk_dim {qk:3d} {name:8s} {'compiled' if compiled else 'eager':8s} "
-                      f"{med * 1e3:8.1f} ms/step  {batch / med:7.1f} img/s{mfu}  "
-                      f"logits lse {lse:.6f} (first form {ref:.6f})", flush=True)  # fmt: skip
+                print(
+                    f"qk_dim {qk:3d} {name:8s} {'compiled' if compiled else 'eager':8s} "
+                    f"{med * 1e3:8.1f} ms/step  {batch / med:7.1f} img/s{mfu}  "
+                    f"logits lse {lse:.6f} (first form {ref:.6f})",
+                    flush=True,
+                )
                 if args.profile and compiled:
                     profile(cfg, name, dev, batch)
                 if cuda:
@@ -113,9 +122,16 @@ def profile(cfg: ViTConfig, form: str, dev: torch.device, batch: int) -> None:
     model = VisionTransformer(cfg, drop_path_rate=0.1, attention_form=form).to(dev)
     with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
         time_steps(
-            model, img_size=cfg.img_size, num_classes=cfg.num_classes, batch=batch, steps=3, warmup=2,
-            compile=True, dev=dev, dtype=torch.bfloat16,
-        )  # fmt: skip
+            model,
+            img_size=cfg.img_size,
+            num_classes=cfg.num_classes,
+            batch=batch,
+            steps=3,
+            warmup=2,
+            compile=True,
+            dev=dev,
+            dtype=torch.bfloat16,
+        )
     print_top_kernels(prof, 6, "step")  # 6 steps profiled: the counted one, 2 warm-up, 3 timed
 
 

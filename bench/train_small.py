@@ -2,7 +2,8 @@
 loader (data held as a tensor, augmented per batch), whole runs of the EXPERIMENTS.md model.
 
     python bench/train_small.py [--data-dir DIR] [--recipe deit|experiments] [--device cpu|cuda] [--compile]
-                                [--rows main|threads|all|accuracy] [--repeat N] [--epochs 2] [--train-samples 4096]
+                                [--rows main|threads|all|accuracy] [--repeat N] [--epochs 2]
+                                [--train-samples 4096]
 
 Fashion-MNIST (Debian's dataset-fashion-mnist, or --data-dir), 28 px, P 4, d 48, depth 2, K 5,
 batch 128, 4,096 training images, the 10k validation images evaluated after every epoch. Each row
@@ -46,10 +47,24 @@ RECIPES = {
 
 def one_run(out: Path, phase: str, loader: str, threads: int, workers: int, args, **kw) -> dict:
     cfg = TrainConfig.from_flags(
-        out=str(out), phase=phase, data="fashion-mnist", data_dir=args.data_dir, train_samples=args.train_samples,
-        epochs=args.epochs, warmup_epochs=1, batch_size=128, loader=loader, threads=threads, workers=workers,
-        device=args.device, compile=args.compile, log_every=10_000, **MODEL, **RECIPES[args.recipe], **kw,
-    )  # fmt: skip
+        out=str(out),
+        phase=phase,
+        data="fashion-mnist",
+        data_dir=args.data_dir,
+        train_samples=args.train_samples,
+        epochs=args.epochs,
+        warmup_epochs=1,
+        batch_size=128,
+        loader=loader,
+        threads=threads,
+        workers=workers,
+        device=args.device,
+        compile=args.compile,
+        log_every=10_000,
+        **MODEL,
+        **RECIPES[args.recipe],
+        **kw,
+    )
     t = time.perf_counter()
     res = run(cfg)
     wall = time.perf_counter() - t
@@ -105,7 +120,8 @@ def ceilings(args: argparse.Namespace) -> list[str]:
         aug = augment_spec(TrainConfig.from_flags(**RECIPES[recipe]).recipe, (28, 28), mean, std)
         loader = HeldLoader(images, labels, sampler, aug, seed=0)
         lines.append(
-            f"device loader, recipe {recipe}: augmentation alone {rate(lambda loader=loader: list(loader), 4096, 3):.0f} images/s"
+            f"device loader, recipe {recipe}: augmentation alone "
+            f"{rate(lambda loader=loader: list(loader), 4096, 3):.0f} images/s"
         )
     return lines
 
@@ -160,9 +176,11 @@ def main() -> None:
             shutil.rmtree(root, ignore_errors=True)
     if args.rows in ("main", "all"):
         print("\n" + "\n".join(ceilings(args)))
-    print(f"\n{args.device}, {cpus} threads available, torch {torch.__version__}; {args.epochs} epochs, "
-          f"{args.train_samples} training images, 10k validation images, batch 128, recipe {args.recipe}; "
-          f"{args.repeat} repetition(s), each cell one per repetition, then the median\n")  # fmt: skip
+    print(
+        f"\n{args.device}, {cpus} threads available, torch {torch.__version__}; {args.epochs} epochs, "
+        f"{args.train_samples} training images, 10k validation images, batch 128, recipe {args.recipe}; "
+        f"{args.repeat} repetition(s), each cell one per repetition, then the median\n"
+    )
     print("| loader | phase | train images/s (mean of the epochs) | median | run wall s | median | top-1 % |")
     print("|---|---|---:|---:|---:|---:|---:|")
 
@@ -171,17 +189,21 @@ def main() -> None:
 
     for (name, phase), rs in results.items():
         a, w = [ips(r) for r in rs], [r["wall"] for r in rs]
-        print(f"| {name} | {phase} | {' / '.join(f'{v:.0f}' for v in a)} | {median(a):.0f} | "
-              f"{' / '.join(f'{v:.1f}' for v in w)} | {median(w):.1f} | {rs[0]['top1']:.2f} |")  # fmt: skip
+        print(
+            f"| {name} | {phase} | {' / '.join(f'{v:.0f}' for v in a)} | {median(a):.0f} | "
+            f"{' / '.join(f'{v:.1f}' for v in w)} | {median(w):.1f} | {rs[0]['top1']:.2f} |"
+        )
     base_name, dev_name = f"workers, {min(4, cpus)} workers, {cpus} threads", f"device, {cpus} threads"
     for phase in ("phase 1", "phase 2 (gated)"):
         b, d = results.get((base_name, phase)), results.get((dev_name, phase))
         if b and d:
             ratio = [ips(y) / ips(x) for x, y in zip(b, d, strict=True)]
             faster = [x["wall"] / y["wall"] for x, y in zip(b, d, strict=True)]
-            print(f"{phase}: device / workers: training images/s {' / '.join(f'{v:.2f}' for v in ratio)}x "
-                  f"(median {median(ratio):.2f}x); run wall time {' / '.join(f'{v:.2f}' for v in faster)}x "
-                  f"faster (median {median(faster):.2f}x)")  # fmt: skip
+            print(
+                f"{phase}: device / workers: training images/s {' / '.join(f'{v:.2f}' for v in ratio)}x "
+                f"(median {median(ratio):.2f}x); run wall time {' / '.join(f'{v:.2f}' for v in faster)}x "
+                f"faster (median {median(faster):.2f}x)"
+            )
 
 
 def accuracy(args: argparse.Namespace) -> None:
@@ -194,11 +216,23 @@ def accuracy(args: argparse.Namespace) -> None:
         for loader in ("workers", "device"):
             for seed in args.seeds:
                 cfg = TrainConfig.from_flags(
-                    out=str(args.out / recipe / loader / f"seed{seed}"), phase="phase1", data="fashion-mnist",
-                    data_dir=args.data_dir, train_samples=4000, epochs=6, warmup_epochs=1, batch_size=64,
-                    lr=2e-3, lr_base_batch=64, loader=loader, seed=seed, device=args.device, log_every=10_000,
-                    **MODEL, **RECIPES[recipe],
-                )  # fmt: skip
+                    out=str(args.out / recipe / loader / f"seed{seed}"),
+                    phase="phase1",
+                    data="fashion-mnist",
+                    data_dir=args.data_dir,
+                    train_samples=4000,
+                    epochs=6,
+                    warmup_epochs=1,
+                    batch_size=64,
+                    lr=2e-3,
+                    lr_base_batch=64,
+                    loader=loader,
+                    seed=seed,
+                    device=args.device,
+                    log_every=10_000,
+                    **MODEL,
+                    **RECIPES[recipe],
+                )
                 arms.append(Arm(f"{recipe}/{loader}/seed{seed}", cfg))
     run_arms(
         arms,

@@ -124,15 +124,24 @@ def main() -> None:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
         print(f"device: {torch.cuda.get_device_name(dev)}")
-    print(f"torch {torch.__version__}, batch {args.batch}, amp {args.amp}, compile {args.compile}, "
-          f"threads {args.threads}, {args.steps} timed steps after {args.warmup} warm-up")  # fmt: skip
+    print(
+        f"torch {torch.__version__}, batch {args.batch}, amp {args.amp}, compile {args.compile}, "
+        f"threads {args.threads}, {args.steps} timed steps after {args.warmup} warm-up"
+    )
     results = {}
     for name, (_kind, cfg) in models().items():
         torch.manual_seed(0)
         timing = time_steps(
-            VisionTransformer(cfg, drop_path_rate=0.1), img_size=cfg.img_size, num_classes=cfg.num_classes,
-            batch=args.batch, steps=args.steps, warmup=args.warmup, compile=args.compile, dev=dev, dtype=dtype,
-        )  # fmt: skip
+            VisionTransformer(cfg, drop_path_rate=0.1),
+            img_size=cfg.img_size,
+            num_classes=cfg.num_classes,
+            batch=args.batch,
+            steps=args.steps,
+            warmup=args.warmup,
+            compile=args.compile,
+            dev=dev,
+            dtype=dtype,
+        )
         times, flops = timing.times, timing.flops
         med = statistics.median(times)
         results[name] = med

@@ -3,7 +3,8 @@
 Importing the package is cheap (no torch): the CLI's --help and `heads` stay fast. The public API
 is imported lazily on first use::
 
-    from convit_convert import ConversionSpec, VisionTransformer, ViTConfig, convert_state_dict, load_checkpoint
+    from convit_convert import ConversionSpec, VisionTransformer, ViTConfig
+    from convit_convert import convert_state_dict, load_checkpoint
 """
 
 from __future__ import annotations

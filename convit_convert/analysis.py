@@ -43,11 +43,20 @@ class AttentionReport:
 
     def to_dict(self, checkpoint: str | None = None, with_maps: bool = False) -> dict[str, Any]:
         def head(h: HeadStats) -> dict[str, Any]:
-            d = {"offset": None if h.offset is None else list(h.offset), "pinned_share": h.pinned_share,
-                 "mean_distance_px": h.mean_distance_px, "entropy": h.entropy, "gate": h.gate}  # fmt: skip
+            d = {
+                "offset": None if h.offset is None else list(h.offset),
+                "pinned_share": h.pinned_share,
+                "mean_distance_px": h.mean_distance_px,
+                "entropy": h.entropy,
+                "gate": h.gate,
+            }
             return {**d, "offset_map": h.offset_map} if with_maps else d
 
-        return {"checkpoint": checkpoint, "images": self.images, "blocks": [{"heads": [head(h) for h in b]} for b in self.blocks]}  # fmt: skip
+        return {
+            "checkpoint": checkpoint,
+            "images": self.images,
+            "blocks": [{"heads": [head(h) for h in b]} for b in self.blocks],
+        }
 
     def block_means(self) -> dict[str, float]:
         """Per block: the mean pinned share (pinned heads), attention distance and gate (gated heads)."""
@@ -143,7 +152,15 @@ def attention_stats(model: VisionTransformer, batches: Iterable[torch.Tensor]) -
                 sums["share"][li, hi].item() / n_share if offsets[li][hi] is not None and n_share else None
             )
             offset_map = (maps[li, hi] / (pairs * images)).view(2 * gh - 1, 2 * gw - 1).cpu().tolist()
-            heads.append(HeadStats(offsets[li][hi], share, sums["dist"][li, hi].item() / max(sums["mass"][li, hi].item(), 1e-300),
-                                   sums["ent"][li, hi].item() / images, None if gates is None else gates[hi], offset_map))  # fmt: skip
+            heads.append(
+                HeadStats(
+                    offsets[li][hi],
+                    share,
+                    sums["dist"][li, hi].item() / max(sums["mass"][li, hi].item(), 1e-300),
+                    sums["ent"][li, hi].item() / images,
+                    None if gates is None else gates[hi],
+                    offset_map,
+                )
+            )
         blocks.append(heads)
     return AttentionReport(images, (gh, gw), p, blocks)

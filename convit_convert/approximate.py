@@ -80,8 +80,9 @@ def neighbours(x: torch.Tensor, grid: tuple[int, int], offsets: Sequence[tuple[i
     return torch.stack(cols, 3).reshape(b * n, len(offsets), d)
 
 
-def drop_order(parts: torch.Tensor, target: torch.Tensor, offsets: Sequence[tuple[int, int]], rule: str,
-               num_heads: int) -> tuple[list[int], list[float]]:  # fmt: skip
+def drop_order(
+    parts: torch.Tensor, target: torch.Tensor, offsets: Sequence[tuple[int, int]], rule: str, num_heads: int
+) -> tuple[list[int], list[float]]:
     """Indices into ``offsets`` to drop, in order, down to ``num_heads`` kept, and the relative
     residual after each drop. ``parts``: (|Δ|, M, d) each offset's contribution to ``target``."""
     norm = target.norm().clamp_min(1e-300)
@@ -127,8 +128,15 @@ class BlockProblem:
     dtype: torch.dtype  # the conv weight's: W^O comes back in it
 
     @classmethod
-    def build(cls, u: torch.Tensor, y: torch.Tensor, conv_weight: torch.Tensor, cfg: ViTConfig, rule: str,
-              down_to: int) -> BlockProblem:  # fmt: skip
+    def build(
+        cls,
+        u: torch.Tensor,
+        y: torch.Tensor,
+        conv_weight: torch.Tensor,
+        cfg: ViTConfig,
+        rule: str,
+        down_to: int,
+    ) -> BlockProblem:
         """``u`` (B, N, d) the mixer's input on B calibration images, ``y`` its output less the bias."""
         offsets = patch_offsets(cfg.kernel_size, cfg.patch_size, cfg.dilation)
         d = cfg.embed_dim
@@ -160,9 +168,14 @@ class BlockProblem:
 
         drop_error, taps = rel(t), as_wo(t)
         choice = BlockChoice(
-            kept=[self.offsets[k] for k in kept], dropped=[self.offsets[k] for k in dropped],
-            steps=self.steps[:drops], wo=taps, drop_error=drop_error, refit_error=drop_error, taps=taps,
-        )  # fmt: skip
+            kept=[self.offsets[k] for k in kept],
+            dropped=[self.offsets[k] for k in dropped],
+            steps=self.steps[:drops],
+            wo=taps,
+            drop_error=drop_error,
+            refit_error=drop_error,
+            taps=taps,
+        )
         held = held_back(self.images, guard)
         if not refit or held < 1:
             return choice
@@ -199,16 +212,24 @@ def problems(
     return out
 
 
-def choose(conv: VisionTransformer, num_heads: int, images: torch.Tensor, rule: str = "greedy",
-           refit: bool = True, guard: float = GUARD) -> list[BlockChoice]:  # fmt: skip
+def choose(
+    conv: VisionTransformer,
+    num_heads: int,
+    images: torch.Tensor,
+    rule: str = "greedy",
+    refit: bool = True,
+    guard: float = GUARD,
+) -> list[BlockChoice]:
     """Every block's choice for ``num_heads`` heads, on the calibration ``images``."""
     return [p.choice(num_heads, refit, guard) for p in problems(conv, images, rule, num_heads)]
 
 
 def guard_logits(
-    conv: VisionTransformer, blocks: list[BlockChoice], images: torch.Tensor,
+    conv: VisionTransformer,
+    blocks: list[BlockChoice],
+    images: torch.Tensor,
     build: Callable[[list[BlockChoice]], VisionTransformer],
-) -> tuple[list[BlockChoice], float, float]:  # fmt: skip
+) -> tuple[list[BlockChoice], float, float]:
     """The refit guarded on the whole model: while the logits' relative error on the held-back
     ``images`` is above plain dropping's (every block on its taps), put back the taps in the block
     whose refit costs the most there. Mixer errors compound through LayerNorm and the MLPs, so
@@ -223,9 +244,10 @@ def guard_logits(
     while kept > drop:  # ends: with every refit reverted the model is plain dropping's
         trials = [
             (error(trial), trial)
-            for i, b in enumerate(blocks) if b.refit_kept
+            for i, b in enumerate(blocks)
+            if b.refit_kept
             for trial in [[*blocks[:i], b.reverted(), *blocks[i + 1 :]]]
-        ]  # fmt: skip
+        ]
         kept, blocks = min(trials, key=lambda t: t[0])
     return blocks, drop, kept
 
@@ -246,14 +268,23 @@ class HeldOut:
 
     def to_dict(self) -> dict[str, object]:
         return {
-            "images": self.images, "mixer_errors": self.mixer_errors, "logits_error": self.logits_error,
-            "conv_top1": self.conv_top1, "attn_top1": self.attn_top1, "accuracy_drop": self.accuracy_drop,
-        }  # fmt: skip
+            "images": self.images,
+            "mixer_errors": self.mixer_errors,
+            "logits_error": self.logits_error,
+            "conv_top1": self.conv_top1,
+            "attn_top1": self.attn_top1,
+            "accuracy_drop": self.accuracy_drop,
+        }
 
 
 @torch.no_grad()
-def heldout_errors(conv: VisionTransformer, attn: VisionTransformer, images: torch.Tensor,
-                   labels: torch.Tensor | None = None, batch: int = 256) -> HeldOut:  # fmt: skip
+def heldout_errors(
+    conv: VisionTransformer,
+    attn: VisionTransformer,
+    images: torch.Tensor,
+    labels: torch.Tensor | None = None,
+    batch: int = 256,
+) -> HeldOut:
     """Each block's mixer (fed the conv model's own activations, so errors do not compound), the
     logits, and top-1 with ``labels``; on float32 copies of both models (the errors measured here
     are those of dropped heads, orders above float32's rounding), sums in float64."""
@@ -279,9 +310,12 @@ def heldout_errors(conv: VisionTransformer, attn: VisionTransformer, images: tor
     n = len(images)
     top = (lambda c: 100.0 * c / n) if labels is not None else (lambda c: None)
     return HeldOut(
-        n, [(a / max(b, 1e-300)) ** 0.5 for a, b in sq], (lg[0] / max(lg[1], 1e-300)) ** 0.5,
-        top(correct_c), top(correct_a),
-    )  # fmt: skip
+        n,
+        [(a / max(b, 1e-300)) ** 0.5 for a, b in sq],
+        (lg[0] / max(lg[1], 1e-300)) ** 0.5,
+        top(correct_c),
+        top(correct_a),
+    )
 
 
 @dataclass
@@ -295,9 +329,11 @@ class Calibration:
 
     def to_dict(self) -> dict[str, object]:
         return {
-            "source": self.source, "images": len(self.images), "heldout_images": len(self.heldout),
+            "source": self.source,
+            "images": len(self.images),
+            "heldout_images": len(self.heldout),
             "labelled": self.labels is not None,
-        }  # fmt: skip
+        }
 
 
 def check_image_counts(images: int, heldout: int) -> None:
@@ -312,9 +348,11 @@ def noise_calibration(cfg: ViTConfig, images: int = 256, heldout: int = 512, see
     g = torch.Generator().manual_seed(seed)
     shape = (cfg.in_chans, *cfg.img_size)
     return Calibration(
-        torch.randn(images, *shape, generator=g), torch.randn(heldout, *shape, generator=g), None,
+        torch.randn(images, *shape, generator=g),
+        torch.randn(heldout, *shape, generator=g),
+        None,
         "synthetic N(0, 1) images (normalised-input statistics)",
-    )  # fmt: skip
+    )
 
 
 @dataclass
@@ -336,16 +374,27 @@ class Approximation:
             return [o[0], o[1]]
 
         return {
-            "rule": self.rule, "refit": self.refit, "calibration": self.calibration,
-            "calib_images": self.calib_images, "guard_images": self.guard_images,
-            "guard_logits_drop": self.guard_logits_drop, "guard_logits_error": self.guard_logits_error,
+            "rule": self.rule,
+            "refit": self.refit,
+            "calibration": self.calibration,
+            "calib_images": self.calib_images,
+            "guard_images": self.guard_images,
+            "guard_logits_drop": self.guard_logits_drop,
+            "guard_logits_error": self.guard_logits_error,
             "blocks": [
-                {"kept": [off(o) for o in c.kept], "dropped": [off(o) for o in c.dropped],
-                 "error_after_each_drop": c.steps, "calib_drop_error": c.drop_error,
-                 "calib_refit_error": c.refit_error, "refit_kept": c.refit_kept, "ridge": c.ridge,
-                 "guard_drop_error": c.guard_drop_error, "guard_refit_error": c.guard_refit_error,
-                 "heldout_mixer_error": None if self.heldout is None else self.heldout.mixer_errors[i]}
+                {
+                    "kept": [off(o) for o in c.kept],
+                    "dropped": [off(o) for o in c.dropped],
+                    "error_after_each_drop": c.steps,
+                    "calib_drop_error": c.drop_error,
+                    "calib_refit_error": c.refit_error,
+                    "refit_kept": c.refit_kept,
+                    "ridge": c.ridge,
+                    "guard_drop_error": c.guard_drop_error,
+                    "guard_refit_error": c.guard_refit_error,
+                    "heldout_mixer_error": None if self.heldout is None else self.heldout.mixer_errors[i],
+                }
                 for i, c in enumerate(self.blocks)
             ],
             "heldout": None if self.heldout is None else self.heldout.to_dict(),
-        }  # fmt: skip
+        }

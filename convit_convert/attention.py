@@ -45,16 +45,24 @@ class RelPosAttention(nn.Module):
 
     ``gated`` (pinning "gated", ConViT's gated positional self-attention started at the conv):
 
-        weights_h = (1 - g_h) · softmax(rel_pos_bias_h, sink_h) + g_h · softmax(q·k / sqrt(qk_dim) + content_bias_h)
+        weights_h = (1 - g_h) · softmax(rel_pos_bias_h, sink_h)
+                    + g_h · softmax(q·k / sqrt(qk_dim) + content_bias_h)
 
     with ``gate`` g_h used linearly, clamped to [0, 1] (the gradient passes the clamp unchanged, so
     a gate pushed below 0 can come back). At g = 0 a head is exactly its positional attention.
     """
 
     def __init__(
-        self, dim: int, grid_size: tuple[int, int], num_heads: int, qk_dim: int, v_dim: int,
-        sink: bool = True, gated: bool = False, form: AttentionFormName = "padded",
-    ) -> None:  # fmt: skip
+        self,
+        dim: int,
+        grid_size: tuple[int, int],
+        num_heads: int,
+        qk_dim: int,
+        v_dim: int,
+        sink: bool = True,
+        gated: bool = False,
+        form: AttentionFormName = "padded",
+    ) -> None:
         super().__init__()
         if form not in FORMS:
             raise ValueError(f"form must be one of {', '.join(FORMS)}, got {form!r}")
@@ -210,7 +218,8 @@ FORMS: dict[str, AttentionForm] = {"padded": PADDED, "by_head": BY_HEAD}
 
 
 def aligned(n: int) -> int:
-    """``n`` rounded up to a multiple of 8: rows of 2-byte floats 16-byte aligned (cuBLAS's aligned kernels)."""
+    """``n`` rounded up to a multiple of 8: rows of 2-byte floats 16-byte aligned (cuBLAS's aligned
+    kernels)."""
     return -(-n // 8) * 8
 
 

@@ -16,16 +16,37 @@ NORM_EPS = 1e-6  # LayerNorm eps of every model cmhsa builds (timm's ViTs use th
 
 KINDS: tuple[str, ...] = ("conv", "attn")
 
-_SHARED_INT = ("patch_size", "in_chans", "hidden_chans", "embed_dim", "depth", "mlp_hidden_dim",
-               "num_classes", "kernel_size", "dilation")  # fmt: skip
+_SHARED_INT = (
+    "patch_size",
+    "in_chans",
+    "hidden_chans",
+    "embed_dim",
+    "depth",
+    "mlp_hidden_dim",
+    "num_classes",
+    "kernel_size",
+    "dilation",
+)
 _ATTN_INT = ("num_heads", "qk_dim", "v_dim")
 PINNING = ("hard", "gated")  # how a converted head holds its offset (docs/FORMAT.md, version 2)
 OPTIONAL = {"attn": {"pinning": "hard"}}  # keys version 1 files lack, with the value they meant
 # the largest sizes a config may claim (the CLI's flags are bounded alike, in bounds.py);
 # num_patches bounds the (N, N) relative-position index every attention block holds
-LIMITS = {"img_size": 16384, "patch_size": 1024, "in_chans": 64, "hidden_chans": 4096, "embed_dim": 1 << 20,
-          "depth": 1024, "mlp_hidden_dim": 1 << 22, "num_classes": 10**6, "kernel_size": 1025, "dilation": 1024,
-          "num_heads": 4096, "qk_dim": 65536, "v_dim": 1 << 20}  # fmt: skip
+LIMITS = {
+    "img_size": 16384,
+    "patch_size": 1024,
+    "in_chans": 64,
+    "hidden_chans": 4096,
+    "embed_dim": 1 << 20,
+    "depth": 1024,
+    "mlp_hidden_dim": 1 << 22,
+    "num_classes": 10**6,
+    "kernel_size": 1025,
+    "dilation": 1024,
+    "num_heads": 4096,
+    "qk_dim": 65536,
+    "v_dim": 1 << 20,
+}
 MAX_PATCHES = 128 * 128
 
 REQUIRED = {
@@ -62,11 +83,19 @@ class ViTConfig:
 
     @classmethod
     def build(
-        cls, img_size: int | tuple[int, int] = 224, patch_size: int = 16, in_chans: int = 3,
-        hidden_chans: int | None = None, depth: int = 6, mlp_ratio: float = 4.0, num_classes: int = 100,
-        kernel_size: int = 5, dilation: int = 1, norm_eps: float = NORM_EPS,
+        cls,
+        img_size: int | tuple[int, int] = 224,
+        patch_size: int = 16,
+        in_chans: int = 3,
+        hidden_chans: int | None = None,
+        depth: int = 6,
+        mlp_ratio: float = 4.0,
+        num_classes: int = 100,
+        kernel_size: int = 5,
+        dilation: int = 1,
+        norm_eps: float = NORM_EPS,
         patch_embed: Literal["identity", "linear"] | None = None,
-    ) -> ViTConfig:  # fmt: skip
+    ) -> ViTConfig:
         """A conv config from the usual knobs; defaults are the paper's model (CMHSA-5, CIFAR-100)."""
         hw = (img_size, img_size) if isinstance(img_size, int) else tuple(img_size)
         hidden = in_chans if hidden_chans is None else hidden_chans
@@ -91,9 +120,13 @@ class ViTConfig:
         return cfg
 
     def with_attention(
-        self, num_heads: int, qk_dim: int | None = None, v_dim: int | None = None, sink: bool = True,
+        self,
+        num_heads: int,
+        qk_dim: int | None = None,
+        v_dim: int | None = None,
+        sink: bool = True,
         pinning: Literal["hard", "gated"] = "hard",
-    ) -> ViTConfig:  # fmt: skip
+    ) -> ViTConfig:
         """The attn config sharing everything else; qk_dim and v_dim default to embed_dim."""
         return dataclasses.replace(
             self,

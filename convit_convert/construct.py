@@ -115,10 +115,14 @@ def check_heads(plan: ConversionPlan, path: object = None) -> None:
 
 
 def convert_block(
-    weight: torch.Tensor, bias: torch.Tensor | None, plan: ConversionPlan, *,
-    generator: torch.Generator | None = None, offsets: Sequence[Offset] | None = None,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    plan: ConversionPlan,
+    *,
+    generator: torch.Generator | None = None,
+    offsets: Sequence[Offset] | None = None,
     wo: torch.Tensor | None = None,
-) -> dict[str, torch.Tensor]:  # fmt: skip
+) -> dict[str, torch.Tensor]:
     """One conv mixer -> the tensors of one attention mixer (names relative to ``attn.``).
 
     Zero W_Q and W_K come back as broadcast views of one zero; ``.clone()`` them before editing in
@@ -176,9 +180,11 @@ def convert_block(
 
 
 def positional_attention(
-    cfg: ViTConfig, heads: Sequence[tuple[int, int] | None], margin: float = DEFAULT_MARGIN,
+    cfg: ViTConfig,
+    heads: Sequence[tuple[int, int] | None],
+    margin: float = DEFAULT_MARGIN,
     dtype: torch.dtype = torch.float32,
-) -> dict[str, torch.Tensor]:  # fmt: skip
+) -> dict[str, torch.Tensor]:
     """Where each head of an attention layer looks (names relative to ``attn.``): ``rel_pos_bias``
     (heads, 2Gh-1, 2Gw-1) with the pinning logit M at head r's offset ``heads[r]`` (Lemma 2),
     ``sink`` (S for a pinned head, 0 for a free one: not pulled to its sink, one more key among N)
@@ -200,9 +206,12 @@ def positional_attention(
 
 
 def convert_state_dict(
-    conv_sd: Mapping[str, torch.Tensor], plan: ConversionPlan, *, path: object = None,
+    conv_sd: Mapping[str, torch.Tensor],
+    plan: ConversionPlan,
+    *,
+    path: object = None,
     overrides: Sequence[tuple[Sequence[Offset], torch.Tensor]] | None = None,
-) -> dict[str, torch.Tensor]:  # fmt: skip
+) -> dict[str, torch.Tensor]:
     """A conv-phase state dict -> the state dict of ``plan.config``, computing the same function.
 
     Tensors outside the token mixers are shared, not copied. Fewer heads than the construction

@@ -66,7 +66,8 @@ def digits(val_fraction: float = 0.2, seed: int = 0) -> DataSpec:
         from sklearn.datasets import load_digits
     except ImportError:
         raise CmhsaError(
-            "`data` digits needs scikit-learn: pip install 'cmhsa[digits]' (in a source checkout: pip install -e '.[digits]')"
+            "`data` digits needs scikit-learn: pip install 'cmhsa[digits]' (in a "
+            "source checkout: pip install -e '.[digits]')"
         ) from None
     d = load_digits()
     img = np.clip(d.images * (255.0 / 16.0), 0, 255).astype(np.uint8)
@@ -148,8 +149,12 @@ def read_idx(path: Path, rank: int | None = None) -> np.ndarray:
 
 def fashion_mnist(root: Path) -> DataSpec:
     """Fashion-MNIST's official 60k / 10k split, 28×28 grey, 10 classes (MIT licence), from IDX files."""
-    names = {"train": "train-images-idx3-ubyte", "train_labels": "train-labels-idx1-ubyte",
-             "val": "t10k-images-idx3-ubyte", "val_labels": "t10k-labels-idx1-ubyte"}  # fmt: skip
+    names = {
+        "train": "train-images-idx3-ubyte",
+        "train_labels": "train-labels-idx1-ubyte",
+        "val": "t10k-images-idx3-ubyte",
+        "val_labels": "t10k-labels-idx1-ubyte",
+    }
     found = {}
     for key, name in names.items():
         path = next((root / n for n in (name + ".gz", name) if os.path.lexists(root / n)), None)
@@ -277,10 +282,18 @@ def image_folder(root: Path, val_only: bool = False) -> DataSpec:
 
 
 def build_data(
-    name: str, data_dir: str | Path | None, img_size: tuple[int, int] | None = None, *, download: bool = False,
-    num_classes: int = 10, seed: int = 0, train_samples: int | None = None, val_samples: int | None = None,
-    holdout: int | None = None, val_only: bool = False,
-) -> DataSpec:  # fmt: skip
+    name: str,
+    data_dir: str | Path | None,
+    img_size: tuple[int, int] | None = None,
+    *,
+    download: bool = False,
+    num_classes: int = 10,
+    seed: int = 0,
+    train_samples: int | None = None,
+    val_samples: int | None = None,
+    holdout: int | None = None,
+    val_only: bool = False,
+) -> DataSpec:
     """The named dataset's train and val splits, untransformed (``img_size``: the size synthetic
     images are made at; the other sources have their own); with ``train_samples``, a fixed
     subset of that many training images (seeded by ``seed``); with ``val_samples``, the first that
@@ -405,9 +418,14 @@ def default_threads() -> int:
 
 
 def build_transform(
-    img_size: tuple[int, int], training: bool, recipe: Any = None, in_chans: int = 3, *,
-    interpolation: str = EVAL_INTERPOLATION, crop_pct: float = EVAL_CROP_PCT,
-) -> Any:  # fmt: skip
+    img_size: tuple[int, int],
+    training: bool,
+    recipe: Any = None,
+    in_chans: int = 3,
+    *,
+    interpolation: str = EVAL_INTERPOLATION,
+    crop_pct: float = EVAL_CROP_PCT,
+) -> Any:
     """DeiT's augmentation (timm ``create_transform``, settings from ``recipe``, a TrainConfig's recipe) for
     training; resize + centre crop for eval (``recipe``'s interpolation and crop_pct when given).
     ``in_chans`` 1 normalises one grey channel (images are converted to grey by the loader)."""
@@ -525,15 +543,25 @@ def epoch_sampler(
     sampler = EpochSampler(n, rank=rank, world=world, batch_size=batch_size, seed=seed, shuffle=training)
     if training and len(sampler) == 0:
         raise CmhsaError(
-            f"the training set ({n} images over {world} process(es)) is smaller than one batch of {batch_size}"
+            f"the training set ({n} images over {world} process(es)) is smaller than "
+            f"one batch of {batch_size}"
         )
     return sampler
 
 
 def build_loader(
-    dataset: Dataset, transform: Any, *, training: bool, batch_size: int, seed: int, rank: int = 0,
-    world: int = 1, workers: int = 0, pin_memory: bool = False, in_chans: int = 3,
-) -> DataLoader:  # fmt: skip
+    dataset: Dataset,
+    transform: Any,
+    *,
+    training: bool,
+    batch_size: int,
+    seed: int,
+    rank: int = 0,
+    world: int = 1,
+    workers: int = 0,
+    pin_memory: bool = False,
+    in_chans: int = 3,
+) -> DataLoader:
     n = len(dataset)  # type: ignore[arg-type]
     sampler = epoch_sampler(n, training=training, batch_size=batch_size, seed=seed, rank=rank, world=world)
     return DataLoader(

@@ -122,9 +122,14 @@ class Block(nn.Module):
     """
 
     def __init__(
-        self, dim: int, mixer_name: str, mixer: nn.Module, mlp_hidden_dim: int, norm_eps: float = NORM_EPS,
+        self,
+        dim: int,
+        mixer_name: str,
+        mixer: nn.Module,
+        mlp_hidden_dim: int,
+        norm_eps: float = NORM_EPS,
         drop_path: float = 0.0,
-    ) -> None:  # fmt: skip
+    ) -> None:
         super().__init__()
         self.mixer_name = mixer_name
         self.norm1 = nn.LayerNorm(dim, eps=norm_eps)
@@ -171,8 +176,16 @@ def check_image_shape(x: torch.Tensor, expected: tuple[int, ...]) -> torch.Tenso
 torch.fx.wrap("check_image_shape")
 
 
-ATTENTION_PARAMS = (".attn.q.weight", ".attn.q.bias", ".attn.k.weight", ".attn.k.bias", ".attn.gate",
-                    ".attn.content_bias", ".attn.rel_pos_bias", ".attn.sink")  # fmt: skip # where attention looks
+ATTENTION_PARAMS = (
+    ".attn.q.weight",
+    ".attn.q.bias",
+    ".attn.k.weight",
+    ".attn.k.bias",
+    ".attn.gate",
+    ".attn.content_bias",
+    ".attn.rel_pos_bias",
+    ".attn.sink",
+)
 
 
 class VisionTransformer(nn.Module):
@@ -238,9 +251,14 @@ class VisionTransformer(nn.Module):
         return self.norm(x)
 
     def forward_intermediates(
-        self, x: torch.Tensor, indices: int | list[int] | None = None, norm: bool = False,
-        stop_early: bool = False, output_fmt: str = "NCHW", intermediates_only: bool = False,
-    ) -> list[torch.Tensor] | tuple[torch.Tensor, list[torch.Tensor]]:  # fmt: skip
+        self,
+        x: torch.Tensor,
+        indices: int | list[int] | None = None,
+        norm: bool = False,
+        stop_early: bool = False,
+        output_fmt: str = "NCHW",
+        intermediates_only: bool = False,
+    ) -> list[torch.Tensor] | tuple[torch.Tensor, list[torch.Tensor]]:
         """timm's feature API: the outputs of the blocks ``indices`` (an int n: the last n; default:
         all), as (B, embed_dim, gh, gw) ("NCHW") or (B, N, embed_dim) ("NLC"), after the final norm
         with ``norm``; and, unless ``intermediates_only``, the final normalised tokens."""

@@ -28,7 +28,8 @@ def check_fits(nbytes: int, what: str, path: object = None) -> None:
     free = available_memory()
     if nbytes > free:
         raise CmhsaError(
-            f"{what} would need about {nbytes / 2**30:,.1f} GiB, more than the {free / 2**30:,.1f} GiB of memory "
+            f"{what} would need about {nbytes / 2**30:,.1f} GiB, more than the "
+            f"{free / 2**30:,.1f} GiB of memory "
             "available; reduce the sizes",
             path,
         )

@@ -94,9 +94,14 @@ class ConversionSpec:
         )  # type: ignore[arg-type]
         offset_logit, sink_logit = pinning_logits(config.num_patches, self.sink, self.margin)
         return ConversionPlan(
-            self, conv, config, offsets, pinned_heads(config, offsets), offset_logit,
+            self,
+            conv,
+            config,
+            offsets,
+            pinned_heads(config, offsets),
+            offset_logit,
             sink_logit if self.sink else None,
-        )  # fmt: skip
+        )
 
 
 def pinned_heads(cfg: ViTConfig, offsets: tuple[Offset, ...] | list[Offset]) -> tuple[Offset | None, ...]:

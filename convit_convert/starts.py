@@ -90,9 +90,16 @@ def mimetic_block(
     for i in range(min(d, h * vd)):
         v[i % h, i // h] = left[i]
         proj[:, i % h, i // h] = right[i]
-    out = {"q.weight": q, "k.weight": k, "v.weight": v.reshape(h * vd, d), "proj.weight": proj.reshape(d, h * vd),
-           "q.bias": torch.zeros(h * qk), "k.bias": torch.zeros(h * qk), "v.bias": torch.zeros(h * vd),
-           "rel_pos_bias": local_decay(cfg)}  # fmt: skip
+    out = {
+        "q.weight": q,
+        "k.weight": k,
+        "v.weight": v.reshape(h * vd, d),
+        "proj.weight": proj.reshape(d, h * vd),
+        "q.bias": torch.zeros(h * qk),
+        "k.bias": torch.zeros(h * qk),
+        "v.bias": torch.zeros(h * vd),
+        "rel_pos_bias": local_decay(cfg),
+    }
     return {name: t.float() for name, t in out.items()}
 
 
@@ -117,7 +124,8 @@ def check_start(init: str, pinning: str | None, impulse_offsets: str) -> None:
         raise CmhsaError(f"`init` {init!r} is not a start: mimetic or impulse")
     if init == "mimetic" and pinning == "gated":
         raise CmhsaError(
-            "`init` mimetic starts locality in the relative position bias of hard pinning; give `pinning` hard"
+            "`init` mimetic starts locality in the relative position bias of hard "
+            "pinning; give `pinning` hard"
         )
     if impulse_offsets not in IMPULSE_OFFSETS:
         raise CmhsaError(
@@ -126,12 +134,19 @@ def check_start(init: str, pinning: str | None, impulse_offsets: str) -> None:
 
 
 def start_model(
-    model: VisionTransformer, init: str, *, seed: int, mimetic_alpha: float = math.nan, mimetic_beta: float = math.nan,
-    impulse_offsets: str = "conversion", margin: float = DEFAULT_MARGIN,
-) -> dict[str, Any]:  # fmt: skip
+    model: VisionTransformer,
+    init: str,
+    *,
+    seed: int,
+    mimetic_alpha: float = math.nan,
+    mimetic_beta: float = math.nan,
+    impulse_offsets: str = "conversion",
+    margin: float = DEFAULT_MARGIN,
+) -> dict[str, Any]:
     """Overwrite a freshly initialised attention model's attention tensors with the ``init`` start
     ("mimetic" or "impulse"); return what was done, for config.json. Everything else keeps its
-    random init. Deterministic in ``seed``. Mimetic needs both α and β (TrainConfig.start has the defaults)."""
+    random init. Deterministic in ``seed``. Mimetic needs both α and β (TrainConfig.start has the
+    defaults)."""
     cfg = model.cfg
     if cfg.kind != "attn":
         raise CmhsaError(f"`init` {init} starts an attention model, not a {cfg.kind} one")

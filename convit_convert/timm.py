@@ -47,9 +47,16 @@ _ATTN_ARGS = ("num_heads", "qk_dim", "sink", "pinning")
 # Registered under each model's name, so timm's lookups by name (get_pretrained_cfg_value, the data
 # config) work before a model is built. No weights: ``file`` stays None until a user names one.
 default_cfgs = generate_default_cfgs(
-    {name: pretrained_cfg(ViTConfig.build(**size)) for name, size in
-     {"cmhsa_conv": {}, "cmhsa_attn": {}, "cmhsa5_224": {"kernel_size": 5}, "cmhsa3_224": {"kernel_size": 3}}.items()}
-)  # fmt: skip
+    {
+        name: pretrained_cfg(ViTConfig.build(**size))
+        for name, size in {
+            "cmhsa_conv": {},
+            "cmhsa_attn": {},
+            "cmhsa5_224": {"kernel_size": 5},
+            "cmhsa3_224": {"kernel_size": 3},
+        }.items()
+    }
+)
 
 
 def _create(
@@ -72,7 +79,8 @@ def _create(
     elif pretrained:
         if not file:
             raise CmhsaError(
-                f"cmhsa_{kind} with pretrained=True needs pretrained_cfg_overlay=dict(file=...): cmhsa never downloads"
+                f"cmhsa_{kind} with pretrained=True needs "
+                "pretrained_cfg_overlay=dict(file=...): cmhsa never downloads"
             )
         _architecture_fixed(kwargs, "file", file)
         ckpt = load_checkpoint(file)
@@ -113,9 +121,15 @@ def _architecture_fixed(kwargs: dict[str, Any], source: str, where: object) -> N
 
 
 def _from_folder(
-    kind: str, folder_args: Any, source: dict[str, Any], pretrained: bool, kwargs: dict[str, Any],
-    drop_path_rate: float, device: Any, cache_dir: Any,
-) -> VisionTransformer:  # fmt: skip
+    kind: str,
+    folder_args: Any,
+    source: dict[str, Any],
+    pretrained: bool,
+    kwargs: dict[str, Any],
+    drop_path_rate: float,
+    device: Any,
+    cache_dir: Any,
+) -> VisionTransformer:
     """A model described by a timm folder's config.json (io/timm_folder.py; ``source``: timm's
     pretrained cfg of it), with the folder's weights through timm's own loader when ``pretrained``."""
     where = (
@@ -132,8 +146,13 @@ def _from_folder(
 
         # the model is the folder's, channels included: no first-conv adaptation (timm 1.0.16 adapts
         # whenever in_chans != 3)
-        load_pretrained(model, {**source, "first_conv": None}, num_classes=cfg.num_classes, in_chans=cfg.in_chans,
-                        cache_dir=cache_dir)  # fmt: skip
+        load_pretrained(
+            model,
+            {**source, "first_conv": None},
+            num_classes=cfg.num_classes,
+            in_chans=cfg.in_chans,
+            cache_dir=cache_dir,
+        )
     return model.train()
 
 
@@ -201,8 +220,14 @@ class TimmFolderReport:
         return self.max_abs == 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        return {"command": "export", "format": "timm", "passed": self.passed, "folder": str(self.folder),
-                "written": [str(p) for p in self.written], "max_abs": self.max_abs}  # fmt: skip
+        return {
+            "command": "export",
+            "format": "timm",
+            "passed": self.passed,
+            "folder": str(self.folder),
+            "written": [str(p) for p in self.written],
+            "max_abs": self.max_abs,
+        }
 
 
 def export_timm_folder(checkpoint: Path | Checkpoint, folder: Path, seed: int = 0) -> TimmFolderReport:

@@ -97,9 +97,15 @@ def _stat(
 
 
 def verify_models(
-    conv: VisionTransformer, attn: VisionTransformer, *, batch: int = 4, seed: int = 0,
-    dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", tol: float = DEFAULT_TOL,
-) -> VerifyResult:  # fmt: skip
+    conv: VisionTransformer,
+    attn: VisionTransformer,
+    *,
+    batch: int = 4,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    tol: float = DEFAULT_TOL,
+) -> VerifyResult:
     """Compare every block's mixer and the logits of ``conv`` and ``attn`` (same config but the
     mixer). Models are moved to ``device`` and ``dtype``."""
     cfg = conv.cfg

@@ -17,10 +17,18 @@ from convit_convert.train.arms import ARM_THREADS, Arm, run_arms, unfinished
 def add_arm_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--loader", default="auto", help="auto, device, workers (README: Loader)")
     ap.add_argument("--parallel", type=int, default=1, help="runs at once, each in its own process")
-    ap.add_argument("--threads", type=int, default=ARM_THREADS,
-                    help="torch CPU threads of every run, whatever --parallel is (the results depend on it)")  # fmt: skip
-    ap.add_argument("--time-budget", type=float, default=None,
-                    help="seconds: stop cleanly before this (unfinished runs resume on the next call)")  # fmt: skip
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=ARM_THREADS,
+        help="torch CPU threads of every run, whatever --parallel is (the results depend on it)",
+    )
+    ap.add_argument(
+        "--time-budget",
+        type=float,
+        default=None,
+        help="seconds: stop cleanly before this (unfinished runs resume on the next call)",
+    )
 
 
 def run_or_exit(

@@ -41,7 +41,8 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(2)
     print(
-        "| setting | warm-up | seed | pinned share before → after | distance px before → after | gate before → after |"
+        "| setting | warm-up | seed | pinned share before → after | distance px "
+        "before → after | gate before → after |"
     )
     print("|---|---:|---:|---|---|---|")
     for run in sorted(args.out.glob("warmup*/seed*/both-p2-*")):

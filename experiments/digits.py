@@ -1,6 +1,7 @@
 """The paper's comparisons (Table 1's last rows, Figure 2) at small scale, on CPU, on digits.
 
-    python experiments/digits.py [--epochs 30] [--seed 0] [--out experiments/out] [--loader auto|device|workers]
+    python experiments/digits.py [--epochs 30] [--seed 0] [--out experiments/out]
+                                 [--loader auto|device|workers]
                                  [--parallel N] [--time-budget SECONDS]
 
 scikit-learn's 8×8 digits upsampled to 32×32, 4-pixel patches (an 8×8 grid), identity patch
@@ -36,8 +37,16 @@ MODEL = dict(img_size=32, patch_size=4, hidden_chans=3, depth=2, mlp_ratio=4.0, 
 
 
 def arm(out: Path, name: str, after: tuple[str, ...] = (), **kw) -> Arm:
-    cfg = TrainConfig.from_flags(out=str(out / name), data="digits", batch_size=64, lr_base_batch=64, workers=0,
-                      log_every=10_000, **MODEL, **kw)  # fmt: skip
+    cfg = TrainConfig.from_flags(
+        out=str(out / name),
+        data="digits",
+        batch_size=64,
+        lr_base_batch=64,
+        workers=0,
+        log_every=10_000,
+        **MODEL,
+        **kw,
+    )
     return Arm(name, cfg, after)
 
 
@@ -66,31 +75,64 @@ def main() -> None:
             arm(args.out, f"{t}/phase1-only", phase="phase1", epochs=e, lr=2e-3, **common),
             arm(args.out, f"{t}/phase2-only", phase="phase2", init="random", epochs=e, lr=2e-3, **common),
             arm(args.out, f"{t}/both-p1", phase="phase1", epochs=half, lr=2e-3, **common),
-            arm(args.out, f"{t}/both-p2", (f"{t}/both-p1",), phase="phase2", init=conv, epochs=e - half, lr=2e-4,
-                **hard, **common),
-            arm(args.out, f"{t}/both-p2-soft", (f"{t}/both-p1",), phase="phase2", init=conv, epochs=e - half,
-                lr=2e-4, margin=8.0, qk_init_std=0.02, verify_tol=0.05, **hard, **common),
-        ]  # fmt: skip
+            arm(
+                args.out,
+                f"{t}/both-p2",
+                (f"{t}/both-p1",),
+                phase="phase2",
+                init=conv,
+                epochs=e - half,
+                lr=2e-4,
+                **hard,
+                **common,
+            ),
+            arm(
+                args.out,
+                f"{t}/both-p2-soft",
+                (f"{t}/both-p1",),
+                phase="phase2",
+                init=conv,
+                epochs=e - half,
+                lr=2e-4,
+                margin=8.0,
+                qk_init_std=0.02,
+                verify_tol=0.05,
+                **hard,
+                **common,
+            ),
+        ]
     run_or_exit(arms, args)
     by_name = {a.name: a for a in arms}
     results = []
     for warm in dict.fromkeys((args.warmup, 0)):
-        r = {name: result(by_name[f"warmup{warm}/{name}"]) for name in
-             ("phase1-only", "phase2-only", "both-p1", "both-p2", "both-p2-soft")}  # fmt: skip
+        r = {
+            name: result(by_name[f"warmup{warm}/{name}"])
+            for name in ("phase1-only", "phase2-only", "both-p1", "both-p2", "both-p2-soft")
+        }
         p1 = r["both-p1"]
         for name, res, secs in (
             ("phase 1 only (conv)", r["phase1-only"], r["phase1-only"]["seconds"]),
             ("phase 2 only (attention, random init)", r["phase2-only"], r["phase2-only"]["seconds"]),
             (f"both phases ({half} + {e - half})", r["both-p2"], p1["seconds"] + r["both-p2"]["seconds"]),
-            (f"both phases ({half} + {e - half}), soft pinning", r["both-p2-soft"],
-             p1["seconds"] + r["both-p2-soft"]["seconds"]),
+            (
+                f"both phases ({half} + {e - half}), soft pinning",
+                r["both-p2-soft"],
+                p1["seconds"] + r["both-p2-soft"]["seconds"],
+            ),
             ("phase 1 half (before conversion)", p1, p1["seconds"]),
-        ):  # fmt: skip
+        ):
             f = res["final"]
             results.append(
-                {"setting": name, "warmup": warm, "top1": f["top1"], "top5": f["top5"], "val_loss": f["val_loss"],
-                 "best_top1": res["best_top1"], "seconds": secs}
-            )  # fmt: skip
+                {
+                    "setting": name,
+                    "warmup": warm,
+                    "top1": f["top1"],
+                    "top5": f["top5"],
+                    "val_loss": f["val_loss"],
+                    "best_top1": res["best_top1"],
+                    "seconds": secs,
+                }
+            )
     (args.out / "results.json").write_text(json.dumps(results, indent=2))
     print(f"\ndigits, 32 px, P 4, d 48, depth 2, K 5, {e} epochs in all, seed {args.seed}\n")
     print("| setting | warm-up epochs | top-1 % (final) | best top-1 % | top-5 % | val loss | CPU s |")

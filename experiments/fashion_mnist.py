@@ -1,7 +1,8 @@
 """The paper's comparisons on real data at CPU scale: Fashion-MNIST, equal total epochs, several seeds.
 
-    python experiments/fashion_mnist.py [--epochs 8] [--seeds 0 1] [--train-samples 4000] [--out experiments/out/fmnist]
-                                        [--data-dir DIR] [--compile] [--device auto|cpu|cuda] [--loader auto|device|workers]
+    python experiments/fashion_mnist.py [--epochs 8] [--seeds 0 1] [--train-samples 4000]
+                                        [--out experiments/out/fmnist] [--data-dir DIR] [--compile]
+                                        [--device auto|cpu|cuda] [--loader auto|device|workers]
                                         [--parallel N] [--time-budget SECONDS]
 
 Fashion-MNIST (Debian's dataset-fashion-mnist: 60k / 10k, 28×28 grey, 10 classes), a fixed seeded
@@ -39,7 +40,8 @@ from convit_convert.train.config import PEAK_LR, TrainConfig
 # K 5; no RandAugment, Mixup/CutMix or random erasing, which need far more epochs), on grey images
 LR_SCRATCH, LR_PHASE2 = PEAK_LR["cpu"]  # the preset's: the paper's 10:1 between its phase peaks
 ATTN_LR_MULT = 10.0
-SECOND_PHASE = {  # name -> phase-2 settings after the same phase-1 half (explicit: the defaults follow this table)
+# name -> phase-2 settings after the same phase-1 half (explicit: the defaults follow this table)
+SECOND_PHASE = {
     "hard": {"pinning": "hard", "attn_lr_mult": 1.0},
     "free heads": {"pinning": "hard", "heads": 12, "attn_lr_mult": ATTN_LR_MULT},
     "gated": {"pinning": "gated", "attn_lr_mult": ATTN_LR_MULT},
@@ -62,18 +64,48 @@ def arms_for(args: argparse.Namespace) -> tuple[list[Arm], dict[tuple[str, int],
         for seed in args.seeds:
             d = f"warmup{warm}/seed{seed}"
             common = dict(
-                seed=seed, warmup_epochs=warm, train_samples=args.train_samples, compile=args.compile,
-                data_dir=args.data_dir, device=args.device, loader=args.loader,
-            )  # fmt: skip
+                seed=seed,
+                warmup_epochs=warm,
+                train_samples=args.train_samples,
+                compile=args.compile,
+                data_dir=args.data_dir,
+                device=args.device,
+                loader=args.loader,
+            )
             add("phase 1 only", warm, f"{d}/phase1-only", phase="phase1", epochs=e, lr=LR_SCRATCH, **common)
-            add("phase 2 only (random init)", warm, f"{d}/phase2-only", phase="phase2", init="random", epochs=e,
-                lr=LR_SCRATCH, **common)  # fmt: skip
-            add("phase 1 half (before conversion)", warm, f"{d}/both-p1", phase="phase1", epochs=half,
-                lr=LR_SCRATCH, **common)  # fmt: skip
+            add(
+                "phase 2 only (random init)",
+                warm,
+                f"{d}/phase2-only",
+                phase="phase2",
+                init="random",
+                epochs=e,
+                lr=LR_SCRATCH,
+                **common,
+            )
+            add(
+                "phase 1 half (before conversion)",
+                warm,
+                f"{d}/both-p1",
+                phase="phase1",
+                epochs=half,
+                lr=LR_SCRATCH,
+                **common,
+            )
             conv = str(args.out / d / "both-p1" / "conv.safetensors")
             for name, extra in SECOND_PHASE.items():
-                add(f"both phases, {name}", warm, f"{d}/both-p2-{name.replace(' ', '-')}", (f"{d}/both-p1",),
-                    phase="phase2", init=conv, epochs=e - half, lr=LR_PHASE2, **common, **extra)  # fmt: skip
+                add(
+                    f"both phases, {name}",
+                    warm,
+                    f"{d}/both-p2-{name.replace(' ', '-')}",
+                    (f"{d}/both-p1",),
+                    phase="phase2",
+                    init=conv,
+                    epochs=e - half,
+                    lr=LR_PHASE2,
+                    **common,
+                    **extra,
+                )
     return arms, rows
 
 
@@ -131,10 +163,13 @@ def main() -> None:
         for key, names in table_rows.items()
     }
     e = args.epochs
-    print(f"\nFashion-MNIST, {args.train_samples} training images, 10k val, 28 px, P 4, d 48, depth 2, K 5; "
-          f"{e} epochs in all; seeds {' '.join(map(str, args.seeds))} (mean ± half-range)\n")  # fmt: skip
     print(
-        "| setting | warm-up | top-1 % | pinned share, block 0 / 1 | distance px, block 0 / 1 | gate, block 0 / 1 | CPU s |"
+        f"\nFashion-MNIST, {args.train_samples} training images, 10k val, 28 px, P 4, d 48, depth 2, K 5; "
+        f"{e} epochs in all; seeds {' '.join(map(str, args.seeds))} (mean ± half-range)\n"
+    )
+    print(
+        "| setting | warm-up | top-1 % | pinned share, block 0 / 1 | distance "
+        "px, block 0 / 1 | gate, block 0 / 1 | CPU s |"
     )
     print("|---|---:|---:|---|---|---|---:|")
     for (name, warm), rs in results.items():

@@ -52,8 +52,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--finetune-epochs", type=int, default=1)
-    ap.add_argument("--finetune", default="greedy + refit,corner-first + taps",
-                    help="methods to fine-tune (comma list; N = 9 always is)")  # fmt: skip
+    ap.add_argument(
+        "--finetune",
+        default="greedy + refit,corner-first + taps",
+        help="methods to fine-tune (comma list; N = 9 always is)",
+    )
     ap.add_argument("--heads", type=int, nargs="+", default=list(range(1, 10)))
     ap.add_argument("--fmnist-out", type=Path, default=Path("experiments/out/fmnist"))
     ap.add_argument("--out", type=Path, default=Path("experiments/out/fewer_heads"))
@@ -87,12 +90,24 @@ def main() -> None:
                 r["conv"].append(conv_top1)
                 r["converted"].append(top1(vit))
                 if name in args.finetune.split(",") or n == 9:
-                    ft = train(d / "finetune", phase="phase2", init=str(vit), epochs=args.finetune_epochs,
-                               lr=LR_PHASE2, seed=seed, warmup_epochs=0, train_samples=4000, attn_lr_mult=1.0)  # fmt: skip
+                    ft = train(
+                        d / "finetune",
+                        phase="phase2",
+                        init=str(vit),
+                        epochs=args.finetune_epochs,
+                        lr=LR_PHASE2,
+                        seed=seed,
+                        warmup_epochs=0,
+                        train_samples=4000,
+                        attn_lr_mult=1.0,
+                    )
                     r["finetuned"].append(ft["final"]["top1"])
-                print(f"seed {seed} N {n} {name}: {r['converted'][-1]:.2f}"
-                      + (f" -> {r['finetuned'][-1]:.2f}" if r["finetuned"] else "")
-                      + f"  ({time.time() - t0:.0f} s)", flush=True)  # fmt: skip
+                print(
+                    f"seed {seed} N {n} {name}: {r['converted'][-1]:.2f}"
+                    + (f" -> {r['finetuned'][-1]:.2f}" if r["finetuned"] else "")
+                    + f"  ({time.time() - t0:.0f} s)",
+                    flush=True,
+                )
 
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(
@@ -126,8 +141,10 @@ def summarize(out: Path, seeds: list[int], epochs: int) -> None:
         return "" if not v else f"{statistics.mean(v):{fmt}} ± {(max(v) - min(v)) / 2:{fmt}}"
 
     conv = sorted({v for r in rows.values() for v in r["conv"]})
-    print(f"\nFashion-MNIST phase-1 models (seeds {' '.join(map(str, seeds))}): conv top-1 {stat(conv)}; "
-          f"fine-tune: {epochs} epoch(s) of phase 2 on 4000 images; mean ± half-range over seeds\n")  # fmt: skip
+    print(
+        f"\nFashion-MNIST phase-1 models (seeds {' '.join(map(str, seeds))}): conv top-1 {stat(conv)}; "
+        f"fine-tune: {epochs} epoch(s) of phase 2 on 4000 images; mean ± half-range over seeds\n"
+    )
     print("| heads N | method | kernel taps dropped % | top-1 % after conversion | after fine-tune |")
     print("|---:|---|---:|---:|---:|")
     for key, r in sorted(

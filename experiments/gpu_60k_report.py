@@ -53,7 +53,8 @@ def main() -> None:
         gains = [plateau_gain(ys, fifth) for _, ys in curves]
         spread = (max(top1) - min(top1)) / 2
         print(
-            f"| {setting} | {' / '.join(f'{t:.2f}' for t in top1)} | {statistics.mean(top1):.2f} ± {spread:.2f} "
+            f"| {setting} | {' / '.join(f'{t:.2f}' for t in top1)} | "
+            f"{statistics.mean(top1):.2f} ± {spread:.2f} "
             f"| {statistics.mean(gains):+.2f} ({', '.join(f'{g:+.2f}' for g in gains)}) |"
         )
         rows.append((setting, curves))

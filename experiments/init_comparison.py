@@ -1,6 +1,7 @@
 """Every way to start a ViT with a convolution's bias, side by side on Fashion-MNIST, at equal total epochs.
 
-    python experiments/init_comparison.py [--epochs 40] [--seeds 0 1] [--train-samples 2000] [--val-samples 2000]
+    python experiments/init_comparison.py [--epochs 40] [--seeds 0 1] [--train-samples 2000]
+                                          [--val-samples 2000]
                                           [--batch-size 64] [--out experiments/out/init] [--data-dir DIR]
                                           [--device auto|cpu|cuda] [--compile] [--loader auto|device|workers]
                                           [--parallel N] [--time-budget SECONDS]
@@ -60,9 +61,16 @@ def arms_for(args: argparse.Namespace) -> list[Arm]:
 def seed_arms(args: argparse.Namespace, seed: int) -> list[Arm]:
     """One seed's runs; the phase-1 half first, as four runs wait for it."""
     e, half, d = args.epochs, args.epochs // 2, args.out / f"seed{seed}"
-    common = dict(seed=seed, train_samples=args.train_samples, val_samples=args.val_samples,
-                  batch_size=args.batch_size, compile=args.compile, data_dir=args.data_dir, device=args.device,
-                  loader=args.loader)  # fmt: skip
+    common = dict(
+        seed=seed,
+        train_samples=args.train_samples,
+        val_samples=args.val_samples,
+        batch_size=args.batch_size,
+        compile=args.compile,
+        data_dir=args.data_dir,
+        device=args.device,
+        loader=args.loader,
+    )
     arms = []
 
     def add(name: str, epochs: int, warm: bool = True, after: tuple[str, ...] = (), **kw) -> None:
@@ -103,11 +111,13 @@ def final_eval(arm: Arm, args: argparse.Namespace) -> dict:
             arm.model, data="fashion-mnist", data_dir=args.data_dir, images=1000, device=dev
         )
         out["attention"] = [
-            {key: statistics.mean(h[key] for h in block["heads"] if h[key] is not None)
-             for key in ("pinned_share", "mean_distance_px", "entropy", "gate")
-             if any(h[key] is not None for h in block["heads"])}
+            {
+                key: statistics.mean(h[key] for h in block["heads"] if h[key] is not None)
+                for key in ("pinned_share", "mean_distance_px", "entropy", "gate")
+                if any(h[key] is not None for h in block["heads"])
+            }
             for block in att.to_dict()["blocks"]
-        ]  # fmt: skip
+        ]
     cache.write_text(json.dumps(out, indent=2))
     return out
 
@@ -163,10 +173,15 @@ def main() -> None:
         }
 
     e, fifth = args.epochs, max(1, args.epochs // 5)
-    print(f"\nFashion-MNIST, {args.train_samples} training images, 28 px, P 4, d 48, depth 2, K 5; {e} epochs in "
-          f"all; seeds {' '.join(map(str, args.seeds))} (mean ± half-range); top-1 of the final model on the 10k "
-          f"validation images; gain: top-1 on the first {args.val_samples} over the last {fifth} epochs (means of "
-          f"{max(1, min(PLATEAU_WINDOW, fifth))} epochs)\n")  # fmt: skip
+    print(
+        f"\nFashion-MNIST, {args.train_samples} training images, 28 px, P 4, d "
+        f"48, depth 2, K 5; {e} epochs in "
+        f"all; seeds {' '.join(map(str, args.seeds))} (mean ± half-range); top-1 "
+        "of the final model on the 10k "
+        f"validation images; gain: top-1 on the first {args.val_samples} over the "
+        f"last {fifth} epochs (means of "
+        f"{max(1, min(PLATEAU_WINDOW, fifth))} epochs)\n"
+    )
     print(
         "| setting | top-1 % | gain, last fifth | pinned share | distance px | entropy nats | gate | CPU s |"
     )
@@ -212,8 +227,13 @@ def plot(rows: list, path: Path, title: str, ylabel: str = "top-1 % (validation 
         mean = [statistics.mean(v) for v in zip(*ys, strict=True)]
         style = "--" if "no warm-up" in setting else "-"
         (line,) = ax.plot(xs, mean, style, label=setting, linewidth=1.4)
-        ax.fill_between(xs, [min(v) for v in zip(*ys, strict=True)], [max(v) for v in zip(*ys, strict=True)],
-                        color=line.get_color(), alpha=0.15)  # fmt: skip
+        ax.fill_between(
+            xs,
+            [min(v) for v in zip(*ys, strict=True)],
+            [max(v) for v in zip(*ys, strict=True)],
+            color=line.get_color(),
+            alpha=0.15,
+        )
     ax.set_xlabel("epoch (two-phase: phase 1, then phase 2)")
     ax.set_ylabel(ylabel)
     ax.set_title(title)

@@ -1,9 +1,11 @@
 """Which start, at the paper's depth, with every start's learning rate tuned alike, and what each costs.
 
-    python experiments/tuned_comparison.py [--depth 6] [--epochs 200] [--tune-epochs 50] [--train-samples 1000]
+    python experiments/tuned_comparison.py [--depth 6] [--epochs 200] [--tune-epochs 50]
+                                           [--train-samples 1000]
                                            [--holdout 2000] [--val-samples 2000] [--seeds 0 1]
-                                           [--out experiments/out/tuned-d6] [--data-dir DIR] [--device auto|cpu|cuda]
-                                           [--loader auto|device|workers] [--parallel N] [--time-budget SECONDS]
+                                           [--out experiments/out/tuned-d6] [--data-dir DIR]
+                                           [--device auto|cpu|cuda] [--loader auto|device|workers]
+                                           [--parallel N] [--time-budget SECONDS]
                                            [--record SWEEP.json] [--beyond | --recheck SEED ...]
 
 The model and recipe of init_comparison.py (``--preset cpu``: 28 px, P 4, d 48, K 5, 9 heads) at
@@ -71,8 +73,16 @@ def score(arm: Arm) -> float:
 
 def common(args: argparse.Namespace, seed: int, tuning: bool) -> dict:
     samples = dict(holdout=args.holdout) if tuning else dict(val_samples=args.val_samples)
-    return dict(seed=seed, depth=args.depth, train_samples=args.train_samples, batch_size=args.batch_size,
-                data_dir=args.data_dir, device=args.device, loader=args.loader, **samples)  # fmt: skip
+    return dict(
+        seed=seed,
+        depth=args.depth,
+        train_samples=args.train_samples,
+        batch_size=args.batch_size,
+        data_dir=args.data_dir,
+        device=args.device,
+        loader=args.loader,
+        **samples,
+    )
 
 
 def tune_dir(seed: int) -> str:
@@ -81,9 +91,14 @@ def tune_dir(seed: int) -> str:
 
 
 def tuning_arm(
-    args: argparse.Namespace, name: str, epochs: int, after: tuple[str, ...] = (), seed: int = 0, top: str = "",
+    args: argparse.Namespace,
+    name: str,
+    epochs: int,
+    after: tuple[str, ...] = (),
+    seed: int = 0,
+    top: str = "",
     **flags,
-) -> Arm:  # fmt: skip
+) -> Arm:
     """One tuning run (seed 0: the sweep's), judged on held-out training images, in
     ``--out``/``top`` (default :func:`tune_dir`)/``name``."""
     top = top or tune_dir(seed)
@@ -95,7 +110,8 @@ def tuning_arm(
 def two_phase_arm(
     args: argparse.Namespace, name: str, pinning: str, lr: float, mult: float, seed: int = 0, top: str = ""
 ) -> Arm:
-    """A two-phase tuning run's phase 2: from the tuning phase-1 half's model, the other half of the epochs."""
+    """A two-phase tuning run's phase 2: from the tuning phase-1 half's model, the other half of the
+    epochs."""
     top = top or tune_dir(seed)
     e, conv = args.tune_epochs, str(args.out / top / "half-p1" / "conv.safetensors")
     flags = dict(phase="phase2", init=conv, pinning=pinning, lr=lr, attn_lr_mult=mult)
@@ -138,8 +154,11 @@ def beyond_arms(args: argparse.Namespace, chosen: dict[str, dict]) -> list[Arm]:
     against the recorded one shows whether the remade half reproduces the sweep's (at depth 6 on a
     new machine it did not: 73.87 against 75.00, EXPERIMENTS.md)."""
     e, arms = args.tune_epochs, []
-    for kind, flags in (("p1", {"phase": "phase1"}), ("impulse", {"phase": "phase2", "init": "impulse"}),
-                        ("random", {"phase": "phase2", "init": "random"})):  # fmt: skip
+    for kind, flags in (
+        ("p1", {"phase": "phase1"}),
+        ("impulse", {"phase": "phase2", "init": "impulse"}),
+        ("random", {"phase": "phase2", "init": "random"}),
+    ):
         if chosen[kind]["lr"] == SCRATCH[-1]:
             lr = step_beyond(SCRATCH)
             arms.append(tuning_arm(args, f"beyond/{kind}/{tag(lr)}", e, lr=lr, **flags))
@@ -147,7 +166,11 @@ def beyond_arms(args: argparse.Namespace, chosen: dict[str, dict]) -> list[Arm]:
     if two_phase:
         g = chosen["gated"]
         arms.append(half_p1_arm(args, chosen))
-        arms.append(two_phase_arm(args, f"gated/{tag(g['lr'], g['attn_lr_mult'])}", "gated", g["lr"], g["attn_lr_mult"]))  # fmt: skip
+        arms.append(
+            two_phase_arm(
+                args, f"gated/{tag(g['lr'], g['attn_lr_mult'])}", "gated", g["lr"], g["attn_lr_mult"]
+            )
+        )
     for kind in two_phase:
         lr, mult = step_beyond(AFTER), chosen[kind]["attn_lr_mult"]
         arms.append(two_phase_arm(args, f"beyond/{kind}/{tag(lr, mult)}", kind, lr, mult))
@@ -166,8 +189,17 @@ def beyond(args: argparse.Namespace) -> None:
         if arm.name != "tune/half-p1":
             kind = arm.name.removeprefix("tune/").removeprefix("beyond/").partition("/")[0]
             r = arm.config.recipe
-            rows.append({"run": arm.name, "kind": kind, "lr": r.lr, "attn_lr_mult": r.attn_lr_mult,
-                         "score": score(arm), "chosen": chosen[kind], "environments": arm.environments()})  # fmt: skip
+            rows.append(
+                {
+                    "run": arm.name,
+                    "kind": kind,
+                    "lr": r.lr,
+                    "attn_lr_mult": r.attn_lr_mult,
+                    "score": score(arm),
+                    "chosen": chosen[kind],
+                    "environments": arm.environments(),
+                }
+            )
     path = record_path(args).with_name(f"tuned_comparison_d{args.depth}_beyond.json")
     path.write_text(json.dumps({"settings": settings(args), "rows": rows}, indent=1) + "\n")
     print(f"\nBeyond the grid's top (seed 0, {args.tune_epochs} epochs, held-out top-1 as in the sweep)\n")
@@ -175,15 +207,21 @@ def beyond(args: argparse.Namespace) -> None:
     for row in rows:
         what = "one step past the top" if "/beyond/" in row["run"] else "the chosen value again"
         print(
-            f"| {row['kind']} | {what} | {value_text(row)} | {row['score']:.2f} | {row['chosen']['score']:.2f} |"
+            f"| {row['kind']} | {what} | {value_text(row)} | {row['score']:.2f} | "
+            f"{row['chosen']['score']:.2f} |"
         )
     print(f"\nwrote {path}")
 
 
 # the sweep's decisive two-phase points (EXPERIMENTS.md): gated's multiplier (1 against 10 at
 # 6.3e-4) and the rate past the grid's top (2e-3, --beyond) against the chosen 6.3e-4
-RECHECK = (("gated", 6.3e-4, 1.0), ("gated", 6.3e-4, 10.0), ("gated", 2e-3, 10.0), ("hard", 6.3e-4, 1.0),
-           ("hard", 2e-3, 1.0))  # fmt: skip
+RECHECK = (
+    ("gated", 6.3e-4, 1.0),
+    ("gated", 6.3e-4, 10.0),
+    ("gated", 2e-3, 10.0),
+    ("hard", 6.3e-4, 1.0),
+    ("hard", 2e-3, 1.0),
+)
 
 
 def recheck(args: argparse.Namespace) -> None:
@@ -225,7 +263,8 @@ def recheck(args: argparse.Namespace) -> None:
     )
     seeds = " | ".join(f"seed {s} (this run)" for s in args.recheck)
     print(
-        f"\nThe decisive points again ({args.tune_epochs} epochs, held-out top-1 as in the sweep, 1 thread each)\n"
+        f"\nThe decisive points again ({args.tune_epochs} epochs, held-out top-1 "
+        "as in the sweep, 1 thread each)\n"
     )
     print(f"| arm | value | seed 0, recorded | {seeds} |\n|---|---|---:|{'---:|' * len(args.recheck)}")
     for row in rows:
@@ -306,7 +345,12 @@ def full_arms(args: argparse.Namespace, chosen: dict[str, dict]) -> list[Arm]:
 
         def after(kind: str, p1: str) -> dict:
             c = chosen[kind]
-            return dict(phase="phase2", init=str(d / p1 / "conv.safetensors"), lr=c["lr"], attn_lr_mult=c["attn_lr_mult"])  # noqa: B023  # fmt: skip
+            return dict(
+                phase="phase2",
+                init=str(d / p1 / "conv.safetensors"),  # noqa: B023
+                lr=c["lr"],
+                attn_lr_mult=c["attn_lr_mult"],
+            )
 
         p1_lr = chosen["p1"]["lr"]
         add("half-p1", half, phase="phase1", lr=p1_lr)
@@ -349,7 +393,12 @@ def stages(args: argparse.Namespace) -> tuple[list[Arm], dict[str, dict], dict[s
     if path.is_file():
         record = json.loads(path.read_text())
         if record["settings"] == json.loads(json.dumps(settings(args))):
-            recorded = {run["run"]: run["score"] for runs in record["grid"].values() for run in runs if run["score"] is not None}  # fmt: skip
+            recorded = {
+                run["run"]: run["score"]
+                for runs in record["grid"].values()
+                for run in runs
+                if run["score"] is not None
+            }
         else:
             print(f"note: {path} is another sweep's (its settings differ); tuning again")
     chosen: dict[str, dict] = {}
@@ -370,8 +419,11 @@ def stages(args: argparse.Namespace) -> tuple[list[Arm], dict[str, dict], dict[s
 
 def print_sweep(args: argparse.Namespace, chosen: dict[str, dict], grid: dict[str, list]) -> None:
     """The sweep's table: every grid point and its score, the chosen ones in bold."""
-    print(f"\nSweep (seed 0, {args.tune_epochs} epochs, held-out top-1: {args.holdout} training images outside the "
-          f"subset, mean of the last {WINDOW} epochs; chosen in bold)\n")  # fmt: skip
+    print(
+        f"\nSweep (seed 0, {args.tune_epochs} epochs, held-out top-1: "
+        f"{args.holdout} training images outside the "
+        f"subset, mean of the last {WINDOW} epochs; chosen in bold)\n"
+    )
     print("| arm | value | held-out top-1 % |\n|---|---|---:|")
     for kind, runs in grid.items():
         for run in runs:
@@ -384,14 +436,24 @@ def print_sweep(args: argparse.Namespace, chosen: dict[str, dict], grid: dict[st
 def report(args: argparse.Namespace, arms: list[Arm], chosen: dict[str, dict], grid: dict[str, list]) -> None:
     by_name = {a.name: a for a in arms}
     macs = {phase: macs_per_image(phase, args) for phase in ("phase1", "phase2")}
-    results: dict = {"args": {k: str(v) for k, v in vars(args).items()}, "chosen": chosen, "grid": grid,
-                     "macs_per_train_image": macs, "runs": {}}  # fmt: skip
+    results: dict = {
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "chosen": chosen,
+        "grid": grid,
+        "macs_per_train_image": macs,
+        "runs": {},
+    }
     e, fifth = args.epochs, max(1, args.epochs // 5)
     print_sweep(args, chosen, grid)
-    print(f"\nFashion-MNIST, {args.train_samples} training images, depth {args.depth}; {e} epochs in all; seeds "
-          f"{' '.join(map(str, args.seeds))} (mean ± half-range); top-1 of the final model on the 10k validation "
-          f"images; gain: top-1 on the first {args.val_samples} over the last fifth; MACs: training multiply-adds "
-          f"(per image x images seen), both halves for two-phase\n")  # fmt: skip
+    print(
+        f"\nFashion-MNIST, {args.train_samples} training images, depth "
+        f"{args.depth}; {e} epochs in all; seeds "
+        f"{' '.join(map(str, args.seeds))} (mean ± half-range); top-1 of the "
+        "final model on the 10k validation "
+        f"images; gain: top-1 on the first {args.val_samples} over the last "
+        "fifth; MACs: training multiply-adds "
+        f"(per image x images seen), both halves for two-phase\n"
+    )
     print("| setting | top-1 % | gain, last fifth | CPU s | training MACs |\n|---|---:|---:|---:|---:|")
     points = []
     for setting, _, names in SETTINGS:
@@ -401,9 +463,12 @@ def report(args: argparse.Namespace, arms: list[Arm], chosen: dict[str, dict], g
         top1 = []
         for runs in per_seed:
             for run in runs:
-                results["runs"][run.name] = {"rows": run.rows(), "final": final_eval(run, args),
-                                             "cpu_seconds": run.cpu_seconds(),
-                                             "environments": run.environments()}  # fmt: skip
+                results["runs"][run.name] = {
+                    "rows": run.rows(),
+                    "final": final_eval(run, args),
+                    "cpu_seconds": run.cpu_seconds(),
+                    "environments": run.environments(),
+                }
             top1.append(results["runs"][runs[-1].name]["final"]["top1"])
         gains = [plateau_gain(ys, fifth) for _, ys in (curve(runs) for runs in per_seed) if len(ys) > fifth]
         seconds = statistics.mean(sum(r.cpu_seconds() for r in runs) for runs in per_seed)
@@ -426,8 +491,9 @@ def plot_cost(points: list, path: Path, title: str) -> None:
     for n, (setting, seconds, cost, top1) in enumerate(points):
         mean, lo, hi = statistics.mean(top1), min(top1), max(top1)
         for ax, x in zip(axes, (seconds, cost), strict=True):
-            ax.errorbar([x], [mean], yerr=[[mean - lo], [hi - mean]], fmt="o", color=f"C{n}", capsize=3,
-                        label=setting)  # fmt: skip
+            ax.errorbar(
+                [x], [mean], yerr=[[mean - lo], [hi - mean]], fmt="o", color=f"C{n}", capsize=3, label=setting
+            )
     axes[0].set(xlabel="CPU seconds (training, both halves)", ylabel="top-1 % (10k validation)")
     axes[1].set(xlabel="training multiply-adds", xscale="log")
     for ax in axes:
@@ -474,7 +540,8 @@ def main() -> None:
         nargs="+",
         default=None,
         metavar="SEED",
-        help="only the decisive two-phase points (RECHECK) again on these seeds, each with its own phase-1 half",
+        help="only the decisive two-phase points (RECHECK) again on these seeds, each "
+        "with its own phase-1 half",
     )
     add_arm_flags(ap)
     args = ap.parse_args()

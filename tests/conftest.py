@@ -15,6 +15,18 @@ from convit_convert.config import ViTConfig
 from convit_convert.model import VisionTransformer
 
 FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "conv_digits.safetensors"
+# The smallest training run the tests train (TrainConfig.from_flags' flags): seconds on a CPU
+TINY_RUN = dict(
+    data="synthetic",
+    img_size=16,
+    patch_size=4,
+    depth=1,
+    kernel_size=3,
+    batch_size=32,
+    lr=4e-3,
+    lr_base_batch=32,
+    log_every=1000,
+)
 
 
 def reference_conv(

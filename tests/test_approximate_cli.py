@@ -86,8 +86,14 @@ def test_approximate_fails_tol_loudly_then_writes_a_model_whose_report_holds(tmp
 
 def test_no_refit_is_plain_dropping_and_corner_drops_diagonals_first(tmp_path: Path) -> None:
     out = tmp_path / "v.safetensors"
-    r = run("convert", FIXTURE, "-o", out, "--heads", "5", "--approximate", "--rule", "corner", "--no-refit",
-            "--tol", "100", *SMALL)  # fmt: skip
+    r = run(
+        "convert",
+        FIXTURE,
+        "-o",
+        out,
+        *"--heads 5 --approximate --rule corner --no-refit --tol 100".split(),
+        *SMALL,
+    )
     assert r.exit_code == 0, r.output
     a = json.loads(out.with_name("v.report.json").read_text())["conversion"]["approximation"]
     for b in a["blocks"]:

@@ -186,8 +186,12 @@ def test_architecture_md_and_the_package_docstrings_name_every_module() -> None:
     table = [line for line in doc.splitlines() if line.startswith("| ")]
     row = {p: next(r for r in table if f"| `{p}/` |" in r) for p in ("api", "train", "cli")}
     missing = [f"{m}.py" for m in _modules(ROOT / "convit_convert") if f"`{m}.py`" not in doc]
-    missing += [f"{p}/{m}.py" for p in ("io", "onnx") for m in _modules(ROOT / "convit_convert" / p)
-                if f"`{p}/{m}.py`" not in doc]  # fmt: skip
+    missing += [
+        f"{p}/{m}.py"
+        for p in ("io", "onnx")
+        for m in _modules(ROOT / "convit_convert" / p)
+        if f"`{p}/{m}.py`" not in doc
+    ]
     folders = {
         "api": ROOT / "convit_convert" / "api",
         "train": ROOT / "train",

@@ -14,13 +14,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import write_idx
+from conftest import TINY_RUN, write_idx
 from convit_convert.errors import CmhsaError
 from convit_convert.train.arms import BLOCKED, DONE, FAILED, STOPPED, Arm, run_arms
 from convit_convert.train.config import TrainConfig
 
-TINY = dict(data="synthetic", img_size=16, patch_size=4, depth=1, kernel_size=3, batch_size=32,
-            warmup_epochs=0, lr=4e-3, lr_base_batch=32, log_every=1000, device="cpu")  # fmt: skip
+TINY = {**TINY_RUN, "warmup_epochs": 0, "device": "cpu"}
 
 
 def epochs_done(out: Path) -> list[int]:
@@ -72,25 +71,40 @@ def test_parallel_arms_with_a_dependency_and_skipping_what_is_done(tmp_path: Pat
 
 
 @pytest.mark.slow
-def test_time_budget_stops_cleanly_and_the_next_call_resumes(tmp_path: Path) -> None:
-    """A run far longer than the budget: each budgeted call stops it cleanly before the budget
-    (checkpoint saved, status stopped), and the next call resumes it where it stopped. On a loaded
-    machine a call may end before a first epoch does: up to 4 calls, until two in a row each ended
-    epochs (2 on an idle one)."""
-    cfg = TrainConfig.from_flags(out=str(tmp_path / "long"), phase="phase1", epochs=5000, **TINY)
-    arm = Arm("long", cfg)
+class EpochClock:
+    """arms.py's clock, driven by the run instead of the wall: it stands at 0 until the run's
+    metrics.csv holds one epoch more than when the call began, then jumps past any budget. A call
+    then stops the run after at least one epoch, however loaded the machine."""
+
+    def __init__(self, out: Path) -> None:
+        self.out, self.start = out, len(epochs_done(out))
+
+    def monotonic(self) -> float:
+        return 0.0 if len(epochs_done(self.out)) <= self.start else 1e9
+
+
+def test_time_budget_stops_cleanly_and_the_next_call_resumes(tmp_path: Path, monkeypatch) -> None:
+    """A run far longer than the budget: a budgeted call stops it cleanly when the budget's clock
+    runs out (SIGTERM: checkpoint saved, status stopped, nothing lost), and the next call resumes it
+    where it stopped. The clock is the run's epochs, not the wall's (EpochClock)."""
+    import types
+
+    import convit_convert.train.arms as arms_module
+
+    out = tmp_path / "long"
+    arm = Arm("long", TrainConfig.from_flags(out=str(out), phase="phase1", epochs=5000, **TINY))
     done: list[list[int]] = []
-    for _ in range(4):
-        t = time.monotonic()
-        run_arms([arm], time_budget=14, margin=4)
-        assert time.monotonic() - t < 14
-        assert arm.status == STOPPED and (tmp_path / "long" / "checkpoint-last.pt").is_file()
-        done.append(epochs_done(tmp_path / "long"))
-        if len(done) >= 2 and 0 < len(done[-2]) < len(done[-1]):
-            break
-    assert 0 < len(done[-2]) < len(done[-1]) < 5000
-    assert done[-1] == list(range(1, len(done[-1]) + 1))  # continued, nothing repeated or skipped
-    assert "resumed" in (tmp_path / "long" / "log.txt").read_text()
+    for _ in range(2):
+        clock = EpochClock(out)
+        monkeypatch.setattr(
+            arms_module, "time", types.SimpleNamespace(monotonic=clock.monotonic, sleep=time.sleep)
+        )
+        run_arms([arm], time_budget=60, margin=4)
+        assert arm.status == STOPPED and (out / "checkpoint-last.pt").is_file()
+        done.append(epochs_done(out))
+    assert 0 < len(done[0]) < len(done[1]) < 5000
+    assert done[1] == list(range(1, len(done[1]) + 1))  # continued, nothing repeated or skipped
+    assert "resumed" in (out / "log.txt").read_text()
 
 
 def tiny_fashion_mnist(tmp_path: Path) -> Path:
@@ -110,8 +124,14 @@ def test_fashion_mnist_experiment_in_budgeted_calls(tmp_path: Path) -> None:
     arms and exits 3, the next call finishes the table from where it stopped."""
     data = tiny_fashion_mnist(tmp_path)
     script = Path(__file__).resolve().parent.parent / "experiments" / "fashion_mnist.py"
-    cmd = [sys.executable, str(script), "--data-dir", str(data), "--epochs", "2", "--seeds", "0", "--warmup", "0",
-           "--train-samples", "128", "--device", "cpu", "--parallel", "2", "--out", str(tmp_path / "out")]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(script),
+        "--data-dir",
+        str(data),
+        *"--epochs 2 --seeds 0 --warmup 0 --train-samples 128 --device cpu --parallel 2 --out".split(),
+        str(tmp_path / "out"),
+    ]
     first = subprocess.run([*cmd, "--time-budget", "8"], capture_output=True, text=True, timeout=120)
     assert first.returncode == 3, first.stdout[-2000:] + first.stderr[-2000:]
     assert "run the same command again" in first.stdout
@@ -128,18 +148,30 @@ def test_init_comparison_runs_every_start_and_writes_table_curves_and_raw_result
     data = tiny_fashion_mnist(tmp_path)
     script = Path(__file__).resolve().parent.parent / "experiments" / "init_comparison.py"
     out = tmp_path / "out"
-    cmd = [sys.executable, str(script), "--data-dir", str(data), "--epochs", "2", "--seeds", "0",
-           "--train-samples", "128", "--val-samples", "32", "--device", "cpu", "--parallel", "2", "--out", str(out)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(script),
+        "--data-dir",
+        str(data),
+        *"--epochs 2 --seeds 0 --train-samples 128 --val-samples 32 --device cpu --parallel 2 --out".split(),
+        str(out),
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    for setting in ("phase 1 only", "phase 2 only, mimetic init", "phase 2 only, impulse init (random offsets)",
-                    "two-phase, free extra heads", "two-phase, gated pinning, no warm-up in phase 2"):  # fmt: skip
+    for setting in (
+        "phase 1 only",
+        "phase 2 only, mimetic init",
+        "phase 2 only, impulse init (random offsets)",
+        "two-phase, free extra heads",
+        "two-phase, gated pinning, no warm-up in phase 2",
+    ):
         assert f"| {setting} |" in r.stdout, r.stdout
     results = json.loads((out / "results.json").read_text())
     assert len(results["runs"]) == 11
     for name, run in results["runs"].items():
-        assert run["final"]["images"] == 64 and len(run["rows"]) == (1 if "half" in name or name.endswith(
-            ("/hard", "/gated", "/free-heads", "/gated-nowarm")) else 2), name  # fmt: skip
+        assert run["final"]["images"] == 64 and len(run["rows"]) == (
+            1 if "half" in name or name.endswith(("/hard", "/gated", "/free-heads", "/gated-nowarm")) else 2
+        ), name
     assert results["runs"]["seed0/impulse"]["final"]["attention"][0]["pinned_share"] > 0.5
     assert (out / "curves.png").read_bytes()[:4] == b"\x89PNG"
 
@@ -171,9 +203,22 @@ def test_tuned_comparison_tunes_every_arm_alike_then_trains_the_chosen_values(
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "experiments"))
     import tuned_comparison as tc
 
-    args = argparse.Namespace(depth=6, epochs=200, tune_epochs=50, seeds=[0, 1], train_samples=1000, holdout=2000,
-                              val_samples=2000, batch_size=64, out=tmp_path, data_dir=None, device="cpu",
-                              loader="auto", compile=False, record=tmp_path / "sweep.json")  # fmt: skip
+    args = argparse.Namespace(
+        depth=6,
+        epochs=200,
+        tune_epochs=50,
+        seeds=[0, 1],
+        train_samples=1000,
+        holdout=2000,
+        val_samples=2000,
+        batch_size=64,
+        out=tmp_path,
+        data_dir=None,
+        device="cpu",
+        loader="auto",
+        compile=False,
+        record=tmp_path / "sweep.json",
+    )
 
     def finish(arm, last5: float, last: float) -> None:
         arm.out.mkdir(parents=True, exist_ok=True)
@@ -207,8 +252,12 @@ def test_tuned_comparison_tunes_every_arm_alike_then_trains_the_chosen_values(
         kind = arm.name.split("/")[1]
         if not arm.model.is_file():
             lr, mult = arm.config.recipe.lr, arm.config.recipe.attn_lr_mult
-            best = {"impulse": lr == 6.3e-3, "random": lr == 6.3e-4, "gated": (lr, mult) == (6.3e-5, 10.0),
-                    "hard": (lr, mult) == (6.3e-4, 1.0)}.get(kind, False)  # fmt: skip
+            best = {
+                "impulse": lr == 6.3e-3,
+                "random": lr == 6.3e-4,
+                "gated": (lr, mult) == (6.3e-5, 10.0),
+                "hard": (lr, mult) == (6.3e-4, 1.0),
+            }.get(kind, False)
             finish(arm, 85 if best else 60, 60)
     full, chosen, grid = tc.stages(args)
     assert len(full) == 2 * 8
@@ -276,15 +325,30 @@ def test_tuned_comparison_beyond_adds_one_step_past_each_top_choice_and_reruns_o
     import tuned_comparison as tc
 
     assert (tc.step_beyond(tc.SCRATCH), tc.step_beyond(tc.AFTER)) == (2e-2, 2e-3)
-    args = argparse.Namespace(depth=6, tune_epochs=50, train_samples=1000, holdout=2000, batch_size=64,
-                              out=tmp_path, data_dir=None, device="cpu", loader="auto")  # fmt: skip
-    chosen = {"p1": {"lr": 6.3e-3, "attn_lr_mult": None}, "impulse": {"lr": 2e-3, "attn_lr_mult": None},
-              "random": {"lr": 6.3e-3, "attn_lr_mult": None}, "gated": {"lr": 6.3e-4, "attn_lr_mult": 10.0},
-              "hard": {"lr": 6.3e-4, "attn_lr_mult": 1.0}}  # fmt: skip
+    args = argparse.Namespace(
+        depth=6,
+        tune_epochs=50,
+        train_samples=1000,
+        holdout=2000,
+        batch_size=64,
+        out=tmp_path,
+        data_dir=None,
+        device="cpu",
+        loader="auto",
+    )
+    chosen = {
+        "p1": {"lr": 6.3e-3, "attn_lr_mult": None},
+        "impulse": {"lr": 2e-3, "attn_lr_mult": None},
+        "random": {"lr": 6.3e-3, "attn_lr_mult": None},
+        "gated": {"lr": 6.3e-4, "attn_lr_mult": 10.0},
+        "hard": {"lr": 6.3e-4, "attn_lr_mult": 1.0},
+    }
     arms = {a.name: a for a in tc.beyond_arms(args, chosen)}
-    assert list(arms) == ["tune/beyond/p1/lr0.02", "tune/beyond/random/lr0.02", "tune/half-p1",
-                          "tune/gated/lr0.00063-mult10", "tune/beyond/gated/lr0.002-mult10",
-                          "tune/beyond/hard/lr0.002-mult1"]  # fmt: skip
+    assert list(arms) == [
+        *"tune/beyond/p1/lr0.02 tune/beyond/random/lr0.02 tune/half-p1 "
+        "tune/gated/lr0.00063-mult10 tune/beyond/gated/lr0.002-mult10 "
+        "tune/beyond/hard/lr0.002-mult1".split(),
+    ]
     for arm in arms.values():
         c = arm.config
         assert (c.seed, c.data.holdout, c.data.val_samples) == (0, 2000, None)
@@ -293,15 +357,22 @@ def test_tuned_comparison_beyond_adds_one_step_past_each_top_choice_and_reruns_o
     assert (random.phase, random.start.init, random.recipe.lr) == ("phase2", "random", 2e-2)
     half = arms["tune/half-p1"].config
     assert (half.recipe.lr, half.recipe.epochs) == (6.3e-3, 25)
-    for name, pinning, lr, mult in (("tune/gated/lr0.00063-mult10", "gated", 6.3e-4, 10.0),
-                                    ("tune/beyond/gated/lr0.002-mult10", "gated", 2e-3, 10.0),
-                                    ("tune/beyond/hard/lr0.002-mult1", "hard", 2e-3, 1.0)):  # fmt: skip
+    for name, pinning, lr, mult in (
+        ("tune/gated/lr0.00063-mult10", "gated", 6.3e-4, 10.0),
+        ("tune/beyond/gated/lr0.002-mult10", "gated", 2e-3, 10.0),
+        ("tune/beyond/hard/lr0.002-mult1", "hard", 2e-3, 1.0),
+    ):
         c = arms[name].config
         assert arms[name].after == ("tune/half-p1",) and c.recipe.epochs == 25
         assert (c.conversion.pinning, c.recipe.lr, c.recipe.attn_lr_mult) == (pinning, lr, mult)
         assert c.start.init == str(tmp_path / "tune" / "half-p1" / "conv.safetensors")
-    inside = {**chosen, "p1": {"lr": 2e-3}, "random": {"lr": 2e-3}, "gated": {"lr": 2e-4, "attn_lr_mult": 1.0},
-              "hard": {"lr": 6.3e-5, "attn_lr_mult": 1.0}}  # fmt: skip
+    inside = {
+        **chosen,
+        "p1": {"lr": 2e-3},
+        "random": {"lr": 2e-3},
+        "gated": {"lr": 2e-4, "attn_lr_mult": 1.0},
+        "hard": {"lr": 6.3e-5, "attn_lr_mult": 1.0},
+    }
     assert tc.beyond_arms(args, inside) == []
 
 
@@ -319,8 +390,11 @@ def test_tuned_comparison_sweep_only_stops_before_the_full_runs(
     shutil.copy(experiments / "results" / "tuned_comparison_d6_sweep.json", record)
     started: list[str] = []
     monkeypatch.setattr(arms_cli, "run_arms", lambda arms, **_: started.extend(a.name for a in arms))
-    monkeypatch.setattr(sys, "argv", ["tuned_comparison.py", "--sweep-only", "--out", str(tmp_path / "out"),
-                                      "--record", str(record)])  # fmt: skip
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        ["tuned_comparison.py", "--sweep-only", "--out", str(tmp_path / "out"), "--record", str(record)],
+    )
     tc.main()
     out = capsys.readouterr().out
     assert started == [] and not (tmp_path / "out").exists()

@@ -59,13 +59,16 @@ def test_the_cli_installs_the_sigterm_cleanup(tmp_path: Path, fixture_path: Path
     code = (
         "import sys, time\nimport convit_convert.io.checkpoint as c\nreal = c.write_safetensors\n"
         "def slow(path, *a, **k):\n    print('writing', flush=True)\n    time.sleep(60)\n"
-        "c.write_safetensors = slow\nfrom convit_convert.cli import main\nsys.argv = ['cmhsa'] + sys.argv[1:]\nmain()\n"
+        "c.write_safetensors = slow\nfrom convit_convert.cli import "
+        "main\nsys.argv = ['cmhsa'] + sys.argv[1:]\nmain()\n"
     )
     out = tmp_path / "vit.safetensors"
     proc = subprocess.Popen(
         [sys.executable, "-c", code, "convert", str(fixture_path), "-o", str(out), "--no-verify"],
-        stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert proc.stdout is not None
     while (line := proc.stdout.readline()) and line.strip() != "writing":
         pass

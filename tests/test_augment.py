@@ -147,11 +147,29 @@ def test_unsupported_augmentation_is_one_line() -> None:
 
 # pixels ------------------------------------------------------------------------------------------
 
-OPS = [("AutoContrast", 0.0), ("Equalize", 0.0), ("Invert", 0.0), ("Posterize", 2), ("Posterize", 0),
-       ("Solarize", 100), ("SolarizeAdd", 50), ("Color", 0.3), ("Color", 1.7), ("Contrast", 0.4),
-       ("Contrast", 1.6), ("Brightness", 0.5), ("Brightness", 1.5), ("Sharpness", 0.2), ("Sharpness", 1.8),
-       ("Rotate", 17.0), ("Rotate", -25.0), ("ShearX", 0.2), ("ShearY", -0.3), ("TranslateXRel", 0.3),
-       ("TranslateYRel", -0.2)]  # fmt: skip
+OPS = [
+    ("AutoContrast", 0.0),
+    ("Equalize", 0.0),
+    ("Invert", 0.0),
+    ("Posterize", 2),
+    ("Posterize", 0),
+    ("Solarize", 100),
+    ("SolarizeAdd", 50),
+    ("Color", 0.3),
+    ("Color", 1.7),
+    ("Contrast", 0.4),
+    ("Contrast", 1.6),
+    ("Brightness", 0.5),
+    ("Brightness", 1.5),
+    ("Sharpness", 0.2),
+    ("Sharpness", 1.8),
+    ("Rotate", 17.0),
+    ("Rotate", -25.0),
+    ("ShearX", 0.2),
+    ("ShearY", -0.3),
+    ("TranslateXRel", 0.3),
+    ("TranslateYRel", -0.2),
+]
 
 
 @pytest.mark.parametrize("chans", [3, 1])
@@ -223,8 +241,10 @@ def test_resized_crop_and_flip_match_pil(mode: str) -> None:
     from torchvision.transforms import functional as TF
 
     rng = np.random.default_rng(1)
-    for size_in, out, boxes in (((13, 13), (28, 28), [[0, 0, 13, 13], [2, 3, 8, 9], [2, 3, 8, 9]]),
-                                ((64, 50), (16, 16), [[5, 7, 40, 30], [0, 0, 64, 50], [20, 1, 44, 49]])):  # fmt: skip
+    for size_in, out, boxes in (
+        ((13, 13), (28, 28), [[0, 0, 13, 13], [2, 3, 8, 9], [2, 3, 8, 9]]),
+        ((64, 50), (16, 16), [[5, 7, 40, 30], [0, 0, 64, 50], [20, 1, 44, 49]]),
+    ):
         img = rng.integers(0, 256, size=(*size_in, 3), dtype=np.uint8)
         x = torch.from_numpy(img).permute(2, 0, 1)[None].float().repeat(3, 1, 1, 1)
         flip = torch.tensor([False, False, True])

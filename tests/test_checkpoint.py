@@ -16,10 +16,19 @@ from convit_convert.errors import CmhsaError
 from convit_convert.io.checkpoint import save_checkpoint
 
 DOC_CONFIG = {  # exactly the keys docs/FORMAT.md requires of a conv checkpoint
-    "img_size": [12, 8], "patch_size": 4, "in_chans": 3, "hidden_chans": 3, "embed_dim": 48,
-    "patch_embed": "identity", "depth": 2, "mlp_hidden_dim": 192, "num_classes": 5, "norm_eps": 1e-6,
-    "kernel_size": 5, "dilation": 1,
-}  # fmt: skip
+    "img_size": [12, 8],
+    "patch_size": 4,
+    "in_chans": 3,
+    "hidden_chans": 3,
+    "embed_dim": 48,
+    "patch_embed": "identity",
+    "depth": 2,
+    "mlp_hidden_dim": 192,
+    "num_classes": 5,
+    "norm_eps": 1e-6,
+    "kernel_size": 5,
+    "dilation": 1,
+}
 
 
 def doc_tensors(

@@ -94,13 +94,7 @@ def test_convert_options(fixture_path: Path, tmp_path: Path) -> None:
         fixture_path,
         "-o",
         out,
-        "--heads",
-        "10",
-        "--qk-dim",
-        "8",
-        "--qk-init-std",
-        "1e-3",
-        "--no-verify",
+        *"--heads 10 --qk-dim 8 --qk-init-std 1e-3 --no-verify".split(),
     )
     assert r.exit_code == 0, r.output
     t = load_file(str(out))
@@ -189,15 +183,30 @@ def corrupt(kind: str, src: Path, dst: Path) -> Path:
     return dst
 
 
-BAD = ["truncated", "garbage", "empty", "nan", "inf", "missing", "extra", "misshaped", "no_metadata", "bad_json",
-       "inconsistent", "missing_key", "stride", "padding_mode", "bad_kind", "nonsquare", "int_dtype"]  # fmt: skip
+BAD = (
+    "truncated garbage empty nan inf missing extra misshaped no_metadata "
+    "bad_json inconsistent missing_key stride padding_mode bad_kind "
+    "nonsquare int_dtype"
+).split()
 EXPECT = {
-    "truncated": "not a readable safetensors", "garbage": "not a readable safetensors", "empty": "empty",
-    "nan": "NaN or Inf", "inf": "NaN or Inf", "missing": "missing tensor", "extra": "unexpected tensor",
-    "misshaped": "has shape", "no_metadata": "--img-size", "bad_json": "not valid JSON",
-    "inconsistent": "unexpected tensor", "missing_key": "kernel_size", "stride": "stride 2",
-    "padding_mode": "reflect", "bad_kind": "'mlp'", "nonsquare": "non-square", "int_dtype": "dtype",
-}  # fmt: skip
+    "truncated": "not a readable safetensors",
+    "garbage": "not a readable safetensors",
+    "empty": "empty",
+    "nan": "NaN or Inf",
+    "inf": "NaN or Inf",
+    "missing": "missing tensor",
+    "extra": "unexpected tensor",
+    "misshaped": "has shape",
+    "no_metadata": "--img-size",
+    "bad_json": "not valid JSON",
+    "inconsistent": "unexpected tensor",
+    "missing_key": "kernel_size",
+    "stride": "stride 2",
+    "padding_mode": "reflect",
+    "bad_kind": "'mlp'",
+    "nonsquare": "non-square",
+    "int_dtype": "dtype",
+}
 
 
 def assert_bad_input(result, path: Path | None, expect: str, out_dir: Path) -> None:
@@ -314,10 +323,7 @@ def test_unsafe_pickle_input(tmp_path: Path) -> None:
         tmp_path / "args.pth",
         "-o",
         tmp_path / "v.safetensors",
-        "--img-size",
-        "32",
-        "--patch-size",
-        "4",
+        *"--img-size 32 --patch-size 4".split(),
     )
     assert r.exit_code == 2 and "the global argparse.Namespace" in r.stderr, r.stderr
     assert "weights_only=False" not in r.stderr

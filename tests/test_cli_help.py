@@ -32,8 +32,18 @@ OLD = {"--out": "--output", "--kernel": "--kernel-size", "--patch": "--patch-siz
 
 def test_every_command_is_walked() -> None:
     names = {" ".join(p) for p, _ in COMMANDS}
-    assert {"convert", "verify", "inspect", "heads", "export", "train phase1", "train phase2", "eval",
-            "attention", "plot"} <= names  # fmt: skip
+    assert {
+        "convert",
+        "verify",
+        "inspect",
+        "heads",
+        "export",
+        "train phase1",
+        "train phase2",
+        "eval",
+        "attention",
+        "plot",
+    } <= names
 
 
 @pytest.mark.parametrize("path", [p for p, _ in COMMANDS], ids=lambda p: " ".join(p))

@@ -36,9 +36,17 @@ def mixer_configs(draw: st.DrawFn) -> ViTConfig:
     linear = draw(st.booleans())
     in_chans = draw(st.integers(1, 3)) if linear else c
     return ViTConfig.build(
-        img_size=(gh * p, gw * p), patch_size=p, in_chans=in_chans, hidden_chans=c, depth=1,
-        mlp_ratio=1.0, num_classes=3, kernel_size=k, dilation=d, patch_embed="linear" if linear else "identity",
-    )  # fmt: skip
+        img_size=(gh * p, gw * p),
+        patch_size=p,
+        in_chans=in_chans,
+        hidden_chans=c,
+        depth=1,
+        mlp_ratio=1.0,
+        num_classes=3,
+        kernel_size=k,
+        dilation=d,
+        patch_embed="linear" if linear else "identity",
+    )
 
 
 def attention_from(cfg: ViTConfig, weight: torch.Tensor, bias: torch.Tensor | None, **kw) -> RelPosAttention:
@@ -87,9 +95,13 @@ def output_projection_by_impulses(
 
 @PROPERTY
 @given(
-    k=st.integers(1, 9), p=st.integers(1, 6), d=st.integers(1, 3), c_in=st.integers(1, 3),
-    c_out=st.integers(1, 3), seed=st.integers(0, 2**16),
-)  # fmt: skip
+    k=st.integers(1, 9),
+    p=st.integers(1, 6),
+    d=st.integers(1, 3),
+    c_in=st.integers(1, 3),
+    c_out=st.integers(1, 3),
+    seed=st.integers(0, 2**16),
+)
 def test_two_output_projection_constructions_agree(
     k: int, p: int, d: int, c_in: int, c_out: int, seed: int
 ) -> None:

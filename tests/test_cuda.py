@@ -21,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import conv_model, rel_err
+from conftest import TINY_RUN, conv_model, rel_err
 from convit_convert.construct import convert_state_dict
 from convit_convert.model import VisionTransformer
 from convit_convert.spec import ConversionSpec
@@ -34,10 +34,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
-TINY = dict(
-    data="synthetic", img_size=16, patch_size=4, depth=2, kernel_size=3, batch_size=32, workers=0,
-    warmup_epochs=1, lr=4e-3, lr_base_batch=32, log_every=1000, device="cuda",
-)  # fmt: skip
+TINY = {**TINY_RUN, "depth": 2, "workers": 0, "warmup_epochs": 1, "device": "cuda"}
 PLAIN = dict(mixup=0.0, cutmix=0.0, smoothing=0.0, drop_path=0.0, aa="none", reprob=0.0)
 
 
@@ -143,22 +140,27 @@ def test_resume_on_cuda_is_bit_exact(tmp_path: Path, phase: str) -> None:
 def test_ddp_over_nccl_under_torchrun(tmp_path: Path) -> None:
     """torchrun with one process: a real NCCL process group and the DDP wrapper (not the
     single-process shortcut), the same training as a plain process to float rounding."""
-    common = ["--data", "synthetic", "--img-size", "16", "--patch-size", "4", "--depth", "2",
-              "--kernel-size", "3", "--epochs", "2", "--warmup-epochs", "1", "--lr", "4e-3",
-              "--lr-base-batch", "32", "--batch-size", "32", "--workers", "0", "--mixup", "0",
-              "--cutmix", "0", "--drop-path", "0", "--device", "cuda", "--amp", "none"]  # fmt: skip
-    ddp = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port", "29531",
-           "-m", "convit_convert", "train", "phase1", *common, "-o", str(tmp_path / "ddp")]  # fmt: skip
+    common = (
+        "--data synthetic --img-size 16 --patch-size 4 --depth 2 --kernel-size 3 "
+        "--epochs 2 --warmup-epochs 1 --lr 4e-3 --lr-base-batch 32 --batch-size "
+        "32 --workers 0 --mixup 0 --cutmix 0 --drop-path 0 --device cuda --amp "
+        "none"
+    ).split()
+    ddp = [
+        sys.executable,
+        *"-m torch.distributed.run --nproc-per-node 1 --master-port 29531 -m "
+        "convit_convert train phase1".split(),
+        *common,
+        "-o",
+        str(tmp_path / "ddp"),
+    ]
     r = subprocess.run(ddp, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     cfg = json.loads((tmp_path / "ddp" / "config.json").read_text())
     assert (cfg["backend"], cfg["world_size"]) == ("nccl", 1)
     single = [
         sys.executable,
-        "-m",
-        "convit_convert",
-        "train",
-        "phase1",
+        *"-m convit_convert train phase1".split(),
         *common,
         "-o",
         str(tmp_path / "one"),

@@ -16,8 +16,17 @@ from convit_convert.spec import ConversionSpec
 
 
 @pytest.mark.parametrize("portable", [False, True])  # True: the form `cmhsa export` writes
-@pytest.mark.parametrize(("qk_dim", "sink", "pinning"), [(4, True, "hard"), (4, False, "hard"), (48, True, "hard"),
-                                                         (48, False, "hard"), (4, True, "gated"), (48, True, "gated")])  # fmt: skip # d = 48
+@pytest.mark.parametrize(
+    ("qk_dim", "sink", "pinning"),
+    [
+        (4, True, "hard"),
+        (4, False, "hard"),
+        (48, True, "hard"),
+        (48, False, "hard"),
+        (4, True, "gated"),
+        (48, True, "gated"),
+    ],
+)  # d = 48
 def test_fused_equals_unfused_random_weights(qk_dim: int, sink: bool, pinning: str, portable: bool) -> None:
     torch.manual_seed(0)
     cfg = ViTConfig.build(img_size=(12, 16), patch_size=4, depth=2, num_classes=5).with_attention(

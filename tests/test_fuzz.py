@@ -386,8 +386,10 @@ def test_plot_refuses_an_output_that_is_not_an_image(tmp_path: Path) -> None:
 # Each test below failed on the code before issue 33's changes (the cause it names in a comment).
 
 ROOT = Path(__file__).resolve().parent.parent
-TINY = ["--data", "synthetic", "--img-size", "16", "--patch-size", "4", "--depth", "1", "--kernel-size", "3",
-        "--batch-size", "32", "--workers", "0", "--epochs", "1", "--warmup-epochs", "0", "--device", "cpu"]  # fmt: skip
+TINY = (
+    "--data synthetic --img-size 16 --patch-size 4 --depth 1 --kernel-size 3 "
+    "--batch-size 32 --workers 0 --epochs 1 --warmup-epochs 0 --device cpu"
+).split()
 
 
 def refused(r, *fragments: str, code: int = 2) -> None:
@@ -540,9 +542,13 @@ def metadata_variant(folder: Path, config: str) -> Path:
 
 @pytest.mark.parametrize(
     ("name", "fragment"),
-    [("nesting", "nests deeper"), ("digits", "not valid JSON"), ("zero", "img_size must be positive"),
-     ("negative", "img_size must be positive")],
-)  # fmt: skip
+    [
+        ("nesting", "nests deeper"),
+        ("digits", "not valid JSON"),
+        ("zero", "img_size must be positive"),
+        ("negative", "img_size must be positive"),
+    ],
+)
 def test_a_config_no_parser_should_meet_is_bad_input(tmp_path: Path, name: str, fragment: str) -> None:
     # was: RecursionError and int-digits ValueError as internal errors; img_size 0 accepted (inspect exit 0)
     cfg = json.loads(fixture_parts()[0]["__metadata__"]["cmhsa.config"])
@@ -611,9 +617,13 @@ RESUME_CASES = {
     "config betas": (_set_config(opt_betas=[0.9, 2.0]), "--opt-betas must be"),
     "epochs 10^12": (_set_config(epochs=10**12), "--epochs must be"),
     "img_size 0": (_model_config(img_size=[0, 0]), "img_size must be positive"),
-    "model beyond memory": (_model_config(depth=1024, hidden_chans=4096, embed_dim=4096 * 16, mlp_hidden_dim=1 << 22, patch_embed="linear"),
-                            "would need about"),
-}  # fmt: skip
+    "model beyond memory": (
+        _model_config(
+            depth=1024, hidden_chans=4096, embed_dim=4096 * 16, mlp_hidden_dim=1 << 22, patch_embed="linear"
+        ),
+        "would need about",
+    ),
+}
 
 
 @pytest.mark.parametrize("case", RESUME_CASES)
@@ -644,10 +654,12 @@ def epochs_in(run: Path) -> list[int]:
 
 @pytest.mark.parametrize(
     ("content", "outcome"),
-    [(b"epoch,val_loss,top1,attnX_share,attn99999999_gate,\xc3\xa9\n1,2,3,4,5,6\n2,1,4,5,6,7\n", 0),
-     (b"epoch,val_loss,top1\n1,1e308,3\n2,-1e308,4\n", 2),
-     (b"epoch,val_loss,top1\n1,inf,3\n2,nan,4\n", 2)],
-)  # fmt: skip
+    [
+        (b"epoch,val_loss,top1,attnX_share,attn99999999_gate,\xc3\xa9\n1,2,3,4,5,6\n2,1,4,5,6,7\n", 0),
+        (b"epoch,val_loss,top1\n1,1e308,3\n2,-1e308,4\n", 2),
+        (b"epoch,val_loss,top1\n1,inf,3\n2,nan,4\n", 2),
+    ],
+)
 def test_plot_reads_only_its_columns_and_refuses_values_no_metric_takes(
     tmp_path: Path, content: bytes, outcome: int
 ) -> None:
@@ -690,11 +702,15 @@ def fashion_folder(folder: Path, broken: str) -> Path:
 
     rng = np.random.default_rng(0)
     good = {
-        "train-images-idx3-ubyte": idx_bytes([20, 28, 28], rng.integers(0, 255, 20 * 784, dtype=np.uint8).tobytes()),
+        "train-images-idx3-ubyte": idx_bytes(
+            [20, 28, 28], rng.integers(0, 255, 20 * 784, dtype=np.uint8).tobytes()
+        ),
         "train-labels-idx1-ubyte": idx_bytes([20], bytes(i % 10 for i in range(20))),
-        "t10k-images-idx3-ubyte": idx_bytes([10, 28, 28], rng.integers(0, 255, 10 * 784, dtype=np.uint8).tobytes()),
+        "t10k-images-idx3-ubyte": idx_bytes(
+            [10, 28, 28], rng.integers(0, 255, 10 * 784, dtype=np.uint8).tobytes()
+        ),
         "t10k-labels-idx1-ubyte": idx_bytes([10], bytes(range(10))),
-    }  # fmt: skip
+    }
     bad = {
         "rank": ("train-images-idx3-ubyte", idx_bytes([20 * 28 * 28], bytes(20 * 784))),
         "overflowing dims": ("train-images-idx3-ubyte", idx_bytes([2**31, 2**31, 2**31], b"")),
@@ -715,10 +731,17 @@ def fashion_folder(folder: Path, broken: str) -> Path:
 
 @pytest.mark.parametrize(
     ("broken", "fragment"),
-    [("rank", "IDX rank 1, expected 3"), ("overflowing dims", "IDX dimensions"), ("label shape", "IDX rank 2"),
-     ("label values", "label 200"), ("0x0 images", "at least 1"), ("truncated", "truncated"),
-     ("truncated gzip", "truncated or corrupt gzip"), ("bomb", "holds more than")],
-)  # fmt: skip
+    [
+        ("rank", "IDX rank 1, expected 3"),
+        ("overflowing dims", "IDX dimensions"),
+        ("label shape", "IDX rank 2"),
+        ("label values", "label 200"),
+        ("0x0 images", "at least 1"),
+        ("truncated", "truncated"),
+        ("truncated gzip", "truncated or corrupt gzip"),
+        ("bomb", "holds more than"),
+    ],
+)
 def test_malformed_idx_files_are_bad_input(tmp_path: Path, broken: str, fragment: str) -> None:
     # was: internal errors (reshape, prod overflow, 0x0 images), 'error: aborted' exit 1 (a truncated
     # gzip's EOFError became click's Abort), and a gzip bomb decompressed whole
@@ -757,23 +780,42 @@ def image_corpus(root: Path, broken: str) -> Path:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("broken", "loader"),
-    [("undecodable", "device"), ("empty", "device"), ("truncated", "device"), ("bomb", "device"),
-     ("fifo", "device"), ("truncated", "workers")],
-)  # fmt: skip
+    [
+        ("undecodable", "device"),
+        ("empty", "device"),
+        ("truncated", "device"),
+        ("bomb", "device"),
+        ("fifo", "device"),
+        ("truncated", "workers"),
+    ],
+)
 def test_a_bad_image_in_an_image_folder_is_one_line_never_a_hang(
     tmp_path: Path, broken: str, loader: str
 ) -> None:
     # was: internal errors from PIL, a decompression bomb decoded, a FIFO named x.png hanging eval and train
     root = image_corpus(tmp_path / "images", broken)
-    args = ["train", "phase1", "--data", "imagefolder", "--data-dir", root, "--img-size", "32", "--in-chans", "1",
-            "--hidden-chans", "1", "--patch-size", "4", "--depth", "1", "--kernel-size", "3", "--batch-size", "4",
-            "--epochs", "1", "--warmup-epochs", "0", "--device", "cpu", "--loader", loader,
-            "--workers", "1" if loader == "workers" else "0", "-o", tmp_path / "run"]  # fmt: skip
+    args = [
+        *"train phase1 --data imagefolder --data-dir".split(),
+        root,
+        *"--img-size 32 --in-chans 1 --hidden-chans 1 --patch-size 4 --depth 1 "
+        "--kernel-size 3 --batch-size 4 --epochs 1 --warmup-epochs 0 --device "
+        "cpu --loader".split(),
+        loader,
+        "--workers",
+        "1" if loader == "workers" else "0",
+        "-o",
+        tmp_path / "run",
+    ]
     if loader == "device":  # read in this process, before any training: no worker, no hang to fear
         refused(invoke(*args), "x.png", "FIFO" if broken == "fifo" else "")
         return
-    p = subprocess.run([sys.executable, "-m", "convit_convert", *map(str, args)], capture_output=True, text=True,
-                       cwd=ROOT, timeout=240)  # fmt: skip
+    p = subprocess.run(
+        [sys.executable, "-m", "convit_convert", *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=240,
+    )
     err = p.stderr.strip().splitlines()
     assert p.returncode == 2 and len(err) == 1 and "x.png" in err[0], (p.returncode, p.stderr[-2000:])
     assert "Traceback" not in p.stdout + p.stderr
@@ -786,8 +828,13 @@ def test_an_ascii_locale_prints_escapes_never_crashes(tmp_path: Path) -> None:
     # was: UnicodeEncodeError on ≥ or Δ after the outputs were written (exit 3)
     env = {**os.environ, "PYTHONIOENCODING": "ascii", "COLUMNS": "100"}
     for args in (["inspect", FIXTURE], ["convert", FIXTURE, "-o", tmp_path / "v.safetensors"]):
-        p = subprocess.run([sys.executable, "-m", "convit_convert", *map(str, args)], capture_output=True,
-                           cwd=ROOT, env=env, timeout=240)  # fmt: skip
+        p = subprocess.run(
+            [sys.executable, "-m", "convit_convert", *map(str, args)],
+            capture_output=True,
+            cwd=ROOT,
+            env=env,
+            timeout=240,
+        )
         assert p.returncode == 0 and p.stderr == b"", p.stderr[-2000:]
         assert b"\\u0394" in p.stdout or b"\\u2265" in p.stdout
 
@@ -817,8 +864,13 @@ def test_library_warnings_reach_the_terminal_only_with_debug() -> None:
         "main()\n"
     )
     for debug in ([], ["--debug"]):
-        p = subprocess.run([sys.executable, "-c", program, *debug, "inspect", str(FIXTURE)], capture_output=True,
-                           text=True, cwd=ROOT, timeout=240)  # fmt: skip
+        p = subprocess.run(
+            [sys.executable, "-c", program, *debug, "inspect", str(FIXTURE)],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=240,
+        )
         assert p.returncode == 0, p.stderr[-2000:]
         assert ("a library's warning" in p.stderr) == bool(debug), p.stderr[-2000:]
 
@@ -834,7 +886,7 @@ def test_help_shows_every_range_on_every_command() -> None:
                 and p.opts[0].startswith("--")
                 and f"[range: {BOUNDS[p.name].text()}]" not in " ".join(text.split())
             ):
-                missing.append(f"{' '.join(path)} {p.opts[0]}")  # fmt: skip
+                missing.append(f"{' '.join(path)} {p.opts[0]}")
     assert missing == []
 
 
@@ -842,12 +894,21 @@ def signalled_training(tmp_path: Path, sig: int, after: str) -> tuple[int, str, 
     """`cmhsa train` with loader workers, in its own process group, sent `sig` (to the whole group,
     as Ctrl-C in a terminal does) once its output shows `after`."""
     out = tmp_path / f"run-{sig}-{after.split()[0]}"
-    args = ["train", "phase1", "--data", "digits", "--img-size", "16", "--in-chans", "1", "--hidden-chans", "1",
-            "--patch-size", "4", "--depth", "1", "--kernel-size", "3", "--batch-size", "16", "--epochs", "3",
-            "--warmup-epochs", "0", "--device", "cpu", "--loader", "workers", "--workers", "2", "--log-every", "5",
-            "-o", str(out)]  # fmt: skip
-    p = subprocess.Popen([sys.executable, "-m", "convit_convert", *args], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, cwd=ROOT, start_new_session=True, text=True)  # fmt: skip
+    args = [
+        *"train phase1 --data digits --img-size 16 --in-chans 1 --hidden-chans 1 "
+        "--patch-size 4 --depth 1 --kernel-size 3 --batch-size 16 --epochs 3 "
+        "--warmup-epochs 0 --device cpu --loader workers --workers 2 --log-every "
+        "5 -o".split(),
+        str(out),
+    ]
+    p = subprocess.Popen(
+        [sys.executable, "-m", "convit_convert", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=ROOT,
+        start_new_session=True,
+        text=True,
+    )
     assert p.stdout is not None and p.stderr is not None
     for line in p.stdout:
         if after in line:
@@ -860,9 +921,14 @@ def signalled_training(tmp_path: Path, sig: int, after: str) -> tuple[int, str, 
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("sig", "after"),
-    [(signal.SIGTERM, "step 10/"), (signal.SIGTERM, "epoch 1/3 "), (signal.SIGTERM, "wrote"),
-     (signal.SIGINT, "step 10/"), (signal.SIGINT, "wrote")],
-)  # fmt: skip
+    [
+        (signal.SIGTERM, "step 10/"),
+        (signal.SIGTERM, "epoch 1/3 "),
+        (signal.SIGTERM, "wrote"),
+        (signal.SIGINT, "step 10/"),
+        (signal.SIGINT, "wrote"),
+    ],
+)
 def test_a_signal_to_the_process_group_is_an_interruption(tmp_path: Path, sig: int, after: str) -> None:
     # was: loader workers killed by a SIGTERM made the loader raise: an internal error (exit 3) mid-epoch,
     # a traceback between epochs; a signal while the finished run's workers shut down printed a
@@ -899,12 +965,23 @@ def test_an_approximate_conversion_that_fails_its_check_says_which_tol_writes_it
 
     for x in (0.2234, 0.22, 0.0999, 3.98e-7, 1.0, 12345.0):  # never below the error it must pass
         assert x <= float(rounded_up(x)) <= x * 1.1, x
-    r = invoke("convert", FIXTURE, "-o", tmp_path / "a.safetensors", "--heads", "4", "--approximate",
-               "--calib-images", "16", "--heldout-images", "16")  # fmt: skip
+    r = invoke(
+        "convert",
+        FIXTURE,
+        "-o",
+        tmp_path / "a.safetensors",
+        *"--heads 4 --approximate --calib-images 16 --heldout-images 16".split(),
+    )
     assert r.exit_code == 1 and "pass --tol" in " ".join(r.stdout.split()), r.output
     tol = re.search(r"pass --tol (\S+)", " ".join(r.stdout.split())).group(1)  # type: ignore[union-attr]
-    r = invoke("convert", FIXTURE, "-o", tmp_path / "a.safetensors", "--heads", "4", "--approximate",
-               "--calib-images", "16", "--heldout-images", "16", "--tol", tol)  # fmt: skip
+    r = invoke(
+        "convert",
+        FIXTURE,
+        "-o",
+        tmp_path / "a.safetensors",
+        *"--heads 4 --approximate --calib-images 16 --heldout-images 16 --tol".split(),
+        tol,
+    )
     assert r.exit_code == 0 and (tmp_path / "a.safetensors").is_file(), r.output
 
 
@@ -932,8 +1009,13 @@ main()
 
 def cmhsa_signalled_at_rename(args: list[object], at: int, sig: int) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "KILL_AT": str(at), "KILL_SIG": str(int(sig))}
-    return subprocess.run([sys.executable, "-c", AT_RENAME, *map(str, args)], capture_output=True, text=True,
-                          env=env, timeout=600)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-c", AT_RENAME, *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
 
 
 def pair_is_one_write(model: Path, report: Path) -> bool:
@@ -982,8 +1064,9 @@ def test_training_killed_between_checkpoint_and_metrics_resumes_with_every_row(t
     args = ["train", "phase1", *TINY, "--epochs", "2", "-o", out]
     r = cmhsa_signalled_at_rename(args, 2, signal.SIGKILL)  # epoch 1's save: 3 renames; epoch 2's: 4 to 6
     assert r.returncode == -signal.SIGKILL
-    r = cmhsa_signalled_at_rename(["train", "phase1", *TINY, "--epochs", "2", "--resume", "-o", out], 5,
-                                  signal.SIGKILL)  # fmt: skip
+    r = cmhsa_signalled_at_rename(
+        ["train", "phase1", *TINY, "--epochs", "2", "--resume", "-o", out], 5, signal.SIGKILL
+    )
     assert r.returncode == -signal.SIGKILL
     r = invoke("train", "phase1", *TINY, "--epochs", "2", "--resume", "-o", out)
     assert r.exit_code == 0, r.output
@@ -1059,10 +1142,16 @@ def test_a_symlink_loop_anywhere_is_bad_input(tmp_path: Path, attn_model: Path) 
     onnx_loop = tmp_path / "loop.onnx"
     onnx_loop.symlink_to(onnx_loop.name)
     ok = tmp_path / "ok.safetensors"
-    for args in (["inspect", loop], ["verify", FIXTURE, loop], ["convert", loop, "-o", ok],
-                 ["convert", FIXTURE, "-o", loop], ["convert", FIXTURE, "-o", ok, "--report", loop],
-                 ["verify", FIXTURE, attn_model, "--report", loop], ["export", attn_model, "-o", onnx_loop],
-                 ["export", attn_model, "-o", tmp_path / "ok.onnx", "--report", loop]):  # fmt: skip
+    for args in (
+        ["inspect", loop],
+        ["verify", FIXTURE, loop],
+        ["convert", loop, "-o", ok],
+        ["convert", FIXTURE, "-o", loop],
+        ["convert", FIXTURE, "-o", ok, "--report", loop],
+        ["verify", FIXTURE, attn_model, "--report", loop],
+        ["export", attn_model, "-o", onnx_loop],
+        ["export", attn_model, "-o", tmp_path / "ok.onnx", "--report", loop],
+    ):
         refused(invoke(*args))
     assert not ok.exists() and not (tmp_path / "ok.onnx").exists()
 
@@ -1073,12 +1162,27 @@ def test_a_closed_or_broken_stdout_never_fails_finished_work(tmp_path: Path, att
     cmd = [sys.executable, "-m", "convit_convert"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     out = tmp_path / "vit.onnx"
-    code = subprocess.run(["bash", "-c", '"$@" >&-', "_", *cmd, "export", str(attn_model), "-o", str(out)],
-                          env=env, timeout=600).returncode  # fmt: skip
+    code = subprocess.run(
+        ["bash", "-c", '"$@" >&-', "_", *cmd, "export", str(attn_model), "-o", str(out)], env=env, timeout=600
+    ).returncode
     assert code == 0 and out.is_file() and (tmp_path / "vit.onnx.report.json").is_file()
     target = tmp_path / "v.safetensors"
-    p = subprocess.run(["bash", "-c", '"$@" | head -c1; exit "${PIPESTATUS[0]}"', "_", *cmd, "convert", str(FIXTURE),
-                        "-o", str(target)], env=env, capture_output=True, timeout=600)  # fmt: skip
+    p = subprocess.run(
+        [
+            "bash",
+            "-c",
+            '"$@" | head -c1; exit "${PIPESTATUS[0]}"',
+            "_",
+            *cmd,
+            "convert",
+            str(FIXTURE),
+            "-o",
+            str(target),
+        ],
+        env=env,
+        capture_output=True,
+        timeout=600,
+    )
     assert p.returncode == 0 and target.is_file() and b"Traceback" not in p.stderr, p.stderr[-2000:]
 
 
@@ -1182,18 +1286,33 @@ def test_onnx_runaways_are_refused_before_onnxruntime_runs_them(tmp_path: Path) 
 
     shape = helper.make_tensor("shape", TensorProto.INT64, [2], [30_000, 30_000])
     one = helper.make_tensor("one", TensorProto.FLOAT, [1], [1.0])
-    expand = onnx_file(tmp_path / "expand.onnx", [helper.make_node("Expand", ["one", "shape"], ["big"]),
-                       helper.make_node("ReduceSum", ["big"], ["s"], keepdims=0), helper.make_node("Add", ["x", "s"], ["y"])],
-                       [shape, one])  # fmt: skip
+    expand = onnx_file(
+        tmp_path / "expand.onnx",
+        [
+            helper.make_node("Expand", ["one", "shape"], ["big"]),
+            helper.make_node("ReduceSum", ["big"], ["s"], keepdims=0),
+            helper.make_node("Add", ["x", "s"], ["y"]),
+        ],
+        [shape, one],
+    )
     v = helper.make_tensor_value_info
-    body = helper.make_graph([helper.make_node("Identity", ["c"], ["c2"]), helper.make_node("Identity", ["v"], ["v2"])],
-                             "body", [v("i", TensorProto.INT64, []), v("c", TensorProto.BOOL, []),
-                                      v("v", TensorProto.FLOAT, [1, 3, 8, 8])],
-                             [v("c2", TensorProto.BOOL, []), v("v2", TensorProto.FLOAT, [1, 3, 8, 8])])  # fmt: skip
+    body = helper.make_graph(
+        [helper.make_node("Identity", ["c"], ["c2"]), helper.make_node("Identity", ["v"], ["v2"])],
+        "body",
+        [
+            v("i", TensorProto.INT64, []),
+            v("c", TensorProto.BOOL, []),
+            v("v", TensorProto.FLOAT, [1, 3, 8, 8]),
+        ],
+        [v("c2", TensorProto.BOOL, []), v("v2", TensorProto.FLOAT, [1, 3, 8, 8])],
+    )
     trips = helper.make_tensor("trips", TensorProto.INT64, [], [10**12])
     cond = helper.make_tensor("cond", TensorProto.BOOL, [], [True])
-    loop = onnx_file(tmp_path / "loop.onnx", [helper.make_node("Loop", ["trips", "cond", "x"], ["y"], body=body)],
-                     [trips, cond])  # fmt: skip
+    loop = onnx_file(
+        tmp_path / "loop.onnx",
+        [helper.make_node("Loop", ["trips", "cond", "x"], ["y"], body=body)],
+        [trips, cond],
+    )
     for path, fragment in ((expand, "900,000,000 elements"), (loop, "Loop with a subgraph")):
         for command in (["inspect", path], ["convert", path, "-o", tmp_path / "o.safetensors"]):
             refused(invoke(*command), fragment)
@@ -1243,10 +1362,20 @@ def test_onnx_external_data_in_every_part_of_a_model_is_checked(tmp_path: Path) 
     constant = helper.make_node("Constant", [], ["k"], sparse_value=sparse)
     a = onnx_file(tmp_path / "m" / "sparse.onnx", [constant, helper.make_node("Identity", ["x"], ["y"])], [])
     inner = helper.make_node("Constant", [], ["k"], value=external("w"))
-    function = helper.make_function("local", "F", ["a"], ["b"], [inner, helper.make_node("Identity", ["a"], ["b"])],
-                                    [helper.make_opsetid("", 17)])  # fmt: skip
-    b = onnx_file(tmp_path / "m" / "function.onnx", [helper.make_node("F", ["x"], ["y"], domain="local")], [],
-                  (function,))  # fmt: skip
+    function = helper.make_function(
+        "local",
+        "F",
+        ["a"],
+        ["b"],
+        [inner, helper.make_node("Identity", ["a"], ["b"])],
+        [helper.make_opsetid("", 17)],
+    )
+    b = onnx_file(
+        tmp_path / "m" / "function.onnx",
+        [helper.make_node("F", ["x"], ["y"], domain="local")],
+        [],
+        (function,),
+    )
     for path in (a, b):
         refused(invoke("inspect", path), "leaves the model's folder")
 
@@ -1258,25 +1387,41 @@ def test_onnxruntime_s_own_log_lines_never_reach_stderr(tmp_path: Path) -> None:
         "from pathlib import Path\n"
         "from convit_convert.onnx.load import ort_session\n"
         "w = h.make_tensor('w', T.FLOAT, [1], [2.0])\n"
-        "g = h.make_graph([h.make_node('Mul', ['x', 'w'], ['y'])], 'g', [h.make_tensor_value_info('x', T.FLOAT, [1]),\n"
-        "    h.make_tensor_value_info('w', T.FLOAT, [1])], [h.make_tensor_value_info('y', T.FLOAT, [1])], [w])\n"
+        "g = h.make_graph([h.make_node('Mul', ['x', 'w'], ['y'])], 'g', "
+        "[h.make_tensor_value_info('x', T.FLOAT, [1]),\n"
+        "    h.make_tensor_value_info('w', T.FLOAT, [1])], "
+        "[h.make_tensor_value_info('y', T.FLOAT, [1])], [w])\n"
         "m = h.make_model(g, opset_imports=[h.make_opsetid('', 17)])\n"
         "m.ir_version = 8\n"
         "ort_session(m, Path('x.onnx'))\n"
         "import onnxruntime\n"
         "onnxruntime.InferenceSession(m.SerializeToString(), providers=['CPUExecutionProvider'])\n"
     )
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
-                       env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        timeout=300,
+    )
     assert r.returncode == 0 and r.stderr == "", r.stderr[-2000:]
 
 
 def test_private_attributes_cmhsa_uses_are_guarded(tmp_path: Path, monkeypatch) -> None:
     # was: `from typer._click.core import Context` (typer 0.12 to 0.20: ModuleNotFoundError for every
     # command, --help included); atexit._run_exitfuncs and torch's _SIGCHLD_handler_set unguarded
-    code = "import atexit, sys\ndel atexit._run_exitfuncs\nfrom convit_convert.cli import main\nsys.argv = ['cmhsa', 'heads', '--kernel-size', '3', '--patch-size', '2']\nmain()\n"
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                       env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)  # fmt: skip
+    code = (
+        "import atexit, sys\ndel atexit._run_exitfuncs\nfrom convit_convert.cli import main\n"
+        "sys.argv = ['cmhsa', 'heads', '--kernel-size', '3', '--patch-size', '2']\nmain()\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        timeout=300,
+    )
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-2000:]
     from torch.utils.data._utils import signal_handling
 
@@ -1294,16 +1439,25 @@ def test_every_os_error_of_a_path_is_bad_input(tmp_path: Path, attn_model: Path,
     # was: a symlink loop gave exit 3 (RuntimeError from pathlib); every path error is exit 2, one line
     (tmp_path / "afile").write_text("x")
     (tmp_path / "loop").symlink_to("loop")
-    base = {"ENOTDIR": tmp_path / "afile" / "x", "ELOOP": tmp_path / "loop" / "x",
-            "ENAMETOOLONG": tmp_path / ("d" * 300) / "x"}[kind]  # fmt: skip
+    base = {
+        "ENOTDIR": tmp_path / "afile" / "x",
+        "ELOOP": tmp_path / "loop" / "x",
+        "ENAMETOOLONG": tmp_path / ("d" * 300) / "x",
+    }[kind]
     before = snapshot(tmp_path)
-    for args in (["convert", FIXTURE, "-o", f"{base}.safetensors"],
-                 ["convert", FIXTURE, "-o", tmp_path / "o.safetensors", "--report", f"{base}.json"],
-                 ["verify", FIXTURE, attn_model, "--report", f"{base}.json"], ["export", attn_model, "-o", f"{base}.onnx"],
-                 ["inspect", f"{base}.safetensors"], ["verify", FIXTURE, f"{base}.safetensors"],
-                 ["eval", f"{base}.safetensors", "--data", "digits"], ["plot", base],
-                 ["attention", attn_model, "--data", "digits", "--images", "10", "-o", base],
-                 ["train", "phase1", *TINY, "-o", base], ["train", "phase2", *TINY, "--init", f"{base}.safetensors", "-o", tmp_path / "r"],
-                 ["eval", attn_model, "--data", "imagefolder", "--data-dir", base]):  # fmt: skip
+    for args in (
+        ["convert", FIXTURE, "-o", f"{base}.safetensors"],
+        ["convert", FIXTURE, "-o", tmp_path / "o.safetensors", "--report", f"{base}.json"],
+        ["verify", FIXTURE, attn_model, "--report", f"{base}.json"],
+        ["export", attn_model, "-o", f"{base}.onnx"],
+        ["inspect", f"{base}.safetensors"],
+        ["verify", FIXTURE, f"{base}.safetensors"],
+        ["eval", f"{base}.safetensors", "--data", "digits"],
+        ["plot", base],
+        ["attention", attn_model, "--data", "digits", "--images", "10", "-o", base],
+        ["train", "phase1", *TINY, "-o", base],
+        ["train", "phase2", *TINY, "--init", f"{base}.safetensors", "-o", tmp_path / "r"],
+        ["eval", attn_model, "--data", "imagefolder", "--data-dir", base],
+    ):
         refused(invoke(*args))
     assert snapshot(tmp_path) == before

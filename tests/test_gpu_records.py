@@ -17,8 +17,13 @@ def test_the_60k_table_in_experiments_md_is_the_raw_runs(tmp_path: Path) -> None
     every table row it prints stands in EXPERIMENTS.md as printed (the bold of the best start
     aside), and it draws the curves."""
     png = tmp_path / "curves.png"
-    r = subprocess.run([sys.executable, "experiments/gpu_60k_report.py", "--plot", str(png)], cwd=ROOT,
-                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "experiments/gpu_60k_report.py", "--plot", str(png)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     rows = [line for line in r.stdout.splitlines() if line.startswith("| ") and "---" not in line][1:]
     doc = (ROOT / "EXPERIMENTS.md").read_text(encoding="utf-8").replace("**", "")
@@ -41,21 +46,36 @@ def test_readmes_start_table_is_the_three_experiments_raw_results(tmp_path: Path
     d2 = _raw_rows((results / "init_comparison_cpu_e200_n1000.md").read_text(encoding="utf-8"))
     d6_md = (results / "tuned_comparison_d6.md").read_text(encoding="utf-8")
     d6 = _raw_rows("| setting |" + d6_md.split("| setting |", 1)[1])  # its second table: the full runs
-    r = subprocess.run([sys.executable, "experiments/gpu_60k_report.py", "--plot", str(tmp_path / "c.png")],
-                       cwd=ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "experiments/gpu_60k_report.py", "--plot", str(tmp_path / "c.png")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     gpu = {k: v for k, v in (ln.split("|")[1:4:2] for ln in r.stdout.splitlines() if ln.startswith("| "))}
     gpu = {k.strip(): v.strip().replace("**", "") for k, v in gpu.items()}
     settings = {  # README's row -> the experiments' names of it (depth 2, depth 6, 60k)
         "phase 1 only": ("phase 1 only", "phase 1 only", "phase 1 only"),
-        "--init impulse": ("phase 2 only, impulse init (conversion's offsets)", "phase 2 only, impulse init",
-                           "phase 2 only, impulse init"),
+        "--init impulse": (
+            "phase 2 only, impulse init (conversion's offsets)",
+            "phase 2 only, impulse init",
+            "phase 2 only, impulse init",
+        ),
         "--init mimetic": ("phase 2 only, mimetic init", None, None),
         "gated": ("two-phase, gated pinning", "two-phase, gated pinning", "two-phase, gated pinning"),
-        "hard pinning": ("two-phase, hard pinning", "two-phase, hard pinning (the paper's)",
-                         "two-phase, hard pinning"),
-        "--init random": ("phase 2 only, random init", "phase 2 only, random init", "phase 2 only, random init"),
-    }  # fmt: skip
+        "hard pinning": (
+            "two-phase, hard pinning",
+            "two-phase, hard pinning (the paper's)",
+            "two-phase, hard pinning",
+        ),
+        "--init random": (
+            "phase 2 only, random init",
+            "phase 2 only, random init",
+            "phase 2 only, random init",
+        ),
+    }
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     section = readme.split("### Which start should I use?", 1)[1].split("\n### ", 1)[0]
     table = [ln.replace("**", "") for ln in section.splitlines() if ln.startswith("| ") and "---" not in ln][

@@ -188,8 +188,14 @@ def test_gemm_forms_and_a_fixed_batch(tmp_path: Path) -> None:
 def test_phase2_starts_from_a_third_party_onnx_model(tmp_path: Path) -> None:
     their = TheirConvViT(img=(16, 16), depth=1, classes=10, mlp=192)
     path = export(their, tmp_path / "their.onnx", "legacy")
-    r = run("train", "phase2", "--init", path, "--data", "synthetic", "--batch-size", "32", "--workers", "0",
-            "--epochs", "1", "--warmup-epochs", "0", "--device", "cpu", "-o", tmp_path / "p2")  # fmt: skip
+    r = run(
+        "train",
+        "phase2",
+        "--init",
+        path,
+        *"--data synthetic --batch-size 32 --workers 0 --epochs 1 --warmup-epochs 0 --device cpu -o".split(),
+        tmp_path / "p2",
+    )
     assert r.exit_code == 0, r.output
     assert "verified: worst relative error" in r.output
     cfg = json.loads((tmp_path / "p2" / "config.json").read_text())

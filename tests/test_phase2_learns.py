@@ -77,12 +77,33 @@ def test_free_heads_and_gates_get_a_gradient_at_step_0(pinning: str, heads: int)
 
 
 def test_after_one_epoch_gates_and_free_heads_have_moved(tmp_path: Path) -> None:
-    common = dict(data="synthetic", img_size=16, patch_size=4, depth=2, kernel_size=3, epochs=1,
-                  warmup_epochs=0, batch_size=32, workers=0, device="cpu", log_every=1000)  # fmt: skip
+    common = dict(
+        data="synthetic",
+        img_size=16,
+        patch_size=4,
+        depth=2,
+        kernel_size=3,
+        epochs=1,
+        warmup_epochs=0,
+        batch_size=32,
+        workers=0,
+        device="cpu",
+        log_every=1000,
+    )
     p1 = run(TrainConfig.from_flags(phase="phase1", out=str(tmp_path / "p1"), **common))
     conv = str(p1.out / "conv.safetensors")
-    p2 = run(TrainConfig.from_flags(phase="phase2", out=str(tmp_path / "p2"), init=conv, pinning="gated", heads=10,
-                         attn_lr_mult=10.0, lr=1e-3, **common))  # fmt: skip
+    p2 = run(
+        TrainConfig.from_flags(
+            phase="phase2",
+            out=str(tmp_path / "p2"),
+            init=conv,
+            pinning="gated",
+            heads=10,
+            attn_lr_mult=10.0,
+            lr=1e-3,
+            **common,
+        )
+    )
     ckpt = load_checkpoint(conv)
     start = convert_state_dict(ckpt.tensors, ConversionSpec(heads=10, pinning="gated").plan(ckpt.config))
     end = load_checkpoint(p2.out / "vit.safetensors").tensors
@@ -136,8 +157,15 @@ def test_attention_command_writes_json_and_png(tmp_path: Path) -> None:
     plan = ConversionSpec(heads=10, pinning="gated").plan(cfg)
     sd, acfg = convert_state_dict(VisionTransformer(cfg).state_dict(), plan), plan.config
     save_checkpoint(path, acfg, sd)
-    r = CliRunner().invoke(app, ["attention", str(path), "--data", "synthetic", "--images", "20",
-                                 "--device", "cpu", "-o", str(tmp_path / "att")])  # fmt: skip
+    r = CliRunner().invoke(
+        app,
+        [
+            "attention",
+            str(path),
+            *"--data synthetic --images 20 --device cpu -o".split(),
+            str(tmp_path / "att"),
+        ],
+    )
     assert r.exit_code == 0, r.output
     doc = json.loads((tmp_path / "att" / "attention.json").read_text())
     assert doc["images"] == 20 and len(doc["blocks"]) == 2 and len(doc["blocks"][0]["heads"]) == 10
@@ -161,8 +189,17 @@ def test_fashion_mnist_from_idx_files(tmp_path: Path) -> None:
         == spec.train.indices
     )
     (tmp_path / "t10k-labels-idx1-ubyte.gz").unlink()
-    r = CliRunner().invoke(app, ["train", "phase1", "--data", "fashion-mnist", "--data-dir", str(tmp_path),
-                                 "-o", str(tmp_path / "run"), "--device", "cpu"])  # fmt: skip
+    r = CliRunner().invoke(
+        app,
+        [
+            *"train phase1 --data fashion-mnist --data-dir".split(),
+            str(tmp_path),
+            "-o",
+            str(tmp_path / "run"),
+            "--device",
+            "cpu",
+        ],
+    )
     assert r.exit_code == 2 and "apt-get install dataset-fashion-mnist" in r.stderr, r.output
     assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
 

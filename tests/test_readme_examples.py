@@ -61,8 +61,17 @@ def test_prose_claims_about_flags(tmp_path: Path) -> None:
     for cmd in (["convert"], ["train", "phase2"]):
         assert "--margin" in CliRunner().invoke(app, [*cmd, "--help"], env={"COLUMNS": "300"}).output
     # "fewer are refused, citing the lower bound where one is proven ... and naming --approximate"
-    r = CliRunner().invoke(app, ["convert", "fixtures/conv_digits.safetensors", "-o", str(tmp_path / "x.safetensors"),
-                                 "--heads", "4"])  # fmt: skip
+    r = CliRunner().invoke(
+        app,
+        [
+            "convert",
+            "fixtures/conv_digits.safetensors",
+            "-o",
+            str(tmp_path / "x.safetensors"),
+            "--heads",
+            "4",
+        ],
+    )
     assert r.exit_code == 2 and "--approximate" in r.stderr and "no lower bound is proven" in r.stderr
     assert re.search(r"fewer are refused, citing the\s+lower bound where one is proven", README)
 

@@ -30,8 +30,10 @@ from convit_convert.train.config import TrainConfig
 from convit_convert.train.run import run
 
 ROOT = Path(__file__).resolve().parent.parent
-TINY = ["--data", "synthetic", "--img-size", "16", "--patch-size", "4", "--depth", "1", "--kernel-size", "3",
-        "--batch-size", "32", "--workers", "0", "--epochs", "1", "--warmup-epochs", "0", "--device", "cpu"]  # fmt: skip
+TINY = (
+    "--data synthetic --img-size 16 --patch-size 4 --depth 1 --kernel-size 3 "
+    "--batch-size 32 --workers 0 --epochs 1 --warmup-epochs 0 --device cpu"
+).split()
 
 
 def invoke(*args: object, env: dict[str, str] | None = None):
@@ -77,8 +79,10 @@ def test_an_internal_error_is_one_line_and_exit_3_unless_debug(tmp_path: Path, m
 def test_an_allocation_failure_says_what_was_too_large(tmp_path: Path, monkeypatch) -> None:
     import convit_convert.api.convert as api
 
-    oom = RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory: "
-                       "you tried to allocate 80000000000 bytes. Error code 12 (Cannot allocate memory)")  # fmt: skip
+    oom = RuntimeError(
+        "[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory: "
+        "you tried to allocate 80000000000 bytes. Error code 12 (Cannot allocate memory)"
+    )
     monkeypatch.setattr(api, "convert_checkpoint", boom(oom))
     one_line(invoke("convert", FIXTURE, "-o", tmp_path / "v.safetensors"), 2, "out of memory", "74.5 GiB")
     monkeypatch.setattr(api, "convert_checkpoint", boom(MemoryError()))
@@ -96,8 +100,14 @@ def test_usage_errors_are_one_line_too() -> None:
         (["heads", "--kernel", "2001", "--patch", "1"], "--kernel must be 1 ≤ x ≤ 1025, got 2001"),
         (["heads", "--kernel", "5", "--patch", "4", "--channels", "0"], "--channels must be 1 ≤ x"),
         (["convert", FIXTURE, "-o", "x.safetensors", "--heads", "100000"], "--heads must be 1 ≤ x ≤ 4096"),
-        (["convert", FIXTURE, "-o", "x.safetensors", "--qk-dim", "100000000"], "--qk-dim must be 1 ≤ x ≤ 65536"),
-        (["convert", FIXTURE, "-o", "x.safetensors", "--device", "tpu"], "--device must be auto, cpu, cuda or cuda:N"),
+        (
+            ["convert", FIXTURE, "-o", "x.safetensors", "--qk-dim", "100000000"],
+            "--qk-dim must be 1 ≤ x ≤ 65536",
+        ),
+        (
+            ["convert", FIXTURE, "-o", "x.safetensors", "--device", "tpu"],
+            "--device must be auto, cpu, cuda or cuda:N",
+        ),
         (["verify", FIXTURE, FIXTURE, "--batch", "100000000"], "--batch must be 1 ≤ x ≤ 65536"),
         (["verify", FIXTURE, FIXTURE, "--device", "tpu"], "--device must be auto, cpu, cuda or cuda:N"),
         (["eval", FIXTURE, "--workers", "-1"], "--workers must be 0 ≤ x"),
@@ -110,13 +120,16 @@ def test_usage_errors_are_one_line_too() -> None:
         (["train", "phase1", *TINY, "--mlp-ratio", "nan"], "--mlp-ratio must be 0 < x ≤ 64, got nan"),
         (["train", "phase1", *TINY, "--depth", "1000000"], "--depth must be 1 ≤ x ≤ 1024"),
         (["train", "phase1", *TINY, "--num-classes", "0"], "--num-classes must be 2 ≤ x"),
-        (["train", "phase1", *TINY, "--model-ema-decay", "nan"], "--model-ema-decay must be 0 ≤ x < 1, got nan"),
+        (
+            ["train", "phase1", *TINY, "--model-ema-decay", "nan"],
+            "--model-ema-decay must be 0 ≤ x < 1, got nan",
+        ),
         (["train", "phase1", *TINY, "--clip-grad", "-1"], "--clip-grad must be 0 < x"),
         (["train", "phase1", *TINY, "--mixup-prob", "nan"], "--mixup-prob must be 0 ≤ x ≤ 1, got nan"),
         (["train", "phase1", *TINY, "--workers", "100000"], "--workers must be 0 ≤ x"),
         (["train", "phase1", *TINY, "--lr", "inf"], "--lr must be 0 < x ≤ 10, got inf"),
     ],
-)  # fmt: skip
+)
 def test_out_of_range_numbers_are_refused_naming_the_flag(
     args: list, fragment: str, tmp_path: Path, monkeypatch
 ) -> None:
@@ -154,9 +167,19 @@ def test_escape_sequences_from_a_file_never_reach_the_terminal(tmp_path: Path) -
 def test_a_second_training_into_a_busy_run_folder_is_refused(tmp_path: Path) -> None:
     out = tmp_path / "run"
     first = subprocess.Popen(
-        [sys.executable, "-m", "convit_convert", "train", "phase1", *TINY, "--epochs", "1000", "-o", str(out)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )  # fmt: skip
+        [
+            sys.executable,
+            *"-m convit_convert train phase1".split(),
+            *TINY,
+            "--epochs",
+            "1000",
+            "-o",
+            str(out),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     try:
         deadline = time.time() + 120
         while not (out / "config.json").exists():  # written under the lock, once training starts
@@ -165,7 +188,12 @@ def test_a_second_training_into_a_busy_run_folder_is_refused(tmp_path: Path) -> 
             )
             time.sleep(0.2)
         for extra in (["--seed", "7"], ["--resume"]):
-            one_line(invoke("train", "phase1", *TINY, *extra, "-o", out), 2, "in use by another cmhsa process", f"PID {first.pid}")  # fmt: skip
+            one_line(
+                invoke("train", "phase1", *TINY, *extra, "-o", out),
+                2,
+                "in use by another cmhsa process",
+                f"PID {first.pid}",
+            )
         assert json.loads((out / "config.json").read_text())["seed"] == 0
     finally:
         first.send_signal(signal.SIGTERM)
@@ -177,8 +205,17 @@ def test_a_second_training_into_a_busy_run_folder_is_refused(tmp_path: Path) -> 
 def test_resume_refuses_another_phase_and_changed_flags(tmp_path: Path) -> None:
     out = tmp_path / "p1"
     assert invoke("train", "phase1", *TINY, "-o", out).exit_code == 0
-    one_line(invoke("train", "phase2", *TINY, "--resume", "-o", out), 2, "holds a phase1 run", "cmhsa train phase1 --resume")  # fmt: skip
-    one_line(invoke("train", "phase1", *TINY, "--resume", "--seed", "7", "-o", out), 2, "--seed 7 differs from the run's 0")  # fmt: skip
+    one_line(
+        invoke("train", "phase2", *TINY, "--resume", "-o", out),
+        2,
+        "holds a phase1 run",
+        "cmhsa train phase1 --resume",
+    )
+    one_line(
+        invoke("train", "phase1", *TINY, "--resume", "--seed", "7", "-o", out),
+        2,
+        "--seed 7 differs from the run's 0",
+    )
 
 
 def crafted_checkpoints(tmp_path: Path) -> tuple[Path, dict]:
@@ -251,7 +288,10 @@ def test_a_full_disk_at_a_checkpoint_keeps_the_last_one_and_its_metrics(tmp_path
     def full_on_the_second(obj, f, *a, **k):
         calls.append(f)
         if len(calls) == 2:
-            raise RuntimeError("[enforce fail at inline_container.cc:664] . PytorchStreamWriter failed writing file data/3: file write failed")  # fmt: skip
+            raise RuntimeError(
+                "[enforce fail at inline_container.cc:664] . PytorchStreamWriter failed "
+                "writing file data/3: file write failed"
+            )
         return real(obj, f, *a, **k)
 
     monkeypatch.setattr(torch, "save", full_on_the_second)
@@ -291,9 +331,13 @@ def cli_under_a_file_size_limit(limit: int, *args: object) -> subprocess.Complet
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # else the kernel kills the writer
 
     return subprocess.run(
-        [sys.executable, "-m", "convit_convert", *map(str, args)], preexec_fn=limit_writes,
-        capture_output=True, text=True, cwd=ROOT, timeout=300,
-    )  # fmt: skip
+        [sys.executable, "-m", "convit_convert", *map(str, args)],
+        preexec_fn=limit_writes,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
 
 
 def one_line_from(p: subprocess.CompletedProcess[str], code: int, *fragments: str) -> None:
@@ -332,21 +376,31 @@ def test_a_graph_that_passes_the_checker_but_fails_in_onnxruntime(tmp_path: Path
     from onnx import TensorProto, helper
 
     graph = helper.make_graph(
-        [helper.make_node("Gather", ["x", "i"], ["y"], axis=1)], "g",
+        [helper.make_node("Gather", ["x", "i"], ["y"], axis=1)],
+        "g",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 1, 8, 8])],
         [helper.make_tensor("i", TensorProto.INT64, [1], [7])],
-    )  # fmt: skip
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     onnx.checker.check_model(model, full_check=True)
     path = tmp_path / "gather.onnx"
     onnx.save(model, str(path))
-    one_line(invoke("convert", path, "-o", tmp_path / "v.safetensors"), 2, str(path), "onnxruntime cannot run the graph")  # fmt: skip
+    one_line(
+        invoke("convert", path, "-o", tmp_path / "v.safetensors"),
+        2,
+        str(path),
+        "onnxruntime cannot run the graph",
+    )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gather.onnx"]
 
 
 def test_a_kernel_reaching_past_the_image_is_refused(tmp_path: Path) -> None:
-    one_line(invoke("train", "phase1", *TINY, "--kernel-size", "33", "-o", tmp_path / "r"), 2, "kernel_size 33 (dilation 1) reaches 16 pixels, beyond the 16x16 image")  # fmt: skip
+    one_line(
+        invoke("train", "phase1", *TINY, "--kernel-size", "33", "-o", tmp_path / "r"),
+        2,
+        "kernel_size 33 (dilation 1) reaches 16 pixels, beyond the 16x16 image",
+    )
     assert not (tmp_path / "r").exists()
 
 
@@ -359,9 +413,23 @@ def test_phase2_on_cpu_is_bit_identical_run_to_run_and_across_a_resume(tmp_path:
     """From the fixture (8x8 patches, 4 blocks) on digits, default threads. Before the relative
     position bias was gathered with index_select, two identical runs differed by up to 1e-9 in a
     few hundred weights (the backward of advanced indexing accumulates with atomics on CPU)."""
-    kw = dict(phase="phase2", data="digits", init=str(FIXTURE), train_samples=256, val_samples=64, epochs=2,
-              batch_size=32, warmup_epochs=0, lr=1e-3, lr_base_batch=32, workers=0, device="cpu", log_every=1000,
-              pinning="hard" if variant == "hard" else "gated", heads=12 if variant == "free-heads" else None)  # fmt: skip
+    kw = dict(
+        phase="phase2",
+        data="digits",
+        init=str(FIXTURE),
+        train_samples=256,
+        val_samples=64,
+        epochs=2,
+        batch_size=32,
+        warmup_epochs=0,
+        lr=1e-3,
+        lr_base_batch=32,
+        workers=0,
+        device="cpu",
+        log_every=1000,
+        pinning="hard" if variant == "hard" else "gated",
+        heads=12 if variant == "free-heads" else None,
+    )
 
     def cfg(name: str, **more) -> TrainConfig:
         return TrainConfig.from_flags(out=str(tmp_path / name), **kw, **more)
@@ -402,10 +470,37 @@ def test_the_size_estimate_counts_what_torch_builds(kind: str) -> None:
 
 def test_sizes_beyond_memory_are_refused_with_the_estimate(tmp_path: Path) -> None:
     out = tmp_path / "v.safetensors"
-    one_line(invoke("convert", FIXTURE, "-o", out, "--heads", "4096", "--qk-dim", "65536"), 2, str(FIXTURE), "would need about", "GiB of memory available")  # fmt: skip
+    one_line(
+        invoke("convert", FIXTURE, "-o", out, "--heads", "4096", "--qk-dim", "65536"),
+        2,
+        str(FIXTURE),
+        "would need about",
+        "GiB of memory available",
+    )
     # a model that fits (hidden_chans 1: d = 32², 128×128 patches) on images that do not
-    one_line(invoke("train", "phase1", *TINY, "--img-size", "4096", "--patch-size", "32", "--hidden-chans", "1", "--batch-size", "2", "-o", tmp_path / "r"), 2, "synthetic data at 4096x4096 px would need")  # fmt: skip
-    one_line(invoke("train", "phase1", *TINY, "--img-size", "512", "--hidden-chans", "64", "--depth", "24", "-o", tmp_path / "r"), 2, "training a conv model of", "would need about")  # fmt: skip
+    one_line(
+        invoke(
+            "train",
+            "phase1",
+            *TINY,
+            *"--img-size 4096 --patch-size 32 --hidden-chans 1 --batch-size 2 -o".split(),
+            tmp_path / "r",
+        ),
+        2,
+        "synthetic data at 4096x4096 px would need",
+    )
+    one_line(
+        invoke(
+            "train",
+            "phase1",
+            *TINY,
+            *"--img-size 512 --hidden-chans 64 --depth 24 -o".split(),
+            tmp_path / "r",
+        ),
+        2,
+        "training a conv model of",
+        "would need about",
+    )
     assert invoke("convert", FIXTURE, "-o", out).exit_code == 0
     one_line(
         invoke("verify", FIXTURE, out, "--batch", "65536", "--dtype", "float64"),
@@ -422,8 +517,10 @@ def test_a_file_claiming_a_huge_model_is_refused_before_it_is_built(tmp_path: Pa
     tensors = load_file(str(FIXTURE))
     with safe_open(str(FIXTURE), "pt") as f:
         meta = dict(f.metadata())
-    for img, fragment in (([65536, 65536], "img_size 65536 is more than cmhsa supports"),
-                          ([2048, 2048], "512x512 patches is more than cmhsa supports")):  # fmt: skip
+    for img, fragment in (
+        ([65536, 65536], "img_size 65536 is more than cmhsa supports"),
+        ([2048, 2048], "512x512 patches is more than cmhsa supports"),
+    ):
         cfg = {**json.loads(meta["cmhsa.config"]), "img_size": img}
         crafted = tmp_path / f"claims-{img[0]}.safetensors"
         save_file(tensors, str(crafted), {**meta, "cmhsa.config": json.dumps(cfg)})

@@ -22,9 +22,10 @@ from convit_convert.train.phases import build_phase_model
 
 # P 4, 3 hidden channels: d = 48 (the EXPERIMENTS.md model's width), a 4×4 grid, K 3: 9 heads
 MODEL = dict(data="synthetic", img_size=16, patch_size=4, depth=2, kernel_size=3, phase="phase2")
-CLI_TINY = ["--data", "synthetic", "--img-size", "16", "--patch-size", "4", "--depth", "1",
-            "--kernel-size", "3", "--batch-size", "32", "--epochs", "1", "--warmup-epochs", "0",
-            "--device", "cpu"]  # fmt: skip
+CLI_TINY = (
+    "--data synthetic --img-size 16 --patch-size 4 --depth 1 --kernel-size 3 "
+    "--batch-size 32 --epochs 1 --warmup-epochs 0 --device cpu"
+).split()
 
 
 def invoke(*args: object):
@@ -86,9 +87,11 @@ def test_mimetic_is_seeded_and_refuses_gated_pinning(tmp_path: Path) -> None:
     assert torch.equal(qa, qb) and not torch.equal(qa, qc)
     r = invoke("train", "phase2", *CLI_TINY, "--init", "mimetic", "--pinning", "gated", "-o", tmp_path / "g")
     assert r.exit_code == 2 and "give --pinning hard" in r.output and "Traceback" not in r.output, r.output
-    for flag, value, msg in (("--mimetic-alpha", "-1", "--mimetic-alpha must be 0 ≤ x ≤ 100, got -1"),
-                             ("--mimetic-beta", "nan", "--mimetic-beta must be 0 ≤ x ≤ 100, got nan"),
-                             ("--impulse-offsets", "diagonal", "--impulse-offsets must be one of conversion, random")):  # fmt: skip
+    for flag, value, msg in (
+        ("--mimetic-alpha", "-1", "--mimetic-alpha must be 0 ≤ x ≤ 100, got -1"),
+        ("--mimetic-beta", "nan", "--mimetic-beta must be 0 ≤ x ≤ 100, got nan"),
+        ("--impulse-offsets", "diagonal", "--impulse-offsets must be one of conversion, random"),
+    ):
         r = invoke("train", "phase2", *CLI_TINY, "--init", "impulse", flag, value, "-o", tmp_path / "bad")
         assert r.exit_code == 2 and msg in r.output and len(r.output.strip().splitlines()) == 1, r.output
         assert not (tmp_path / "bad").exists()
@@ -168,8 +171,14 @@ def test_phase2_without_init_says_where_it_starts(tmp_path: Path) -> None:
         and "--init PHASE1_RUN/conv.safetensors" in said[0]
     )
     assert "never reaches its peak" not in r.output
-    r = invoke("train", "phase2", "-o", tmp_path / "b", *CLI_TINY, "--init", "random", "--warmup-epochs", "1",
-               "--train-samples", "64", "--val-samples", "32")  # fmt: skip
+    r = invoke(
+        "train",
+        "phase2",
+        "-o",
+        tmp_path / "b",
+        *CLI_TINY,
+        *"--init random --warmup-epochs 1 --train-samples 64 --val-samples 32".split(),
+    )
     assert r.exit_code == 0, r.output
     assert "--init not given" not in r.output
     assert "warning: --warmup-epochs 1 >= --epochs 1: the learning rate never reaches its peak" in r.output

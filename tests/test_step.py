@@ -44,9 +44,21 @@ def small(tmp_path: Path, name: str, phase: str = "phase1", **kw) -> TrainConfig
     digits, on the device loader; phase 2 from impulse init with gated pinning."""
     extra = dict(init="impulse", pinning="gated") if phase == "phase2" else {}
     flags = dict(
-        phase=phase, preset="cpu", data=kw.pop("data", "digits"), img_size=16, in_chans=1, hidden_chans=1, loader="device",
-        device="cpu", threads=1, batch_size=4, val_samples=8, epochs=1, log_every=10**6, out=str(tmp_path / name),
-    )  # fmt: skip
+        phase=phase,
+        preset="cpu",
+        data=kw.pop("data", "digits"),
+        img_size=16,
+        in_chans=1,
+        hidden_chans=1,
+        loader="device",
+        device="cpu",
+        threads=1,
+        batch_size=4,
+        val_samples=8,
+        epochs=1,
+        log_every=10**6,
+        out=str(tmp_path / name),
+    )
     return TrainConfig.from_flags(**{**flags, **extra, **kw})
 
 
@@ -66,7 +78,8 @@ def test_training_reads_nothing_from_the_device_per_step(tmp_path: Path, phase: 
 
 
 def tiny_step(opt: str, clip_grad: float | None = None) -> tuple[TrainStep, nn.Module]:
-    """A TrainStep on a small MLP with timm's ``opt``, fused where torch has the kernel (as recipe.py builds it)."""
+    """A TrainStep on a small MLP with timm's ``opt``, fused where torch has the kernel (as recipe.py
+    builds it)."""
     from timm.optim import create_optimizer_v2, get_optimizer_info
 
     model = nn.Sequential(nn.Flatten(), nn.Linear(16, 8), nn.GELU(), nn.Linear(8, 3))
@@ -180,21 +193,35 @@ def test_under_torchrun_one_ranks_stop_stops_every_rank_at_the_next_read_out(tmp
     one; there the stop request is all-reduced and both ranks stop at that step, where rank 0
     saves: a checkpoint at a multiple of 4 steps, mid-epoch, that resumes."""
     out = tmp_path / "ddp"
-    args = ["train", "phase1", "--data", "synthetic", "--img-size", "16", "--patch-size", "4", "--depth", "1",
-            "--kernel-size", "3", "--train-samples", "512", "--batch-size", "16", "--epochs", "2",
-            "--warmup-epochs", "0", "--workers", "0", "--device", "cpu", "--threads", "1", "--log-every", "4",
-            "-o", str(out)]  # fmt: skip
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29541",
-           "-m", "convit_convert", *args]  # fmt: skip
+    args = [
+        *"train phase1 --data synthetic --img-size 16 --patch-size 4 --depth 1 "
+        "--kernel-size 3 --train-samples 512 --batch-size 16 --epochs 2 "
+        "--warmup-epochs 0 --workers 0 --device cpu --threads 1 --log-every 4 -o".split(),
+        str(out),
+    ]
+    cmd = [
+        sys.executable,
+        *"-m torch.distributed.run --nproc-per-node 2 --master-port 29541 -m convit_convert".split(),
+        *args,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
-                         start_new_session=True)  # fmt: skip
+    p = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        start_new_session=True,
+    )
     assert p.stdout is not None
     for line in p.stdout:
         if "step 4/16" in line:
             break
-    workers = [int(pid) for pid in subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True,
-                                                  text=True).stdout.split()]  # fmt: skip
+    workers = [
+        int(pid)
+        for pid in subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout.split()
+    ]
     rank1 = [pid for pid in workers if b"RANK=1\x00" in Path(f"/proc/{pid}/environ").read_bytes()]
     assert len(rank1) == 1, workers
     os.kill(rank1[0], signal.SIGTERM)

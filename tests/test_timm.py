@@ -110,8 +110,18 @@ def test_timm_validate_on_an_imagefolder_equals_cmhsa_eval(tmp_path: Path) -> No
     attn = tmp_path / "vit.safetensors"
     runner = CliRunner()
     assert runner.invoke(app, ["convert", str(FIXTURE), "-o", str(attn)]).exit_code == 0
-    r = runner.invoke(app, ["eval", str(attn), "--data", "imagefolder", "--data-dir", str(tmp_path),
-                            "--workers", "0", "--device", "cpu"])  # fmt: skip
+    r = runner.invoke(
+        app,
+        [
+            "eval",
+            str(attn),
+            "--data",
+            "imagefolder",
+            "--data-dir",
+            str(tmp_path),
+            *"--workers 0 --device cpu".split(),
+        ],
+    )
     assert r.exit_code == 0, r.output
     cmhsa_top1 = float(next(line for line in r.output.splitlines() if line.startswith("│")).split("│")[2])
     path = Path(__file__).resolve().parent.parent / "examples" / "timm_validate.py"
@@ -124,7 +134,8 @@ def test_timm_validate_on_an_imagefolder_equals_cmhsa_eval(tmp_path: Path) -> No
 
 
 def test_forward_intermediates_is_what_the_blocks_compute() -> None:
-    """Against the blocks run one by one here; NCHW is the token grid; the final output is forward_features'."""
+    """Against the blocks run one by one here; NCHW is the token grid; the final output is
+    forward_features'."""
     torch.manual_seed(0)
     m = timm.create_model(
         "cmhsa_attn", img_size=16, patch_size=4, depth=3, num_classes=4, kernel_size=3

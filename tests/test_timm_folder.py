@@ -121,5 +121,12 @@ def test_features_only_defaults_to_the_blocks_a_shallow_model_has() -> None:
     )
     assert [f.shape for f in feats(torch.randn(1, 3, 16, 16))] == [(1, 48, 4, 4)] * 2
     with pytest.raises(ValueError, match=r"out_indices=\(0, 5\): the model has 2 blocks"):
-        timm.create_model("cmhsa_conv", img_size=16, patch_size=4, depth=2, kernel_size=3, features_only=True,
-                          out_indices=(0, 5))  # fmt: skip
+        timm.create_model(
+            "cmhsa_conv",
+            img_size=16,
+            patch_size=4,
+            depth=2,
+            kernel_size=3,
+            features_only=True,
+            out_indices=(0, 5),
+        )

@@ -34,10 +34,15 @@ README = TESTS.parent / "README.md"
 FILES = ("tests/__init__.py", "tests/conftest.py", "tests/test_models.py")
 # What must pass on every model; the rest of the file names other models or is not picked for ViTs
 MUST_PASS = {
-    "test_model_forward", "test_model_backward", "test_model_default_cfgs_non_std",
-    "test_model_forward_intermediates_features", "test_model_forward_intermediates",
-    "test_prune_intermediate_layers_contract", "test_model_forward_fx", "test_model_backward_fx",
-}  # fmt: skip
+    "test_model_forward",
+    "test_model_backward",
+    "test_model_default_cfgs_non_std",
+    "test_model_forward_intermediates_features",
+    "test_model_forward_intermediates",
+    "test_prune_intermediate_layers_contract",
+    "test_model_forward_fx",
+    "test_model_backward_fx",
+}
 
 
 # sha256 of timm's sdist by version, as PyPI serves it (pip checks the index's hash on download):
@@ -103,8 +108,13 @@ def test_timm_model_suite_passes_on_every_registered_model(tmp_path: Path) -> No
         "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])),
     }
     env.pop("GITHUB_ACTIONS", None)  # timm's file shrinks its selection on GitHub's runners
-    cmd = [sys.executable, "-m", "pytest", "-p", "timm_plugin", "-p", "no:cacheprovider", "-q",
-           "tests/test_models.py", f"--junitxml={report}", "--rootdir", str(root)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        *"-m pytest -p timm_plugin -p no:cacheprovider -q tests/test_models.py".split(),
+        f"--junitxml={report}",
+        "--rootdir",
+        str(root),
+    ]
     done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=1800)
     outcomes: dict[str, dict[str, str]] = defaultdict(dict)
     for case in ET.parse(report).getroot().iter("testcase"):
@@ -112,7 +122,9 @@ def test_timm_model_suite_passes_on_every_registered_model(tmp_path: Path) -> No
         model = params.rstrip("]").split("-")[-1]
         skipped = case.find("skipped")
         failed = case.find("failure") is not None or case.find("error") is not None
-        outcomes[test][model] = "failed" if failed else f"skipped: {skipped.get('message')}" if skipped is not None else "passed"  # fmt: skip
+        outcomes[test][model] = (
+            "failed" if failed else f"skipped: {skipped.get('message')}" if skipped is not None else "passed"
+        )
     assert done.returncode == 0, done.stdout[-6000:]
     for test in MUST_PASS:
         assert outcomes[test] == dict.fromkeys(MODELS, "passed"), (test, outcomes[test])

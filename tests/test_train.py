@@ -25,6 +25,7 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 import convit_convert.data as cdata
+from conftest import TINY_RUN
 from convit_convert.cli import app
 from convit_convert.cli.common import as_flags
 from convit_convert.data import EpochSampler, build_data, build_loader, build_transform
@@ -35,10 +36,7 @@ from convit_convert.train.progress import Progress
 from convit_convert.train.recipe import build_recipe, scaled_lrs
 from convit_convert.train.run import run
 
-TINY = dict(
-    data="synthetic", img_size=16, patch_size=4, depth=1, kernel_size=3, batch_size=32, workers=0,
-    warmup_epochs=1, lr=4e-3, lr_base_batch=32, log_every=1000,
-)  # fmt: skip
+TINY = {**TINY_RUN, "workers": 0, "warmup_epochs": 1}
 PLAIN = dict(mixup=0.0, cutmix=0.0, smoothing=0.0, drop_path=0.0, aa="none", reprob=0.0)
 
 
@@ -173,8 +171,9 @@ def test_recipe_is_deits(tmp_path: Path) -> None:
     from convit_convert.model import VisionTransformer
     from convit_convert.train.phases import flag_config
 
-    cfg = TrainConfig.from_flags(phase="phase2", init="conv.safetensors", img_size=16, patch_size=4, depth=1,
-                                 epochs=10)  # fmt: skip
+    cfg = TrainConfig.from_flags(
+        phase="phase2", init="conv.safetensors", img_size=16, patch_size=4, depth=1, epochs=10
+    )
     assert (cfg.peak_lr, TrainConfig.from_flags().peak_lr) == (5e-5, 5e-4)  # the paper's peaks
     lr, min_lr, warm = scaled_lrs(cfg, world=4)  # 4 × 128 = 512: DeiT's reference batch
     assert (lr, min_lr, warm) == pytest.approx((5e-5, 1e-5, 1e-6))
@@ -355,18 +354,34 @@ def test_sigterm_finishes_the_step_saves_and_stops(tmp_path: Path, monkeypatch) 
 def test_ddp_two_gloo_processes_match_one_process(tmp_path: Path) -> None:
     """torchrun, 2 CPU processes with batch 16 each vs 1 process with batch 32: the same global
     batches (EpochSampler), gradients averaged by DDP, so the same losses to float rounding."""
-    common = ["--data", "synthetic", "--img-size", "16", "--patch-size", "4", "--depth", "1",
-              "--kernel-size", "3", "--epochs", "2", "--warmup-epochs", "1", "--lr", "4e-3",
-              "--lr-base-batch", "32", "--workers", "0", "--mixup", "0", "--cutmix", "0",
-              "--drop-path", "0", "--device", "cpu"]  # fmt: skip
+    common = (
+        "--data synthetic --img-size 16 --patch-size 4 --depth 1 --kernel-size 3 "
+        "--epochs 2 --warmup-epochs 1 --lr 4e-3 --lr-base-batch 32 --workers 0 "
+        "--mixup 0 --cutmix 0 --drop-path 0 --device cpu"
+    ).split()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    ddp = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29517",
-           "-m", "convit_convert", "train", "phase1", *common, "--batch-size", "16", "-o", str(tmp_path / "ddp")]  # fmt: skip
+    ddp = [
+        sys.executable,
+        *"-m torch.distributed.run --nproc-per-node 2 --master-port 29517 -m "
+        "convit_convert train phase1".split(),
+        *common,
+        "--batch-size",
+        "16",
+        "-o",
+        str(tmp_path / "ddp"),
+    ]
     r = subprocess.run(ddp, capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert r.stdout.count("epoch 2/2  train_loss") == 1  # rank 0 logs, rank 1 is silent
-    single = [sys.executable, "-m", "convit_convert", "train", "phase1", *common, "--batch-size", "32",
-              "-o", str(tmp_path / "one")]  # fmt: skip
+    single = [
+        sys.executable,
+        *"-m convit_convert train phase1".split(),
+        *common,
+        "--batch-size",
+        "32",
+        "-o",
+        str(tmp_path / "one"),
+    ]
     r = subprocess.run(single, capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     a, b = metrics(tmp_path / "ddp"), metrics(tmp_path / "one")
@@ -378,9 +393,10 @@ def test_ddp_two_gloo_processes_match_one_process(tmp_path: Path) -> None:
 
 # CLI ---------------------------------------------------------------------------------------------
 
-CLI_TINY = ["--data", "synthetic", "--img-size", "16", "--patch-size", "4", "--depth", "1",
-            "--kernel-size", "3", "--batch-size", "32", "--workers", "0", "--epochs", "1",
-            "--warmup-epochs", "0", "--device", "cpu"]  # fmt: skip
+CLI_TINY = (
+    "--data synthetic --img-size 16 --patch-size 4 --depth 1 --kernel-size 3 "
+    "--batch-size 32 --workers 0 --epochs 1 --warmup-epochs 0 --device cpu"
+).split()
 
 
 def invoke(*args: object):
@@ -516,8 +532,14 @@ def test_shipped_fixture_trains_and_evaluates(fixture_path: Path, tmp_path: Path
     assert top1 == pytest.approx(98.33, abs=0.6), (
         r.output
     )  # the README's figure, give or take 2 of 359 images
-    r = invoke("train", "phase2", "--init", fixture_path, "--data", "digits", "--epochs", "1",
-               "--batch-size", "64", "--workers", "0", "--device", "cpu", "-o", tmp_path / "p2")  # fmt: skip
+    r = invoke(
+        "train",
+        "phase2",
+        "--init",
+        fixture_path,
+        *"--data digits --epochs 1 --batch-size 64 --workers 0 --device cpu -o".split(),
+        tmp_path / "p2",
+    )
     assert r.exit_code == 0, r.output
     assert json.loads((tmp_path / "p2" / "config.json").read_text())["model"]["in_chans"] == 1
     r = invoke(
@@ -529,8 +551,10 @@ def test_shipped_fixture_trains_and_evaluates(fixture_path: Path, tmp_path: Path
 def test_init_accepts_the_flags_that_built_the_checkpoint(tmp_path: Path) -> None:
     """`--mlp-ratio 2.7` builds an MLP of round(48 · 2.7) = 130; phase 2 from that checkpoint with
     the same flag is the same model (it was refused: 2.7 against the 130 / 48 read back)."""
-    tiny = ["--data", "synthetic", "--img-size", "16", "--patch-size", "4", "--depth", "1", "--kernel-size", "3",
-            "--batch-size", "32", "--workers", "0", "--epochs", "1", "--warmup-epochs", "0", "--device", "cpu"]  # fmt: skip
+    tiny = (
+        "--data synthetic --img-size 16 --patch-size 4 --depth 1 --kernel-size 3 "
+        "--batch-size 32 --workers 0 --epochs 1 --warmup-epochs 0 --device cpu"
+    ).split()
     r = invoke("train", "phase1", *tiny, "--mlp-ratio", "2.7", "-o", tmp_path / "p1")
     assert r.exit_code == 0, r.output
     conv = tmp_path / "p1" / "conv.safetensors"
@@ -640,8 +664,10 @@ def test_holdout_is_training_images_the_subset_left_out(tmp_path: Path) -> None:
     assert train == ids(
         cdata.build_data("fashion-mnist", data, train_samples=50, seed=3).train
     )  # same subset
-    for kw, msg in ((dict(holdout=5), "`holdout` takes images the `train_samples` subset leaves out"),
-                    (dict(train_samples=50, holdout=5, val_samples=5), "replaces `val_samples`"),
-                    (dict(train_samples=100, holdout=21), "`train_samples` \\+ `holdout` must be at most 120")):  # fmt: skip
+    for kw, msg in (
+        (dict(holdout=5), "`holdout` takes images the `train_samples` subset leaves out"),
+        (dict(train_samples=50, holdout=5, val_samples=5), "replaces `val_samples`"),
+        (dict(train_samples=100, holdout=21), "`train_samples` \\+ `holdout` must be at most 120"),
+    ):
         with pytest.raises(CmhsaError, match=msg):
             cdata.build_data("fashion-mnist", data, **kw)

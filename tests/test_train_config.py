@@ -21,26 +21,56 @@ from convit_convert.train.config import (
 )
 
 # one flag of every group set away from its default
-FLAT = dict(phase="phase2", out="runs/x", data="digits", data_dir="/d", img_size=32, depth=3, mlp_ratio=2.7,
-            init="mimetic", mimetic_alpha=0.5, heads=4, qk_dim=8, pinning="gated", margin=20.0,
-            verify_tol=1e-4, epochs=7, lr=1e-3, scale=[0.5, 1.0], opt_betas=[0.8, 0.9], amp="none",
-            seed=3, workers=1, threads=2, given=["depth", "epochs"])  # fmt: skip
+FLAT = dict(
+    phase="phase2",
+    out="runs/x",
+    data="digits",
+    data_dir="/d",
+    img_size=32,
+    depth=3,
+    mlp_ratio=2.7,
+    init="mimetic",
+    mimetic_alpha=0.5,
+    heads=4,
+    qk_dim=8,
+    pinning="gated",
+    margin=20.0,
+    verify_tol=1e-4,
+    epochs=7,
+    lr=1e-3,
+    scale=[0.5, 1.0],
+    opt_betas=[0.8, 0.9],
+    amp="none",
+    seed=3,
+    workers=1,
+    threads=2,
+    given=["depth", "epochs"],
+)
 
 
 def test_flags_land_in_their_groups() -> None:
     cfg = TrainConfig.from_flags(**FLAT)
     assert isinstance(cfg.data, DataConfig) and (cfg.data.name, cfg.data.dir) == ("digits", "/d")
-    assert isinstance(cfg.model, ModelFlags) and (cfg.model.img_size, cfg.model.depth, cfg.model.mlp_ratio) == (
-        32, 3, 2.7,
-    )  # fmt: skip
+    assert isinstance(cfg.model, ModelFlags) and (
+        cfg.model.img_size,
+        cfg.model.depth,
+        cfg.model.mlp_ratio,
+    ) == (
+        32,
+        3,
+        2.7,
+    )
     assert isinstance(cfg.start, StartConfig) and (cfg.start.init, cfg.start.mimetic_alpha) == (
         "mimetic",
         0.5,
     )
     assert isinstance(cfg.conversion, ConversionSpec)
     assert (cfg.conversion.heads, cfg.conversion.qk_dim, cfg.conversion.margin, cfg.conversion.tol) == (
-        4, 8, 20.0, 1e-4,
-    )  # fmt: skip
+        4,
+        8,
+        20.0,
+        1e-4,
+    )
     assert cfg.conversion.seed == cfg.seed == 3  # one seed: the run's
     assert isinstance(cfg.recipe, RecipeConfig) and (cfg.recipe.epochs, cfg.recipe.amp) == (7, "none")
     assert (cfg.recipe.scale, cfg.recipe.opt_betas) == ((0.5, 1.0), (0.8, 0.9))  # tuples, as timm takes them
@@ -80,9 +110,14 @@ def test_frozen_and_replaced_not_mutated() -> None:
 
 @pytest.mark.parametrize(
     "phase, init, pinning",
-    [("phase2", "conv.safetensors", "gated"), ("phase2", "impulse", "gated"), ("phase2", "random", "hard"),
-     ("phase2", "mimetic", "hard"), ("phase1", "random", "hard")],
-)  # fmt: skip
+    [
+        ("phase2", "conv.safetensors", "gated"),
+        ("phase2", "impulse", "gated"),
+        ("phase2", "random", "hard"),
+        ("phase2", "mimetic", "hard"),
+        ("phase1", "random", "hard"),
+    ],
+)
 def test_pinning_default_follows_the_start(phase: str, init: str, pinning: str) -> None:
     """Left out (None, as an old config.json saved it), the pinning is resolved once, from the start."""
     assert TrainConfig.from_flags(phase=phase, init=init).conversion.pinning == pinning
@@ -159,8 +194,17 @@ def test_readme_which_start_commands_are_the_experiments_runs(monkeypatch: pytes
     monkeypatch.syspath_prepend(str(root / "experiments"))
     from init_comparison import seed_arms
 
-    args = argparse.Namespace(epochs=200, train_samples=1000, val_samples=2000, batch_size=64, compile=False,
-                              data_dir=None, device="auto", loader="auto", out=Path("runs"))  # fmt: skip
+    args = argparse.Namespace(
+        epochs=200,
+        train_samples=1000,
+        val_samples=2000,
+        batch_size=64,
+        compile=False,
+        data_dir=None,
+        device="auto",
+        loader="auto",
+        out=Path("runs"),
+    )
     arms = {arm.name.split("/")[1]: arm.config for arm in seed_arms(args, 0)}
     block = re.search(
         r"<!-- which-start -->\n```bash\n(.*?)```", (root / "README.md").read_text(), re.S

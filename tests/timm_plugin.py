@@ -24,7 +24,8 @@ import convit_convert.timm  # noqa: F401  (registers the models before timm's te
 LIKE = "vit_relpos_base_patch16_224"
 MODELS = ("cmhsa_conv", "cmhsa_attn", "cmhsa5_224", "cmhsa3_224")
 SKIPS = {
-    "test_model_forward_torchscript": "TorchScript is not supported: torch.jit.script is deprecated (it says: switch to torch.compile or torch.export); "
+    "test_model_forward_torchscript": "TorchScript is not supported: torch.jit.script is deprecated "
+    "(it says: switch to torch.compile or torch.export); "
     "deploy with `cmhsa export` (ONNX), torch.fx or torch.export",
     "test_model_forward_fx_torchscript": "TorchScript is not supported (as above); the FX graph itself is "
     "tested by test_model_forward_fx / test_model_backward_fx",
@@ -34,9 +35,13 @@ _list_models = timm.list_models
 
 
 def list_models(
-    filter: Any = "", module: Any = "", pretrained: bool = False, exclude_filters: Any = "",
-    name_matches_cfg: bool = False, include_tags: bool | None = None,
-) -> list[str]:  # fmt: skip
+    filter: Any = "",
+    module: Any = "",
+    pretrained: bool = False,
+    exclude_filters: Any = "",
+    name_matches_cfg: bool = False,
+    include_tags: bool | None = None,
+) -> list[str]:
     """timm's ``list_models`` answered for the cmhsa models only: those of them with the asked
     properties, if timm's answer to the same patterns holds :data:`LIKE`, else none."""
     like = _list_models(filter, module, False, exclude_filters, False, include_tags)
@@ -48,8 +53,9 @@ def list_models(
 
 def pytest_configure(config: pytest.Config) -> None:
     timm.list_models = timm.models.list_models = list_models
-    for marker in ("base", "forward", "backward", "cfg", "cfg_nonstd", "torchscript", "features", "fxforward",
-                   "fxbackward", "timeout"):  # fmt: skip
+    for marker in tuple(
+        "base forward backward cfg cfg_nonstd torchscript features fxforward fxbackward timeout".split()
+    ):
         config.addinivalue_line("markers", f"{marker}: timm's marker")
 
 

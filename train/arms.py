@@ -8,10 +8,10 @@ resumed; the others start once everything they depend on is done. Up to ``parall
 at once, each in its own process (``python -m convit_convert.train.arms ARM.json``) with
 ``threads`` torch CPU threads (default :data:`ARM_THREADS`, 1), the same whatever ``parallel`` is:
 torch's CPU results depend on the thread count (README, "When two runs are bit-identical"), so an
-arm's numbers must not depend on how many arms ran beside it. With a
-``time_budget``, no arm starts in the last ``margin`` seconds (30, or a quarter of a shorter
-budget) and every running arm gets SIGTERM then: it finishes its step, saves ``checkpoint-last.pt`` and exits, and the same command later
-resumes it. A child's output goes to ``log.txt`` in its run folder.
+arm's numbers must not depend on how many arms ran beside it. With a ``time_budget``, no arm
+starts in the last ``margin`` seconds (30, or a quarter of a shorter budget) and every running arm
+gets SIGTERM then: it finishes its step, saves ``checkpoint-last.pt`` and exits, and the same
+command later resumes it. A child's output goes to ``log.txt`` in its run folder.
 """
 
 from __future__ import annotations
@@ -108,9 +108,15 @@ ARM_THREADS = 1  # every arm's torch CPU threads, whatever `parallel` is (the mo
 
 
 def run_arms(
-    arms: list[Arm], *, parallel: int = 1, time_budget: float | None = None, margin: float | None = None,
-    report: Callable[[Arm], None] | None = None, poll: float = 0.5, threads: int = ARM_THREADS,
-) -> list[Arm]:  # fmt: skip
+    arms: list[Arm],
+    *,
+    parallel: int = 1,
+    time_budget: float | None = None,
+    margin: float | None = None,
+    report: Callable[[Arm], None] | None = None,
+    poll: float = 0.5,
+    threads: int = ARM_THREADS,
+) -> list[Arm]:
     """Run what is unfinished of ``arms`` (see the module docstring); each arm's ``status`` says how
     it ended: done, stopped (by the budget: resume with the same call), failed (``note``: the last
     line of its log), blocked (an arm it depends on failed) or waiting (the budget ran out first).
@@ -186,9 +192,11 @@ def _launch(arm: Arm, threads: int) -> _Running:
     log = open(arm.out / "log.txt", "a")  # noqa: SIM115 (closed when the child is collected)
     proc = subprocess.Popen(
         [sys.executable, "-m", "convit_convert.train.arms", str(spec)],
-        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
         env={**os.environ, "OMP_NUM_THREADS": str(threads)},
-    )  # fmt: skip
+    )
     arm.status = "running"
     return _Running(arm, proc, time.monotonic(), log)
 

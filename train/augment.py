@@ -82,10 +82,16 @@ class RandAugmentPolicy:
         op0 = ra.ops[0]
         weights = None if ra.choice_weights is None else tuple(float(w) for w in ra.choice_weights)
         return cls(
-            ops, int(ra.num_layers), float(op0.prob), float(op0.magnitude), float(op0.magnitude_std),
-            float(op0.magnitude_max or 10.0), weights, float(op0.hparams.get("translate_pct", 0.45)),
+            ops,
+            int(ra.num_layers),
+            float(op0.prob),
+            float(op0.magnitude),
+            float(op0.magnitude_std),
+            float(op0.magnitude_max or 10.0),
+            weights,
+            float(op0.hparams.get("translate_pct", 0.45)),
             float(op0.hparams["translate_const"]),
-        )  # fmt: skip
+        )
 
 
 @dataclass(frozen=True)
@@ -154,7 +160,8 @@ def check_supported(aa: str | None, interpolation: str, remode: str) -> None:
         )
     if interpolation not in INTERPOLATIONS:
         raise CmhsaError(
-            f"`interpolation` {interpolation!r}: the device loader takes {', '.join(INTERPOLATIONS)}; use `loader` workers"
+            f"`interpolation` {interpolation!r}: the device loader takes "
+            f"{', '.join(INTERPOLATIONS)}; use `loader` workers"
         )
     if remode not in ("pixel", "rand", "const"):
         raise CmhsaError(f"`remode` {remode!r}: the device loader takes pixel, rand or const")
@@ -171,9 +178,17 @@ def augment_spec(
         ra = RandAugmentPolicy.parse(cfg.aa, out_size, mean)
     jitter = None if ra is not None or not cfg.color_jitter else float(cfg.color_jitter)  # timm: off under RA
     return AugmentSpec(
-        out_size, tuple(cfg.scale), float(cfg.hflip), cfg.interpolation, tuple(mean), tuple(std), ra, jitter,
-        float(cfg.reprob), cfg.remode,
-    )  # fmt: skip
+        out_size,
+        tuple(cfg.scale),
+        float(cfg.hflip),
+        cfg.interpolation,
+        tuple(mean),
+        tuple(std),
+        ra,
+        jitter,
+        float(cfg.reprob),
+        cfg.remode,
+    )
 
 
 # parameters --------------------------------------------------------------------------------------
@@ -376,7 +391,8 @@ def autocontrast(x: torch.Tensor, _: torch.Tensor) -> torch.Tensor:
 
 def equalize(x: torch.Tensor, _: torch.Tensor) -> torch.Tensor:
     """PIL's ImageOps.equalize per channel: step = (pixels − count of the last used level) // 255;
-    lut[i] = (step // 2 + pixels below i) // step, at most 255; channels with one level or step 0 unchanged."""
+    lut[i] = (step // 2 + pixels below i) // step, at most 255; channels with one level or step 0
+    unchanged."""
     k, c, h, w = x.shape
     v = x.long().view(k * c, h * w)
     hist = torch.zeros(k * c, 256, dtype=torch.long, device=x.device)
@@ -452,10 +468,18 @@ def geometric(name: str, x: torch.Tensor, a: torch.Tensor, fill: tuple[int, ...]
 
 
 POINT_OPS = {
-    "AutoContrast": autocontrast, "Equalize": equalize, "Invert": invert, "Posterize": posterize,
-    "Solarize": solarize, "SolarizeAdd": solarize_add, "Color": color, "Contrast": contrast,
-    "Brightness": brightness, "Sharpness": sharpness, "Desaturate": color,
-}  # fmt: skip
+    "AutoContrast": autocontrast,
+    "Equalize": equalize,
+    "Invert": invert,
+    "Posterize": posterize,
+    "Solarize": solarize,
+    "SolarizeAdd": solarize_add,
+    "Color": color,
+    "Contrast": contrast,
+    "Brightness": brightness,
+    "Sharpness": sharpness,
+    "Desaturate": color,
+}
 
 
 def apply_op(name: str, x: torch.Tensor, arg: torch.Tensor, spec: AugmentSpec) -> torch.Tensor:

@@ -31,10 +31,26 @@ INIT_STARTS = ("mimetic", "impulse")  # phase-2 starts built without a checkpoin
 # a CPU gives), warm-up a tenth of --epochs. A flag given overrides its preset value.
 PRESETS: dict[str, dict[str, Any]] = {
     "paper": {},
-    "cpu": dict(img_size=28, patch_size=4, hidden_chans=3, depth=2, mlp_ratio=4.0, kernel_size=5, drop_path=0.1,
-                aa="none", mixup=0.0, cutmix=0.0, reprob=0.0, scale=(0.5, 1.0), hflip=0.5, smoothing=0.1,
-                batch_size=64, lr_base_batch=64, workers=0),
-}  # fmt: skip
+    "cpu": dict(
+        img_size=28,
+        patch_size=4,
+        hidden_chans=3,
+        depth=2,
+        mlp_ratio=4.0,
+        kernel_size=5,
+        drop_path=0.1,
+        aa="none",
+        mixup=0.0,
+        cutmix=0.0,
+        reprob=0.0,
+        scale=(0.5, 1.0),
+        hflip=0.5,
+        smoothing=0.1,
+        batch_size=64,
+        lr_base_batch=64,
+        workers=0,
+    ),
+}
 WARMUP_FRACTION = {"cpu": 0.1}  # presets whose warm-up is a fraction of --epochs
 # Default peak learning rates at lr_base_batch: (from scratch, phase 2 from a checkpoint). From
 # scratch covers phase 1 and phase 2 from random, impulse or mimetic: starting from a checkpoint's
@@ -148,16 +164,32 @@ class RuntimeConfig:
 
 # The flat flags (config.json's keys, in its order) -> (group, field); None: a field of TrainConfig.
 # The conversion's flags are ConversionSpec's fields; its seed is the run's.
-_GROUPED = {"data": DataConfig, "model": ModelFlags, "start": StartConfig, "recipe": RecipeConfig,
-            "runtime": RuntimeConfig}  # fmt: skip
+_GROUPED = {
+    "data": DataConfig,
+    "model": ModelFlags,
+    "start": StartConfig,
+    "recipe": RecipeConfig,
+    "runtime": RuntimeConfig,
+}
 _RENAMED = {"data": ("data", "name"), "data_dir": ("data", "dir"), "verify_tol": ("conversion", "tol")}
 _CONVERSION_FLAGS = ("heads", "qk_dim", "sink", "pinning", "qk_init_std", "margin", "verify_tol")
 FLAGS: dict[str, tuple[str | None, str]] = {
     "phase": (None, "phase"),
     "preset": (None, "preset"),
     "out": ("runtime", "out"),
-    **{n: _RENAMED.get(n, ("data", n)) for n in ("data", "data_dir", "download", "num_classes", "train_samples",
-                                                  "val_samples", "holdout", "loader")},
+    **{
+        n: _RENAMED.get(n, ("data", n))
+        for n in (
+            "data",
+            "data_dir",
+            "download",
+            "num_classes",
+            "train_samples",
+            "val_samples",
+            "holdout",
+            "loader",
+        )
+    },
     **{f.name: ("model", f.name) for f in dataclasses.fields(ModelFlags)},
     **{f.name: ("start", f.name) for f in dataclasses.fields(StartConfig)},
     **{n: _RENAMED.get(n, ("conversion", n)) for n in _CONVERSION_FLAGS},
@@ -165,7 +197,7 @@ FLAGS: dict[str, tuple[str | None, str]] = {
     "seed": (None, "seed"),
     **{f.name: ("runtime", f.name) for f in dataclasses.fields(RuntimeConfig) if f.name != "out"},
     "given": (None, "given"),
-}  # fmt: skip
+}
 # fields that change how a run executes but not what it computes: a resumed run may change them
 RUNTIME_FIELDS = (*(f.name for f in dataclasses.fields(RuntimeConfig)), "given")
 

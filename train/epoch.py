@@ -57,12 +57,17 @@ def seed_everything(seed: int) -> None:
 
 def non_finite_message(loss: float, epoch: int, step: int, out: Path) -> str:
     """What a user can do after a non-finite loss: the advice depends on whether a checkpoint exists."""
-    head = f"non-finite loss ({loss}) at epoch {epoch + 1}, step {step + 1}: stopped before it reached the weights; "
+    head = (
+        f"non-finite loss ({loss}) at epoch {epoch + 1}, step {step + 1}: "
+        "stopped before it reached the weights; "
+    )
     last = out / LAST
     if last.exists():
         return head + (
-            f"the last good checkpoint is {last}: continue from it with `resume` and a lower `lr` (the schedule "
-            "is rebuilt, so the run is no longer one uninterrupted run), or start a new `out` with a lower `lr`, "
+            f"the last good checkpoint is {last}: continue from it with `resume` and "
+            "a lower `lr` (the schedule "
+            "is rebuilt, so the run is no longer one uninterrupted run), or start a "
+            "new `out` with a lower `lr`, "
             "`amp` none or `clip_grad`"
         )
     return head + "no checkpoint was saved yet: start again with a lower `lr`, `amp` none or `clip_grad`"

@@ -63,11 +63,19 @@ def _check_explicit(cfg: TrainConfig, ckpt_cfg: ViTConfig, num_classes: int, pat
     checkpoint's embed_dim (the ratio read back from a width is not the ratio typed: 130 / 48)."""
     square = lambda v: (v, v) if isinstance(v, int) else tuple(v)  # noqa: E731
     as_field = {  # flag -> (ViTConfig field, the flag's value as that field)
-        "img_size": ("img_size", square), "in_chans": ("in_chans", int), "patch_size": ("patch_size", int),
-        "hidden_chans": ("hidden_chans", int), "depth": ("depth", int), "kernel_size": ("kernel_size", int),
-        "dilation": ("dilation", int), "mlp_ratio": ("mlp_hidden_dim", lambda r: round(ckpt_cfg.embed_dim * r)),
-        "heads": ("num_heads", int), "qk_dim": ("qk_dim", int), "sink": ("sink", bool), "pinning": ("pinning", str),
-    }  # fmt: skip
+        "img_size": ("img_size", square),
+        "in_chans": ("in_chans", int),
+        "patch_size": ("patch_size", int),
+        "hidden_chans": ("hidden_chans", int),
+        "depth": ("depth", int),
+        "kernel_size": ("kernel_size", int),
+        "dilation": ("dilation", int),
+        "mlp_ratio": ("mlp_hidden_dim", lambda r: round(ckpt_cfg.embed_dim * r)),
+        "heads": ("num_heads", int),
+        "qk_dim": ("qk_dim", int),
+        "sink": ("sink", bool),
+        "pinning": ("pinning", str),
+    }
     for name in sorted(cfg.given & as_field.keys()):
         field_name, convert = as_field[name]
         have, typed = getattr(ckpt_cfg, field_name), cfg.flag(name)
@@ -113,10 +121,18 @@ def build_phase_model(cfg: TrainConfig, num_classes: int, log: Any = print) -> P
         model = VisionTransformer(mcfg, cfg.model.drop_path)
         if cfg.start.init == "random":
             return PhaseModel(model, mcfg, {"init": "random"})
-        info = start_model(model, cfg.start.init, seed=cfg.seed, mimetic_alpha=cfg.start.mimetic_alpha,
-                           mimetic_beta=cfg.start.mimetic_beta, impulse_offsets=cfg.start.impulse_offsets, margin=cfg.conversion.margin)  # fmt: skip
+        info = start_model(
+            model,
+            cfg.start.init,
+            seed=cfg.seed,
+            mimetic_alpha=cfg.start.mimetic_alpha,
+            mimetic_beta=cfg.start.mimetic_beta,
+            impulse_offsets=cfg.start.impulse_offsets,
+            margin=cfg.conversion.margin,
+        )
         log(
-            f"started {cfg.start.init}: {', '.join(f'{k} {v}' for k, v in info.items() if k not in ('init', 'pinned'))}"
+            f"started {cfg.start.init}: "
+            f"{', '.join(f'{k} {v}' for k, v in info.items() if k not in ('init', 'pinned'))}"
         )
         return PhaseModel(model, mcfg, info)
 
@@ -136,15 +152,23 @@ def build_phase_model(cfg: TrainConfig, num_classes: int, log: Any = print) -> P
     check_trainable(cfg, mcfg)
     worst = result.worst
     log(
-        f"converted {cfg.start.init}: {mcfg.num_heads} heads ({conv.summary()['pinned_heads']} pinned), qk_dim {mcfg.qk_dim}, "
+        f"converted {cfg.start.init}: {mcfg.num_heads} heads "
+        f"({conv.summary()['pinned_heads']} pinned), qk_dim {mcfg.qk_dim}, "
         f"sink {'on' if mcfg.sink else 'off'}, pinning {mcfg.pinning}; "
-        f"verified: worst relative error {worst.rel:.2e} ({worst.tensor}, {worst.region}), tol {cfg.conversion.tol:g}"
+        f"verified: worst relative error {worst.rel:.2e} ({worst.tensor}, "
+        f"{worst.region}), tol {cfg.conversion.tol:g}"
     )
     if not result.passed:
         raise CheckFailed(
-            f"{cfg.start.init}: the converted model is not exact: relative error {worst.rel:.2e} at {worst.tensor} "
+            f"{cfg.start.init}: the converted model is not exact: relative error "
+            f"{worst.rel:.2e} at {worst.tensor} "
             f"({worst.region}) > `verify_tol` {cfg.conversion.tol:g}; not training from it"
         )
-    info = {"init": str(cfg.start.init), "init_kind": "conv", "verify_worst_rel": worst.rel,
-            "verify_tol": cfg.conversion.tol, "verify_criterion": result.criterion}  # fmt: skip
+    info = {
+        "init": str(cfg.start.init),
+        "init_kind": "conv",
+        "verify_worst_rel": worst.rel,
+        "verify_tol": cfg.conversion.tol,
+        "verify_criterion": result.criterion,
+    }
     return PhaseModel(conv.model(cfg.model.drop_path).train(), mcfg, info)

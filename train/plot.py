@@ -73,7 +73,8 @@ def pyplot() -> Any:
         import matplotlib.pyplot as plt
     except ImportError:
         raise CmhsaError(
-            "plotting needs matplotlib: pip install 'cmhsa[plot]' (in a source checkout: pip install -e '.[plot]')"
+            "plotting needs matplotlib: pip install 'cmhsa[plot]' (in a source "
+            "checkout: pip install -e '.[plot]')"
         ) from None
     return plt
 
@@ -174,9 +175,16 @@ def curves_figure(runs: list[Path]) -> Any:
             if all(key in r for r in rows):
                 block, what = _series(key)
                 run_name = f"{name}: " if len(data) > 1 else ""
-                axes[2].plot(epochs, [r[key] for r in rows], "--" if what == "gate" else "-", color=colour,
-                             marker=BLOCK_MARKERS[block % len(BLOCK_MARKERS)], markevery=max(1, len(rows) // 8),
-                             markersize=4, label=f"{run_name}block {block} {what}")  # fmt: skip
+                axes[2].plot(
+                    epochs,
+                    [r[key] for r in rows],
+                    "--" if what == "gate" else "-",
+                    color=colour,
+                    marker=BLOCK_MARKERS[block % len(BLOCK_MARKERS)],
+                    markevery=max(1, len(rows) // 8),
+                    markersize=4,
+                    label=f"{run_name}block {block} {what}",
+                )
     ax_loss.set(xlabel="epoch", ylabel="validation loss", title="Validation loss")
     ax_acc.set(xlabel="epoch", ylabel="top-1 (%)", title="Validation top-1")
     if attn:
@@ -200,10 +208,12 @@ def plot_runs(runs: list[Path], output: Path) -> None:
 DECADES = 3  # the attention maps' log scale spans this many powers of ten below a block's largest weight
 ATTENTION_LEGEND = (
     "Colour: mean attention weight a query patch gives the key patch at offset (dy, dx), over the images; "
-    f"log scale, one per block (its colour bar), from its largest weight down {DECADES} decades (less: the darkest). "
+    "log scale, one per block (its colour bar), from its largest weight down "
+    f"{DECADES} decades (less: the darkest). "
     "Red square: the head's pinned offset.\n"
     "Panel title: head, pinned offset (free: not pinned); share = weight on the pinned offset; "
-    "gate = weight of content attention in a gated head (0: pinned only); dist = mean attention distance in pixels."
+    "gate = weight of content attention in a gated head (0: pinned only); "
+    "dist = mean attention distance in pixels."
 )
 
 
@@ -224,8 +234,13 @@ def attention_figure(report: Any, title: str = "") -> Any:
     plt = pyplot()
     blocks = report.blocks
     heads = max(len(b) for b in blocks)
-    fig, axes = plt.subplots(len(blocks), heads, figsize=(1.9 * heads + 1.2, 2.1 * len(blocks) + 1.3),
-                             squeeze=False, layout="constrained")  # fmt: skip
+    fig, axes = plt.subplots(
+        len(blocks),
+        heads,
+        figsize=(1.9 * heads + 1.2, 2.1 * len(blocks) + 1.3),
+        squeeze=False,
+        layout="constrained",
+    )
     gh, gw = report.grid_size
     extent = (-gw + 0.5, gw - 0.5, gh - 0.5, -gh + 0.5)  # offset (0, 0) at the centre; dy grows downwards
     xticks, yticks = offset_ticks(gw), offset_ticks(gh)  # the same for every panel

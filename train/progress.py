@@ -36,7 +36,8 @@ class Progress:
     def step(self, epoch: int, step: int, loss: float, lr: float, img_per_s: float) -> None:
         if (step + 1) % self.log_every == 0 or step + 1 == self.steps:
             self.log(
-                f"epoch {epoch + 1}/{self.epochs} step {step + 1}/{self.steps}  {step_info(loss, lr, img_per_s)}"
+                f"epoch {epoch + 1}/{self.epochs} step {step + 1}/{self.steps}  "
+                f"{step_info(loss, lr, img_per_s)}"
             )
 
     def end_epoch(self, row: dict[str, Any]) -> None:

@@ -97,8 +97,9 @@ def build_scheduler(
 
 def param_groups(cfg: TrainConfig, model: nn.Module) -> Any:
     """timm's weight-decay groups (model.no_weight_decay(), biases and norms undecayed); with
-    an attention learning-rate scale != 1 (``attn_lr_mult``; default 10 from a checkpoint) the attention parameters (W_Q, W_K, gates, biases, sinks) get their own
-    groups, whose ``lr_scale`` timm's schedulers apply."""
+    an attention learning-rate scale != 1 (``attn_lr_mult``; default 10 from a checkpoint) the
+    attention parameters (W_Q, W_K, gates, biases, sinks) get their own groups, whose ``lr_scale``
+    timm's schedulers apply."""
     from timm.optim import param_groups_weight_decay
 
     groups = param_groups_weight_decay(
@@ -128,9 +129,14 @@ def build_recipe(cfg: TrainConfig, model: nn.Module, num_classes: int, world: in
     # non-finite step on the device (train/step.py)
     fused = {"fused": True} if fusable(get_optimizer_info(r.opt.lower()).opt_class) else {}
     optimizer = create_optimizer_v2(
-        param_groups(cfg, model), opt=r.opt, lr=lr, weight_decay=r.weight_decay, eps=r.opt_eps,
-        betas=tuple(r.opt_betas), **fused,
-    )  # fmt: skip
+        param_groups(cfg, model),
+        opt=r.opt,
+        lr=lr,
+        weight_decay=r.weight_decay,
+        eps=r.opt_eps,
+        betas=tuple(r.opt_betas),
+        **fused,
+    )
     scheduler = build_scheduler(cfg, optimizer, lr, min_lr, warmup_lr, steps_per_epoch)
     mixup = None
     if r.mixup > 0 or r.cutmix > 0:

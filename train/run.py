@@ -188,7 +188,8 @@ def resumed_config(cfg: TrainConfig, saved: dict[str, Any], out: Path, log: Any)
                 f"resuming with `{name}` {new} instead of {before}: the schedule is rebuilt for it, "
                 "so the result is no longer that of one uninterrupted run"
                 if name == "lr"
-                else f"extending the run from {before} to {new} epochs; the schedule is rebuilt for {new} epochs"
+                else f"extending the run from {before} to {new} epochs; the schedule is "
+                f"rebuilt for {new} epochs"
             )
     refused = [n for n in changed if n not in RESUMABLE]
     if refused:
@@ -216,7 +217,8 @@ def unmeant_choices(cfg: TrainConfig) -> list[str]:
     r = cfg.recipe
     if r.warmup_epochs >= r.epochs:
         lines.append(
-            f"warning: `warmup_epochs` {r.warmup_epochs} >= `epochs` {r.epochs}: the learning rate never reaches "
+            f"warning: `warmup_epochs` {r.warmup_epochs} >= `epochs` {r.epochs}: the "
+            "learning rate never reaches "
             f"its peak ({cfg.peak_lr:g} at batch {r.lr_base_batch}); lower `warmup_epochs` or train longer"
         )
     return lines
@@ -270,9 +272,13 @@ def _run(
 
 
 def _locked_run(
-    cfg: TrainConfig, ctx: Context, out: Path, reporter: Progress, stop_after_steps: int | None,
+    cfg: TrainConfig,
+    ctx: Context,
+    out: Path,
+    reporter: Progress,
+    stop_after_steps: int | None,
     wrote: list[Path],
-) -> RunResult:  # fmt: skip
+) -> RunResult:
     saved, reschedule, replaces = None, False, []
     if cfg.runtime.resume:
         saved = read_checkpoint(out / LAST)
@@ -328,18 +334,30 @@ def remove_replaced(out: Path, replaced: list[Path], written: set[str]) -> None:
 
 
 def build(
-    cfg: TrainConfig, ctx: Context, out: Path, saved: dict[str, Any] | None, reschedule: bool,
+    cfg: TrainConfig,
+    ctx: Context,
+    out: Path,
+    saved: dict[str, Any] | None,
+    reschedule: bool,
     reporter: Progress,
-) -> Loop:  # fmt: skip
+) -> Loop:
     """Data, model, recipe and run state (restored from ``saved`` when resuming); writes config.json."""
     device, dtype = ctx.device, amp_dtype(cfg.recipe.amp, ctx.device)
     seed_everything(cfg.seed + ctx.rank)
 
     def load_data(img_size: tuple[int, int] | None) -> DataSpec:
         def read(download: bool) -> DataSpec:
-            return build_data(cfg.data.name, cfg.data.dir, img_size, download=download, num_classes=cfg.data.num_classes,
-                              seed=cfg.seed, train_samples=cfg.data.train_samples, val_samples=cfg.data.val_samples,
-                              holdout=cfg.data.holdout)  # fmt: skip
+            return build_data(
+                cfg.data.name,
+                cfg.data.dir,
+                img_size,
+                download=download,
+                num_classes=cfg.data.num_classes,
+                seed=cfg.seed,
+                train_samples=cfg.data.train_samples,
+                val_samples=cfg.data.val_samples,
+                holdout=cfg.data.holdout,
+            )
 
         spec = read(cfg.data.download) if ctx.is_main else None
         barrier(ctx)  # rank 0 downloads (if asked); the others then read
@@ -392,7 +410,8 @@ def build(
         if changes and cfg.runtime.deterministic:
             raise CmhsaError(
                 f"`deterministic`: the run was saved elsewhere ({'; '.join(changes)}), so resuming it here "
-                "cannot give an uninterrupted run's bits; resume with the saved settings, or without `deterministic`",
+                "cannot give an uninterrupted run's bits; resume with the saved "
+                "settings, or without `deterministic`",
                 out / LAST,
             )
         if changes:
@@ -432,19 +451,40 @@ def build(
         )
         if cfg.data.name in GREY and pm.config.in_chans == 3:
             reporter.log(
-                f"note: the {cfg.data.name} images are grey: with 3 input channels the model sees each one three "
+                f"note: the {cfg.data.name} images are grey: with 3 input channels the "
+                "model sees each one three "
                 "times over (--in-chans 1: the same information, a third of the input)"
             )
     probe = next(iter(loaders[1]))[0][:64].to(device) if pm.config.kind == "attn" else None
     prepare = getattr(loaders[0], "prepare", None)  # the device loader augments inside the step
-    step = TrainStep(model, fwd, criterion, optimizer, scaler, cfg.recipe.clip_grad, dtype, ctx, prepare, mixup,
-                     cfg.runtime.compile)  # fmt: skip
+    step = TrainStep(
+        model,
+        fwd,
+        criterion,
+        optimizer,
+        scaler,
+        cfg.recipe.clip_grad,
+        dtype,
+        ctx,
+        prepare,
+        mixup,
+        cfg.runtime.compile,
+    )
     if step.why_not_whole is not None:
         reporter.log(f"compile: the model's forward only, not the whole step ({step.why_not_whole})")
     return Loop(
-        cfg, ctx, out, dtype, *loaders, steps_per_epoch, state, reporter, step, probe,
+        cfg,
+        ctx,
+        out,
+        dtype,
+        *loaders,
+        steps_per_epoch,
+        state,
+        reporter,
+        step,
+        probe,
         json.dumps(doc, indent=2) + "\n",
-    )  # fmt: skip
+    )
 
 
 def choose_loader(cfg: TrainConfig, spec: DataSpec, in_chans: int) -> tuple[str, str]:
@@ -470,14 +510,29 @@ def build_loaders(cfg: TrainConfig, spec: DataSpec, mcfg: ViTConfig, ctx: Contex
     image_mode(chans)  # RGB or grey: what both loaders convert every image to
     if loader == "workers":
         return [
-            build_loader(split, build_transform(img, training, cfg.recipe, chans), training=training,
-                         batch_size=cfg.recipe.batch_size, seed=cfg.seed, rank=ctx.rank, world=ctx.world,
-                         workers=cfg.runtime.workers, pin_memory=device.type == "cuda", in_chans=chans)
+            build_loader(
+                split,
+                build_transform(img, training, cfg.recipe, chans),
+                training=training,
+                batch_size=cfg.recipe.batch_size,
+                seed=cfg.seed,
+                rank=ctx.rank,
+                world=ctx.world,
+                workers=cfg.runtime.workers,
+                pin_memory=device.type == "cuda",
+                in_chans=chans,
+            )
             for split, training in ((spec.train, True), (spec.val, False))
-        ]  # fmt: skip
+        ]
     mean, std = channel_stats(chans)
-    sampler = epoch_sampler(len(spec.train), training=True, batch_size=cfg.recipe.batch_size, seed=cfg.seed,  # type: ignore[arg-type]
-                            rank=ctx.rank, world=ctx.world)  # fmt: skip
+    sampler = epoch_sampler(
+        len(spec.train),
+        training=True,
+        batch_size=cfg.recipe.batch_size,
+        seed=cfg.seed,  # type: ignore[arg-type]
+        rank=ctx.rank,
+        world=ctx.world,
+    )
     x, y = hold(spec.train, chans, device)
     vx, vy = hold(spec.val, chans, device)
     vx = eval_view(vx, img, cfg.recipe.crop_pct, cfg.recipe.interpolation)
@@ -508,9 +563,11 @@ def worker_deaths_at_fetch() -> Iterator[None]:
 
 
 def train(
-    loop: Loop, stop_after_steps: int | None = None, replaces: list[Path] | None = None,
+    loop: Loop,
+    stop_after_steps: int | None = None,
+    replaces: list[Path] | None = None,
     wrote: list[Path] | None = None,
-) -> RunResult:  # fmt: skip
+) -> RunResult:
     """Epochs until ``cfg.recipe.epochs``, saving after each; then the trained model as safetensors.
     ``replaces``: a previous run's files (`overwrite`), removed once the first save has committed;
     ``wrote`` gets each file saved."""
@@ -565,7 +622,8 @@ def train(
         ):
             loop.reporter.log(
                 f"note: the exported preprocessing is cmhsa eval's ({pcfg['interpolation']}, crop "
-                f"{pcfg['crop_pct']}), not this run's `interpolation` {r.interpolation} and `crop_pct` {r.crop_pct}"
+                f"{pcfg['crop_pct']}), not this run's `interpolation` {r.interpolation} "
+                f"and `crop_pct` {r.crop_pct}"
             )
         if cfg.runtime.export_onnx:
             loop.reporter.log(

@@ -103,7 +103,8 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
         saved = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError:
         raise CmhsaError(
-            "holds objects other than tensors and plain values, so cmhsa will not load it (it could run code); "
+            "holds objects other than tensors and plain values, so cmhsa will not "
+            "load it (it could run code); "
             "it was not written by cmhsa train: start a new run in another `out`",
             path,
         ) from None
@@ -120,10 +121,21 @@ def _checkpoint_problem(saved: Any) -> str | None:
     if not isinstance(saved, dict):
         return f"a {type(saved).__name__}, not a dict"
     kinds: dict[str, type | tuple[type, ...]] = {
-        "model": dict, "optimizer": dict, "scheduler": dict, "scaler": dict, "config": dict,
-        "model_config": dict, "kind": str, "init": dict, "epoch": int, "step": int, "global_step": int,
-        "metrics": list, "partial": dict, "rng": (dict, type(None)),
-    }  # fmt: skip
+        "model": dict,
+        "optimizer": dict,
+        "scheduler": dict,
+        "scaler": dict,
+        "config": dict,
+        "model_config": dict,
+        "kind": str,
+        "init": dict,
+        "epoch": int,
+        "step": int,
+        "global_step": int,
+        "metrics": list,
+        "partial": dict,
+        "rng": (dict, type(None)),
+    }
     for key, kind in kinds.items():
         if key not in saved:
             return f"no {key!r}"
@@ -211,7 +223,8 @@ def optimizer_problem(saved: dict[str, Any], optimizer: Any) -> str | None:
             return f"optimizer group {i}: betas {betas} are not in [0, 1)"
         params = list(optimizer.param_groups[i]["params"])
         if not isinstance(g.get("params"), list) or len(g["params"]) != len(params):
-            return f"optimizer group {i} holds {len(g.get('params') or [])} parameters, the run has {len(params)}"
+            held = len(g.get("params") or [])
+            return f"optimizer group {i} holds {held} parameters, the run has {len(params)}"
         shapes |= {pid: p.shape for pid, p in zip(g["params"], params, strict=True)}
     for pid, state in saved["state"].items():
         if pid not in shapes or not isinstance(state, dict):

@@ -58,10 +58,19 @@ class TrainStep:
     (the device loader's augmentation), None when the loader already gave images."""
 
     def __init__(
-        self, model: nn.Module, fwd: nn.Module, criterion: nn.Module, optimizer: Any, scaler: Any,
-        clip_grad: float | None, dtype: torch.dtype | None, ctx: Context,
-        prepare: Callable[[Any], torch.Tensor] | None, mixup: Any, compile: bool,
-    ) -> None:  # fmt: skip
+        self,
+        model: nn.Module,
+        fwd: nn.Module,
+        criterion: nn.Module,
+        optimizer: Any,
+        scaler: Any,
+        clip_grad: float | None,
+        dtype: torch.dtype | None,
+        ctx: Context,
+        prepare: Callable[[Any], torch.Tensor] | None,
+        mixup: Any,
+        compile: bool,
+    ) -> None:
         self.fwd, self.criterion, self.optimizer = fwd, criterion, optimizer
         self.scaler, self.clip_grad, self.dtype, self.ctx = scaler, clip_grad, dtype, ctx
         self.prepare, self.mixup = prepare, mixup

@@ -5,7 +5,8 @@ return typed reports with ``to_dict()`` (the CLI renders them). One module per o
 - :mod:`.convert`: ``convert_checkpoint`` / ``convert_file`` (``Conversion``, ``ConvertReport``);
 - :mod:`.sweep`: ``heads_sweep`` (``HeadsSweep``);
 - :mod:`.verify`: ``verify_files`` (``VerifyReport``);
-- :mod:`.export`: ``export_file``, ``export_checkpoint`` (a model in memory), with ``ExportOptions`` (``ExportReport``);
+- :mod:`.export`: ``export_file``, ``export_checkpoint`` (a model in memory), with ``ExportOptions``
+  (``ExportReport``);
 - :mod:`.inspection`: ``inspect_file`` (``Inspection``);
 - :mod:`.on_data`: ``evaluate_checkpoint`` (``EvalReport``), ``attention_on_data``
   (``AttentionReport``), ``calibration_from_data`` (``Calibration``): the ones that read a dataset.
@@ -25,7 +26,23 @@ from .sweep import HeadsSweep, SweepRow, heads_sweep
 from .verify import VerifyReport, verify_files
 
 __all__ = [
-    "Conversion", "ConvertReport", "ExportOptions", "ExportReport", "HeadsSweep", "Inspection", "SweepRow", "VerifyReport",
-    "as_float32", "convert_checkpoint", "convert_file", "converted_model", "export_checkpoint", "export_file", "heads_sweep",
-    "inspect_file", "load_checkpoint", "resolve_device", "verify_files",
-]  # fmt: skip
+    "Conversion",
+    "ConvertReport",
+    "ExportOptions",
+    "ExportReport",
+    "HeadsSweep",
+    "Inspection",
+    "SweepRow",
+    "VerifyReport",
+    "as_float32",
+    "convert_checkpoint",
+    "convert_file",
+    "converted_model",
+    "export_checkpoint",
+    "export_file",
+    "heads_sweep",
+    "inspect_file",
+    "load_checkpoint",
+    "resolve_device",
+    "verify_files",
+]

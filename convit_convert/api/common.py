@@ -20,16 +20,23 @@ AMP = {"bf16": torch.bfloat16, "fp16": torch.float16, "none": None}
 
 
 def load_checkpoint(
-    path: str | Path, *, img_size: tuple[int, int] | None = None, patch_size: int | None = None,
-    dilation: int = 1, norm_eps: float = NORM_EPS, onnx_tol: float = DEFAULT_TOL,
-) -> Checkpoint:  # fmt: skip
+    path: str | Path,
+    *,
+    img_size: tuple[int, int] | None = None,
+    patch_size: int | None = None,
+    dilation: int = 1,
+    norm_eps: float = NORM_EPS,
+    onnx_tol: float = DEFAULT_TOL,
+) -> Checkpoint:
     """Any model file: cmhsa safetensors, a bare conv-phase state dict (given ``img_size`` and
     ``patch_size``), or a conv-phase ONNX graph, read by its structure and checked against
     onnxruntime within ``onnx_tol`` (:mod:`convit_convert.onnx.importer`)."""
     path = Path(path)
     recover(path.parent)  # a pair whose write was killed between its renames: complete it first
     if path.suffix.lower() != ".onnx":
-        return load_tensor_checkpoint(path, img_size=img_size, patch_size=patch_size, dilation=dilation, norm_eps=norm_eps)  # fmt: skip
+        return load_tensor_checkpoint(
+            path, img_size=img_size, patch_size=patch_size, dilation=dilation, norm_eps=norm_eps
+        )
     from ..onnx.importer import import_onnx
 
     ckpt = import_onnx(path, tol=onnx_tol)
@@ -43,7 +50,8 @@ def check_batch(batch: int) -> None:
 
 
 def resolve_device(name: str) -> str:
-    """'auto' is CUDA when present; anything but cpu, cuda, cuda:N, or a GPU that is not there, is bad input."""
+    """'auto' is CUDA when present; anything but cpu, cuda, cuda:N, or a GPU that is not there, is
+    bad input."""
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     m = re.fullmatch(r"cuda(?::(\d{1,4}))?", name)

@@ -83,10 +83,15 @@ class Conversion:
 
 
 def convert_checkpoint(
-    ckpt: Checkpoint, spec: ConversionSpec | None = None, *, verify: bool = True, batch: int = 4,
-    dtype: torch.dtype = torch.float32, device: str = "cpu",
+    ckpt: Checkpoint,
+    spec: ConversionSpec | None = None,
+    *,
+    verify: bool = True,
+    batch: int = 4,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
     calibrate: Callable[[ViTConfig], Calibration] | None = None,
-) -> Conversion:  # fmt: skip
+) -> Conversion:
     """Convert a conv checkpoint as ``spec`` says (default: the paper's construction) and, unless
     ``verify`` is False, verify it against the conv model on ``batch`` random images: every relative
     error must be <= ``spec.tol``.
@@ -127,8 +132,11 @@ def convert_checkpoint(
         )
         approx = approximation(ckpt, plan, conv_model, blocks, calibration)
     tensors = convert_state_dict(
-        ckpt.tensors, plan, path=ckpt.path, overrides=None if approx is None else overrides(ckpt, approx.blocks)
-    )  # fmt: skip
+        ckpt.tensors,
+        plan,
+        path=ckpt.path,
+        overrides=None if approx is None else overrides(ckpt, approx.blocks),
+    )
     conv = Conversion(ckpt, plan, tensors, approximation=approx)
     conv.timings["convert_s"] = time.perf_counter() - t
     if approx is not None:
@@ -138,17 +146,25 @@ def convert_checkpoint(
     if verify:
         t = time.perf_counter()
         conv.verification = verify_models(
-            conv_model or ckpt.model(), conv.model(), batch=batch, seed=spec.seed, dtype=dtype, device=device,
+            conv_model or ckpt.model(),
+            conv.model(),
+            batch=batch,
+            seed=spec.seed,
+            dtype=dtype,
+            device=device,
             tol=spec.tol,
-        )  # fmt: skip
+        )
         conv.timings["verify_s"] = time.perf_counter() - t
     return conv
 
 
 def approximation(
-    ckpt: Checkpoint, plan: ConversionPlan, conv: VisionTransformer, blocks: list[BlockChoice],
+    ckpt: Checkpoint,
+    plan: ConversionPlan,
+    conv: VisionTransformer,
+    blocks: list[BlockChoice],
     calibration: Calibration,
-) -> Approximation:  # fmt: skip
+) -> Approximation:
     """``plan``'s per-block choices (each refit already judged on its own block), their refits then
     guarded on the logits of the held-back calibration images."""
     spec, images = plan.spec, calibration.images.float()
@@ -220,11 +236,21 @@ class ConvertReport:
 
 
 def convert_file(
-    input: Path, output: Path, spec: ConversionSpec | None = None, *, report: Path | None = None,
-    img_size: tuple[int, int] | None = None, patch_size: int | None = None, dilation: int = 1,
-    norm_eps: float = NORM_EPS, dtype: str = "float32", device: str = "auto", verify: bool = True, batch: int = 4,
+    input: Path,
+    output: Path,
+    spec: ConversionSpec | None = None,
+    *,
+    report: Path | None = None,
+    img_size: tuple[int, int] | None = None,
+    patch_size: int | None = None,
+    dilation: int = 1,
+    norm_eps: float = NORM_EPS,
+    dtype: str = "float32",
+    device: str = "auto",
+    verify: bool = True,
+    batch: int = 4,
     calibrate: Callable[[ViTConfig], Calibration] | None = None,
-) -> ConvertReport:  # fmt: skip
+) -> ConvertReport:
     """``cmhsa convert``: load, convert as ``spec`` says and verify (:func:`convert_checkpoint`),
     write the attention checkpoint if verification passed, and the JSON report either way."""
     spec = spec or ConversionSpec()
@@ -233,7 +259,14 @@ def convert_file(
     verify_dtype = resolve_dtype(dtype)
     verify_device = resolve_device(device) if verify else "cpu"
     t = time.perf_counter()
-    ckpt = load_checkpoint(input, img_size=img_size, patch_size=patch_size, dilation=dilation, norm_eps=norm_eps, onnx_tol=spec.tol)  # fmt: skip
+    ckpt = load_checkpoint(
+        input,
+        img_size=img_size,
+        patch_size=patch_size,
+        dilation=dilation,
+        norm_eps=norm_eps,
+        onnx_tol=spec.tol,
+    )
     timings = {"load_s": time.perf_counter() - t}
     input_facts = file_facts(input)
     conv = convert_checkpoint(
@@ -245,7 +278,9 @@ def convert_file(
     with atomic_paths(*([output] if conv.passed else []), report_path) as tmps:
         if conv.passed:
             t = time.perf_counter()
-            digest = write_checkpoint(tmps[0], conv.config, conv.tensors, {"cmhsa.source_sha256": input_facts["sha256"]}, output)  # fmt: skip
+            digest = write_checkpoint(
+                tmps[0], conv.config, conv.tensors, {"cmhsa.source_sha256": input_facts["sha256"]}, output
+            )
             timings["write_s"] = time.perf_counter() - t
             output_facts = {"path": str(output), "bytes": tmps[0].stat().st_size, "sha256": digest}
         result = ConvertReport(conv, output, report_path, input_facts, output_facts, timings)

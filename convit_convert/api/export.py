@@ -115,9 +115,15 @@ def _export(
 
     o = options
     ex = export_and_check(
-        ckpt.model(), exporter=o.exporter, opset=o.opset, tol=o.tol, providers=providers_for(o.device),
-        seed=o.seed, path=output, form=o.form,
-    )  # fmt: skip
+        ckpt.model(),
+        exporter=o.exporter,
+        opset=o.opset,
+        tol=o.tol,
+        providers=providers_for(o.device),
+        seed=o.seed,
+        path=output,
+        form=o.form,
+    )
     facts = None
     with atomic_paths(*([output] if ex.check.passed else []), report_path) as tmps:  # both or neither
         if ex.check.passed:

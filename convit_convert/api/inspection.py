@@ -24,15 +24,26 @@ class Inspection:
     def to_dict(self) -> dict[str, Any]:
         c, hc = self.checkpoint, self.heads
         return {
-            "command": "inspect", "file": self.facts, "kind": c.kind, "read_as": c.source,
-            "config": c.config.to_dict(), "parameters": c.num_params,
+            "command": "inspect",
+            "file": self.facts,
+            "kind": c.kind,
+            "read_as": c.source,
+            "config": c.config.to_dict(),
+            "parameters": c.num_params,
             "dtype": str(c.dtype).removeprefix("torch."),
-            "heads_needed": {"patch": hc.patch_heads, "patch_lower_bound": hc.patch_lower_bound,
-                             "reason": hc.patch_reason},
-            "written_by_train": {k: c.metadata[f"cmhsa.{k}"] for k in ("trained", "init") if f"cmhsa.{k}" in c.metadata},
-            "pinned": None if self.pinned is None else [[None if o is None else list(o) for o in b] for b in self.pinned],
+            "heads_needed": {
+                "patch": hc.patch_heads,
+                "patch_lower_bound": hc.patch_lower_bound,
+                "reason": hc.patch_reason,
+            },
+            "written_by_train": {
+                k: c.metadata[f"cmhsa.{k}"] for k in ("trained", "init") if f"cmhsa.{k}" in c.metadata
+            },
+            "pinned": None
+            if self.pinned is None
+            else [[None if o is None else list(o) for o in b] for b in self.pinned],
             "gates": self.gates,
-        }  # fmt: skip
+        }
 
 
 def inspect_file(

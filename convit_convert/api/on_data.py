@@ -38,9 +38,12 @@ class EvalReport:
 
 
 def evaluate(
-    model: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], device: torch.device,
-    dtype: torch.dtype | None, reduce: Callable[[torch.Tensor], None] | None = None,
-) -> dict[str, float]:  # fmt: skip
+    model: nn.Module,
+    batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    device: torch.device,
+    dtype: torch.dtype | None,
+    reduce: Callable[[torch.Tensor], None] | None = None,
+) -> dict[str, float]:
     """Cross-entropy, top-1 and top-5 (%) over ``batches`` of (images, labels); ``reduce`` sums
     the (loss, top-1, top-5, count) totals across processes in place (training's all-reduce)."""
     was_training = model.training
@@ -67,9 +70,17 @@ def evaluate(
 
 
 def _dataset(
-    cfg: ViTConfig, data: str, data_dir: str | None, *, download: bool = False, crop_pct: float, seed: int,
-    path: object = None, param: str = "data", val_only: bool = False,
-) -> tuple[DataSpec, Any]:  # fmt: skip
+    cfg: ViTConfig,
+    data: str,
+    data_dir: str | None,
+    *,
+    download: bool = False,
+    crop_pct: float,
+    seed: int,
+    path: object = None,
+    param: str = "data",
+    val_only: bool = False,
+) -> tuple[DataSpec, Any]:
     """``data`` (the value of library parameter ``param``) for a model of ``cfg``, and the evaluation
     transform for it; a dataset whose classes or images do not fit the model is refused."""
     if data not in DATASETS:
@@ -91,26 +102,47 @@ def _dataset(
 
 
 def _val_loader(
-    ckpt: Checkpoint, data: str, data_dir: str | None, download: bool, batch_size: int, dev: torch.device,
-    workers: int, crop_pct: float, seed: int,
-) -> tuple[DataLoader, int]:  # fmt: skip
+    ckpt: Checkpoint,
+    data: str,
+    data_dir: str | None,
+    download: bool,
+    batch_size: int,
+    dev: torch.device,
+    workers: int,
+    crop_pct: float,
+    seed: int,
+) -> tuple[DataLoader, int]:
     """The validation loader of ``data`` preprocessed for ``ckpt``'s model, and the split's size."""
     cfg = ckpt.config
     spec, tf = _dataset(
         cfg, data, data_dir, download=download, crop_pct=crop_pct, seed=seed, path=ckpt.path, val_only=True
     )
     loader = build_loader(
-        spec.val, tf, training=False, batch_size=batch_size, seed=seed, workers=workers,
-        pin_memory=dev.type == "cuda", in_chans=cfg.in_chans,
-    )  # fmt: skip
+        spec.val,
+        tf,
+        training=False,
+        batch_size=batch_size,
+        seed=seed,
+        workers=workers,
+        pin_memory=dev.type == "cuda",
+        in_chans=cfg.in_chans,
+    )
     return loader, len(spec.val)
 
 
 def evaluate_checkpoint(
-    path: str | Path, *, data: str, data_dir: str | None = None, download: bool = False,
-    batch_size: int = 128, device: str = "auto", amp: str = "none", workers: int | None = None, crop_pct: float = EVAL_CROP_PCT,
+    path: str | Path,
+    *,
+    data: str,
+    data_dir: str | None = None,
+    download: bool = False,
+    batch_size: int = 128,
+    device: str = "auto",
+    amp: str = "none",
+    workers: int | None = None,
+    crop_pct: float = EVAL_CROP_PCT,
     seed: int = 0,
-) -> EvalReport:  # fmt: skip
+) -> EvalReport:
     """``cmhsa eval``: top-1 / top-5 and loss of a checkpoint on ``data``'s validation split
     (``workers`` None: :func:`~convit_convert.data.default_workers`)."""
     ckpt = load_checkpoint(path)
@@ -126,9 +158,17 @@ def evaluate_checkpoint(
 
 
 def attention_on_data(
-    path: str | Path, *, data: str, data_dir: str | None = None, images: int = 1000, batch_size: int = 100,
-    device: str = "auto", workers: int = 0, crop_pct: float = EVAL_CROP_PCT, seed: int = 0,
-) -> AttentionReport:  # fmt: skip
+    path: str | Path,
+    *,
+    data: str,
+    data_dir: str | None = None,
+    images: int = 1000,
+    batch_size: int = 100,
+    device: str = "auto",
+    workers: int = 0,
+    crop_pct: float = EVAL_CROP_PCT,
+    seed: int = 0,
+) -> AttentionReport:
     """``cmhsa attention``: :func:`convit_convert.analysis.attention_stats` over the first
     ``images`` validation images."""
     ckpt = load_checkpoint(path)
@@ -151,9 +191,15 @@ def attention_on_data(
 
 
 def calibration_from_data(
-    cfg: ViTConfig, *, data: str, data_dir: str | None = None, images: int = 256, heldout: int = 512,
-    crop_pct: float = EVAL_CROP_PCT, seed: int = 0,
-) -> Calibration:  # fmt: skip
+    cfg: ViTConfig,
+    *,
+    data: str,
+    data_dir: str | None = None,
+    images: int = 256,
+    heldout: int = 512,
+    crop_pct: float = EVAL_CROP_PCT,
+    seed: int = 0,
+) -> Calibration:
     """Calibration images for ``cmhsa convert --approximate`` / ``cmhsa heads --checkpoint``: a
     seeded random ``images`` of ``data``'s training split, and the first ``heldout`` validation
     images with their labels, preprocessed as ``cmhsa eval`` does."""

@@ -27,12 +27,16 @@ class SweepRow:
     def to_dict(self) -> dict[str, Any]:
         h = self.heldout
         return {
-            "heads": self.heads, "calib_drop_error": self.calib_drop_error,
-            "calib_refit_error": self.calib_refit_error, "heldout_mixer_error": max(h.mixer_errors),
-            "heldout_logits_error": h.logits_error, "conv_top1": h.conv_top1, "attn_top1": h.attn_top1,
+            "heads": self.heads,
+            "calib_drop_error": self.calib_drop_error,
+            "calib_refit_error": self.calib_refit_error,
+            "heldout_mixer_error": max(h.mixer_errors),
+            "heldout_logits_error": h.logits_error,
+            "conv_top1": h.conv_top1,
+            "attn_top1": h.attn_top1,
             "kept": "all" if self.kept is None else [[list(o) for o in k] for k in self.kept],
             "refit_kept": self.refit_kept,
-        }  # fmt: skip
+        }
 
 
 @dataclass
@@ -47,9 +51,12 @@ class HeadsSweep:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "checkpoint": str(self.checkpoint.path), "rule": self.rule, "calibration": self.calibration,
-            "heldout_images": self.heldout_images, "rows": [r.to_dict() for r in self.rows],
-        }  # fmt: skip
+            "checkpoint": str(self.checkpoint.path),
+            "rule": self.rule,
+            "calibration": self.calibration,
+            "heldout_images": self.heldout_images,
+            "rows": [r.to_dict() for r in self.rows],
+        }
 
 
 def heads_sweep(
@@ -73,9 +80,14 @@ def heads_sweep(
             a = approximation(ckpt, plan, conv, [p.choice(n) for p in probs], calibration)
         attn = converted_model(ckpt, plan, None if a is None else a.blocks)
         h = heldout_errors(conv, attn, calibration.heldout, calibration.labels)
-        rows.append(SweepRow(
-            n, 0.0 if a is None else max(b.drop_error for b in a.blocks),
-            0.0 if a is None else max(b.refit_error for b in a.blocks), h,
-            None if a is None else [b.kept for b in a.blocks], None if a is None else [b.refit_kept for b in a.blocks],
-        ))  # fmt: skip
+        rows.append(
+            SweepRow(
+                n,
+                0.0 if a is None else max(b.drop_error for b in a.blocks),
+                0.0 if a is None else max(b.refit_error for b in a.blocks),
+                h,
+                None if a is None else [b.kept for b in a.blocks],
+                None if a is None else [b.refit_kept for b in a.blocks],
+            )
+        )
     return HeadsSweep(ckpt, rule, calibration.source, len(calibration.heldout), rows)

@@ -1,4 +1,5 @@
-"""``cmhsa verify``: does an attention checkpoint compute what a conv checkpoint computes? (:class:`VerifyReport`)"""
+"""``cmhsa verify``: does an attention checkpoint compute what a conv checkpoint computes?
+(:class:`VerifyReport`)"""
 
 from __future__ import annotations
 
@@ -42,9 +43,16 @@ class VerifyReport:
 
 
 def verify_files(
-    conv: Path, attn: Path, *, tol: float = DEFAULT_TOL, dtype: str = "float32", batch: int = 4, seed: int = 0,
-    device: str = "auto", report: Path | None = None,
-) -> VerifyReport:  # fmt: skip
+    conv: Path,
+    attn: Path,
+    *,
+    tol: float = DEFAULT_TOL,
+    dtype: str = "float32",
+    batch: int = 4,
+    seed: int = 0,
+    device: str = "auto",
+    report: Path | None = None,
+) -> VerifyReport:
     """``cmhsa verify``: does the attn checkpoint compute what the conv checkpoint computes?"""
     check_tol(tol)
     check_batch(batch)

@@ -35,19 +35,69 @@ app = typer.Typer()
 SPEC = ConversionSpec()  # the flags' defaults: the spec's, stated there once
 
 
-# fmt: off
 @app.command()
 def convert(
-    input: Annotated[Path, path_arg("Conv-phase model: cmhsa .safetensors, an ONNX file (.onnx, read by its graph), or a bare state dict (.safetensors/.pt/.pth) with --img-size and --patch-size.")],
+    input: Annotated[
+        Path,
+        path_arg(
+            "Conv-phase model: cmhsa .safetensors, an ONNX file (.onnx, read by its "
+            "graph), or a bare state dict (.safetensors/.pt/.pth) with --img-size "
+            "and --patch-size."
+        ),
+    ],
     output: Annotated[Path, output_option("Attention checkpoint to write (.safetensors).")],
-    heads: Annotated[int | None, typer.Option(help="Attention heads (default: as many as the kernel needs); extra heads are free, trainable heads with zero output weights.")] = None,
-    qk_dim: Annotated[int | None, typer.Option(help="Per-head query/key width (default: embed_dim, the paper's). Exactness does not depend on it.")] = None,
-    pinning: Annotated[str, typer.Option(help="hard: the exact construction, attention fixed; gated: each head also gets content attention behind a gate that starts at 0 (still exact).")] = SPEC.pinning,
-    sink: Annotated[bool, typer.Option("--sink/--no-sink", help="Give each head a sink so border patches are exact. --no-sink: the paper's construction (inexact at the border).")] = SPEC.sink,
-    qk_init_std: Annotated[float, typer.Option(help="Std of a small random W_Q, W_K (0 = the paper's zeros); moves phase 2 off the W_Q = W_K = 0 saddle and stays exact.")] = SPEC.qk_init_std,
-    margin: Annotated[float, typer.Option(help="Logit margin: each pinned head attends to its patch to within e^-margin (the paper's M = 40).")] = SPEC.margin,
-    tol: Annotated[float, typer.Option(help="Largest relative error verification accepts (and, for ONNX input, the import check).")] = SPEC.tol,
-    verify: Annotated[bool, typer.Option("--verify/--no-verify", help="Check the result numerically before writing it.")] = True,
+    heads: Annotated[
+        int | None,
+        typer.Option(
+            help="Attention heads (default: as many as the kernel needs); extra heads are "
+            "free, trainable heads with zero output weights."
+        ),
+    ] = None,
+    qk_dim: Annotated[
+        int | None,
+        typer.Option(
+            help="Per-head query/key width (default: embed_dim, the paper's). Exactness "
+            "does not depend on it."
+        ),
+    ] = None,
+    pinning: Annotated[
+        str,
+        typer.Option(
+            help="hard: the exact construction, attention fixed; gated: each head also "
+            "gets content attention behind a gate that starts at 0 (still exact)."
+        ),
+    ] = SPEC.pinning,
+    sink: Annotated[
+        bool,
+        typer.Option(
+            "--sink/--no-sink",
+            help="Give each head a sink so border patches are exact. --no-sink: the "
+            "paper's construction (inexact at the border).",
+        ),
+    ] = SPEC.sink,
+    qk_init_std: Annotated[
+        float,
+        typer.Option(
+            help="Std of a small random W_Q, W_K (0 = the paper's zeros); moves phase 2 "
+            "off the W_Q = W_K = 0 saddle and stays exact."
+        ),
+    ] = SPEC.qk_init_std,
+    margin: Annotated[
+        float,
+        typer.Option(
+            help="Logit margin: each pinned head attends to its patch to within e^-margin "
+            "(the paper's M = 40)."
+        ),
+    ] = SPEC.margin,
+    tol: Annotated[
+        float,
+        typer.Option(
+            help="Largest relative error verification accepts (and, for ONNX input, the import check)."
+        ),
+    ] = SPEC.tol,
+    verify: Annotated[
+        bool, typer.Option("--verify/--no-verify", help="Check the result numerically before writing it.")
+    ] = True,
     report: Annotated[Path | None, path_opt("Report path (default: OUTPUT's stem + .report.json).")] = None,
     img_size: Annotated[str | None, typer.Option(help="Bare state dicts only: image size, H or HxW.")] = None,
     patch_size: Annotated[int | None, typer.Option(help="Bare state dicts only: patch size P.")] = None,
@@ -55,44 +105,109 @@ def convert(
     norm_eps: Annotated[float, typer.Option(help="Bare state dicts only: LayerNorm eps.")] = NORM_EPS,
     dtype: Annotated[str, typer.Option(help="Verification dtype: float32 or float64.")] = "float32",
     batch: Annotated[int, typer.Option(help="Verification batch size.")] = 4,
-    seed: Annotated[int, typer.Option(help="Seed for the verification images and any random W_Q, W_K.")] = SPEC.seed,
+    seed: Annotated[
+        int, typer.Option(help="Seed for the verification images and any random W_Q, W_K.")
+    ] = SPEC.seed,
     device: Annotated[str, device_option()] = DEVICE,
-    approximate: Annotated[bool, typer.Option("--approximate", help="With --heads below what the kernel needs: keep the offsets that matter most on calibration images and refit their W_O (the paper's open problem; measured, not exact: verification still judges against --tol).")] = SPEC.approximate,
-    rule: Annotated[str, typer.Option(help="--approximate: greedy (drop the offset whose loss hurts least, measured, one at a time) or corner (drop the farthest offsets first, whatever the data).")] = SPEC.rule,
-    refit: Annotated[bool, typer.Option("--refit/--no-refit", help="--approximate: refit the kept heads' W_O by least squares (--no-refit: plain dropping).")] = SPEC.refit,
-    calib: Annotated[str | None, typer.Option(help="--approximate: calibration data, as train's --data (digits, fashion-mnist, cifar10, cifar100, imagefolder, synthetic); default: N(0, 1) noise images.")] = None,
-    data_dir: Annotated[str | None, typer.Option(help="--calib: the dataset's folder, as train's --data-dir.")] = None,
-    calib_images: Annotated[int, typer.Option(help="--approximate: calibration images (from the training split).")] = 256,
-    heldout_images: Annotated[int, typer.Option(help="--approximate: held-out images the report measures on (the validation split, with its labels).")] = 512,
-) -> None:  # fmt: skip
-# fmt: on
+    approximate: Annotated[
+        bool,
+        typer.Option(
+            "--approximate",
+            help="With --heads below what the kernel needs: keep the offsets that matter "
+            "most on calibration images and refit their W_O (the paper's open "
+            "problem; measured, not exact: verification still judges against --tol).",
+        ),
+    ] = SPEC.approximate,
+    rule: Annotated[
+        str,
+        typer.Option(
+            help="--approximate: greedy (drop the offset whose loss hurts least, "
+            "measured, one at a time) or corner (drop the farthest offsets first, "
+            "whatever the data)."
+        ),
+    ] = SPEC.rule,
+    refit: Annotated[
+        bool,
+        typer.Option(
+            "--refit/--no-refit",
+            help="--approximate: refit the kept heads' W_O by least squares (--no-refit: plain dropping).",
+        ),
+    ] = SPEC.refit,
+    calib: Annotated[
+        str | None,
+        typer.Option(
+            help="--approximate: calibration data, as train's --data (digits, "
+            "fashion-mnist, cifar10, cifar100, imagefolder, synthetic); default: "
+            "N(0, 1) noise images."
+        ),
+    ] = None,
+    data_dir: Annotated[
+        str | None, typer.Option(help="--calib: the dataset's folder, as train's --data-dir.")
+    ] = None,
+    calib_images: Annotated[
+        int, typer.Option(help="--approximate: calibration images (from the training split).")
+    ] = 256,
+    heldout_images: Annotated[
+        int,
+        typer.Option(
+            help="--approximate: held-out images the report measures on (the validation "
+            "split, with its labels)."
+        ),
+    ] = 512,
+) -> None:
     """Convert a conv-phase ViT into the attention ViT that computes the same function (Theorem 1)."""
     from ..api import convert_file
 
     if not approximate and (calib is not None or data_dir is not None):
-        raise CmhsaError("--calib and --data-dir calibrate an approximate conversion: add --approximate and --heads N")
+        raise CmhsaError(
+            "--calib and --data-dir calibrate an approximate conversion: add --approximate and --heads N"
+        )
 
     def calibrate(cfg: ViTConfig) -> Calibration:  # called only when an approximation needs images
         return calibration(cfg, calib, data_dir, calib_images, heldout_images, seed)
 
-    spec = ConversionSpec(heads=heads, qk_dim=qk_dim, sink=sink, pinning=pinning, qk_init_std=qk_init_std,
-                          margin=margin, seed=seed, tol=tol, approximate=approximate, rule=rule, refit=refit)  # fmt: skip
+    spec = ConversionSpec(
+        heads=heads,
+        qk_dim=qk_dim,
+        sink=sink,
+        pinning=pinning,
+        qk_init_std=qk_init_std,
+        margin=margin,
+        seed=seed,
+        tol=tol,
+        approximate=approximate,
+        rule=rule,
+        refit=refit,
+    )
     with console.status(f"Converting {safe(str(input))} and verifying on {batch} random images..."):
         r = convert_file(
-            input, output, spec, report=report, img_size=parse_img_size(img_size), patch_size=patch_size,
-            dilation=dilation, norm_eps=norm_eps, dtype=dtype, device=device, verify=verify, batch=batch,
+            input,
+            output,
+            spec,
+            report=report,
+            img_size=parse_img_size(img_size),
+            patch_size=patch_size,
+            dilation=dilation,
+            norm_eps=norm_eps,
+            dtype=dtype,
+            device=device,
+            verify=verify,
+            batch=batch,
             calibrate=calibrate,
-        )  # fmt: skip
+        )
     c = r.conversion
     cfg, pinned = c.config, c.summary()["pinned_heads"]
     print_import(c.source)
     console.print(
         f"Converted {safe(str(input))}: depth {cfg.depth}, {cfg.kernel_size}x{cfg.kernel_size} conv "
         f"(dilation {cfg.dilation}) on {cfg.patch_size}px patches -> {cfg.num_heads} heads "
-        f"({pinned} pinned), qk_dim {cfg.qk_dim}, v_dim {cfg.v_dim}, sink {'on' if cfg.sink else 'off'}, pinning {cfg.pinning}"
+        f"({pinned} pinned), qk_dim {cfg.qk_dim}, v_dim {cfg.v_dim}, sink "
+        f"{'on' if cfg.sink else 'off'}, pinning {cfg.pinning}"
     )
     if approximate and c.approximation is None:
-        console.print(f"--approximate: {cfg.num_heads} heads are enough for this kernel, so the conversion is exact")
+        console.print(
+            f"--approximate: {cfg.num_heads} heads are enough for this kernel, so the conversion is exact"
+        )
     if c.approximation is not None:
         print_approximation(c.approximation)
     if c.verification is not None:
@@ -100,15 +215,17 @@ def convert(
     print_written(r.passed, output, r.report_path, "verification")
     if not r.passed and c.approximation is not None and c.verification is not None:
         console.print(
-            f"An approximate conversion is not exact: to write it, pass --tol {rounded_up(c.verification.worst.rel)} "
+            "An approximate conversion is not exact: to write it, pass --tol "
+            f"{rounded_up(c.verification.worst.rel)} "
             "or more (the held-out errors above say what the approximation costs)."
         )
     if not r.passed:
         raise typer.Exit(EXIT_FAIL)
 
 
-def calibration(cfg: ViTConfig, calib: str | None, data_dir: str | None, images: int, heldout: int,
-                seed: int) -> Calibration:  # fmt: skip
+def calibration(
+    cfg: ViTConfig, calib: str | None, data_dir: str | None, images: int, heldout: int, seed: int
+) -> Calibration:
     """``--calib D`` images from a dataset (torchvision loads only then), else N(0, 1) noise."""
     if calib is None:
         from ..approximate import noise_calibration
@@ -116,7 +233,9 @@ def calibration(cfg: ViTConfig, calib: str | None, data_dir: str | None, images:
         return noise_calibration(cfg, images, heldout, seed)
     from ..api.on_data import calibration_from_data
 
-    return calibration_from_data(cfg, data=calib, data_dir=data_dir, images=images, heldout=heldout, seed=seed)
+    return calibration_from_data(
+        cfg, data=calib, data_dir=data_dir, images=images, heldout=heldout, seed=seed
+    )
 
 
 def print_approximation(a: Approximation) -> None:
@@ -127,24 +246,36 @@ def print_approximation(a: Approximation) -> None:
         f"Approximate: {len(a.blocks[0].kept)} heads per block, rule {a.rule}, "
         f"{'W_O refit' if a.refit else 'taps kept (no refit)'}; calibration: {safe(a.calibration)}"
     )
-    table = Table(caption="offsets as dy dx; errors relative; held-out: the mixer on the conv model's activations; "
-                          "taps: the refit lost to plain dropping on held-back calibration images, so not kept")  # fmt: skip
+    table = Table(
+        caption="offsets as dy dx; errors relative; held-out: the mixer on the conv model's activations; "
+        "taps: the refit lost to plain dropping on held-back calibration images, so not kept"
+    )
     for col in ("block", "kept", "dropped: calib. error after each", "drop", "refit", "held-out"):
         table.add_column(col)
     for i, b in enumerate(a.blocks):
         dropped = " ".join(f"{off(o)}:{e:.3f}" for o, e in zip(b.dropped, b.steps, strict=True))
         refit = f"{b.refit_error:.4f}" if b.refit_kept else ("taps" if a.refit else "")
-        table.add_row(str(i), " ".join(off(o) for o in b.kept), dropped, f"{b.drop_error:.4f}",
-                      refit, "" if h is None else f"{h.mixer_errors[i]:.4f}")  # fmt: skip
+        table.add_row(
+            str(i),
+            " ".join(off(o) for o in b.kept),
+            dropped,
+            f"{b.drop_error:.4f}",
+            refit,
+            "" if h is None else f"{h.mixer_errors[i]:.4f}",
+        )
     console.print(table)
     if h is not None:
-        acc = "" if h.conv_top1 is None else (
-            f"; top-1 {h.attn_top1:.2f}% against the conv model's {h.conv_top1:.2f}% (drop {h.accuracy_drop:.2f} points)"
+        acc = (
+            ""
+            if h.conv_top1 is None
+            else (
+                f"; top-1 {h.attn_top1:.2f}% against the conv model's {h.conv_top1:.2f}% "
+                f"(drop {h.accuracy_drop:.2f} points)"
+            )
         )
         console.print(f"Held out ({h.images} images): logits relative error {h.logits_error:.4f}{acc}")
 
 
-# fmt: off
 @app.command("verify")
 def verify_cmd(
     conv: Annotated[Path, path_arg("Conv-phase checkpoint (.safetensors or .onnx).")],
@@ -155,8 +286,7 @@ def verify_cmd(
     seed: Annotated[int, typer.Option(help="Seed for the random images.")] = 0,
     report: Annotated[Path | None, path_opt("Write a JSON report here.")] = None,
     device: Annotated[str, device_option()] = DEVICE,
-) -> None:  # fmt: skip
-# fmt: on
+) -> None:
     """Check numerically that ATTN computes what CONV computes. Exit 0 pass, 1 outside tol, 2 bad input."""
     from ..api import verify_files
 
@@ -169,14 +299,19 @@ def verify_cmd(
     raise typer.Exit(0 if r.passed else EXIT_FAIL)
 
 
-# fmt: off
 @app.command()
 def inspect(
-    ckpt: Annotated[Path, path_arg("A checkpoint: cmhsa .safetensors, an ONNX file (read by its graph), or a bare state dict (.safetensors/.pt/.pth) with --img-size and --patch-size.")],
+    ckpt: Annotated[
+        Path,
+        path_arg(
+            "A checkpoint: cmhsa .safetensors, an ONNX file (read by its graph), or "
+            "a bare state dict (.safetensors/.pt/.pth) with --img-size and "
+            "--patch-size."
+        ),
+    ],
     img_size: Annotated[str | None, typer.Option(help="Bare state dicts only: image size, H or HxW.")] = None,
     patch_size: Annotated[int | None, typer.Option(help="Bare state dicts only: patch size P.")] = None,
 ) -> None:
-# fmt: on
     """Kind, config, size and hash of a checkpoint; for attention, each head's pinned offset."""
     from ..api import inspect_file
 
@@ -217,16 +352,35 @@ def inspect(
     )
 
 
-# fmt: off
 @app.command()
 def heads(
-    kernel_size: Annotated[int | None, typer.Option("--kernel-size", "-k", help="Kernel size K (or --checkpoint).")] = None,
-    patch_size: Annotated[int | None, typer.Option("--patch-size", "-p", help="Patch size P (or --checkpoint).")] = None,
+    kernel_size: Annotated[
+        int | None, typer.Option("--kernel-size", "-k", help="Kernel size K (or --checkpoint).")
+    ] = None,
+    patch_size: Annotated[
+        int | None, typer.Option("--patch-size", "-p", help="Patch size P (or --checkpoint).")
+    ] = None,
     dilation: Annotated[int, typer.Option("--dilation", "-d", help="Dilation D.")] = 1,
-    channels: Annotated[int | None, typer.Option(help="Channels C (Theorem 5's pixel-input bound is min(K², C)).")] = None,
-    checkpoint: Annotated[Path | None, path_opt("A conv-phase checkpoint: also measure, for every N from 1 to the bound, the error of an approximate conversion with N heads (as convert --approximate).")] = None,
-    rule: Annotated[str, typer.Option(help="--checkpoint: greedy or corner (see convert --rule).")] = SPEC.rule,
-    calib: Annotated[str | None, typer.Option(help="--checkpoint: calibration data, as train's --data; default: N(0, 1) noise images.")] = None,
+    channels: Annotated[
+        int | None, typer.Option(help="Channels C (Theorem 5's pixel-input bound is min(K², C)).")
+    ] = None,
+    checkpoint: Annotated[
+        Path | None,
+        path_opt(
+            "A conv-phase checkpoint: also measure, for every N from 1 to the bound, "
+            "the error of an approximate conversion with N heads (as convert "
+            "--approximate)."
+        ),
+    ] = None,
+    rule: Annotated[
+        str, typer.Option(help="--checkpoint: greedy or corner (see convert --rule).")
+    ] = SPEC.rule,
+    calib: Annotated[
+        str | None,
+        typer.Option(
+            help="--checkpoint: calibration data, as train's --data; default: N(0, 1) noise images."
+        ),
+    ] = None,
     data_dir: Annotated[str | None, typer.Option(help="--calib: the dataset's folder.")] = None,
     calib_images: Annotated[int, typer.Option(help="--checkpoint: calibration images.")] = 256,
     heldout_images: Annotated[int, typer.Option(help="--checkpoint: held-out images.")] = 512,
@@ -234,7 +388,6 @@ def heads(
     kernel: Annotated[int | None, alias_option("--kernel", "--kernel-size")] = None,
     patch: Annotated[int | None, alias_option("--patch", "--patch-size")] = None,
 ) -> None:
-# fmt: on
     """How many heads an MHSA layer needs to express a KxK convolution, and why; with --checkpoint,
     what fewer heads cost that checkpoint, measured."""
     from ..theory import head_count, same_padding
@@ -248,7 +401,11 @@ def heads(
         ckpt = load_checkpoint(checkpoint)
         cfg = ckpt.config
         if (kernel, patch) != (None, None) and (kernel, patch) != (cfg.kernel_size, cfg.patch_size):
-            raise CmhsaError(f"has K = {cfg.kernel_size}, P = {cfg.patch_size}; drop --kernel-size/--patch-size or match them", checkpoint)
+            raise CmhsaError(
+                f"has K = {cfg.kernel_size}, P = {cfg.patch_size}; drop "
+                "--kernel-size/--patch-size or match them",
+                checkpoint,
+            )
         kernel, patch, dilation = cfg.kernel_size, cfg.patch_size, cfg.dilation
         channels = cfg.hidden_chans if channels is None else channels
         ConversionSpec(rule=rule)  # refuses a bad --rule before anything is printed
@@ -258,7 +415,8 @@ def heads(
     hc = head_count(kernel, patch, dilation, channels)
     left, right = same_padding(kernel, dilation)
     console.print(
-        f"{kernel}x{kernel} kernel, dilation {dilation} (extent {hc.extent} px, 'same' padding {left} before / "
+        f"{kernel}x{kernel} kernel, dilation {dilation} (extent {hc.extent} px, "
+        f"'same' padding {left} before / "
         f"{right} after), {patch}x{patch} patches"
     )
     lb = lambda v: "none proven" if v is None else str(v)  # noqa: E731
@@ -270,7 +428,9 @@ def heads(
     console.print(f"  {hc.pixel_reason}")
     ys = sorted({dy for dy, _ in hc.offsets})
     if len(ys) > 15:  # a grid a terminal can show; the counts above say the rest
-        console.print(f"Patch offsets: {len(ys)}x{len(ys)}, dy and dx from {ys[0]:+d} to {ys[-1]:+d} (grid not shown)")
+        console.print(
+            f"Patch offsets: {len(ys)}x{len(ys)}, dy and dx from {ys[0]:+d} to {ys[-1]:+d} (grid not shown)"
+        )
     else:
         grid = "\n".join(
             "  " + "  ".join(f"h{ys.index(dy) * len(ys) + ys.index(dx)}:({dy:+d},{dx:+d})" for dx in ys)
@@ -285,25 +445,40 @@ def print_sweep(ckpt: Any, rule: str, calib_set: Calibration, seed: int) -> None
     """``heads --checkpoint``: the measured error of N heads, N = 1 … the bound."""
     from ..api import heads_sweep
 
-    with console.status(f"Converting with 1, 2, ... heads up to the bound, measuring each on {len(calib_set.heldout)} held-out images..."):
+    with console.status(
+        "Converting with 1, 2, ... heads up to the bound, measuring each on "
+        f"{len(calib_set.heldout)} held-out images..."
+    ):
         rows = [row.to_dict() for row in heads_sweep(ckpt, calib_set, rule=rule, seed=seed).rows]
-    title = f"{safe(str(ckpt.path))}: N heads per block (rule {rule}, W_O refit where it generalises); calibration: {safe(calib_set.source)}"
+    title = (
+        f"{safe(str(ckpt.path))}: N heads per block (rule {rule}, W_O refit where it generalises); "
+        f"calibration: {safe(calib_set.source)}"
+    )
     table = Table()
     labelled = rows[0]["conv_top1"] is not None
-    cols = ["N", "calib: drop", "calib: refit", "held-out mixer", "held-out logits"] + (["top-1 %"] if labelled else [])
+    cols = ["N", "calib: drop", "calib: refit", "held-out mixer", "held-out logits"] + (
+        ["top-1 %"] if labelled else []
+    )
     for col in cols:
         table.add_column(col, justify="right")
     for r in rows:
-        cells = [str(r["heads"]), f"{r['calib_drop_error']:.4f}", f"{r['calib_refit_error']:.4f}",
-                 f"{r['heldout_mixer_error']:.4f}", f"{r['heldout_logits_error']:.4f}"]  # fmt: skip
+        cells = [
+            str(r["heads"]),
+            f"{r['calib_drop_error']:.4f}",
+            f"{r['calib_refit_error']:.4f}",
+            f"{r['heldout_mixer_error']:.4f}",
+            f"{r['heldout_logits_error']:.4f}",
+        ]
         if labelled:
             cells.append(f"{r['attn_top1']:.2f}")
         table.add_row(*cells)
     print_titled(title, table)
     console.print(
         "[dim]errors are relative (Frobenius), worst block; calib: on the calibration images, with the kept "
-        "taps (drop) or refit W_O; held-out: each block's mixer on the conv model's activations, and the logits"
-        + (f"; the conv model's top-1 is {rows[0]['conv_top1']:.2f}%" if labelled else "") + "[/]"
+        "taps (drop) or refit W_O; held-out: each block's mixer on the conv "
+        "model's activations, and the logits"
+        + (f"; the conv model's top-1 is {rows[0]['conv_top1']:.2f}%" if labelled else "")
+        + "[/]"
     )
 
 

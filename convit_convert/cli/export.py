@@ -21,8 +21,11 @@ def print_export(r: Any) -> None:
     cfg = ckpt.config
     print_import(ckpt)
     console.print(
-        f"Exported {safe(str(ckpt.path))} ({ckpt.kind}, depth {cfg.depth}, {cfg.img_size[0]}x{cfg.img_size[1]} px) "
-        f"{f'in its {ex.form} form ' if ex.form else ''}with the {ex.exporter} exporter, opset {ex.opsets.get('ai.onnx')}, in {ex.timings['export_s']:.1f} s: "
+        f"Exported {safe(str(ckpt.path))} ({ckpt.kind}, depth {cfg.depth}, "
+        f"{cfg.img_size[0]}x{cfg.img_size[1]} px) "
+        f"{f'in its {ex.form} form ' if ex.form else ''}with the {ex.exporter} "
+        f"exporter, opset {ex.opsets.get('ai.onnx')}, in "
+        f"{ex.timings['export_s']:.1f} s: "
         f"{len(ex.data) / 1e6:.1f} MB"
     )
     io = ", ".join(f"{v['name']} {v['shape']}" for v in check.inputs + check.outputs)
@@ -40,7 +43,8 @@ def print_export(r: Any) -> None:
         console.print(f"[red]problem[/]: {safe(problem)}")
     worst, verdict = check.worst, ("[green]PASS[/]", "<=") if check.passed else ("[red]FAIL[/]", ">")
     console.print(
-        f"{verdict[0]}: worst relative error {fmt(worst.rel)} (batch {worst.batch}) {verdict[1]} tol {check.tol:g}"
+        f"{verdict[0]}: worst relative error {fmt(worst.rel)} (batch "
+        f"{worst.batch}) {verdict[1]} tol {check.tol:g}"
     )
     print_written(r.passed, r.output, r.report_path, "check")
 
@@ -72,27 +76,47 @@ def print_timm_folder(r: Any) -> None:
     console.print(f"Wrote timm's folder {safe(str(folder))}: {', '.join(p.name for p in r.written)}")
     verdict = "[green]PASS[/]: equal" if r.passed else "[red]FAIL[/]: not equal"
     console.print(
-        f"{verdict} logits from timm.create_model('local-dir:{safe(str(folder))}', pretrained=True) and cmhsa's model "
+        f"{verdict} logits from "
+        f"timm.create_model('local-dir:{safe(str(folder))}', pretrained=True) and "
+        "cmhsa's model "
         f"(max |Δ| {fmt(r.max_abs)}, 4 images)"
     )
 
 
-# fmt: off
 @app.command("export")
 def export_cmd(
     checkpoint: Annotated[Path, path_arg("Checkpoint to export (attn or conv).")],
     output: Annotated[Path, output_option("ONNX file to write (.onnx); with --format timm, the folder.")],
-    format: Annotated[str, typer.Option("--format", help="onnx (one file, checked in onnxruntime) or timm (timm's pretrained folder: model.safetensors + config.json, for timm.create_model('local-dir:DIR') and the Hugging Face Hub; checked by loading it with timm). The other options are ONNX's.")] = "onnx",
-    opset: Annotated[int | None, typer.Option(help="ai.onnx opset (>= 17; default: the exporter's).", show_default=False)] = None,
+    format: Annotated[
+        str,
+        typer.Option(
+            "--format",
+            help="onnx (one file, checked in onnxruntime) or timm (timm's pretrained "
+            "folder: model.safetensors + config.json, for "
+            "timm.create_model('local-dir:DIR') and the Hugging Face Hub; checked by "
+            "loading it with timm). The other options are ONNX's.",
+        ),
+    ] = "onnx",
+    opset: Annotated[
+        int | None, typer.Option(help="ai.onnx opset (>= 17; default: the exporter's).", show_default=False)
+    ] = None,
     tol: Annotated[float, typer.Option(help="Largest relative error of onnxruntime vs PyTorch.")] = 1e-4,
-    exporter: Annotated[str, typer.Option(help="dynamo (torch.export, torch's default) or legacy (TorchScript).")] = "dynamo",
-    form: Annotated[str, typer.Option(help="Attention models: fused (W_V·W_O folded, faster inference, the same function) or trained (the projections as trained).")] = "fused",
+    exporter: Annotated[
+        str, typer.Option(help="dynamo (torch.export, torch's default) or legacy (TorchScript).")
+    ] = "dynamo",
+    form: Annotated[
+        str,
+        typer.Option(
+            help="Attention models: fused (W_V·W_O folded, faster inference, the same "
+            "function) or trained (the projections as trained)."
+        ),
+    ] = "fused",
     device: Annotated[str, device_option()] = DEVICE,
     seed: Annotated[int, typer.Option(help="Seed of the check images.")] = 0,
     report: Annotated[Path | None, path_opt("Report path (default: OUTPUT + .report.json).")] = None,
-) -> None:  # fmt: skip
-# fmt: on
-    """Export a checkpoint to one self-contained ONNX file and check it in onnxruntime (exit 1 outside --tol), or as timm's pretrained folder."""
+) -> None:
+    """Export a checkpoint to one self-contained ONNX file and check it in onnxruntime (exit 1
+    outside --tol), or as timm's pretrained folder."""
     if format not in ("onnx", "timm"):
         raise CmhsaError(f"`--format` must be onnx or timm, got {format!r}")
     if format == "timm":

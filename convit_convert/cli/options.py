@@ -1,7 +1,8 @@
 """The options several commands share, declared once (one spelling, one default, one help text per
 concept, as huggingface_hub's CLI shares its option aliases), the old spellings kept as hidden
 aliases, and :func:`plain_help`, which makes every command's ``--help`` show each default once,
-no type metavars, every numeric option's range (bounds.BOUNDS), and arguments named as the README names them (``INPUT``, not ``{input}``)."""
+no type metavars, every numeric option's range (bounds.BOUNDS), and arguments named as the README
+names them (``INPUT``, not ``{input}``)."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import inspect
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any, NamedTuple, Optional
 
 import typer
 
@@ -41,81 +41,275 @@ PHASE2 = "Phase 2"
 RECIPE = "Recipe (DeiT's, as the paper)"
 RUN = "Running"
 
-# (field, type, help, panel, phases); defaults come from TrainConfig
-FLAGS: list[tuple[str, Any, str, str, tuple[str, ...]]] = [
-    ("data", str, DATA_HELP, "Data", ("phase1", "phase2")),
-    ("data_dir", str, "Folder of the dataset (cifar*, imagefolder).", "Data", ("phase1", "phase2")),
-    ("download", bool, "Let torchvision download CIFAR into --data-dir (never without this flag).", "Data", ("phase1", "phase2")),
-    ("num_classes", int, "Classes of --data synthetic.", "Data", ("phase1", "phase2")),
-    ("train_samples", int, "Train on a fixed, seeded subset of this many training images (short runs).", "Data", ("phase1", "phase2")),
-    ("val_samples", int, "Evaluate each epoch on the first this many validation images (the same for every seed; default: all).", "Data", ("phase1", "phase2")),
-    ("holdout", int, "Evaluate each epoch on this many training-split images left out of --train-samples' subset, instead of the validation split: tune on them and the validation images stay unseen.", "Data", ("phase1", "phase2")),
-    ("loader", str, "device: the data held as one tensor on the training device, augmented per batch there (train/held.py); workers: timm's per-image transforms in worker processes (any dataset, any timm augmentation); auto: device when the data fits (2 GiB decoded, one image size) and the augmentation is one it runs.", "Data", ("phase1", "phase2")),
-    ("preset", str, "The value of every flag not given. paper: the paper's model and recipe (224 px, P 16, d 768, 6 blocks, DeiT's augmentation). cpu: the EXPERIMENTS.md model and recipe, sized for a few CPU cores: 28 px, P 4, d 48, 2 blocks, K 5, batch 64 with --lr-base-batch 64, no RandAugment, Mixup, CutMix or erasing, warm-up a tenth of --epochs, workers 0, learning rate 2e-3 (2e-4 from a checkpoint).", MODEL, ("phase1", "phase2")),
-    ("img_size", int, "Image size (the data is resized to it).", MODEL, ("phase1", "phase2")),
-    ("in_chans", int, "Image channels: 3 (RGB) or 1 (grayscale); every image is converted to it.", MODEL, ("phase1", "phase2")),
-    ("patch_size", int, "Patch size P.", MODEL, ("phase1", "phase2")),
-    ("hidden_chans", int, "Channels of the pixel view of a token; embed_dim = P² · hidden_chans. 3 = identity patch embedding.", MODEL, ("phase1", "phase2")),
-    ("depth", int, "Blocks.", MODEL, ("phase1", "phase2")),
-    ("mlp_ratio", float, "MLP width / embed_dim.", MODEL, ("phase1", "phase2")),
-    ("kernel_size", int, "Phase-1 convolution K.", MODEL, ("phase1", "phase2")),
-    ("dilation", int, "Phase-1 convolution dilation.", MODEL, ("phase1", "phase2")),
-    ("drop_path", float, "Stochastic depth rate.", MODEL, ("phase1", "phase2")),
-    ("init", str, "Conv-phase checkpoint (converted exactly, verified), attention checkpoint, 'random', or a start without a conv phase: 'mimetic' (W_Q·W_Kᵀ ≈ αI, W_V·W_O ≈ −βI, Trockman & Kolter) or 'impulse' (each head pinned to one offset of the K×K window, gated, all else random; Zheng et al.).", PHASE2, ("phase2",)),
-    ("mimetic_alpha", float, "--init mimetic: W_Q,hᵀ·W_K,h = α(Z + I) per head (the published α₁ = β₁).", PHASE2, ("phase2",)),
-    ("mimetic_beta", float, "--init mimetic: Σ_h W_V,hᵀ·W_O,hᵀ = β(Z − I) (the published α₂ = β₂).", PHASE2, ("phase2",)),
-    ("impulse_offsets", str, "--init impulse: conversion (head r pinned to the conversion's r-th offset) or random (each head an offset drawn from the window).", PHASE2, ("phase2",)),
-    ("heads", int, "Attention heads (default: as many as the conversion needs); extra heads are free, trainable heads that start with zero output weights.", PHASE2, ("phase2",)),
-    ("qk_dim", int, "Per-head query/key width (default: embed_dim).", PHASE2, ("phase2",)),
-    ("sink", bool, "Per-head sink (exact borders); --no-sink is the paper's construction.", PHASE2, ("phase2",)),
-    ("pinning", str, "hard: the exact construction (attention fixed by a saturated bias); gated: each head also gets content attention behind a gate that starts at 0 (still exact; the default after Fashion-MNIST, EXPERIMENTS.md).", PHASE2, ("phase2",)),
-    ("freeze_attention", bool, "Ablation: keep W_Q, W_K, the biases, sinks and gates as converted (W_V, W_O and the MLPs still train).", PHASE2, ("phase2",)),
-    ("attn_lr_mult", float, "Learning-rate multiplier for W_Q, W_K, the gates and the relative-position biases.", PHASE2, ("phase2",)),
-    ("qk_init_std", float, "Std of a random W_Q, W_K at conversion (0: the paper's zeros, where their gradients vanish).", PHASE2, ("phase2",)),
-    ("margin", float, "Pinning logit margin of the conversion (smaller: softer attention, less exact).", PHASE2, ("phase2",)),
-    ("verify_tol", float, "Largest relative error of the converted model before training starts.", PHASE2, ("phase2",)),
-    ("epochs", int, "Epochs.", RECIPE, ("phase1", "phase2")),
-    ("batch_size", int, "Batch per process.", RECIPE, ("phase1", "phase2")),
-    ("lr", float, "Peak learning rate at a global batch of --lr-base-batch (scaled linearly, as DeiT).", RECIPE, ("phase1", "phase2")),
-    ("lr_base_batch", int, "Global batch at which --lr applies.", RECIPE, ("phase1", "phase2")),
-    ("min_lr", float, "Final cosine learning rate (scaled like --lr).", RECIPE, ("phase1", "phase2")),
-    ("warmup_lr", float, "Learning rate at the start of warm-up (scaled like --lr).", RECIPE, ("phase1", "phase2")),
-    ("warmup_epochs", int, "Linear warm-up epochs (0: none, Section 4.3).", RECIPE, ("phase1", "phase2")),
-    ("sched", str, "timm scheduler name.", RECIPE, ("phase1", "phase2")),
-    ("weight_decay", float, "AdamW weight decay.", RECIPE, ("phase1", "phase2")),
-    ("opt", str, "timm optimizer name.", RECIPE, ("phase1", "phase2")),
-    ("opt_eps", float, "Optimizer epsilon.", RECIPE, ("phase1", "phase2")),
-    ("opt_betas", tuple[float, float], "Optimizer betas.", RECIPE, ("phase1", "phase2")),
-    ("clip_grad", float, "Clip the gradient norm to this (default: no clipping).", RECIPE, ("phase1", "phase2")),
-    ("aa", str, "timm auto-augment policy ('none' to disable).", RECIPE, ("phase1", "phase2")),
-    ("color_jitter", float, "Colour jitter (unused while auto-augment is on, as in timm).", RECIPE, ("phase1", "phase2")),
-    ("reprob", float, "Random erasing probability.", RECIPE, ("phase1", "phase2")),
-    ("remode", str, "Random erasing mode.", RECIPE, ("phase1", "phase2")),
-    ("interpolation", str, "Resize interpolation.", RECIPE, ("phase1", "phase2")),
-    ("scale", tuple[float, float], "Random-resized-crop area range.", RECIPE, ("phase1", "phase2")),
-    ("hflip", float, "Horizontal flip probability (0 for digits and text).", RECIPE, ("phase1", "phase2")),
-    ("crop_pct", float, "Eval centre-crop fraction.", RECIPE, ("phase1", "phase2")),
-    ("mixup", float, "Mixup alpha (0 with --cutmix 0: off).", RECIPE, ("phase1", "phase2")),
-    ("cutmix", float, "CutMix alpha.", RECIPE, ("phase1", "phase2")),
-    ("mixup_prob", float, "Probability of mixing a batch.", RECIPE, ("phase1", "phase2")),
-    ("mixup_switch_prob", float, "Probability of CutMix instead of Mixup.", RECIPE, ("phase1", "phase2")),
-    ("smoothing", float, "Label smoothing.", RECIPE, ("phase1", "phase2")),
-    ("model_ema", bool, "Keep an EMA of the weights (evaluated and saved as *-ema.safetensors).", RECIPE, ("phase1", "phase2")),
-    ("model_ema_decay", float, "EMA decay.", RECIPE, ("phase1", "phase2")),
-    ("seed", int, "Seed of everything random.", RUN, ("phase1", "phase2")),
-    ("device", str, DEVICE_HELP, RUN, ("phase1", "phase2")),
-    ("amp", str, "auto (bf16 on CUDA, none on CPU), bf16, fp16 or none.", RUN, ("phase1", "phase2")),
-    ("compile", bool, "torch.compile the training step up to the update (CUDA graphs on a GPU); the model's forward only under torchrun or fp16.", RUN, ("phase1", "phase2")),
-    ("deterministic", bool, "Deterministic CUDA kernels: bit-identical re-runs and resumes on a GPU, somewhat slower; a resume in another environment (threads, CPU code path, versions) is refused. CPU runs repeat bit for bit at the same threads and CPU code path (README: When two runs are bit-identical).", RUN, ("phase1", "phase2")),
-    ("workers", int, WORKERS_HELP, RUN, ("phase1", "phase2")),
-    ("threads", int, "torch CPU threads per process; CPU results depend on it (README: When two runs are bit-identical).", RUN, ("phase1", "phase2")),
-    ("resume", bool, "Continue the run in -o/--output from checkpoint-last.pt (a larger --epochs extends it; a new --lr restarts the schedule from there).", RUN, ("phase1", "phase2")),
-    ("overwrite", bool, "Start a new run in an -o/--output folder that holds another run's outputs (its model, metrics, config and checkpoints are removed once the new run has saved its first checkpoint; never the --init file); without it such a folder is refused.", RUN, ("phase1", "phase2")),
-    ("keep", int, "Also keep the newest N end-of-epoch checkpoints.", RUN, ("phase1", "phase2")),
-    ("log_every", int, "Steps between read-outs of the loss from the device: log lines, the progress bar, stop requests under torchrun.", RUN, ("phase1", "phase2")),
-    ("export_onnx", bool, "At the end, also write the model as ONNX (vit.onnx / conv.onnx), checked in onnxruntime as by cmhsa export.", RUN, ("phase1", "phase2")),
-    ("export_timm", bool, "At the end, also write the model as timm's pretrained folder timm/ (model.safetensors + config.json, for timm.create_model('local-dir:DIR') and the Hugging Face Hub), checked by loading it with timm as by cmhsa export --format timm.", RUN, ("phase1", "phase2")),
-]  # fmt: skip
+
+class Flag(NamedTuple):
+    """One option of `cmhsa train phase1/phase2`: its TrainConfig field (the default comes from
+    there; the range from bounds.BOUNDS), type, --help panel and text, and the phases that take it."""
+
+    name: str
+    type: Any
+    panel: str
+    help: str
+    phases: tuple[str, ...] = ("phase1", "phase2")
+
+
+FLAGS: list[Flag] = [
+    Flag("data", str, "Data", DATA_HELP),
+    Flag("data_dir", str, "Data", "Folder of the dataset (cifar*, imagefolder)."),
+    Flag(
+        "download", bool, "Data", "Let torchvision download CIFAR into --data-dir (never without this flag)."
+    ),
+    Flag("num_classes", int, "Data", "Classes of --data synthetic."),
+    Flag(
+        "train_samples",
+        int,
+        "Data",
+        "Train on a fixed, seeded subset of this many training images (short runs).",
+    ),
+    Flag(
+        "val_samples",
+        int,
+        "Data",
+        "Evaluate each epoch on the first this many validation images (the same "
+        "for every seed; default: all).",
+    ),
+    Flag(
+        "holdout",
+        int,
+        "Data",
+        "Evaluate each epoch on this many training-split images left out of "
+        "--train-samples' subset, instead of the validation split: tune on them "
+        "and the validation images stay unseen.",
+    ),
+    Flag(
+        "loader",
+        str,
+        "Data",
+        "device: the data held as one tensor on the training device, augmented "
+        "per batch there (train/held.py); workers: timm's per-image transforms "
+        "in worker processes (any dataset, any timm augmentation); auto: device "
+        "when the data fits (2 GiB decoded, one image size) and the augmentation "
+        "is one it runs.",
+    ),
+    Flag(
+        "preset",
+        str,
+        MODEL,
+        "The value of every flag not given. paper: the paper's model and recipe "
+        "(224 px, P 16, d 768, 6 blocks, DeiT's augmentation). cpu: the "
+        "EXPERIMENTS.md model and recipe, sized for a few CPU cores: 28 px, P 4, "
+        "d 48, 2 blocks, K 5, batch 64 with --lr-base-batch 64, no RandAugment, "
+        "Mixup, CutMix or erasing, warm-up a tenth of --epochs, workers 0, "
+        "learning rate 2e-3 (2e-4 from a checkpoint).",
+    ),
+    Flag("img_size", int, MODEL, "Image size (the data is resized to it)."),
+    Flag("in_chans", int, MODEL, "Image channels: 3 (RGB) or 1 (grayscale); every image is converted to it."),
+    Flag("patch_size", int, MODEL, "Patch size P."),
+    Flag(
+        "hidden_chans",
+        int,
+        MODEL,
+        "Channels of the pixel view of a token; embed_dim = P² · hidden_chans. 3 = identity patch embedding.",
+    ),
+    Flag("depth", int, MODEL, "Blocks."),
+    Flag("mlp_ratio", float, MODEL, "MLP width / embed_dim."),
+    Flag("kernel_size", int, MODEL, "Phase-1 convolution K."),
+    Flag("dilation", int, MODEL, "Phase-1 convolution dilation."),
+    Flag("drop_path", float, MODEL, "Stochastic depth rate."),
+    Flag(
+        "init",
+        str,
+        PHASE2,
+        "Conv-phase checkpoint (converted exactly, verified), attention "
+        "checkpoint, 'random', or a start without a conv phase: 'mimetic' "
+        "(W_Q·W_Kᵀ ≈ αI, W_V·W_O ≈ −βI, Trockman & Kolter) or 'impulse' (each "
+        "head pinned to one offset of the K×K window, gated, all else random; "
+        "Zheng et al.).",
+        phases=("phase2",),
+    ),
+    Flag(
+        "mimetic_alpha",
+        float,
+        PHASE2,
+        "--init mimetic: W_Q,hᵀ·W_K,h = α(Z + I) per head (the published α₁ = β₁).",
+        phases=("phase2",),
+    ),
+    Flag(
+        "mimetic_beta",
+        float,
+        PHASE2,
+        "--init mimetic: Σ_h W_V,hᵀ·W_O,hᵀ = β(Z − I) (the published α₂ = β₂).",
+        phases=("phase2",),
+    ),
+    Flag(
+        "impulse_offsets",
+        str,
+        PHASE2,
+        "--init impulse: conversion (head r pinned to the conversion's r-th "
+        "offset) or random (each head an offset drawn from the window).",
+        phases=("phase2",),
+    ),
+    Flag(
+        "heads",
+        int,
+        PHASE2,
+        "Attention heads (default: as many as the conversion needs); extra heads "
+        "are free, trainable heads that start with zero output weights.",
+        phases=("phase2",),
+    ),
+    Flag("qk_dim", int, PHASE2, "Per-head query/key width (default: embed_dim).", phases=("phase2",)),
+    Flag(
+        "sink",
+        bool,
+        PHASE2,
+        "Per-head sink (exact borders); --no-sink is the paper's construction.",
+        phases=("phase2",),
+    ),
+    Flag(
+        "pinning",
+        str,
+        PHASE2,
+        "hard: the exact construction (attention fixed by a saturated bias); "
+        "gated: each head also gets content attention behind a gate that starts "
+        "at 0 (still exact; the default after Fashion-MNIST, EXPERIMENTS.md).",
+        phases=("phase2",),
+    ),
+    Flag(
+        "freeze_attention",
+        bool,
+        PHASE2,
+        "Ablation: keep W_Q, W_K, the biases, sinks and gates as converted (W_V, "
+        "W_O and the MLPs still train).",
+        phases=("phase2",),
+    ),
+    Flag(
+        "attn_lr_mult",
+        float,
+        PHASE2,
+        "Learning-rate multiplier for W_Q, W_K, the gates and the relative-position biases.",
+        phases=("phase2",),
+    ),
+    Flag(
+        "qk_init_std",
+        float,
+        PHASE2,
+        "Std of a random W_Q, W_K at conversion (0: the paper's zeros, where their gradients vanish).",
+        phases=("phase2",),
+    ),
+    Flag(
+        "margin",
+        float,
+        PHASE2,
+        "Pinning logit margin of the conversion (smaller: softer attention, less exact).",
+        phases=("phase2",),
+    ),
+    Flag(
+        "verify_tol",
+        float,
+        PHASE2,
+        "Largest relative error of the converted model before training starts.",
+        phases=("phase2",),
+    ),
+    Flag("epochs", int, RECIPE, "Epochs."),
+    Flag("batch_size", int, RECIPE, "Batch per process."),
+    Flag(
+        "lr",
+        float,
+        RECIPE,
+        "Peak learning rate at a global batch of --lr-base-batch (scaled linearly, as DeiT).",
+    ),
+    Flag("lr_base_batch", int, RECIPE, "Global batch at which --lr applies."),
+    Flag("min_lr", float, RECIPE, "Final cosine learning rate (scaled like --lr)."),
+    Flag("warmup_lr", float, RECIPE, "Learning rate at the start of warm-up (scaled like --lr)."),
+    Flag("warmup_epochs", int, RECIPE, "Linear warm-up epochs (0: none, Section 4.3)."),
+    Flag("sched", str, RECIPE, "timm scheduler name."),
+    Flag("weight_decay", float, RECIPE, "AdamW weight decay."),
+    Flag("opt", str, RECIPE, "timm optimizer name."),
+    Flag("opt_eps", float, RECIPE, "Optimizer epsilon."),
+    Flag("opt_betas", tuple[float, float], RECIPE, "Optimizer betas."),
+    Flag("clip_grad", float, RECIPE, "Clip the gradient norm to this (default: no clipping)."),
+    Flag("aa", str, RECIPE, "timm auto-augment policy ('none' to disable)."),
+    Flag("color_jitter", float, RECIPE, "Colour jitter (unused while auto-augment is on, as in timm)."),
+    Flag("reprob", float, RECIPE, "Random erasing probability."),
+    Flag("remode", str, RECIPE, "Random erasing mode."),
+    Flag("interpolation", str, RECIPE, "Resize interpolation."),
+    Flag("scale", tuple[float, float], RECIPE, "Random-resized-crop area range."),
+    Flag("hflip", float, RECIPE, "Horizontal flip probability (0 for digits and text)."),
+    Flag("crop_pct", float, RECIPE, "Eval centre-crop fraction."),
+    Flag("mixup", float, RECIPE, "Mixup alpha (0 with --cutmix 0: off)."),
+    Flag("cutmix", float, RECIPE, "CutMix alpha."),
+    Flag("mixup_prob", float, RECIPE, "Probability of mixing a batch."),
+    Flag("mixup_switch_prob", float, RECIPE, "Probability of CutMix instead of Mixup."),
+    Flag("smoothing", float, RECIPE, "Label smoothing."),
+    Flag("model_ema", bool, RECIPE, "Keep an EMA of the weights (evaluated and saved as *-ema.safetensors)."),
+    Flag("model_ema_decay", float, RECIPE, "EMA decay."),
+    Flag("seed", int, RUN, "Seed of everything random."),
+    Flag("device", str, RUN, DEVICE_HELP),
+    Flag("amp", str, RUN, "auto (bf16 on CUDA, none on CPU), bf16, fp16 or none."),
+    Flag(
+        "compile",
+        bool,
+        RUN,
+        "torch.compile the training step up to the update (CUDA graphs on a "
+        "GPU); the model's forward only under torchrun or fp16.",
+    ),
+    Flag(
+        "deterministic",
+        bool,
+        RUN,
+        "Deterministic CUDA kernels: bit-identical re-runs and resumes on a GPU, "
+        "somewhat slower; a resume in another environment (threads, CPU code "
+        "path, versions) is refused. CPU runs repeat bit for bit at the same "
+        "threads and CPU code path (README: When two runs are bit-identical).",
+    ),
+    Flag("workers", int, RUN, WORKERS_HELP),
+    Flag(
+        "threads",
+        int,
+        RUN,
+        "torch CPU threads per process; CPU results depend on it (README: When two runs are bit-identical).",
+    ),
+    Flag(
+        "resume",
+        bool,
+        RUN,
+        "Continue the run in -o/--output from checkpoint-last.pt (a larger "
+        "--epochs extends it; a new --lr restarts the schedule from there).",
+    ),
+    Flag(
+        "overwrite",
+        bool,
+        RUN,
+        "Start a new run in an -o/--output folder that holds another run's "
+        "outputs (its model, metrics, config and checkpoints are removed once "
+        "the new run has saved its first checkpoint; never the --init file); "
+        "without it such a folder is refused.",
+    ),
+    Flag("keep", int, RUN, "Also keep the newest N end-of-epoch checkpoints."),
+    Flag(
+        "log_every",
+        int,
+        RUN,
+        "Steps between read-outs of the loss from the device: log lines, the "
+        "progress bar, stop requests under torchrun.",
+    ),
+    Flag(
+        "export_onnx",
+        bool,
+        RUN,
+        "At the end, also write the model as ONNX (vit.onnx / conv.onnx), "
+        "checked in onnxruntime as by cmhsa export.",
+    ),
+    Flag(
+        "export_timm",
+        bool,
+        RUN,
+        "At the end, also write the model as timm's pretrained folder timm/ "
+        "(model.safetensors + config.json, for "
+        "timm.create_model('local-dir:DIR') and the Hugging Face Hub), checked "
+        "by loading it with timm as by cmhsa export --format timm.",
+    ),
+]
 
 
 def _sci(x: float) -> str:
@@ -162,23 +356,28 @@ def _train_command(phase: str) -> Any:
         _run_training(TrainConfig.from_flags(phase=phase, out=str(out), given=frozenset(given), **given))
 
     output = inspect.Parameter(
-        "output", inspect.Parameter.KEYWORD_ONLY, default=None,
+        "output",
+        inspect.Parameter.KEYWORD_ONLY,
+        default=None,
         annotation=Annotated[Optional[Path], output_option("Run folder to write (created).")],  # noqa: UP045
-    )  # fmt: skip
+    )
     old_out = inspect.Parameter(
-        "out", inspect.Parameter.KEYWORD_ONLY, default=None,
+        "out",
+        inspect.Parameter.KEYWORD_ONLY,
+        default=None,
         annotation=Annotated[Optional[Path], alias_option("--out", "-o/--output")],  # noqa: UP045
-    )  # fmt: skip
+    )
     params = [output, old_out] + [
         _option(name, typ, help_text, panel, defaults[name])
-        for name, typ, help_text, panel, phases in FLAGS
+        for name, typ, panel, help_text, phases in FLAGS
         if phase in phases
     ]
     command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
     command.__name__ = phase
     command.__doc__ = {
         "phase1": "Phase 1: train the convolutional ViT (each block's attention replaced by a KxK conv).",
-        "phase2": "Phase 2: train the attention ViT, from a phase-1 checkpoint converted exactly (--init conv.safetensors, "
+        "phase2": "Phase 2: train the attention ViT, from a phase-1 checkpoint converted "
+        "exactly (--init conv.safetensors, "
         "the paper's) or without one (--init impulse, the default; mimetic; random).",
     }[phase]
     return command
@@ -212,9 +411,10 @@ for _phase in ("phase1", "phase2"):
     train_app.command(_phase)(_train_command(_phase))
 
 
-# fmt: off
 def eval_command(
-    checkpoint: Annotated[Path, typer.Argument(help="Model checkpoint (.safetensors, conv or attn).", show_default=False)],
+    checkpoint: Annotated[
+        Path, typer.Argument(help="Model checkpoint (.safetensors, conv or attn).", show_default=False)
+    ],
     data: Annotated[Optional[str], data_option("eval")] = None,  # noqa: UP045
     data_dir: Annotated[Optional[str], typer.Option(help="Folder of the dataset.")] = None,  # noqa: UP045
     download: Annotated[bool, typer.Option(help="Let torchvision download CIFAR.")] = False,
@@ -225,7 +425,6 @@ def eval_command(
     crop_pct: Annotated[float, typer.Option(help="Eval centre-crop fraction.")] = EVAL_CROP_PCT,
     seed: Annotated[int, typer.Option(help="Seed of --data synthetic.")] = 0,
 ) -> None:
-# fmt: on
     """Top-1 / top-5 accuracy and loss of a checkpoint on a dataset's validation split."""
     from rich.table import Table
 
@@ -234,9 +433,17 @@ def eval_command(
     if data is None:
         raise CmhsaError(missing_data("eval"))
     r = evaluate_checkpoint(
-        checkpoint, data=data, data_dir=data_dir, download=download, batch_size=batch_size,
-        device=device, amp=amp, workers=workers, crop_pct=crop_pct, seed=seed,
-    )  # fmt: skip
+        checkpoint,
+        data=data,
+        data_dir=data_dir,
+        download=download,
+        batch_size=batch_size,
+        device=device,
+        amp=amp,
+        workers=workers,
+        crop_pct=crop_pct,
+        seed=seed,
+    )
     title, table = f"{safe(str(checkpoint))} on {data} (val, {r.images} images)", Table()
     for col in ("kind", "top-1 %", "top-5 %", "loss"):
         table.add_column(col, justify="right")
@@ -245,9 +452,10 @@ def eval_command(
     print_titled(title, table)
 
 
-# fmt: off
 def attention_command(
-    checkpoint: Annotated[Path, typer.Argument(help="Attention checkpoint (.safetensors).", show_default=False)],
+    checkpoint: Annotated[
+        Path, typer.Argument(help="Attention checkpoint (.safetensors).", show_default=False)
+    ],
     output: Annotated[Path, output_option("Folder for attention.json and attention.png (created).")],
     data: Annotated[Optional[str], data_option("attention")] = None,  # noqa: UP045
     data_dir: Annotated[Optional[str], typer.Option(help="Folder of the dataset.")] = None,  # noqa: UP045
@@ -256,7 +464,6 @@ def attention_command(
     device: Annotated[str, device_option()] = DEVICE,
     seed: Annotated[int, typer.Option(help="Seed of --data synthetic.")] = 0,
 ) -> None:
-# fmt: on
     """What each head attends to on real images: pinned share, attention distance, entropy, gate."""
     import json
 
@@ -270,8 +477,15 @@ def attention_command(
     if output.exists() and not output.is_dir():
         raise CmhsaError("is a file; give a folder for attention.json and attention.png", output)
     pyplot()  # fail before the slow part, and before anything is written, if matplotlib is missing
-    r = attention_on_data(checkpoint, data=data, data_dir=data_dir, images=images, batch_size=batch_size,
-                          device=device, seed=seed)  # fmt: skip
+    r = attention_on_data(
+        checkpoint,
+        data=data,
+        data_dir=data_dir,
+        images=images,
+        batch_size=batch_size,
+        device=device,
+        seed=seed,
+    )
     created = make_folder(output)
     doc = json.dumps(r.to_dict(str(checkpoint)), indent=2) + "\n"
     title = f"{checkpoint.name} on {data}: mean attention by relative offset, {r.images} images"
@@ -287,18 +501,33 @@ def attention_command(
         for j, h in enumerate(block):
             fmt = lambda v, f: "" if v is None else format(v, f)  # noqa: E731
             off = "free" if h.offset is None else f"{h.offset[0]:+d},{h.offset[1]:+d}"
-            table.add_row(str(i), str(j), off, fmt(h.pinned_share, ".3f"), f"{h.mean_distance_px:.2f}",
-                          f"{h.entropy:.3f}", fmt(h.gate, ".3f"))  # fmt: skip
+            table.add_row(
+                str(i),
+                str(j),
+                off,
+                fmt(h.pinned_share, ".3f"),
+                f"{h.mean_distance_px:.2f}",
+                f"{h.entropy:.3f}",
+                fmt(h.gate, ".3f"),
+            )
     print_titled(title, table)
     console.print(f"wrote {safe(str(written[0]))} and {safe(str(written[1]))}")
 
 
-# fmt: off
 def plot_command(
-    runs: Annotated[list[Path], typer.Argument(help="Run folders (each with metrics.csv).", show_default=False)],
-    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Image to write (.png, .pdf, .svg) \\[default: FIRST_RUN/curves.png].", show_default=False)] = None,  # noqa: UP045
+    runs: Annotated[
+        list[Path], typer.Argument(help="Run folders (each with metrics.csv).", show_default=False)
+    ],
+    output: Annotated[
+        Optional[Path],  # noqa: UP045
+        typer.Option(
+            "--output",
+            "-o",
+            help="Image to write (.png, .pdf, .svg) \\[default: FIRST_RUN/curves.png].",
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
-# fmt: on
     """Validation loss and top-1 against epoch for one or more runs (the paper's Figure 2 view)."""
     from ..train.plot import plot_runs
 

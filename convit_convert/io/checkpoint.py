@@ -161,7 +161,8 @@ def _read_torch(path: Path) -> dict[str, torch.Tensor]:
             obj = torch.load(f, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         raise CmhsaError(
-            f"refused by weights_only=True loading: {_blocked(str(e))}; cmhsa never unpickles arbitrary objects "
+            f"refused by weights_only=True loading: {_blocked(str(e))}; cmhsa never "
+            "unpickles arbitrary objects "
             "(save the model's state_dict, or use .safetensors)",
             path,
         ) from None
@@ -171,7 +172,8 @@ def _read_torch(path: Path) -> dict[str, torch.Tensor]:
         raise CmhsaError(f"not a readable PyTorch file ({type(e).__name__}: {e})", path) from None
     if isinstance(obj, dict) and {"model", "optimizer", "model_config"} <= obj.keys():
         raise CmhsaError(
-            "is a cmhsa training checkpoint (a run's state, not a model file): give the run's conv.safetensors "
+            "is a cmhsa training checkpoint (a run's state, not a model file): give "
+            "the run's conv.safetensors "
             "or vit.safetensors, or continue the run with `cmhsa train PHASE -o RUN --resume`",
             path,
         )
@@ -189,9 +191,13 @@ def _read_torch(path: Path) -> dict[str, torch.Tensor]:
 
 
 def infer_conv_config(
-    tensors: dict[str, torch.Tensor], img_size: tuple[int, int], patch_size: int, dilation: int = 1,
-    norm_eps: float = NORM_EPS, path: object = None,
-) -> ViTConfig:  # fmt: skip
+    tensors: dict[str, torch.Tensor],
+    img_size: tuple[int, int],
+    patch_size: int,
+    dilation: int = 1,
+    norm_eps: float = NORM_EPS,
+    path: object = None,
+) -> ViTConfig:
     """The config of a bare conv-phase state dict, from its tensor shapes and the image geometry
     (which shapes cannot tell)."""
 
@@ -265,9 +271,13 @@ def check_geometry(
 
 
 def load_tensor_checkpoint(
-    path: str | Path, *, img_size: tuple[int, int] | None = None, patch_size: int | None = None,
-    dilation: int = 1, norm_eps: float = NORM_EPS,
-) -> Checkpoint:  # fmt: skip
+    path: str | Path,
+    *,
+    img_size: tuple[int, int] | None = None,
+    patch_size: int | None = None,
+    dilation: int = 1,
+    norm_eps: float = NORM_EPS,
+) -> Checkpoint:
     """Load and validate a tensor file. Files with cmhsa metadata describe themselves; a bare
     conv-phase state dict needs ``img_size`` and ``patch_size`` (the rest is inferred)."""
     path = Path(path)
@@ -285,7 +295,8 @@ def load_tensor_checkpoint(
         version = metadata.get(FORMAT_KEY, "1")
         if version not in [str(v) for v in range(1, FORMAT_VERSION + 1)]:
             raise CmhsaError(
-                f"format version {version!r}: this cmhsa reads versions 1 to {FORMAT_VERSION} (upgrade cmhsa)",
+                f"format version {version!r}: this cmhsa reads versions 1 to "
+                f"{FORMAT_VERSION} (upgrade cmhsa)",
                 path,
             )
         cfg = ViTConfig.from_json(metadata[CONFIG_KEY], kind, path)
@@ -294,7 +305,8 @@ def load_tensor_checkpoint(
     else:
         if img_size is None or patch_size is None:
             raise CmhsaError(
-                "has no cmhsa metadata; to read it as a bare conv-phase state dict give `img_size` and `patch_size` "
+                "has no cmhsa metadata; to read it as a bare conv-phase state dict give "
+                "`img_size` and `patch_size` "
                 "(cmhsa convert, verify, inspect and export take them; convert it first for eval and train)",
                 path,
             )
@@ -325,8 +337,13 @@ def write_checkpoint(
     """Write a checkpoint to ``tmp``, a temp file of :func:`atomic_paths` that becomes ``path``;
     return its sha256."""
     cfg.validate(path or tmp)
-    metadata = {"format": "pt", KIND_KEY: cfg.kind, CONFIG_KEY: cfg.to_json(), FORMAT_KEY: str(FORMAT_VERSION),
-                "cmhsa.version": __version__}  # fmt: skip
+    metadata = {
+        "format": "pt",
+        KIND_KEY: cfg.kind,
+        CONFIG_KEY: cfg.to_json(),
+        FORMAT_KEY: str(FORMAT_VERSION),
+        "cmhsa.version": __version__,
+    }
     metadata.update(extra_metadata or {})
     tensors = {k: v.detach().to("cpu") for k, v in tensors.items()}
     with open(tmp, "wb") as f:

@@ -40,7 +40,8 @@ def locked_folder(folder: Path) -> Iterator[None]:
         except BlockingIOError:
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
             raise CmhsaError(
-                f"is in use by another cmhsa process (PID {holder}); wait for it to end or choose another `out`",
+                f"is in use by another cmhsa process (PID {holder}); wait for it to end "
+                "or choose another `out`",
                 folder,
             ) from None
         os.ftruncate(fd, 0)

@@ -38,9 +38,19 @@ def pretrained_cfg(cfg: ViTConfig, file: str | None = None) -> dict[str, Any]:
     # no first conv to adapt to other in_chans when the patch embedding is the identity (the paper's)
     first_conv = "patch_embed" if cfg.patch_embed == "linear" else ()
     # fixed_input_size: the relative position table is the patch grid's, so the image size is fixed
-    return {"input_size": (cfg.in_chans, *cfg.img_size), "fixed_input_size": True, "mean": mean, "std": std,
-            "interpolation": EVAL_INTERPOLATION, "crop_pct": EVAL_CROP_PCT, "num_classes": cfg.num_classes,
-            "first_conv": first_conv, "classifier": "head", "file": file, "license": "mit"}  # fmt: skip
+    return {
+        "input_size": (cfg.in_chans, *cfg.img_size),
+        "fixed_input_size": True,
+        "mean": mean,
+        "std": std,
+        "interpolation": EVAL_INTERPOLATION,
+        "crop_pct": EVAL_CROP_PCT,
+        "num_classes": cfg.num_classes,
+        "first_conv": first_conv,
+        "classifier": "head",
+        "file": file,
+        "license": "mit",
+    }
 
 
 def preprocessing(cfg: ViTConfig) -> dict[str, str]:
@@ -50,20 +60,30 @@ def preprocessing(cfg: ViTConfig) -> dict[str, str]:
     pcfg = pretrained_cfg(cfg)
     c, h, w = pcfg["input_size"]
     return {
-        "input_size": json.dumps([c, h, w]), "channels": "L" if c == 1 else "RGB",
-        "resize_shorter_to": str(math.floor(min(h, w) / pcfg["crop_pct"])), "interpolation": pcfg["interpolation"],
-        "crop": "center", "crop_pct": str(pcfg["crop_pct"]), "scale": "1/255",
-        "mean": json.dumps(list(pcfg["mean"])), "std": json.dumps(list(pcfg["std"])),
-        "num_classes": str(cfg.num_classes), "layout": "NCHW float32, input pixel_values, output logits",
-    }  # fmt: skip
+        "input_size": json.dumps([c, h, w]),
+        "channels": "L" if c == 1 else "RGB",
+        "resize_shorter_to": str(math.floor(min(h, w) / pcfg["crop_pct"])),
+        "interpolation": pcfg["interpolation"],
+        "crop": "center",
+        "crop_pct": str(pcfg["crop_pct"]),
+        "scale": "1/255",
+        "mean": json.dumps(list(pcfg["mean"])),
+        "std": json.dumps(list(pcfg["std"])),
+        "num_classes": str(cfg.num_classes),
+        "layout": "NCHW float32, input pixel_values, output logits",
+    }
 
 
 def timm_config(cfg: ViTConfig) -> dict[str, Any]:
     """config.json's content for a model of ``cfg``."""
     pcfg = {k: v for k, v in pretrained_cfg(cfg).items() if k != "file"}
-    return {"architecture": ARCHITECTURES[cfg.kind], "num_classes": cfg.num_classes,
-            "num_features": cfg.embed_dim, "model_args": {CONFIG_ARG: cfg.to_dict()},
-            "pretrained_cfg": pcfg}  # fmt: skip
+    return {
+        "architecture": ARCHITECTURES[cfg.kind],
+        "num_classes": cfg.num_classes,
+        "num_features": cfg.embed_dim,
+        "model_args": {CONFIG_ARG: cfg.to_dict()},
+        "pretrained_cfg": pcfg,
+    }
 
 
 def write_timm_folder(

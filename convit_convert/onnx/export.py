@@ -173,9 +173,14 @@ def _io(values: Any) -> list[dict[str, Any]]:
 
 
 def check_export(
-    proto: Any, refs: dict[int, tuple[np.ndarray, np.ndarray]], num_classes: int, *, tol: float,
-    providers: list[str], path: Any,
-) -> ExportCheck:  # fmt: skip
+    proto: Any,
+    refs: dict[int, tuple[np.ndarray, np.ndarray]],
+    num_classes: int,
+    *,
+    tol: float,
+    providers: list[str],
+    path: Any,
+) -> ExportCheck:
     """Checker, names and dynamic batch, then onnxruntime against the PyTorch logits."""
     import onnx
 
@@ -238,7 +243,8 @@ def describe(proto: Any, cfg: Any) -> None:
     props = preprocessing(cfg)
     onnx.helper.set_model_props(proto, props)
     proto.doc_string = (
-        f"cmhsa {cfg.kind} model, {cfg.num_classes} classes. Input pixel_values (batch, {props['input_size']}): "
+        f"cmhsa {cfg.kind} model, {cfg.num_classes} classes. Input pixel_values "
+        f"(batch, {props['input_size']}): "
         f"an image as {props['channels']}, its shorter side resized to {props['resize_shorter_to']} "
         f"({props['interpolation']}), centre-cropped, scaled by 1/255, normalised with mean {props['mean']} "
         f"and std {props['std']} (metadata_props)."
@@ -246,9 +252,16 @@ def describe(proto: Any, cfg: Any) -> None:
 
 
 def export_and_check(
-    model: VisionTransformer, *, exporter: str = "dynamo", opset: int | None = None, tol: float = 1e-4,
-    providers: list[str] | None = None, seed: int = 0, path: Any = None, form: str = "fused",
-) -> Exported:  # fmt: skip
+    model: VisionTransformer,
+    *,
+    exporter: str = "dynamo",
+    opset: int | None = None,
+    tol: float = 1e-4,
+    providers: list[str] | None = None,
+    seed: int = 0,
+    path: Any = None,
+    form: str = "fused",
+) -> Exported:
     """Export ``model`` (as float32; its attention is swapped for the ``form``'s, in place) and
     check the result against the model as it was. The options are checked once, by the operation
     before any work (:func:`check_options`, called by ``api.export``)."""

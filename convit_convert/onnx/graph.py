@@ -18,8 +18,9 @@ LAYOUT_OPS = frozenset({"Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze
 FLAT_OPS = LAYOUT_OPS - {"Transpose"}  # keep row-major order, so a token's features stay together
 GELU_OPS = frozenset({"Div", "Mul", "Add", "Sub", "Erf", "Sqrt", "Pow", "Identity", "Cast"})
 SHAPE_OPS = frozenset({"Shape", "Size"})  # read a tensor's shape, not its data
-RANDOM_OPS = frozenset({"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike",
-                        "Multinomial", "Bernoulli"})  # fmt: skip
+RANDOM_OPS = frozenset(
+    {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli"}
+)
 LINEAR_OPS = ("MatMul", "Gemm")
 
 
@@ -222,7 +223,8 @@ class GraphReader:
                         out, form = nxt[0].output[0], "MatMul+Add"
         if self.shape(x)[-1] != weight.shape[1]:
             raise self.error(
-                f"{describe(node)}: weight {list(w.shape)} does not fit its input's features {self.shape(x)[-1]}"
+                f"{describe(node)}: weight {list(w.shape)} does not fit its input's "
+                f"features {self.shape(x)[-1]}"
             )
         return Linear(np.ascontiguousarray(weight), np.array(bias), form), out
 
@@ -232,7 +234,8 @@ class GraphReader:
         if len(nodes) == 1 and nodes[0].op_type == "Gelu":
             if attr(nodes[0], "approximate", "none") != "none":
                 raise self.error(
-                    f"{describe(nodes[0])}: tanh-approximate GELU; the conv-phase ViT uses the exact (erf) GELU"
+                    f"{describe(nodes[0])}: tanh-approximate GELU; the conv-phase ViT uses "
+                    "the exact (erf) GELU"
                 )
             return nodes[0].output[0], "Gelu"
         # Erf form, 0.5·x·(1 + erf(x/√2)) in some order: all elementwise nodes up to the next linear
@@ -271,7 +274,8 @@ class GraphReader:
         groups = attr(node, "group", 1)
         if groups != 1:
             raise self.error(
-                f"{describe(node)}: unsupported convolution: groups {groups} (only dense convolutions are exact)"
+                f"{describe(node)}: unsupported convolution: groups {groups} (only dense "
+                "convolutions are exact)"
             )
         strides = list(attr(node, "strides", [1, 1]))
         if strides != [1, 1]:
@@ -321,7 +325,8 @@ class GraphReader:
         pads = [int(p) for p in np.asarray(pads).reshape(-1)]
         if mode != "constant" or value != 0.0 or len(pads) != 8 or any(pads[i] for i in (0, 1, 4, 5)):
             raise self.error(
-                f"{describe(node)}: unsupported convolution: padding other than spatial zeros ({mode}, pads {pads})"
+                f"{describe(node)}: unsupported convolution: padding other than spatial "
+                f"zeros ({mode}, pads {pads})"
             )
         return [pads[2], pads[3], pads[6], pads[7]]
 

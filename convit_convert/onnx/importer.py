@@ -35,11 +35,20 @@ def check_import(
     max_abs = float(np.abs(out - ref).max())
     ref_max = float(np.abs(ref).max())
     rel = relative_error(max_abs, ref_max)
-    result = dict(passed=rel <= tol, batch=batch, seed=seed, max_abs=max_abs, ref_max=ref_max, rel=rel, tol=tol,
-                  providers=session.get_providers())  # fmt: skip
+    result = dict(
+        passed=rel <= tol,
+        batch=batch,
+        seed=seed,
+        max_abs=max_abs,
+        ref_max=ref_max,
+        rel=rel,
+        tol=tol,
+        providers=session.get_providers(),
+    )
     if not result["passed"]:
         raise CmhsaError(
-            f"the PyTorch model rebuilt from the graph disagrees with onnxruntime (relative error {rel:.2e} > "
+            "the PyTorch model rebuilt from the graph disagrees with onnxruntime "
+            f"(relative error {rel:.2e} > "
             f"tol {tol:g}); the graph is not a conv-phase ViT cmhsa reads correctly",
             path,
         )

@@ -66,7 +66,8 @@ def _external_file(location: str, folder: Path, path: Path) -> Path:
         raise CmhsaError("external data with an empty location", path)
     if location.startswith(("/", "\\")) or os.path.isabs(location) or re.match(r"^[A-Za-z]:", location):
         raise CmhsaError(
-            f"external data location {location!r} is an absolute path; only files inside the model's folder are read",
+            f"external data location {location!r} is an absolute path; only files "
+            "inside the model's folder are read",
             path,
         )
     if ".." in Path(location.replace("\\", "/")).parts:
@@ -204,7 +205,8 @@ def check_runnable(model: Any, path: Path, batch: int) -> int:
                     )
             if count > MAX_TENSOR_ELEMENTS:
                 raise CmhsaError(
-                    f"tensor {name!r} ({node.op_type}) would hold {count:,} elements at batch {batch}, more than "
+                    f"tensor {name!r} ({node.op_type}) would hold {count:,} elements at batch "
+                    f"{batch}, more than "
                     f"cmhsa runs ({MAX_TENSOR_ELEMENTS:,})",
                     path,
                 )
@@ -252,8 +254,12 @@ def providers_for(device: str) -> list[Any]:
 
 
 def ort_session(
-    model: Any, path: str | Path, providers: list[str] | None = None, threads: int = 0, optimize: bool = True,
-) -> Any:  # fmt: skip
+    model: Any,
+    path: str | Path,
+    providers: list[str] | None = None,
+    threads: int = 0,
+    optimize: bool = True,
+) -> Any:
     """An onnxruntime InferenceSession for a checked ModelProto (``path`` names it in errors).
     ``threads`` 0 lets onnxruntime choose; ``optimize=False`` runs the graph as written."""
     import onnxruntime as ort

@@ -100,7 +100,8 @@ def _input_info(model: Any, path: Path) -> tuple[int | None, int, int, int]:
     inputs = [i for i in graph.input if i.name not in init]
     if len(inputs) != 1 or len(graph.output) != 1:
         raise CmhsaError(
-            f"has {len(inputs)} input(s) and {len(graph.output)} output(s); a ViT has one image input and one logits output",
+            f"has {len(inputs)} input(s) and {len(graph.output)} output(s); a ViT has "
+            "one image input and one logits output",
             path,
         )
     tt = inputs[0].type.tensor_type
@@ -151,7 +152,8 @@ def read_structure(model: Any, path: Path, seed: int = 0) -> Structure:
     ops = {n.op_type for n in model.graph.node}
     if "Conv" not in ops and "Softmax" in ops:
         raise g.error(
-            "this is an attention model (its token mixers are Softmax attention, not Conv): cmhsa imports only "
+            "this is an attention model (its token mixers are Softmax attention, not "
+            "Conv): cmhsa imports only "
             "conv-phase ONNX graphs; give the .safetensors this graph was exported from"
         )
     forms: dict[str, set[str]] = {"linear": set(), "gelu": set(), "conv padding": set()}
