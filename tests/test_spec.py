@@ -3,8 +3,6 @@ ConversionPlan derives Δ, the pinned heads and the logits the written tensors c
 
 from __future__ import annotations
 
-import dataclasses
-import inspect
 import math
 
 import pytest
@@ -90,15 +88,10 @@ def test_the_written_tensors_carry_the_plan(spec: ConversionSpec) -> None:
     assert pinned_offsets(table, sd.get("blocks.0.attn.sink")) == list(plan.pinned)
 
 
-def test_export_flags_default_to_the_export_options() -> None:
-    """``cmhsa export``'s flags and :class:`ExportOptions` state the same defaults; bad options are
-    refused when the options are made."""
+def test_bad_export_options_are_refused_when_made() -> None:
+    """(``cmhsa export``'s flags take their defaults from :class:`ExportOptions` itself.)"""
     from convit_convert.api import ExportOptions
-    from convit_convert.cli.export import export_cmd
 
-    options = {f.name: f.default for f in dataclasses.fields(ExportOptions)}
-    flags = {name: p.default for name, p in inspect.signature(export_cmd).parameters.items()}
-    assert {name: flags[name] for name in options} == options
     with pytest.raises(CmhsaError, match="`device` must be auto, cpu, cuda or cuda:N"):
         ExportOptions(device="tpu")
     with pytest.raises(CmhsaError, match="`tol` must be >= 0"):

@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import hashlib
-import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import CmhsaError
 from ..io.atomic import atomic_paths
 from ..io.checkpoint import Checkpoint
 from ..io.report import environment, file_facts, report_text
-from ..spec import check_tol
+from ..onnx.options import ExportOptions
 from .common import check_outputs, load_checkpoint
 
 
@@ -58,26 +56,6 @@ class ExportReport:
             "timings": self.timings,
             "environment": environment(),
         }
-
-
-@dataclass(frozen=True)
-class ExportOptions:
-    """How ``cmhsa export`` writes and checks: validated when made, each default stated once."""
-
-    opset: int | None = None  # ai.onnx opset; None: the exporter's
-    tol: float = 1e-4  # largest relative error of onnxruntime against PyTorch
-    exporter: str = "dynamo"  # or "legacy" (TorchScript)
-    form: str = "fused"  # attention models: "fused" (W_V·W_O folded) or "trained"
-    device: str = "auto"  # onnxruntime provider of the check: auto, cpu, cuda or cuda:N
-    seed: int = 0  # of the check images
-
-    def __post_init__(self) -> None:
-        from ..onnx.export import check_options
-
-        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
-            raise CmhsaError(f"`device` must be auto, cpu, cuda or cuda:N, got {self.device!r}")
-        check_tol(self.tol)
-        check_options(self.exporter, self.opset, self.form)
 
 
 def export_file(

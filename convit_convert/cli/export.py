@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -9,10 +10,12 @@ import typer
 from rich.table import Table
 
 from ..errors import CmhsaError
+from ..onnx.options import ExportOptions
 from .common import EXIT_FAIL, console, fmt, path_arg, path_opt, print_import, print_written, safe
 from .options import DEVICE, device_option, output_option
 
 app = typer.Typer()
+OPTIONS = {f.name: f.default for f in dataclasses.fields(ExportOptions)}  # the flags' defaults, stated there
 
 
 def print_export(r: Any) -> None:
@@ -99,20 +102,22 @@ def export_cmd(
     ] = "onnx",
     opset: Annotated[
         int | None, typer.Option(help="ai.onnx opset (>= 17; default: the exporter's).", show_default=False)
-    ] = None,
-    tol: Annotated[float, typer.Option(help="Largest relative error of onnxruntime vs PyTorch.")] = 1e-4,
+    ] = OPTIONS["opset"],
+    tol: Annotated[float, typer.Option(help="Largest relative error of onnxruntime vs PyTorch.")] = OPTIONS[
+        "tol"
+    ],
     exporter: Annotated[
         str, typer.Option(help="dynamo (torch.export, torch's default) or legacy (TorchScript).")
-    ] = "dynamo",
+    ] = OPTIONS["exporter"],
     form: Annotated[
         str,
         typer.Option(
             help="Attention models: fused (W_V·W_O folded, faster inference, the same "
             "function) or trained (the projections as trained)."
         ),
-    ] = "fused",
+    ] = OPTIONS["form"],
     device: Annotated[str, device_option()] = DEVICE,
-    seed: Annotated[int, typer.Option(help="Seed of the check images.")] = 0,
+    seed: Annotated[int, typer.Option(help="Seed of the check images.")] = OPTIONS["seed"],
     report: Annotated[Path | None, path_opt("Report path (default: OUTPUT + .report.json).")] = None,
 ) -> None:
     """Export a checkpoint to one self-contained ONNX file and check it in onnxruntime (exit 1
@@ -121,8 +126,6 @@ def export_cmd(
         raise CmhsaError(f"`--format` must be onnx or timm, got {format!r}")
     if format == "timm":
         raise typer.Exit(0 if run_timm_folder(checkpoint, output) else EXIT_FAIL)
-    from ..api.export import ExportOptions
-
     options = ExportOptions(opset=opset, tol=tol, exporter=exporter, form=form, device=device, seed=seed)
     passed = run_export(checkpoint, output, options, report)
     raise typer.Exit(0 if passed else EXIT_FAIL)
