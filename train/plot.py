@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import csv
 import io
-import json
 import os
 import re
 from pathlib import Path
@@ -16,8 +15,9 @@ from typing import Any
 
 from ..errors import CmhsaError
 from ..io.atomic import atomic_path, atomic_paths
-from ..io.paths import read_text
+from ..io.paths import parse_json, read_text
 from ..text import label_safe
+from .config import starts_from_checkpoint
 from .progress import EMA_METRICS, METRICS
 
 _ATTN_COLUMN = re.compile(r"^attn(\d{1,4})_(share|gate|dist_px)$")
@@ -99,14 +99,16 @@ MODEL_FILES = ("conv.safetensors", "conv-ema.safetensors", "vit.safetensors", "v
 
 def _started_from(run: Path) -> str | None:
     """The checkpoint a phase-2 run started from, as its config.json names it (None: another
-    start, or no readable config.json: the curves are then drawn from epoch 1)."""
+    start, or no config.json cmhsa can read: the curves are then drawn from epoch 1)."""
+    path = run / "config.json"
     try:
-        cfg = json.loads((run / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        cfg = parse_json(read_text(path, what="config.json"), path) if os.path.lexists(path) else None
+    except CmhsaError:
         return None
-    info = cfg.get("init_info") if isinstance(cfg, dict) and cfg.get("phase") == "phase2" else None
+    info = cfg.get("init_info") if isinstance(cfg, dict) else None
     init = info.get("init") if isinstance(info, dict) else None
-    return init if isinstance(init, str) and init not in ("impulse", "mimetic", "random") else None
+    ok = isinstance(init, str) and starts_from_checkpoint(str(cfg.get("phase")), init)  # type: ignore[union-attr]
+    return init if ok else None
 
 
 def epoch_offsets(runs: list[Path], last_epoch: dict[Path, float]) -> dict[Path, tuple[float, Path | None]]:
@@ -121,7 +123,6 @@ def epoch_offsets(runs: list[Path], last_epoch: dict[Path, float]) -> dict[Path,
                 with contextlib.suppress(OSError):
                     if os.path.samefile(init, other / name):
                         parent[run] = other
-    offsets: dict[Path, tuple[float, Path | None]] = {}
 
     def offset(run: Path, seen: tuple[Path, ...] = ()) -> float:
         before = parent.get(run)
@@ -129,9 +130,7 @@ def epoch_offsets(runs: list[Path], last_epoch: dict[Path, float]) -> dict[Path,
             return 0.0
         return offset(before, (*seen, run)) + last_epoch[before]
 
-    for run in runs:
-        offsets[run] = (offset(run), parent.get(run))
-    return offsets
+    return {run: (offset(run), parent.get(run)) for run in runs}
 
 
 def run_labels(runs: list[Path]) -> list[str]:

@@ -41,13 +41,13 @@ from ..data import (
     epoch_sampler,
     image_mode,
 )
-from ..defaults import DATASETS
+from ..defaults import DATASETS, EVAL_CROP_PCT, EVAL_INTERPOLATION
 from ..errors import CmhsaError
 from ..io.atomic import check_writable
 from ..io.checkpoint import Checkpoint, save_checkpoint
 from ..io.lock import LOCK_NAME, locked_folder
 from ..io.paths import make_folder, remove_made
-from ..io.timm_folder import CONFIG, WEIGHTS, pretrained_cfg
+from ..io.timm_folder import CONFIG, WEIGHTS
 from ..model import VisionTransformer
 from ..timm import TimmFolderReport, export_timm_folder
 from .augment import augment_spec, check_supported
@@ -487,6 +487,27 @@ def build(
     )
 
 
+def export_trained(loop: Loop, result: RunResult, meta: dict[str, str]) -> None:
+    """`export_onnx` / `export_timm`: the trained model, from memory as saved (no second read of the
+    file just written), into ``result``."""
+    cfg, st, out = loop.cfg, loop.state, loop.out
+    tensors = {k: v.detach().float().cpu() for k, v in st.model.state_dict().items()}
+    ckpt = Checkpoint(result.model_path, st.model_config, tensors, meta)  # type: ignore[arg-type]
+    r = cfg.recipe
+    if (r.interpolation, r.crop_pct) != (EVAL_INTERPOLATION, EVAL_CROP_PCT):
+        loop.reporter.log(
+            f"note: the exported preprocessing is cmhsa eval's ({EVAL_INTERPOLATION}, crop {EVAL_CROP_PCT}), "
+            f"not this run's `interpolation` {r.interpolation} and `crop_pct` {r.crop_pct}"
+        )
+    if cfg.runtime.export_onnx:
+        onnx_path = result.model_path.with_suffix(".onnx")  # type: ignore[union-attr]
+        loop.reporter.log(f"exporting {onnx_path} and checking it in onnxruntime")
+        result.export = export_checkpoint(ckpt, onnx_path)
+    if cfg.runtime.export_timm:
+        loop.reporter.log(f"writing timm's folder {out / TIMM_FOLDER} and loading it with timm")
+        result.timm = export_timm_folder(ckpt, out / TIMM_FOLDER)
+
+
 def choose_loader(cfg: TrainConfig, spec: DataSpec, in_chans: int) -> tuple[str, str]:
     """The loader ``cfg.data.loader`` resolves to, and why ``auto`` fell back to workers ('' if not).
     The one place that asks whether the data can be held: ``loader`` device is refused here when not."""
@@ -612,26 +633,7 @@ def train(
             ema_path = result.model_path.with_name(result.model_path.stem + "-ema.safetensors")
             save_checkpoint(ema_path, st.model_config, st.ema.module.state_dict(), meta)
         loop.reporter.log(f"wrote {result.model_path}, metrics.csv, config.json")
-        # the exports read the model in memory, as saved: no second read of the file just written
-        tensors = {k: v.detach().float().cpu() for k, v in st.model.state_dict().items()}
-        ckpt = Checkpoint(result.model_path, st.model_config, tensors, meta)
-        pcfg, r = pretrained_cfg(st.model_config), cfg.recipe
-        if (cfg.runtime.export_onnx or cfg.runtime.export_timm) and (r.interpolation, r.crop_pct) != (
-            pcfg["interpolation"],
-            pcfg["crop_pct"],
-        ):
-            loop.reporter.log(
-                f"note: the exported preprocessing is cmhsa eval's ({pcfg['interpolation']}, crop "
-                f"{pcfg['crop_pct']}), not this run's `interpolation` {r.interpolation} "
-                f"and `crop_pct` {r.crop_pct}"
-            )
-        if cfg.runtime.export_onnx:
-            loop.reporter.log(
-                f"exporting {result.model_path.with_suffix('.onnx')} and checking it in onnxruntime"
-            )
-            result.export = export_checkpoint(ckpt, result.model_path.with_suffix(".onnx"))
-        if cfg.runtime.export_timm:
-            loop.reporter.log(f"writing timm's folder {out / TIMM_FOLDER} and loading it with timm")
-            result.timm = export_timm_folder(ckpt, out / TIMM_FOLDER)
+        if cfg.runtime.export_onnx or cfg.runtime.export_timm:
+            export_trained(loop, result, meta)
     barrier(ctx)
     return result
