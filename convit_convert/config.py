@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from .errors import CmhsaError
 from .io.paths import parse_json
+from .resources import check_fits
 
 NORM_EPS = 1e-6  # LayerNorm eps of every model cmhsa builds (timm's ViTs use the same)
 
@@ -48,6 +49,9 @@ LIMITS = {
     "v_dim": 1 << 20,
 }
 MAX_PATCHES = 128 * 128
+# the most parameters a model read from a file may claim, before its memory is checked: 16 GiB of
+# float32, 50 times the paper's CMHSA-5 (each size above within its limit can multiply to far more)
+MAX_PARAMS = 2**32
 
 REQUIRED = {
     "conv": ("img_size", *_SHARED_INT, "patch_embed", "norm_eps"),
@@ -266,7 +270,21 @@ class ViTConfig:
         fields["norm_eps"] = float(eps) if isinstance(eps, int | float) and not isinstance(eps, bool) else eps
         cfg = cls(**fields, kind=kind)
         cfg.validate(path)
+        cfg.check_size(path)
         return cfg
+
+    def check_size(self, path: object = None) -> None:
+        """CmhsaError, before anything is allocated, when the model this config builds has more than
+        MAX_PARAMS parameters or its float32 weights exceed the memory available: every config
+        read from a file (a checkpoint, a timm folder, a resumed run) is sized here."""
+        n = self.num_params()
+        if n > MAX_PARAMS:
+            raise CmhsaError(
+                f"config: the model would have {n:,} parameters ({4 * n / 2**30:,.1f} GiB of float32), "
+                f"more than cmhsa loads ({MAX_PARAMS:,})",
+                path,
+            )
+        check_fits(4 * n, f"the model ({n:,} parameters)", path)
 
     @classmethod
     def from_json(cls, text: str, kind: str, path: object = None) -> ViTConfig:

@@ -37,7 +37,8 @@ from .api import load_checkpoint
 from .config import ViTConfig
 from .errors import CmhsaError, article
 from .io.checkpoint import Checkpoint
-from .io.timm_folder import CONFIG, CONFIG_ARG, config_from_arg, pretrained_cfg, write_timm_folder
+from .io.journal import check_settled
+from .io.timm_folder import CONFIG, CONFIG_ARG, WEIGHTS, config_from_arg, pretrained_cfg, write_timm_folder
 from .model import VisionTransformer
 from .theory import heads_needed
 
@@ -137,23 +138,49 @@ def _from_folder(
         if source.get("file")
         else source.get("hf_hub_id", "the model's config.json")
     )
+    if source.get("file"):  # a reader never renames: a folder a killed cmhsa left mid-write is refused
+        for name in (CONFIG, WEIGHTS):
+            check_settled(Path(source["file"]) / name)
     cfg = config_from_arg(folder_args, kind, where)
     _architecture_fixed(kwargs, "folder", where)
+    _agrees_with_timm(cfg, source, where)
     with torch.device(device) if device is not None else contextlib.nullcontext():
         model = VisionTransformer(cfg, drop_path_rate)
     if pretrained:
         from timm.models import load_pretrained
 
-        # the model is the folder's, channels included: no first-conv adaptation (timm 1.0.16 adapts
-        # whenever in_chans != 3)
-        load_pretrained(
-            model,
-            {**source, "first_conv": None},
-            num_classes=cfg.num_classes,
-            in_chans=cfg.in_chans,
-            cache_dir=cache_dir,
-        )
+        # the model is the folder's, channels and head included: no first-conv adaptation (timm
+        # 1.0.16 adapts whenever in_chans != 3), no head dropped or offset, every tensor loaded
+        cfg_for_load = {**source, "first_conv": None, "classifier": "head", "label_offset": 0}
+        try:
+            load_pretrained(
+                model, cfg_for_load, num_classes=cfg.num_classes, in_chans=cfg.in_chans, cache_dir=cache_dir
+            )
+        except RuntimeError as e:  # load_state_dict, strict: a tensor missing or of another shape
+            why = (str(e).strip().splitlines() or [""])[-1].strip()[:300]
+            raise CmhsaError(
+                f"the weights are not the model its config.json describes ({why})", where
+            ) from None
     return model.train()
+
+
+def _agrees_with_timm(cfg: ViTConfig, source: dict[str, Any], where: object) -> None:
+    """What timm reads from a folder's config.json before cmhsa's ``model_args`` (the top-level
+    ``num_classes``, which decides whether timm keeps the trained head, and ``input_size``, which
+    decides the images it is given) must say what ``model_args`` says."""
+
+    def plain(v: Any) -> Any:
+        return list(v) if isinstance(v, list | tuple) else v
+
+    expected = pretrained_cfg(cfg)
+    for key in ("num_classes", "input_size"):
+        value = source.get(key)
+        if value is not None and plain(value) != plain(expected[key]):
+            raise CmhsaError(
+                f"config.json says {key} {value!r} but its model_args' {CONFIG_ARG} makes "
+                f"{expected[key]!r}; timm would load a different model than the one saved",
+                where,
+            )
 
 
 def _features(

@@ -1,6 +1,7 @@
 """Malformed input through every command that reads it: mutated safetensors headers and bodies,
-mutated ONNX protos and external-data entries, renamed formats, crafted metrics, and every
-numeric flag of every command out of its range (generated from bounds.py's declarations).
+mutated ONNX protos and external-data entries, renamed formats, crafted metrics, hostile commit
+journals beside every input and output, crafted timm folders, and every numeric flag of every
+command out of its range (generated from bounds.py's declarations).
 
 Each case must end with exit 1 or 2 (never 3, an internal error; 0 where the mutation left a
 valid file), exactly one line on stderr, no traceback, no new file beside the inputs, and the
@@ -15,6 +16,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import signal
 import stat
 import struct
@@ -621,7 +623,7 @@ RESUME_CASES = {
         _model_config(
             depth=1024, hidden_chans=4096, embed_dim=4096 * 16, mlp_hidden_dim=1 << 22, patch_embed="linear"
         ),
-        "would need about",
+        "more than cmhsa loads",  # ViTConfig's cap on a config read from a file (before: "would need about")
     ),
 }
 
@@ -849,14 +851,17 @@ def test_escape_sequences_in_paths_never_reach_the_terminal(tmp_path: Path, tiny
 
 
 def test_library_warnings_reach_the_terminal_only_with_debug() -> None:
-    # was: torch's and matplotlib's warnings printed on a successful run. A subprocess: pytest
-    # records warnings itself, which would hide them from a CliRunner's stderr
+    # was: torch's and matplotlib's warnings printed on a successful run; and (issue 48) torch's log
+    # records, such as `--compile --device cpu`'s "W1126 ... No CUDA runtime is found, using
+    # CUDA_HOME=...". A subprocess: pytest records warnings itself, which would hide them from a
+    # CliRunner's stderr
     program = (
-        "import sys, warnings\n"
+        "import logging, sys, warnings\n"
         "import convit_convert.api as api\n"
         "real = api.inspect_file\n"
         "def noisy(*a, **k):\n"
         '    warnings.warn("a library\'s warning", UserWarning, stacklevel=1)\n'
+        "    logging.getLogger('torch.utils.cpp_extension').warning('No CUDA runtime is found')\n"
         "    return real(*a, **k)\n"
         "api.inspect_file = noisy\n"
         "from convit_convert.cli import main\n"
@@ -873,6 +878,7 @@ def test_library_warnings_reach_the_terminal_only_with_debug() -> None:
         )
         assert p.returncode == 0, p.stderr[-2000:]
         assert ("a library's warning" in p.stderr) == bool(debug), p.stderr[-2000:]
+        assert ("No CUDA runtime is found" in p.stderr) == bool(debug), p.stderr[-2000:]
 
 
 def test_help_shows_every_range_on_every_command() -> None:
@@ -1041,8 +1047,13 @@ def test_convert_killed_between_its_two_renames_is_completed_by_the_next_command
     r = cmhsa_signalled_at_rename(["convert", FIXTURE, "-o", out], 2, signal.SIGKILL)
     assert r.returncode == -signal.SIGKILL
     assert report.read_bytes() == old_report and not pair_is_one_write(out, report)  # mid-commit
-    assert invoke("inspect", out).exit_code == 0  # a reader completes the commit first
+    # a reader never renames: it refuses the half-committed file, naming what finishes it
+    refused(invoke("inspect", out), "was cut short", "running again the cmhsa command")
+    assert report.read_bytes() == old_report
+    # any command writing into the folder rolls the commit forward first
+    assert invoke("convert", FIXTURE, "-o", tmp_path / "other.safetensors").exit_code == 0
     assert pair_is_one_write(out, report) and leftovers(tmp_path) == []
+    assert invoke("inspect", out).exit_code == 0
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
@@ -1158,14 +1169,20 @@ def test_a_symlink_loop_anywhere_is_bad_input(tmp_path: Path, attn_model: Path) 
 
 @pytest.mark.slow
 def test_a_closed_or_broken_stdout_never_fails_finished_work(tmp_path: Path, attn_model: Path) -> None:
-    # was: `export ... >&-`: AttributeError (exit 3); `convert ... | head -c1`: exit 1 with both written
+    # was: `export ... >&-`: AttributeError (exit 3); `convert ... | head -c1`: exit 1 with both written.
+    # A closed stdout is now said (exit 2, issue 48), but the files written stay written, whole
     cmd = [sys.executable, "-m", "convit_convert"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     out = tmp_path / "vit.onnx"
-    code = subprocess.run(
-        ["bash", "-c", '"$@" >&-', "_", *cmd, "export", str(attn_model), "-o", str(out)], env=env, timeout=600
-    ).returncode
-    assert code == 0 and out.is_file() and (tmp_path / "vit.onnx.report.json").is_file()
+    p = subprocess.run(
+        ["bash", "-c", '"$@" >&-', "_", *cmd, "export", str(attn_model), "-o", str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert p.returncode == 2 and out.is_file() and (tmp_path / "vit.onnx.report.json").is_file()
+    assert p.stderr.strip() == "error: cannot write the output to standard output (it is closed)", p.stderr
     target = tmp_path / "v.safetensors"
     p = subprocess.run(
         [
@@ -1184,6 +1201,45 @@ def test_a_closed_or_broken_stdout_never_fails_finished_work(tmp_path: Path, att
         timeout=600,
     )
     assert p.returncode == 0 and target.is_file() and b"Traceback" not in p.stderr, p.stderr[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("redirect", "command", "why"),
+    [
+        ("> /dev/full", ["inspect", FIXTURE], "No space left on device"),
+        ("> /dev/full", ["verify", FIXTURE, "ATTN"], "No space left on device"),
+        (">&-", ["inspect", FIXTURE], "it is closed"),
+        ("| head -c1", ["inspect", FIXTURE], None),
+    ],
+)
+def test_a_report_that_cannot_be_written_is_an_error(
+    attn_model: Path, redirect: str, command: list, why: str | None
+) -> None:
+    # was: exit 0 with nothing written for /dev/full and >&-: `cmhsa inspect X > report.txt` on a full
+    # disk gave an empty file and success. A reader that went away (| head) still ends quietly
+    args = [str(attn_model) if a == "ATTN" else str(a) for a in command]
+    p = subprocess.run(
+        [
+            "bash",
+            "-c",
+            f'"$@" {redirect}; exit "${{PIPESTATUS[0]}}"',
+            "_",
+            sys.executable,
+            "-m",
+            "convit_convert",
+            *args,
+        ],
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    if why is None:
+        assert p.returncode == 0 and p.stderr == "", p.stderr
+    else:
+        assert p.returncode == 2, (p.returncode, p.stderr)
+        assert p.stderr.strip() == f"error: cannot write the output to standard output ({why})", p.stderr
 
 
 def test_a_name_as_long_as_the_folder_allows_is_written(tmp_path: Path) -> None:
@@ -1461,3 +1517,520 @@ def test_every_os_error_of_a_path_is_bad_input(tmp_path: Path, attn_model: Path,
     ):
         refused(invoke(*args))
     assert snapshot(tmp_path) == before
+
+
+# issue 48: files from elsewhere ------------------------------------------------------------------
+# Each test below failed on main 939d132 (the behaviour it names in a comment).
+
+
+def dead_pids(n: int) -> list[int]:
+    """Process numbers of processes that have exited (each reaped, so not running)."""
+    pids = []
+    for _ in range(n):
+        p = subprocess.Popen(["true"])
+        p.wait()
+        pids.append(p.pid)
+    return pids
+
+
+JOURNAL_KINDS = (
+    "absolute pair",
+    "relative pair",
+    "dot-dot pair",
+    "not a temp",
+    "linked temp",
+    "foreign temp",
+    "foreign journal",
+    "link to /dev/zero",
+    "FIFO",
+    "folder",
+    "huge PID",
+    "deep nesting",
+    "too deep within the size",
+    "millions of pairs",
+    "old format",
+)
+
+
+def plant_journal(folder: Path, kind: str, pid: int, victim: Path) -> Path:
+    """A `.cmhsa-commit.*.json` in `folder` that cmhsa did not write, of `kind`, aimed at `victim` (a
+    file outside `folder`) or at the model files beside it; its path."""
+    journal = folder / f".cmhsa-commit.{pid}.json"
+    temp = f".m.safetensors.{pid}.abcdefgh.tmp"
+    payload = folder / "payload"
+    payload.write_bytes(b"ATTACKER\n")
+
+    def write(doc: object) -> Path:
+        journal.write_text(json.dumps(doc))
+        return journal
+
+    if kind == "absolute pair":
+        return write({"pairs": [[str(payload), str(victim)]]})
+    if kind == "relative pair":
+        return write({"pairs": [["payload", os.path.relpath(victim, folder)]]})
+    if kind == "dot-dot pair":
+        return write({"pairs": [["payload", ".."]]})
+    if kind == "not a temp":
+        return write({"pairs": [["payload", "m.safetensors"]]})
+    if kind == "linked temp":
+        (folder / temp).symlink_to(victim)
+        return write({"pairs": [[temp, "m.safetensors"]]})
+    if kind == "foreign temp":  # a valid pair, but another user's temp (cmhsa runs as this user)
+        (folder / temp).write_bytes(b"ATTACKER\n")
+        os.chown(folder / temp, 4242, 4242)
+        return write({"pairs": [[temp, "m.safetensors"]]})
+    if kind == "foreign journal":
+        (folder / temp).write_bytes(b"ATTACKER\n")
+        write({"pairs": [[temp, "m.safetensors"]]})
+        os.chown(journal, 4242, 4242)
+        return journal
+    if kind == "link to /dev/zero":
+        journal.symlink_to("/dev/zero")
+        return journal
+    if kind == "FIFO":
+        os.mkfifo(journal)
+        return journal
+    if kind == "folder":
+        journal.mkdir()
+        return journal
+    if kind == "huge PID":
+        journal = folder / ".cmhsa-commit.99999999999999999999999.json"
+        journal.write_text(json.dumps({"pairs": [[str(payload), str(victim)]]}))
+        return journal
+    if kind == "deep nesting":
+        journal.write_text("[" * 100_000)
+        return journal
+    if kind == "too deep within the size":
+        journal.write_text('{"pairs": [[[[[["payload", "m.safetensors"]]]]]]}')
+        return journal
+    if kind == "millions of pairs":  # the size alone refuses it: 5 M pairs, sparse, never read
+        with open(journal, "wb") as f:
+            f.write(b'{"pairs": [')
+            f.truncate(5_000_000 * 24)
+        return journal
+    if kind == "old format":  # main 939d132's journal: a list of absolute pairs
+        return write([[str(payload), str(victim)]])
+    raise AssertionError(kind)
+
+
+def tree(root: Path, skip: tuple[str, ...] = ()) -> dict[str, object]:
+    """Every entry under `root` (links and special files by kind, files by content hash), but the
+    relative paths in `skip` and anything under them."""
+    out: dict[str, object] = {}
+    for p in sorted(root.rglob("*")):
+        rel = str(p.relative_to(root))
+        if any(rel == s or rel.startswith(s + "/") for s in skip):
+            continue
+        st = os.lstat(p)
+        if stat.S_ISREG(st.st_mode):
+            out[rel] = (st.st_uid, hashlib.sha256(p.read_bytes()).hexdigest())
+        elif stat.S_ISLNK(st.st_mode):
+            out[rel] = ("link", os.readlink(p))
+        else:
+            out[rel] = stat.S_IFMT(st.st_mode)
+    return out
+
+
+def planted_everywhere(folders: list[Path], victim: Path) -> None:
+    """Every kind of hostile journal in each of `folders` (that can be made here: chown needs root)."""
+    kinds = [k for k in JOURNAL_KINDS if os.geteuid() == 0 or "foreign" not in k]
+    for folder in folders:
+        folder.mkdir(parents=True, exist_ok=True)
+        for kind, pid in zip(kinds, dead_pids(len(kinds)), strict=True):
+            plant_journal(folder, kind, pid, victim)  # all kinds side by side: one command meets them all
+
+
+def ends_in_seconds(run: Any, seconds: int = 120) -> Any:
+    """`run()`, failed (not hung) if it takes more than `seconds`: a FIFO must never block it."""
+
+    def hung(signum: int, frame: object) -> None:
+        raise AssertionError(f"still running after {seconds} s")
+
+    old = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(seconds)
+    try:
+        return run()
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def only_notes_and_one_error(r) -> None:
+    """Exit 0 or 2; stderr: notes naming what was ignored, and at most one error line."""
+    assert r.exit_code in (0, 2), (r.exit_code, r.output[-3000:])
+    assert "Traceback" not in r.output
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if not line.startswith("note: ")]
+    assert len(errors) == (r.exit_code != 0), lines
+    assert all("nothing was renamed" in line for line in lines if line.startswith("note: ")), lines
+
+
+@pytest.fixture(scope="module")
+def downloads(tmp_path_factory: pytest.TempPathFactory, tiny_run: Path) -> Path:
+    """What a researcher downloads: a conv checkpoint, its attention conversion, a timm folder and a
+    run folder, in one folder (copied per test)."""
+    root = tmp_path_factory.mktemp("downloads")
+    (root / "m.safetensors").write_bytes(FIXTURE.read_bytes())
+    assert invoke("convert", FIXTURE, "-o", root / "vit.safetensors").exit_code == 0
+    assert invoke("export", root / "vit.safetensors", "--format", "timm", "-o", root / "timm").exit_code == 0
+    copy_run(tiny_run, root / "run")
+    return root
+
+
+def timm_local_dir(folder: Path) -> None:
+    import timm
+
+    import convit_convert.timm  # noqa: F401  (registers the architectures)
+
+    timm.create_model(f"local-dir:{folder}", pretrained=True)
+
+
+# (command, what it writes, relative to the test's folder); dl/ holds the downloads, out/ is new
+JOURNAL_COMMANDS: dict[str, tuple[list[str], tuple[str, ...]]] = {
+    "inspect": (["inspect", "dl/m.safetensors"], ()),
+    "verify": (["verify", "dl/m.safetensors", "dl/vit.safetensors"], ()),
+    "eval": (["eval", "dl/vit.safetensors", "--data", "digits", "--workers", "0"], ()),
+    "attention": (
+        ["attention", "dl/vit.safetensors", "--data", "digits", "--images", "10", "-o", "out/att"],
+        ("out/att",),
+    ),
+    "export": (
+        ["export", "dl/vit.safetensors", "-o", "out/v.onnx"],
+        ("out/v.onnx", "out/v.onnx.report.json"),
+    ),
+    "export timm": (["export", "dl/vit.safetensors", "--format", "timm", "-o", "out/timm"], ("out/timm",)),
+    "convert": (
+        ["convert", "dl/m.safetensors", "-o", "out/v.safetensors"],
+        ("out/v.safetensors", "out/v.report.json"),
+    ),
+    "convert into dl": (
+        ["convert", "dl/m.safetensors", "-o", "dl/v.safetensors"],
+        ("dl/v.safetensors", "dl/v.report.json"),
+    ),
+    "resume": (
+        ["train", "phase1", *TINY, "--epochs", "2", "--resume", "-o", "dl/run"],
+        tuple(
+            f"dl/run/{n}"
+            for n in ("checkpoint-last.pt", "metrics.csv", "config.json", "conv.safetensors", ".cmhsa.lock")
+        ),
+    ),
+    "init": (["train", "phase2", *TINY, "--init", "dl/m.safetensors", "-o", "out/run"], ("out/run",)),
+    "plot": (["plot", "dl/run", "-o", "out/c.png"], ("out/c.png",)),
+}
+
+
+@pytest.mark.parametrize("command", [*JOURNAL_COMMANDS, "timm local-dir"])
+def test_a_journal_cmhsa_did_not_begin_is_never_acted_on(
+    tmp_path: Path, downloads: Path, monkeypatch, command: str
+) -> None:
+    # was: `inspect dl/m.safetensors` beside a journal naming [payload, victim] replaced the victim
+    # (exit 0); a FIFO journal hung; /dev/zero grew without end; a huge PID or deep nesting: exit 3
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(downloads, tmp_path / "dl", symlinks=True)
+    (tmp_path / "victim").mkdir()
+    victim = tmp_path / "victim" / "bashrc"
+    victim.write_text("ORIGINAL\n")
+    args, writes = JOURNAL_COMMANDS.get(command, ([], ()))
+    planted_everywhere(
+        [tmp_path / "dl", tmp_path / "dl" / "run", tmp_path / "dl" / "timm", tmp_path / "out"], victim
+    )
+    before = tree(tmp_path, writes)
+    if command == "timm local-dir":
+        ends_in_seconds(lambda: timm_local_dir(tmp_path / "dl" / "timm"))
+    else:
+        only_notes_and_one_error(ends_in_seconds(lambda: invoke(*args)))
+    assert victim.read_text() == "ORIGINAL\n"
+    assert tree(tmp_path, writes) == before
+
+
+@pytest.mark.parametrize("kind", JOURNAL_KINDS)
+def test_each_hostile_journal_alone_is_ignored_by_a_writer_into_its_folder(tmp_path: Path, kind: str) -> None:
+    # a writer into the folder is the one command that may roll a commit forward: it must not
+    if "foreign" in kind and os.geteuid() != 0:
+        pytest.skip("chown to another user needs root")
+    dl = tmp_path / "dl"
+    dl.mkdir()
+    (dl / "m.safetensors").write_bytes(FIXTURE.read_bytes())
+    victim = tmp_path / "victim"
+    victim.write_text("ORIGINAL\n")
+    journal = plant_journal(dl, kind, dead_pids(1)[0], victim)
+    before = tree(tmp_path, ("dl/v.safetensors", "dl/v.report.json"))
+    r = ends_in_seconds(lambda: invoke("convert", dl / "m.safetensors", "-o", dl / "v.safetensors"))
+    assert r.exit_code == 0, r.output[-2000:]
+    assert tree(tmp_path, ("dl/v.safetensors", "dl/v.report.json")) == before
+    notes = [line for line in r.stderr.splitlines() if line.startswith("note: ")]
+    assert len(notes) == 1 and journal.name in notes[0] and "nothing was renamed" in notes[0], r.stderr
+
+
+def test_a_pending_commit_is_rolled_forward_only_within_its_folder_by_a_writer(tmp_path: Path) -> None:
+    """The journal a killed cmhsa leaves (bare names, its own temps) is finished by the next writer;
+    the same journal is ignored once its temp is not this user's or its target not a file."""
+    from convit_convert.io import journal as jr
+
+    pid = dead_pids(1)[0]
+    (tmp_path / "a.json").write_text("old a\n")
+    tmp = f".a.json.{pid}.k2_9xz0q.tmp"
+    (tmp_path / tmp).write_text("new a\n")
+    name = f".cmhsa-commit.{pid}.json"
+    (tmp_path / name).write_text(json.dumps({"pairs": [[tmp, "a.json"]]}))
+    scan = jr.scan(tmp_path)
+    assert [j.targets for j in scan.pending] == [("a.json",)] and scan.foreign == ()
+    with pytest.raises(jr.CmhsaError, match="cut short"):
+        jr.check_settled(tmp_path / "a.json")
+    jr.check_settled(tmp_path / "b.json")  # a file the commit does not name reads as it is
+    from convit_convert.io.atomic import atomic_write_text
+
+    atomic_write_text(tmp_path / "b.json", "b\n")  # a writer into the folder finishes it first
+    assert (tmp_path / "a.json").read_text() == "new a\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.json", "b.json"]
+    # a temp of another process than the journal's, or a target that is a folder: foreign
+    for pairs in ([[f".a.json.{pid + 1}.k2_9xz0q.tmp", "a.json"]], [[f".d.{pid}.k2_9xz0q.tmp", "d"]]):
+        (tmp_path / "d").mkdir(exist_ok=True)
+        (tmp_path / name).write_text(json.dumps({"pairs": pairs}))
+        assert jr.scan(tmp_path).pending == ()
+
+
+def test_a_pid_no_process_can_have_is_a_dead_writer_never_an_error() -> None:
+    # was: OverflowError from os.kill (exit 3)
+    from convit_convert.io.journal import alive
+
+    assert not alive(10**23) and not alive(0) and not alive(-1) and alive(os.getpid())
+
+
+# cmhsa with os.unlink wrapped: the first removal of a file whose name holds KILL_NAME first sends
+# KILL_SIG to the process itself, deterministically in the middle of `--overwrite`'s removal
+AT_UNLINK = """
+import os, sys
+real = os.unlink
+def unlink(path, *a, **k):
+    if os.environ["KILL_NAME"] in str(path):
+        os.kill(os.getpid(), int(os.environ["KILL_SIG"]))
+    return real(path, *a, **k)
+os.unlink = unlink
+from convit_convert.cli import main
+sys.argv = ["cmhsa", *sys.argv[1:]]
+main()
+"""
+
+
+@pytest.fixture(scope="module")
+def exported_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A two-epoch phase-1 run with numbered checkpoints and a timm folder."""
+    out = tmp_path_factory.mktemp("exported") / "run"
+    r = invoke("train", "phase1", *TINY, "--epochs", "2", "--keep", "2", "--export-timm", "-o", out)
+    assert r.exit_code == 0, r.output
+    assert (out / "timm" / "model.safetensors").is_file() and (out / "checkpoint-epoch0002.pt").is_file()
+    return out
+
+
+def copy_tree(run: Path, to: Path) -> Path:
+    shutil.copytree(run, to, ignore=shutil.ignore_patterns(".cmhsa.lock"))
+    return to
+
+
+def old_files_left(run: Path) -> list[str]:
+    return sorted(
+        str(p.relative_to(run))
+        for p in run.rglob("*")
+        if p.name.startswith("checkpoint-epoch") or p.parent.name == "timm" or p.name == "timm"
+    )
+
+
+def test_overwrite_cut_short_after_the_first_checkpoint_is_finished_by_resume(
+    tmp_path: Path, exported_run: Path
+) -> None:
+    # was: `--resume` finished with the new conv.safetensors beside the old run's timm/ and
+    # checkpoint-epoch*.pt, for good
+    run = copy_tree(exported_run, tmp_path / "run")
+    args = ["train", "phase1", *TINY, "--epochs", "2", "--seed", "3", "--overwrite", "-o", run]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "KILL_NAME": "timm", "KILL_SIG": str(int(signal.SIGKILL))}
+    r = subprocess.run(
+        [sys.executable, "-c", AT_UNLINK, *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert r.returncode == -signal.SIGKILL, r.stderr[-2000:]
+    assert json.loads((run / "config.json").read_text())["seed"] == 3  # the new run's first checkpoint
+    assert old_files_left(run)  # killed mid-removal
+    r = invoke("train", "phase1", *TINY, "--epochs", "2", "--seed", "3", "--resume", "-o", run)
+    assert r.exit_code == 0, r.output[-2000:]
+    assert old_files_left(run) == [] and not (run / "overwrite-pending.json").exists()
+
+
+@pytest.mark.parametrize("sig", [None, signal.SIGINT, signal.SIGTERM])
+def test_overwrite_leaves_no_empty_timm_folder(tmp_path: Path, exported_run: Path, sig: int | None) -> None:
+    # was: an empty timm/ after every --overwrite of a run that had exported one
+    run = copy_tree(exported_run, tmp_path / "run")
+    args = ["train", "phase1", *TINY, "--epochs", "2", "--seed", "3", "--overwrite", "-o", run]
+    if sig is None:
+        assert invoke(*args).exit_code == 0
+    else:  # the signal comes at the first save's first rename: the run saves, removes, and stops
+        r = cmhsa_signalled_at_rename(args, 1, sig)
+        assert r.returncode == 128 + sig, r.stderr[-2000:]
+    assert old_files_left(run) == [] and not (run / "overwrite-pending.json").exists()
+
+
+def test_a_pending_removal_list_is_checked_before_anything_is_removed(tmp_path: Path, tiny_run: Path) -> None:
+    """The list is a file in a folder anyone may have written: only a previous run's removable
+    files are taken from it, never the checkpoint being resumed or a path out of the folder."""
+    run = copy_run(tiny_run, tmp_path / "run")
+    (tmp_path / "victim").write_text("kept\n")
+    for names in (["../victim"], ["checkpoint-last.pt"], "conv.safetensors", [["conv.safetensors"]]):
+        (run / "overwrite-pending.json").write_text(json.dumps(names))
+        before = tree(tmp_path)
+        refused(
+            invoke("train", "phase1", *TINY, "--epochs", "2", "--resume", "-o", run), "overwrite-pending.json"
+        )
+        assert tree(tmp_path) == before
+
+
+def test_init_naming_a_file_the_run_writes_is_refused(tmp_path: Path, attn_model: Path) -> None:
+    # was: `phase2 --init I2/vit.safetensors -o I2 --overwrite` replaced the starting weights with the
+    # trained model, though --help says the --init file is never removed
+    run = tmp_path / "I2"
+    run.mkdir()
+    start = run / "vit.safetensors"
+    start.write_bytes(attn_model.read_bytes())
+    args = [
+        *"train phase2 --data digits --train-samples 64 --val-samples 32 --batch-size 32 --epochs 1".split(),
+        *"--warmup-epochs 0 --workers 0 --device cpu".split(),
+    ]
+    refused(invoke(*args, "--init", start, "--overwrite", "-o", run), "--init", "a file this run writes")
+    assert start.read_bytes() == attn_model.read_bytes() and sorted(os.listdir(run)) == ["vit.safetensors"]
+    r = invoke(*args, "--init", start, "-o", tmp_path / "other")
+    assert r.exit_code == 0, r.output[-2000:]
+    info = json.loads((tmp_path / "other" / "config.json").read_text())["init_info"]
+    assert info["init_sha256"] == hashlib.sha256(attn_model.read_bytes()).hexdigest()
+
+
+def crafted_timm_folder(folder: Path, source: Path, change: Any) -> Path:
+    """A copy of the timm folder `source` whose config.json `change` edits."""
+    shutil.copytree(source, folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    change(cfg)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return folder
+
+
+def _top_num_classes(c: dict) -> None:
+    c["num_classes"] = c["pretrained_cfg"]["num_classes"] = 5
+
+
+def _input_size(c: dict) -> None:
+    c["pretrained_cfg"]["input_size"] = [3, 224, 224]
+
+
+def _million_classes(c: dict) -> None:
+    for d in (c, c["pretrained_cfg"], c["model_args"]["cmhsa_config"]):
+        d["num_classes"] = 10**6
+
+
+def _huge(c: dict) -> None:  # 650 bytes, each size within its own bound: ~540 GB of parameters
+    cc = c["model_args"]["cmhsa_config"]
+    cc.update(embed_dim=4096, hidden_chans=4096 // cc["patch_size"] ** 2, mlp_hidden_dim=16384, depth=1024)
+
+
+@pytest.mark.parametrize(
+    ("change", "fragment"),
+    [
+        (_top_num_classes, "says num_classes 5 but its model_args"),
+        (_input_size, "says input_size [3, 224, 224]"),
+        (_million_classes, "size mismatch for head"),
+        (_huge, "more than cmhsa loads"),
+    ],
+    ids=["top-level num_classes", "input_size", "10^6 classes", "600 GB"],
+)
+def test_a_timm_folder_whose_config_is_not_its_model_is_one_line(
+    tmp_path: Path, downloads: Path, change: Any, fragment: str
+) -> None:
+    # was: top-level num_classes 5 loaded with a random head (max |Δlogits| 6.57, no error); 10^6 classes
+    # built a random 10^6-class head; the 650-byte config asked for ~540 GB before any weight was read
+    import timm
+
+    import convit_convert.timm  # noqa: F401
+    from convit_convert.errors import CmhsaError
+
+    folder = crafted_timm_folder(tmp_path / "f", downloads / "timm", change)
+    with pytest.raises(CmhsaError) as e:
+        timm.create_model(f"local-dir:{folder}", pretrained=True)
+    assert fragment in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_a_checkpoint_claiming_a_model_larger_than_memory_is_refused_before_it_is_built(
+    tmp_path: Path,
+) -> None:
+    cfg = json.loads(fixture_parts()[0]["__metadata__"]["cmhsa.config"])
+    cfg.update(embed_dim=4096, hidden_chans=4096 // cfg["patch_size"] ** 2, mlp_hidden_dim=16384, depth=1024)
+    bad = metadata_variant(tmp_path, json.dumps(cfg))
+    for args in (["inspect", bad], ["convert", bad, "-o", tmp_path / "v.safetensors"]):
+        refused(invoke(*args), "more than cmhsa loads")
+
+
+def value_dependent_expand(path: Path) -> Path:
+    """A few hundred bytes: an Expand whose shape is computed from the input's values (max × 10^5)."""
+    from onnx import TensorProto, helper
+
+    x = helper.make_tensor_value_info("pixel_values", TensorProto.FLOAT, ["batch", 3, 8, 8])
+    y = helper.make_tensor_value_info("logits", TensorProto.FLOAT, [])
+    nodes = [
+        helper.make_node("ReduceMax", ["pixel_values"], ["m"], keepdims=0),
+        helper.make_node("Mul", ["m", "big"], ["mb"]),
+        helper.make_node("Cast", ["mb"], ["n"], to=TensorProto.INT64),
+        helper.make_node("Reshape", ["n", "one_shape"], ["n1"]),
+        helper.make_node("Concat", ["n1", "n1"], ["shape"], axis=0),
+        helper.make_node("Expand", ["one", "shape"], ["e"], name="grow"),
+        helper.make_node("ReduceSum", ["e"], ["logits"], keepdims=0),
+    ]
+    inits = [
+        helper.make_tensor("big", TensorProto.FLOAT, [], [1e5]),
+        helper.make_tensor("one_shape", TensorProto.INT64, [1], [1]),
+        helper.make_tensor("one", TensorProto.FLOAT, [1], [1.0]),
+    ]
+    model = helper.make_model(
+        helper.make_graph(nodes, "g", [x], [y], inits), opset_imports=[helper.make_opsetid("", 17)]
+    )
+    model.ir_version = 8
+    path.write_bytes(model.SerializeToString())
+    return path
+
+
+def test_an_onnx_shape_that_depends_on_the_input_s_values_is_refused_before_onnxruntime(
+    tmp_path: Path, monkeypatch
+) -> None:
+    # was: onnxruntime ran it (39 s at 13.2 GB for the reporter's file), then "tensor 'pixel_values'
+    # has no known type"
+    from convit_convert.onnx import read
+
+    def never(*a, **k):
+        raise AssertionError("onnxruntime was given the graph")
+
+    monkeypatch.setattr(read, "ort_session", never)
+    path = value_dependent_expand(tmp_path / "dyn.onnx")
+    for args in (["inspect", path], ["convert", path, "-o", tmp_path / "v.safetensors"]):
+        refused(invoke(*args), "node 'grow' (Expand)", "depends on the input's values", "through 'shape'")
+
+
+def test_onnx_metadata_props_are_bounded(tmp_path: Path, conv_onnx: Path) -> None:
+    # was: 210 MB of metadata_props accepted
+    import onnx
+
+    model = onnx.load(conv_onnx)
+    entry = model.metadata_props.add()
+    entry.key, entry.value = "note", "x" * (2 * 2**20)
+    onnx.save(model, tmp_path / "meta.onnx")
+    refused(invoke("inspect", tmp_path / "meta.onnx"), "metadata_props entry 'note'")
+
+
+def test_compile_says_it_is_compiling_before_the_first_step(tmp_path: Path, monkeypatch) -> None:
+    # was: nothing for over 90 s on 2 cores, then a raw torch log line
+    import torch
+
+    monkeypatch.setattr(torch, "compile", lambda fn, **k: fn)  # the line, not the compile, is tested
+    r = invoke("train", "phase1", *TINY, "--compile", "-o", tmp_path / "run")
+    assert r.exit_code == 0, r.output[-2000:]
+    lines = r.stdout.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("compile: torch.compile builds"))
+    assert "about 70 s the first time" in lines[at]
+    assert at < next(i for i, line in enumerate(lines) if line.startswith("epoch 1/1"))

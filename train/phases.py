@@ -20,6 +20,7 @@ from ..api import as_float32, convert_checkpoint, load_checkpoint
 from ..config import ViTConfig
 from ..data import image_mode
 from ..errors import CheckFailed, CmhsaError
+from ..io.report import sha256_file
 from ..model import ATTENTION_PARAMS, VisionTransformer
 from ..resources import check_fits
 from ..starts import start_model
@@ -142,7 +143,8 @@ def build_phase_model(cfg: TrainConfig, num_classes: int, log: Any = print) -> P
         check_trainable(cfg, ckpt.config)
         model = VisionTransformer(ckpt.config, cfg.model.drop_path)
         model.load_state_dict(ckpt.tensors)
-        return PhaseModel(model, ckpt.config, {"init": str(cfg.start.init), "init_kind": "attn"})
+        info = {"init": str(cfg.start.init), "init_kind": "attn", "init_sha256": sha256_file(ckpt.path)}
+        return PhaseModel(model, ckpt.config, info)
     # the model the conversion will make, sized before anything of its size is built
     check_trainable(cfg, cfg.conversion.plan(ckpt.config).config)
     # the same conversion and verification as `cmhsa convert`
@@ -167,6 +169,7 @@ def build_phase_model(cfg: TrainConfig, num_classes: int, log: Any = print) -> P
     info = {
         "init": str(cfg.start.init),
         "init_kind": "conv",
+        "init_sha256": sha256_file(ckpt.path),
         "verify_worst_rel": worst.rel,
         "verify_tol": cfg.conversion.tol,
         "verify_criterion": result.criterion,

@@ -15,6 +15,7 @@ from typing import Any
 
 from ..errors import CmhsaError
 from ..io.atomic import atomic_path, atomic_paths
+from ..io.journal import check_settled
 from ..io.paths import parse_json, read_text
 from ..text import label_safe
 from .config import starts_from_checkpoint
@@ -35,6 +36,7 @@ def read_metrics(run: Path) -> list[dict[str, float]]:
     path = run / "metrics.csv"
     if not os.path.lexists(path):
         raise CmhsaError("has no metrics.csv (not a training run folder?)", run)
+    check_settled(path)
     text = read_text(path, what="metrics.csv")
     try:
         rows = list(csv.DictReader(io.StringIO(text, newline="")))
@@ -102,6 +104,7 @@ def _started_from(run: Path) -> str | None:
     start, or no config.json cmhsa can read: the curves are then drawn from epoch 1)."""
     path = run / "config.json"
     try:
+        check_settled(path)
         cfg = parse_json(read_text(path, what="config.json"), path) if os.path.lexists(path) else None
     except CmhsaError:
         return None

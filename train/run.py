@@ -14,6 +14,7 @@ import csv
 import io
 import json
 import os
+import re
 import signal
 import threading
 from collections.abc import Iterator
@@ -46,7 +47,7 @@ from ..errors import CmhsaError
 from ..io.atomic import check_writable
 from ..io.checkpoint import Checkpoint, save_checkpoint
 from ..io.lock import LOCK_NAME, locked_folder
-from ..io.paths import make_folder, remove_made
+from ..io.paths import make_folder, parse_json, read_text, remove_made
 from ..io.timm_folder import CONFIG, WEIGHTS
 from ..model import VisionTransformer
 from ..timm import TimmFolderReport, export_timm_folder
@@ -68,6 +69,9 @@ from .step import TrainStep
 
 OUTPUT = {"phase1": "conv.safetensors", "phase2": "vit.safetensors"}
 TIMM_FOLDER = "timm"  # `export_timm`'s folder in the run's
+# `overwrite`: the previous run's files still to remove, committed with the new run's first
+# checkpoint and removed once they are gone; `resume` finishes an interrupted removal
+PENDING_REMOVAL = "overwrite-pending.json"
 RESUMABLE = ("epochs", "lr")  # what a resume may change; the schedule is then rebuilt
 
 
@@ -280,11 +284,14 @@ def _locked_run(
     wrote: list[Path],
 ) -> RunResult:
     saved, reschedule, replaces = None, False, []
+    init = cfg.start.init if cfg.from_checkpoint else None
+    check_init_kept(out, cfg.phase, init)
     if cfg.runtime.resume:
         saved = read_checkpoint(out / LAST)
         cfg, reschedule = resumed_config(cfg, saved, out, reporter.log)
+        finish_removal(out)
     else:
-        replaces = previous_run(out, cfg.runtime.overwrite, cfg.start.init if cfg.from_checkpoint else None)
+        replaces = previous_run(out, cfg.runtime.overwrite, init)
     reporter.open(cfg.recipe.epochs, cfg.runtime.log_every)
     for line in [] if saved else unmeant_choices(cfg):
         reporter.log(line)
@@ -292,13 +299,33 @@ def _locked_run(
     return train(loop, stop_after_steps, replaces, wrote)
 
 
+def run_files(phases: tuple[str, ...] = tuple(OUTPUT)) -> list[str]:
+    """The names a run of ``phases`` writes in its folder (relative; numbered checkpoints apart)."""
+    models = [OUTPUT[p] for p in phases]
+    names = [LAST, "metrics.csv", "config.json", PENDING_REMOVAL, *models]
+    names += [n.replace(".safetensors", s) for n in models for s in ("-ema.safetensors", ".onnx")]
+    return names + [f"{TIMM_FOLDER}/{n}" for n in (WEIGHTS, CONFIG)]
+
+
 def run_outputs(out: Path) -> list[Path]:
     """What a run writes into its folder (any phase), as far as it is there."""
-    names = [LAST, "metrics.csv", "config.json", *OUTPUT.values()]
-    names += [n.replace(".safetensors", s) for n in OUTPUT.values() for s in ("-ema.safetensors", ".onnx")]
-    names += [f"{TIMM_FOLDER}/{n}" for n in (WEIGHTS, CONFIG)]
-    found = [out / n for n in names if os.path.lexists(out / n)]
+    found = [out / n for n in run_files() if os.path.lexists(out / n)]
     return found + sorted(p for p in out.glob("checkpoint-epoch*.pt"))
+
+
+def check_init_kept(out: Path, phase: str, init: str | None) -> None:
+    """The file `init` names is never replaced by the run that starts from it: refused when it is
+    one this run writes (its model, checkpoints, exports)."""
+    if not init:
+        return
+    source = Path(init).expanduser()
+    written = [out / n for n in run_files((phase,))] + list(out.glob("checkpoint-epoch*.pt"))
+    if any(same_file(source, p) for p in written if os.path.lexists(p)):
+        raise CmhsaError(
+            f"`init` {init} is a file this run writes (its model or a checkpoint) and would be "
+            "replaced by the trained model; copy it out of `out` first, or choose another `out`",
+            out,
+        )
 
 
 def previous_run(out: Path, overwrite: bool, init: str | None = None) -> list[Path]:
@@ -321,16 +348,44 @@ def previous_run(out: Path, overwrite: bool, init: str | None = None) -> list[Pa
     return [p for p in previous if source is None or not same_file(p, source)]
 
 
-def remove_replaced(out: Path, replaced: list[Path], written: set[str]) -> None:
-    """`overwrite`: the previous run's files that the new run's first save did not replace
-    (``written``: paths relative to ``out``; timm/config.json is not config.json)."""
-    for p in replaced:
-        if p.relative_to(out).as_posix() in written:
-            continue
+def remove_replaced(out: Path, names: list[str]) -> None:
+    """`overwrite`: remove the previous run's files ``names`` (relative to ``out``), then the list of
+    them (:data:`PENDING_REMOVAL`) and a timm folder left empty."""
+    for name in names:
         try:
-            p.unlink(missing_ok=True)
+            (out / name).unlink(missing_ok=True)
         except OSError as e:
-            raise CmhsaError(f"`overwrite`: cannot remove {p.name} ({e.strerror})", out) from None
+            raise CmhsaError(f"`overwrite`: cannot remove {name} ({e.strerror})", out) from None
+    (out / PENDING_REMOVAL).unlink(missing_ok=True)
+    with contextlib.suppress(OSError):  # not there, or holds something else: kept
+        (out / TIMM_FOLDER).rmdir()
+
+
+def removable(name: object) -> bool:
+    """Whether ``name`` (from a run folder's :data:`PENDING_REMOVAL`, which anyone may have written)
+    is a previous run's file that `overwrite` removes: a run output other than the three every save
+    writes, or a numbered checkpoint; never a path out of the folder."""
+    kept = (LAST, "metrics.csv", "config.json", PENDING_REMOVAL)
+    return isinstance(name, str) and (
+        (name in run_files() and name not in kept)
+        or re.fullmatch(r"checkpoint-epoch\d{4,9}\.pt", name) is not None
+    )
+
+
+def finish_removal(out: Path) -> None:
+    """`resume` of a run whose `overwrite` was cut short after its first checkpoint: remove what
+    :data:`PENDING_REMOVAL` still lists (names checked by :func:`removable`; the file is bounded)."""
+    path = out / PENDING_REMOVAL
+    if not os.path.lexists(path):
+        return
+    names = parse_json(read_text(path, 64 * 2**10, PENDING_REMOVAL), path, PENDING_REMOVAL, max_depth=2)
+    if not isinstance(names, list) or not all(removable(n) for n in names):
+        raise CmhsaError(
+            f"is not a list of a previous run's files that `overwrite` removes; delete {PENDING_REMOVAL} "
+            "to resume without it",
+            path,
+        )
+    remove_replaced(out, names)
 
 
 def build(
@@ -472,6 +527,12 @@ def build(
     )
     if step.why_not_whole is not None:
         reporter.log(f"compile: the model's forward only, not the whole step ({step.why_not_whole})")
+    if cfg.runtime.compile and ctx.is_main:
+        reporter.log(
+            "compile: torch.compile builds the step's kernels during the first steps, before any "
+            "progress shows (measured on 2 CPU cores, depth 1 at 16 px: about 70 s the first time, "
+            "7 s once torch has cached the kernels; on CPU it pays back only over long runs)"
+        )
     return Loop(
         cfg,
         ctx,
@@ -595,16 +656,21 @@ def train(
     wrote = [] if wrote is None else wrote
     cfg, ctx, st, out = loop.cfg, loop.ctx, loop.state, loop.out
     result = RunResult(out, st.metrics)
-    pending = list(replaces or [])
+    # the previous run's files the first save does not replace (timm/config.json is not config.json)
+    pending = [p.relative_to(out).as_posix() for p in replaces or []]
+    pending = [n for n in pending if n not in (LAST, "metrics.csv", "config.json", PENDING_REMOVAL)]
 
     def save() -> None:
         if ctx.is_main:  # checkpoint, metrics and config land together or not at all (state.save)
             also = {"metrics.csv": metrics_text(st.metrics), "config.json": loop.config_json}
+            if pending:  # what is still to remove lands with them: `resume` finishes an interrupted removal
+                also[PENDING_REMOVAL] = json.dumps(pending) + "\n"
 
             def committed() -> None:
                 wrote.append(out / LAST)
-                remove_replaced(out, pending, {LAST, *also})
-                pending.clear()
+                if pending:
+                    remove_replaced(out, pending)
+                    pending.clear()
 
             st.save(out, cfg.runtime.keep, also, committed)
         barrier(ctx)

@@ -96,7 +96,7 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
     field checked, so a damaged or crafted file is one line, never a traceback."""
     import pickle
 
-    recover(path.parent)  # a save killed between its renames: complete it first
+    recover(path.parent)  # resuming writes into the run folder: first finish a save a kill -9 cut short
     if not path.is_file():
         raise CmhsaError("no checkpoint to resume from (run without `resume` first)", path)
     try:

@@ -12,7 +12,7 @@ import torch
 
 from ..config import NORM_EPS
 from ..errors import CmhsaError
-from ..io.atomic import check_writable, recover
+from ..io.atomic import check_writable
 from ..io.checkpoint import Checkpoint, check_geometry, load_tensor_checkpoint
 from ..spec import DEFAULT_TOL
 
@@ -32,7 +32,6 @@ def load_checkpoint(
     ``patch_size``), or a conv-phase ONNX graph, read by its structure and checked against
     onnxruntime within ``onnx_tol`` (:mod:`convit_convert.onnx.importer`)."""
     path = Path(path)
-    recover(path.parent)  # a pair whose write was killed between its renames: complete it first
     if path.suffix.lower() != ".onnx":
         return load_tensor_checkpoint(
             path, img_size=img_size, patch_size=patch_size, dilation=dilation, norm_eps=norm_eps

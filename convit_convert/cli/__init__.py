@@ -55,16 +55,16 @@ def _root(
 
 def main() -> None:
     """The ``cmhsa`` program: the app, then an exit whose code says whether SIGINT or SIGTERM came."""
-    from .boundary import exit_on_sigterm, exit_status, tolerate_gone_readers
+    from .boundary import exit_on_sigterm, exit_status, output_lost, tolerate_gone_readers
 
-    tolerate_gone_readers()  # a closed or broken stdout/stderr never turns finished work into an error
+    tolerate_gone_readers()  # a broken pipe ends quietly; other output lost is said once, at the end
     exit_on_sigterm()  # a killed convert/export unwinds and removes its temp files (training traps it first)
     code: object = 0
     try:
         app()
     except SystemExit as e:
         code = e.code
-    code = exit_status(code)
+    code = output_lost(exit_status(code))
     import atexit
     import os
     import sys

@@ -9,20 +9,23 @@ shown only with ``cmhsa --debug ...`` or ``CMHSA_DEBUG=1``.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import gc
 import io
+import logging
 import os
 import re
 import signal
 import sys
 import traceback
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 from typer.core import TyperGroup
 
-from .. import signals
+from .. import notices, signals
 from ..errors import CheckFailed, CmhsaError, first_line
 from .common import EXIT_BAD_INPUT, EXIT_FAIL, as_flags, terminal_safe
 
@@ -32,6 +35,8 @@ _DEBUG = {"on": False}
 
 def set_debug(on: bool) -> None:
     _DEBUG["on"] = on
+    if on:  # libraries' log records too (library_logs_quiet)
+        logging.disable(logging.NOTSET)
 
 
 def debug_enabled() -> bool:
@@ -143,21 +148,41 @@ def report(e: BaseException) -> int:
     return EXIT_INTERNAL
 
 
+@contextlib.contextmanager
+def library_logs_quiet() -> Iterator[None]:
+    """While a command runs, libraries' log records (torch's "No CUDA runtime is found" while
+    torch.compile builds, timm's loader notes) are not printed unless ``--debug`` or CMHSA_DEBUG
+    (:func:`set_debug` lifts it when the flag is parsed). cmhsa itself prints, never logs."""
+    logging.disable(logging.NOTSET if debug_enabled() else logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logging.disable(logging.NOTSET)
+
+
 class ReaderGone:
-    """stdout or stderr as cmhsa writes to it: when the reader has gone (closed with ``>&-``, a
-    pipe whose reader exited, as in ``cmhsa ... | head -c1``), what is printed is dropped, and the
-    command goes on to finish its work and exit with its own code, never an error of the stream."""
+    """stdout or stderr as cmhsa writes to it. When the reader has gone (a pipe whose reader exited,
+    as in ``cmhsa ... | head -c1``: EPIPE), what is printed is dropped and the command finishes its
+    work quietly. Any other failure (a stream closed with ``>&-``, a full disk, an I/O error) is
+    kept in ``lost``: the command finishes, then :func:`output_lost` turns it into an error, as
+    coreutils do, so ``cmhsa inspect X > report.txt`` on a full disk never ends in success."""
 
     def __init__(self, stream: Any) -> None:
         self._stream = stream
         self._gone = stream is None
+        self.lost: str | None = None  # why what was written did not arrive (None: it did, or EPIPE)
 
     def _call(self, name: str, *args: Any) -> Any:
-        if not self._gone:
+        if self._gone:
+            if self._stream is None and name == "write" and args[0] and self.lost is None:
+                self.lost = "it is closed"
+        else:
             try:
                 return getattr(self._stream, name)(*args)
-            except (OSError, ValueError):  # EPIPE, EBADF, EIO; ValueError: I/O on a closed file
+            except (OSError, ValueError) as e:  # EPIPE, EBADF, ENOSPC, EIO; ValueError: a closed file
                 self._gone = True
+                if not (isinstance(e, OSError) and e.errno == errno.EPIPE):
+                    self.lost = (e.strerror if isinstance(e, OSError) else None) or "it is closed"
         return len(args[0]) if name == "write" else None
 
     def write(self, text: str) -> int:
@@ -173,6 +198,19 @@ class ReaderGone:
         if self._stream is None:
             raise AttributeError(name)
         return getattr(self._stream, name)
+
+
+def output_lost(code: int) -> int:
+    """The exit code once the command is over: ``code``, or, when a successful command's output to
+    stdout could not be written (closed, disk full; not a reader that went away), one line on stderr
+    and exit 2."""
+    out = sys.stdout
+    if isinstance(out, ReaderGone):
+        out.flush()  # a full disk says so only when the buffer is written
+        if out.lost is not None and code == 0:
+            _say(f"cannot write the output to standard output ({out.lost})")
+            return EXIT_BAD_INPUT
+    return code
 
 
 def tolerate_gone_readers() -> None:
@@ -213,12 +251,13 @@ class BoundaryGroup(TyperGroup):
             plain_help(self)
             self._plain = True
         signals.clear()  # this invocation's signals only (CliRunner runs many in one process)
+        notices.set_sink(lambda line: print(f"note: {terminal_safe(line)}", file=sys.stderr))
         args = list(sys.argv[1:] if args is None else args)
         for stream in (sys.stdout, sys.stderr):  # an ASCII locale: Δ and ≥ as escapes, never a crash
             if isinstance(stream, io.TextIOWrapper):
                 stream.reconfigure(errors="backslashreplace")
         try:
-            with warnings.catch_warnings(record=True) as caught:
+            with warnings.catch_warnings(record=True) as caught, library_logs_quiet():
                 warnings.simplefilter("default")  # each once, so the record stays small
                 empty_argument(args)
                 rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)

@@ -4,24 +4,27 @@ outputs that belong together are replaced together.
 Each target gets a temp file beside it (``.NAME.PID.XXXXXXXX.tmp``; a long NAME is replaced by its
 hash, so any name the file system allows can be written). A single output is committed by one
 ``os.replace``. Several outputs (model + report, checkpoint + metrics + config) are committed by a
-journal: ``.cmhsa-commit.PID.json`` in the first target's folder, naming every temp and its target,
-is renamed into place (the commit point), the temps are renamed onto their targets, and the
-journal is removed. SIGINT and SIGTERM are held back from the journal's rename to its removal, so a
-signal never splits a pair; a kill -9 there leaves the journal, and the next write to any of the
-targets, or :func:`recover` called by a reader, completes the renames it names (rolls forward).
-Before the commit point nothing of the previous files has changed.
+journal (``io/journal.py``: ``.cmhsa-commit.PID.json``, naming each temp and its target by bare
+name) in each folder the outputs lie in: the journals are renamed into place (the commit point),
+the temps renamed onto their targets, and the journals removed. SIGINT and SIGTERM are held back
+from the first journal's rename to the last removal, so a signal never splits a commit; a kill -9
+there leaves the journals, and the next cmhsa command that *writes* into that folder completes the
+renames (:func:`recover`, rolling forward). A reader never renames: it refuses a file a pending
+commit names (``journal.check_settled``). A journal that cmhsa did not begin in that folder
+(``journal.scan``'s rules: this user's, bare names, the writer's own temp names, its process gone)
+is never acted on. Before the commit point nothing of the previous files has changed; outputs in
+two folders are committed folder by folder, so a kill -9 between the two commit points (one
+rename apart) leaves the first folder's outputs new and the second's as they were.
 
 Temp files are removed when the write fails, when Python unwinds (Ctrl-C, and SIGTERM once
 ``cli.boundary.exit_on_sigterm`` is installed, as the CLI does), and, after a kill -9 that no
-handler sees, by the next write to the same target: a temp whose process no longer exists, and
-that no journal names, is stale.
+handler sees, by the next write to the same target: a temp of this user's whose process no longer
+exists, and that no journal names, is stale.
 """
 
 from __future__ import annotations
 
 import contextlib
-import glob
-import hashlib
 import json
 import os
 import re
@@ -32,33 +35,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from ..errors import CmhsaError, first_line
+from .journal import JOURNAL_PREFIX, alive, scan, temp_pid, temp_stem
 from .paths import check_output_target
-
-JOURNAL_PREFIX = ".cmhsa-commit."
-# a temp name adds at most this many bytes to the target's name (".", ".PID", ".XXXXXXXX.tmp")
-_TEMP_EXTRA = 1 + 1 + 10 + 1 + 8 + 4
 
 
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
-
-
-def _name_max(folder: Path) -> int:
-    try:
-        return os.pathconf(folder, "PC_NAME_MAX")
-    except (OSError, ValueError):
-        return 255
-
-
-def temp_stem(path: Path) -> str:
-    """The part of ``path``'s temp names before the PID: ``.NAME``, or ``.cmhsa-HASH`` where NAME
-    is too long for the folder to hold NAME plus the temp suffix."""
-    folder = path.parent if str(path.parent) else Path(".")
-    if len(os.fsencode(path.name)) + _TEMP_EXTRA <= _name_max(folder):
-        return f".{path.name}"
-    return ".cmhsa-" + hashlib.sha256(os.fsencode(path.name)).hexdigest()[:20]
 
 
 def check_writable(path: Path) -> None:
@@ -77,54 +61,47 @@ def check_writable(path: Path) -> None:
         raise CmhsaError("output folder is not writable", path)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process
-        return True
-    return True
-
-
-def _dead_writer(name: str, prefix: str) -> bool:
-    pid = name[len(prefix) :].split(".", 1)[0]
-    return pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid))
-
-
 def recover(folder: Path) -> list[Path]:
-    """Complete the commits that a killed writer left in ``folder``: every journal whose process no
-    longer runs has the renames it names done (those whose temp is still there); the journal is then
-    removed. Returns the targets written. Errors are ignored: a reader without write permission
-    leaves the journal for a writer."""
+    """Complete the commits that a killed writer left pending in ``folder`` (``journal.scan``: only
+    those cmhsa began there): each temp still there is renamed onto its target, then the journal
+    is removed. Returns the targets written. Only a command that writes into ``folder`` calls
+    this; an error (no write permission) leaves the journal for the next writer."""
     done: list[Path] = []
-    for name in glob.glob(glob.escape(str(folder / JOURNAL_PREFIX)) + "*.json"):
-        if not _dead_writer(Path(name).name, JOURNAL_PREFIX):
-            continue
+    for journal in scan(folder).pending:
         try:
-            with open(name, encoding="utf-8") as f:
-                pairs = json.load(f)
-            for tmp, target in pairs:
-                if os.path.lexists(tmp):
-                    os.replace(tmp, target)
-                    done.append(Path(target))
-            os.unlink(name)
-        except (OSError, ValueError, TypeError):
+            for tmp, target in journal.pairs:
+                if os.path.lexists(journal.folder / tmp):
+                    os.replace(journal.folder / tmp, journal.folder / target)
+                    done.append(journal.folder / target)
+            os.unlink(journal.path)
+        except OSError:
             continue
     return done
 
 
 def remove_stale_temps(path: Path) -> list[Path]:
-    """Delete temp files of ``path`` left by writers that no longer run (killed with -9), after
-    completing any commit such a writer had begun (:func:`recover`)."""
+    """Delete temp files of ``path`` left by this user's writers that no longer run (killed with
+    -9), after completing any commit such a writer had begun (:func:`recover`). A temp any journal
+    names is kept: a foreign journal's commit is not ours to finish, nor to undo."""
     recover(path.parent)
-    removed = []
+    folder = path.parent if str(path.parent) else Path(".")
+    named = scan(folder).named_temps
     prefix = f"{temp_stem(path)}."
-    for name in glob.glob(glob.escape(str(path.parent / prefix)) + "*.tmp"):
-        if _dead_writer(Path(name).name, prefix):
-            with contextlib.suppress(OSError):
-                os.unlink(name)
-                removed.append(Path(name))
+    removed = []
+    try:
+        names = [e.name for e in os.scandir(folder) if e.name.startswith(prefix) and e.name.endswith(".tmp")]
+    except OSError:
+        return removed
+    for name in names:
+        pid = temp_pid(name, path)
+        if pid is None or name in named or pid == os.getpid() or alive(pid):
+            continue
+        with contextlib.suppress(OSError):
+            st = os.lstat(folder / name)
+            if hasattr(os, "geteuid") and st.st_uid != os.geteuid():
+                continue
+            os.unlink(folder / name)
+            removed.append(folder / name)
     return removed
 
 
@@ -167,24 +144,34 @@ def signals_held() -> Iterator[None]:
 
 
 def _commit(tmps: list[Path], targets: list[Path]) -> None:
-    """Rename every temp onto its target, all or (after a kill -9, until :func:`recover`) none."""
+    """Rename every temp onto its target, all or (after a kill -9, until :func:`recover`) none, per
+    folder (the module docstring)."""
     with signals_held():
         if len(targets) == 1:
             os.replace(tmps[0], targets[0])
             return
-        pairs = [[os.path.abspath(t), os.path.abspath(p)] for t, p in zip(tmps, targets, strict=True)]
-        folder = targets[0].parent if str(targets[0].parent) else Path(".")
-        journal = folder / f"{JOURNAL_PREFIX}{os.getpid()}.json"
-        staged = folder / f"{JOURNAL_PREFIX}{os.getpid()}.json.part"
+        by_folder: dict[str, list[list[str]]] = {}
+        for tmp, target in zip(tmps, targets, strict=True):
+            folder = os.path.dirname(os.path.abspath(target))
+            by_folder.setdefault(folder, []).append([tmp.name, target.name])
+        journals = []
         try:
-            staged.write_text(json.dumps(pairs), encoding="utf-8")
-            os.replace(staged, journal)  # the commit point
+            for folder, pairs in by_folder.items():
+                journal = Path(folder) / f"{JOURNAL_PREFIX}{os.getpid()}.json"
+                staged = journal.with_name(journal.name + ".part")
+                staged.write_text(json.dumps({"pairs": pairs}), encoding="utf-8")
+                journals.append((staged, journal))
+            for staged, journal in journals:
+                os.replace(staged, journal)  # the commit point (of this folder's outputs)
         finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(staged)
-        for tmp, target in pairs:
-            os.replace(tmp, target)
-        os.unlink(journal)
+            for staged, _ in journals:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(staged)
+        for folder, pairs in by_folder.items():
+            for tmp, target in pairs:
+                os.replace(Path(folder) / tmp, Path(folder) / target)
+        for _, journal in journals:
+            os.unlink(journal)
 
 
 @contextlib.contextmanager

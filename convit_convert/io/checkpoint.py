@@ -21,6 +21,7 @@ from ..config import KINDS, NORM_EPS, ViTConfig
 from ..errors import CmhsaError, article
 from ..model import VisionTransformer
 from .atomic import atomic_path
+from .journal import check_settled
 from .paths import check_input_file
 from .safetensors_writer import write_safetensors
 
@@ -116,6 +117,7 @@ def read_tensors(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, s
     (read with ``weights_only=True``; never an unsafe fallback). Raises CmhsaError."""
     path = Path(path)
     check_input_file(path, "model file")
+    check_settled(path)
     try:
         with open(path, "rb") as f:
             head = f.read(9)

@@ -155,9 +155,11 @@ def _depth(text: str) -> int:
     return deepest
 
 
-def parse_json(text: str | bytes, path: object = None, what: str = "JSON") -> Any:
+def parse_json(
+    text: str | bytes, path: object = None, what: str = "JSON", max_depth: int = MAX_JSON_DEPTH
+) -> Any:
     """``text`` parsed as JSON, refusing what no cmhsa file holds (more than MAX_JSON_BYTES, nesting
-    deeper than MAX_JSON_DEPTH, integers of more than 4,300 digits) in one line, as bad input."""
+    deeper than ``max_depth``, integers of more than 4,300 digits) in one line, as bad input."""
     if isinstance(text, bytes):
         try:
             text = text.decode("utf-8")
@@ -167,8 +169,8 @@ def parse_json(text: str | bytes, path: object = None, what: str = "JSON") -> An
         raise CmhsaError(
             f"{what} is {len(text):,} characters, more than cmhsa reads ({MAX_JSON_BYTES:,})", path
         )
-    if _depth(text) > MAX_JSON_DEPTH:
-        raise CmhsaError(f"{what} nests deeper than {MAX_JSON_DEPTH} levels", path)
+    if _depth(text) > max_depth:
+        raise CmhsaError(f"{what} nests deeper than {max_depth} levels", path)
     try:
         return json.loads(text)
     except (ValueError, RecursionError, TypeError) as e:  # JSONDecodeError, too many digits

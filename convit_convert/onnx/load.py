@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CmhsaError, first_line
+from ..io.journal import check_settled
 from ..io.paths import check_input_file
 
 # element types cmhsa reads weights and images in (onnx.TensorProto.FLOAT / DOUBLE)
@@ -133,6 +134,7 @@ def load_onnx(path: str | Path) -> Any:
 
     path = Path(path)
     check_input_file(path, "model file")
+    check_settled(path)
     try:
         model = onnx.load_model(str(path), load_external_data=False)
     except (DecodeError, ValueError, RuntimeWarning) as e:
@@ -141,12 +143,39 @@ def load_onnx(path: str | Path) -> Any:
         raise CmhsaError(f"cannot read ({e.strerror})", path) from None
     if not model.HasField("graph") or not model.graph.node:
         raise CmhsaError("not an ONNX model (no graph; truncated or another kind of file?)", path)
+    _check_metadata(model, path)
     _load_external_data(model, path)
     try:
         onnx.checker.check_model(model, full_check=True)
     except Exception as e:  # checker and shape inference raise several types
         raise CmhsaError(f"fails onnx.checker.check_model(full_check=True): {_first_line(e)}", path) from None
     return model
+
+
+# metadata_props: what cmhsa writes (the preprocessing, a few hundred bytes) with room to spare
+MAX_METADATA_ENTRIES = 256
+MAX_METADATA_BYTES = 64 * 2**10  # one key or value
+MAX_METADATA_TOTAL = 1 * 2**20
+
+
+def _check_metadata(model: Any, path: Path) -> None:
+    """``metadata_props`` bounded: at most MAX_METADATA_ENTRIES entries, each key and value at most
+    MAX_METADATA_BYTES, all together at most MAX_METADATA_TOTAL (a model's weights are not there)."""
+    props = model.metadata_props
+    if len(props) > MAX_METADATA_ENTRIES:
+        raise CmhsaError(
+            f"has {len(props):,} metadata_props entries, more than cmhsa reads ({MAX_METADATA_ENTRIES})", path
+        )
+    total = 0
+    for p in props:
+        size = max(len(p.key.encode()), len(p.value.encode()))
+        total += len(p.key.encode()) + len(p.value.encode())
+        if size > MAX_METADATA_BYTES or total > MAX_METADATA_TOTAL:
+            raise CmhsaError(
+                f"metadata_props entry {p.key[:40]!r} makes them more than cmhsa reads "
+                f"({MAX_METADATA_BYTES:,} bytes an entry, {MAX_METADATA_TOTAL:,} in all)",
+                path,
+            )
 
 
 # What onnxruntime may be asked to run. A conv-phase ViT export has no control flow, sequences,
@@ -156,11 +185,45 @@ MAX_TENSOR_ELEMENTS = 2**28  # any one tensor of the graph at the batch it is ru
 RUN_SECONDS = 600.0  # one onnxruntime run of a graph; a ViT within the flags' limits takes seconds
 
 
+# ops whose output's size is decided by their input's values whatever the graph
+VALUE_SHAPED = ("NonZero", "Unique", "Compress", "NonMaxSuppression", "StringSplit")
+# the inputs that decide an op's output size (a shape, repeats, pads, a range, sizes, k)
+SHAPE_INPUTS = {
+    "Reshape": (1,),
+    "Expand": (1,),
+    "Tile": (1,),
+    "ConstantOfShape": (0,),
+    "Range": (0, 1, 2),
+    "Resize": (1, 2, 3),
+    "Upsample": (1,),
+    "Pad": (1, 2, 3),
+    "OneHot": (1,),
+    "Slice": (1, 2, 3, 4),
+    "TopK": (1,),
+    "Split": (1,),
+    "Col2Im": (1, 2, 3),
+    "CenterCropPad": (1, 2),
+}
+
+
+def value_dependent(graph: Any) -> set[str]:
+    """The tensors computed from the image input's values (not only from its shape: Shape and Size
+    give numbers that hold for every image of that size). A size taken from one is known only by
+    running the graph: a 400-byte graph can ask for an Expand of max(pixels) x 10^5 elements."""
+    init = {t.name for t in graph.initializer}
+    tainted = {i.name for i in graph.input if i.name not in init}
+    for node in graph.node:  # the graph is topologically sorted (the checker requires it)
+        if node.op_type not in ("Shape", "Size") and any(n in tainted for n in node.input):
+            tainted.update(filter(None, node.output))
+    return tainted
+
+
 def check_runnable(model: Any, path: Path, batch: int) -> int:
     """Before onnxruntime sees the graph: only standard ops, no control flow, subgraphs or local
-    functions, and every tensor's shape known from the input's by shape inference (with constant
-    propagation, so an Expand to a constant shape is sized) and at most MAX_TENSOR_ELEMENTS at
-    ``batch`` (a symbolic dimension is the batch). Returns the bytes of every node's outputs
+    functions, no size taken from the input's values (:func:`value_dependent`: refused naming the
+    node), and every tensor's shape known from the input's by shape inference (with data
+    propagation, so an Expand to a constant shape is sized; a symbolic dimension is the batch) and
+    at most MAX_TENSOR_ELEMENTS at ``batch``. Returns the bytes of every node's outputs
     together, for the caller to hold against the memory available."""
     import onnx
     from onnx import helper
@@ -178,6 +241,7 @@ def check_runnable(model: Any, path: Path, batch: int) -> int:
                 f"node {node.name!r} is a {node.op_type} with a subgraph; a ViT's graph has no control flow",
                 path,
             )
+    tainted = value_dependent(graph)
     try:
         inferred = onnx.shape_inference.infer_shapes(model, strict_mode=True, data_prop=True)
     except Exception as e:  # onnx raises several types
@@ -187,6 +251,15 @@ def check_runnable(model: Any, path: Path, batch: int) -> int:
     }
     total = 0
     for node in graph.node:
+        sizes = SHAPE_INPUTS.get(node.op_type, ())
+        shaping = [n for i, n in enumerate(node.input) if i in sizes and n in tainted]
+        if node.op_type in VALUE_SHAPED or shaping:
+            raise CmhsaError(
+                f"node {node.name or node.op_type!r} ({node.op_type}) makes a tensor whose shape depends on "
+                f"the input's values{f' (through {shaping[0]!r})' if shaping else ''}, not only its shape; "
+                "cmhsa runs only graphs whose sizes follow from the input's shape",
+                path,
+            )
         for name in filter(None, node.output):
             t = types.get(name)
             if t is None or not t.HasField("tensor_type") or not t.tensor_type.HasField("shape"):
@@ -196,7 +269,7 @@ def check_runnable(model: Any, path: Path, batch: int) -> int:
             count = 1
             for d in t.tensor_type.shape.dim:
                 if d.HasField("dim_param") and not d.HasField("dim_value"):
-                    count *= batch
+                    count *= batch  # a size computed from the input's shape: the batch's, in a ViT
                 elif d.HasField("dim_value") and d.dim_value >= 0:
                     count *= d.dim_value
                 else:

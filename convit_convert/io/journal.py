@@ -1,0 +1,295 @@
+"""The commit journal read as untrusted input: which unfinished commits a folder holds, and which
+of its files are cmhsa's temp files. Nothing here renames or removes a file (``atomic.py`` writes
+journals and rolls them forward; readers only ask).
+
+A journal ``.cmhsa-commit.PID.json`` lists, by bare name in its own folder, each temp file that
+process PID wrote and the target it becomes: ``{"pairs": [[".vit.safetensors.PID.XXXXXXXX.tmp",
+"vit.safetensors"], ...]}``. Its rename into place is a commit's point of no return; a journal
+whose writer no longer runs is a commit a kill -9 (or a power cut) left *pending*.
+
+A downloaded or shared folder may hold a file of that name that cmhsa never wrote, so a journal is
+pending only if every one of these holds (else it is *foreign*: never acted on, said once):
+
+- its name is ``.cmhsa-commit.PID.json`` with PID a process number this platform can have, and
+  that process is not running;
+- it is a regular file (not a link, FIFO or device: opened with O_NOFOLLOW and O_NONBLOCK), owned
+  by this user, of at most MAX_JOURNAL_BYTES, JSON nested at most MAX_JOURNAL_DEPTH deep;
+- it holds 1 to MAX_PAIRS pairs of bare names (no separator, no ``..``, no NUL);
+- each temp is the name cmhsa's writer gives its target's temp file in process PID
+  (:func:`temp_stem`, the PID, mkstemp's 8 characters, ``.tmp``), and, where it is still there, a
+  regular file owned by this user; each target is absent or a regular file, and not itself a temp
+  or journal name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import os
+import re
+import stat
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import CmhsaError
+from ..notices import notice
+from ..text import terminal_safe
+from .paths import parse_json
+
+JOURNAL_PREFIX = ".cmhsa-commit."
+JOURNAL_RE = re.compile(r"\.cmhsa-commit\.(\d{1,20})\.json")
+# cmhsa's writers commit at most 5 files together (a checkpoint with its metrics, config and the
+# list of a replaced run's files); a journal of 16 pairs of 255-byte names is under 9 KB
+MAX_PAIRS = 16
+MAX_JOURNAL_BYTES = 16 * 2**10
+MAX_JOURNAL_DEPTH = 3
+MAX_JOURNALS = 64  # journals looked at in one folder; more is not a folder a cmhsa writer made
+# a temp name adds at most this many bytes to the target's name (".", ".PID", ".XXXXXXXX.tmp")
+TEMP_EXTRA = 1 + 1 + 10 + 1 + 8 + 4
+_MKSTEMP_CHARS = "[a-z0-9_]{8}"  # tempfile's _RandomNameSequence: 8 of a-z, 0-9, _
+
+
+def pid_limit() -> int:
+    """The largest process number this platform gives (Linux: /proc/sys/kernel/pid_max)."""
+    with contextlib.suppress(OSError, ValueError), open("/proc/sys/kernel/pid_max", "rb") as f:
+        return int(f.read(32))
+    return 2**22 if sys.platform.startswith("linux") else 2**31 - 1
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (someone else's counts). A number no process can have is dead."""
+    if not 0 < pid <= pid_limit():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    except (OverflowError, ValueError, OSError):
+        return False
+    return True
+
+
+def _name_max(folder: Path) -> int:
+    try:
+        return os.pathconf(folder, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        return 255
+
+
+def temp_stem(path: Path) -> str:
+    """The part of ``path``'s temp names before the PID: ``.NAME``, or ``.cmhsa-HASH`` where NAME
+    is too long for the folder to hold NAME plus the temp suffix."""
+    folder = path.parent if str(path.parent) else Path(".")
+    if len(os.fsencode(path.name)) + TEMP_EXTRA <= _name_max(folder):
+        return f".{path.name}"
+    return ".cmhsa-" + hashlib.sha256(os.fsencode(path.name)).hexdigest()[:20]
+
+
+def is_temp_of(name: str, target: Path, pid: int) -> bool:
+    """Whether ``name`` is a temp file name process ``pid`` gives ``target``'s writes."""
+    return re.fullmatch(re.escape(temp_stem(target)) + rf"\.{pid}\.{_MKSTEMP_CHARS}\.tmp", name) is not None
+
+
+def temp_pid(name: str, target: Path) -> int | None:
+    """The writer's PID in ``name`` if it is one of ``target``'s temp files, else None."""
+    m = re.fullmatch(re.escape(temp_stem(target)) + rf"\.(\d{{1,20}})\.{_MKSTEMP_CHARS}\.tmp", name)
+    return None if m is None else int(m.group(1))
+
+
+@dataclass(frozen=True)
+class Journal:
+    """A pending commit: ``path`` (the journal), its writer's ``pid``, and its (temp, target) names."""
+
+    path: Path
+    pid: int
+    pairs: tuple[tuple[str, str], ...]
+
+    @property
+    def folder(self) -> Path:
+        return self.path.parent
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        return tuple(target for _, target in self.pairs)
+
+
+@dataclass(frozen=True)
+class Scan:
+    """What a folder's journals are: ``pending`` commits (their writers gone) and the names of
+    ``foreign`` files with a journal's name (never acted on), with why."""
+
+    pending: tuple[Journal, ...]
+    foreign: tuple[tuple[str, str], ...]
+    named_temps: frozenset[str]  # temp names any journal there lists (never removed as stale)
+
+
+def _bare(name: object) -> bool:
+    return (
+        isinstance(name, str)
+        and name not in ("", ".", "..")
+        and "/" not in name
+        and "\0" not in name
+        and os.sep not in name
+        and (os.altsep is None or os.altsep not in name)
+        and len(os.fsencode(name)) <= 255
+    )
+
+
+def _owned_regular(st: os.stat_result) -> bool:
+    return stat.S_ISREG(st.st_mode) and (not hasattr(os, "geteuid") or st.st_uid == os.geteuid())
+
+
+def _read(path: Path) -> str:
+    """The journal's text, if it is a regular file of this user's of at most MAX_JOURNAL_BYTES
+    (opened without following a link and without blocking on a FIFO); else ValueError(why)."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NOCTTY", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError as e:
+        why = "a symbolic link" if e.errno == errno.ELOOP else f"unreadable ({e.strerror})"
+        raise ValueError(why) from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError("not a regular file")
+        if not _owned_regular(st):
+            raise ValueError("owned by another user")
+        if st.st_size > MAX_JOURNAL_BYTES:
+            raise ValueError(f"{st.st_size:,} bytes, more than a journal holds ({MAX_JOURNAL_BYTES:,})")
+        data = os.read(fd, MAX_JOURNAL_BYTES + 1)
+    finally:
+        os.close(fd)
+    if len(data) > MAX_JOURNAL_BYTES:
+        raise ValueError(f"more than a journal holds ({MAX_JOURNAL_BYTES:,} bytes)")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ValueError("not UTF-8 text") from None
+
+
+def _pairs(doc: object) -> tuple[tuple[str, str], ...]:
+    pairs = doc.get("pairs") if isinstance(doc, dict) else None
+    if not isinstance(pairs, list) or not 1 <= len(pairs) <= MAX_PAIRS:
+        raise ValueError(f"not a list of 1 to {MAX_PAIRS} pairs")
+    out = []
+    for pair in pairs:
+        if not (isinstance(pair, list) and len(pair) == 2 and all(_bare(n) for n in pair)):
+            raise ValueError("names a path that is not a bare file name in its folder")
+        out.append((pair[0], pair[1]))
+    return tuple(out)
+
+
+def _check_pair(folder: Path, pid: int, tmp: str, target: str) -> None:
+    if JOURNAL_RE.fullmatch(target) or target.startswith(JOURNAL_PREFIX) or target.endswith(".tmp"):
+        raise ValueError("names a temp or journal file as a target")
+    if not is_temp_of(tmp, folder / target, pid):
+        raise ValueError("names a file that is not the writer's temp file of its target")
+    for name, what in ((tmp, "temp"), (target, "target")):
+        try:
+            st = os.lstat(folder / name)
+        except FileNotFoundError:
+            continue
+        except OSError as e:
+            raise ValueError(f"its {what} cannot be checked ({e.strerror})") from None
+        if what == "temp" and not _owned_regular(st):
+            raise ValueError("its temp file is not a regular file of this user's")
+        if what == "target" and not stat.S_ISREG(st.st_mode):
+            raise ValueError("its target is not a regular file")
+
+
+def _read_pairs(path: Path) -> tuple[tuple[str, str], ...]:
+    """The (temp, target) names a journal file lists, read bounded; ValueError(why) if it is not one."""
+    try:
+        doc = parse_json(_read(path), path, "journal", max_depth=MAX_JOURNAL_DEPTH)
+    except CmhsaError as e:
+        raise ValueError(e.message) from None
+    return _pairs(doc)
+
+
+def _journal(path: Path, pid: int) -> Journal:
+    """``path`` read and checked as a pending journal of process ``pid``; ValueError(why) if not."""
+    pairs = _read_pairs(path)
+    for tmp, target in pairs:
+        _check_pair(path.parent, pid, tmp, target)
+    return Journal(path, pid, pairs)
+
+
+def _named_temps(path: Path) -> list[str]:
+    """The temp names a journal that is not pending lists: a live writer's temps, or a foreign
+    journal's, are never taken for stale ones."""
+    try:
+        return [tmp for tmp, _ in _read_pairs(path)]
+    except ValueError:
+        return []
+
+
+def scan(folder: Path) -> Scan:
+    """The journals in ``folder``: pending ones (checked as the module docstring says) and foreign
+    ones, each foreign one said once (:func:`notices.notice`). Reads at most MAX_JOURNALS files,
+    each at most MAX_JOURNAL_BYTES; never blocks, renames or removes."""
+    folder = folder if str(folder) else Path(".")
+    pending: list[Journal] = []
+    foreign: list[tuple[str, str]] = []
+    named: set[str] = set()
+    try:
+        with os.scandir(folder) as it:
+            names = []
+            for entry in it:
+                if entry.name.startswith(JOURNAL_PREFIX) and entry.name.endswith(".json"):
+                    names.append(entry.name)
+                    if len(names) > MAX_JOURNALS:
+                        break
+    except OSError:
+        return Scan((), (), frozenset())
+    for i, name in enumerate(sorted(names)):
+        path = folder / name
+        m = JOURNAL_RE.fullmatch(name)
+        if i >= MAX_JOURNALS:
+            foreign.append((name, f"more than {MAX_JOURNALS} journals in one folder"))
+            continue
+        if m is None or not 0 < int(m.group(1)) <= pid_limit():
+            foreign.append((name, "not a process number this system gives"))
+            continue
+        pid = int(m.group(1))
+        if pid == os.getpid() or alive(pid):  # a commit in progress: its writer finishes it
+            named.update(_named_temps(path))
+            continue
+        try:
+            journal = _journal(path, pid)
+        except ValueError as e:
+            foreign.append((name, str(e)))
+            named.update(_named_temps(path))
+            continue
+        pending.append(journal)
+        named.update(tmp for tmp, _ in journal.pairs)
+    for name, why in foreign:
+        notice(
+            f"{terminal_safe(str(folder))}: ignoring {terminal_safe(name)}, which is not a commit cmhsa "
+            f"began here ({terminal_safe(why)}); nothing was renamed"
+        )
+    return Scan(tuple(pending), tuple(foreign), frozenset(named))
+
+
+def finish_hint(journal: Journal) -> str:
+    """Which command finishes ``journal``'s commit (any command writing into its folder does)."""
+    folder = terminal_safe(str(journal.folder))
+    if "checkpoint-last.pt" in journal.targets:
+        return f"`cmhsa train phase1|phase2 --resume -o {folder}` finishes it"
+    return f"running again the cmhsa command that wrote it into {folder} finishes it"
+
+
+def check_settled(path: Path) -> None:
+    """CmhsaError if ``path`` is the target of a commit a killed cmhsa left pending: a reader never
+    renames, and reads no half-committed set of files; the error says which command finishes it."""
+    path = Path(path)
+    for journal in scan(path.parent).pending:
+        if path.name in journal.targets:
+            raise CmhsaError(
+                f"a cmhsa write of this file was cut short (process {journal.pid} was killed after its "
+                f"commit point; {journal.path.name} holds the rest); {finish_hint(journal)}",
+                path,
+            )
