@@ -14,10 +14,12 @@ typer, rich, safetensors, scikit-learn, pytest): run it from the repository root
 - exact: the paper-size model converted and checked on the GPU, fp32 (TF32 off) and bf16.
 - attention: forward + backward of one paper-size attention layer in each implementation form.
 - train: training images/s and MFU at the paper's size, batch 128, bf16, eager and compiled, for
-  phase 1, phase 2 (qk_dim 768 and 64) and timm's DeiT-base / DeiT-small.
+  phase 1 in both conv forms (pixels: F.conv2d; tokens: Theorem 1's products; MFU also on the
+  convolution's own FLOPs), phase 2 (qk_dim 768 and 64) and timm's DeiT-base / DeiT-small.
 - infer: inference images/s, attention model as trained and fused, against DeiT-base / -small.
 - step: issue 41's figures: the EXPERIMENTS.md model's images/s at batch 256 and 1024, eager and
-  compiled, both phases, and the wall time of six init-comparison arms run at once.
+  compiled, both phases (phase 1 in both conv forms), and the wall time of six init-comparison
+  arms run at once.
 - e2e: phase 1 -> convert -> verify -> phase 2 -> eval -> ONNX export on scikit-learn's digits.
 """
 
@@ -324,7 +326,13 @@ def bench_models(
 
     conv = ViTConfig.build()
     made = {
-        "phase 1: ConvViT K=5": lambda: VisionTransformer(conv, drop_path_rate=0.1),
+        # the two conv forms (conv_mixer.py): the same model, the same convolution
+        "phase 1: ConvViT K=5, pixels": lambda: VisionTransformer(
+            conv, drop_path_rate=0.1, conv_form="pixels"
+        ),
+        "phase 1: ConvViT K=5, tokens": lambda: VisionTransformer(
+            conv, drop_path_rate=0.1, conv_form="tokens"
+        ),
         "phase 2: AttnViT qk_dim 768": lambda: VisionTransformer(conv.with_attention(9), drop_path_rate=0.1),
         "phase 2: AttnViT qk_dim 64": lambda: VisionTransformer(
             conv.with_attention(9, qk_dim=64), drop_path_rate=0.1
@@ -354,8 +362,9 @@ def train_section(args: argparse.Namespace, peak: float | None) -> dict[str, Any
 
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     rows = []
-    for compiled in (False, True) if not args.no_compile else (False,):
-        for label, make in bench_models(args.train_models.split(","), exclude=()).items():
+    modes = {"both": (False, True), "eager": (False,), "compiled": (True,)}[args.train_compile]
+    for compiled in modes:
+        for label, make in bench_models(args.train_models.split(","), exclude=args.train_exclude).items():
             torch.manual_seed(0)
             row: dict[str, Any] = {"model": label, "compiled": compiled}
             try:
@@ -386,6 +395,7 @@ def train_section(args: argparse.Namespace, peak: float | None) -> dict[str, Any
             torch.cuda.reset_peak_memory_stats()
             rows.append(row)
             print(row, flush=True)
+    conv_flops(rows, args.batch, peak)
     return {
         "settings": f"{PAPER}; batch {args.batch}, bf16 autocast, AdamW, "
         "SoftTargetCrossEntropy, drop path 0.1, "
@@ -394,6 +404,19 @@ def train_section(args: argparse.Namespace, peak: float | None) -> dict[str, Any
         "rows": rows,
         "goals": train_goals(rows),
     }
+
+
+def conv_flops(rows: list[dict[str, Any]], batch: int, peak: float | None) -> None:
+    """Phase 1's useful arithmetic is the convolution's: the pixel form's FLOP count. Each phase-1
+    row gets it (``conv_gflop_per_img``) and its MFU on it (``conv_mfu``), whichever form ran."""
+    counted = [r["gflop_per_img"] for r in rows if r["model"].endswith("pixels") and "gflop_per_img" in r]
+    if not counted:
+        return
+    for r in rows:
+        if r["model"].startswith("phase 1") and "s_per_step" in r:
+            r["conv_gflop_per_img"] = counted[0]
+            if peak is not None:
+                r["conv_mfu"] = counted[0] * 1e9 * batch / r["s_per_step"] / (peak * 1e12)
 
 
 def train_goals(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -411,12 +434,20 @@ def train_goals(rows: list[dict[str, Any]]) -> dict[str, Any]:
         p2, deit = get("qk_dim 64", compiled, "img_per_s"), get("deit_base", compiled, "img_per_s")
         p1_t, p2_t = get("phase 1", compiled, "s_per_step"), get("qk_dim 64", compiled, "s_per_step")
         p2_768 = get("qk_dim 768", compiled, "s_per_step")
+        p1 = {f: get(f"K=5, {f}", compiled, "img_per_s") for f in ("pixels", "tokens")}
         goals[tag] = {
             "phase2_qk64_vs_deit_base (goal >= 0.5)": None if not (p2 and deit) else p2 / deit,
             "phase2_qk64_mfu (goal >= 0.40 compiled)": get("qk_dim 64", compiled, "mfu"),
             "phase2_qk64_over_phase1_step (goal <= 3)": None if not (p1_t and p2_t) else p2_t / p1_t,
             "phase2_qk768_over_phase1_step": None if not (p1_t and p2_768) else p2_768 / p1_t,
         }
+        for form, v in p1.items():  # issue 49: phase 1 >= 2.5x phase 2 qk_dim 64 and >= 2x DeiT-base
+            goals[tag][f"phase1_{form}_over_phase2_qk64 (goal >= 2.5 compiled)"] = (
+                None if not (v and p2) else v / p2
+            )
+            goals[tag][f"phase1_{form}_over_deit_base (goal >= 2 compiled)"] = (
+                None if not (v and deit) else v / deit
+            )
     return goals
 
 
@@ -510,7 +541,7 @@ def infer_section(args: argparse.Namespace) -> dict[str, Any]:
             )
     x = torch.randn(args.batch, 3, 224, 224, device="cuda")
     runs = [(label, make, False) for label, make in variants]
-    if not args.no_compile:  # compiled: the models the goals name
+    if args.train_compile != "eager":  # compiled: the models the goals name
         runs += [
             (label, make, True) for label, make in variants if "qk_dim 64" in label or "deit_base" in label
         ]
@@ -568,20 +599,24 @@ def step_section(
     train_samples: int = 60000,
     arm_epochs: int = 40,
     data_dir: str | None = None,
+    conv_forms: tuple[str, ...] = ("pixels", "tokens"),
 ) -> dict[str, Any]:
     """Issue 41: the EXPERIMENTS.md model (``--preset cpu``, Fashion-MNIST, device loader) in one
-    process, both phases (phase 2: impulse init, gated), each batch size, eager and --compile:
+    process, both phases (phase 1 in each of ``conv_forms``; phase 2: impulse init, gated), each
+    batch size, eager and --compile:
     images/s of the second of 2 epochs (the first pays for compiling; learning rate as at batch
-    64, so the large batches do not diverge). Then the wall time of the six init-comparison arms
-    (seed 0, ``arm_epochs`` epochs, batch 256, all six at once). Targets: >= 60,000 images/s in
-    phase 1 and >= 40,000 in phase 2 at batch 256; the six arms in <= 90 s."""
+    64, so the large batches do not diverge). Then (unless ``arm_epochs`` is 0) the wall time of
+    the six init-comparison arms (seed 0, ``arm_epochs`` epochs, batch 256, all six at once).
+    Targets: >= 60,000 images/s in phase 1 and >= 40,000 in phase 2 at batch 256; the six arms in
+    <= 90 s."""
     from convit_convert.train.config import TrainConfig
     from convit_convert.train.progress import Progress
     from convit_convert.train.run import run
 
     rows = []
-    for phase in ("phase1", "phase2"):
-        extra = dict(init="impulse", pinning="gated") if phase == "phase2" else {}
+    runs = [("phase1", f) for f in conv_forms] + [("phase2", "auto")]
+    for phase, form in runs:
+        extra = dict(init="impulse", pinning="gated") if phase == "phase2" else dict(conv_form=form)
         for batch in batches:
             for compiled in (False, True):
                 cfg = TrainConfig.from_flags(
@@ -599,19 +634,38 @@ def step_section(
                     epochs=2,
                     compile=compiled,
                     overwrite=True,
-                    out=str(out / "step" / f"{phase}-b{batch}-{'compiled' if compiled else 'eager'}"),
+                    out=str(out / "step" / f"{phase}-{form}-b{batch}-{'compiled' if compiled else 'eager'}"),
                     **extra,
                 )
                 result = run(cfg, progress=Progress(None))
                 rows.append(
                     {
                         "phase": phase,
+                        "conv_form": form if phase == "phase1" else "",
                         "batch": batch,
                         "compile": compiled,
                         "images_per_s": round(result.rows[-1]["images_per_s"]),
                     }
                 )
                 print(rows[-1], flush=True)
+    by = {(r["phase"], r["batch"], r["compile"]): r["images_per_s"] for r in rows}
+    first = batches[0]  # the targets' batch: 256
+    best = {p: max(v for (ph, b, _), v in by.items() if ph == p and b == first) for p in ("phase1", "phase2")}
+    goals: dict[str, Any] = {
+        f"phase 1 at batch {first}": {
+            "images_per_s": best["phase1"],
+            "target": 60000,
+            "met": best["phase1"] >= 60000,
+        },
+        f"phase 2 at batch {first}": {
+            "images_per_s": best["phase2"],
+            "target": 40000,
+            "met": best["phase2"] >= 40000,
+        },
+    }
+    settings = f"--preset cpu, {train_samples} Fashion-MNIST images, device loader, {device}"
+    if not arm_epochs:
+        return {"rows": rows, "settings": settings, "goals": goals}
     sys.path.insert(0, str(ROOT / "experiments"))
     from init_comparison import seed_arms
 
@@ -632,30 +686,16 @@ def step_section(
     t = time.perf_counter()
     run_arms(arms, parallel=len(arms))
     arms_s = time.perf_counter() - t
-    by = {(r["phase"], r["batch"], r["compile"]): r["images_per_s"] for r in rows}
-    first = batches[0]  # the targets' batch: 256
-    best = {p: max(v for (ph, b, _), v in by.items() if ph == p and b == first) for p in ("phase1", "phase2")}
+    goals["six arms"] = {"seconds": round(arms_s, 1), "target": 90, "met": arms_s <= 90}
     return {
         "rows": rows,
-        "settings": f"--preset cpu, {train_samples} Fashion-MNIST images, device loader, {device}",
+        "settings": settings,
         "arms": {
             "seconds": round(arms_s, 1),
             "status": {a.name: a.status for a in arms},
             "epochs": arm_epochs,
         },
-        "goals": {
-            f"phase 1 at batch {first}": {
-                "images_per_s": best["phase1"],
-                "target": 60000,
-                "met": best["phase1"] >= 60000,
-            },
-            f"phase 2 at batch {first}": {
-                "images_per_s": best["phase2"],
-                "target": 40000,
-                "met": best["phase2"] >= 40000,
-            },
-            "six arms": {"seconds": round(arms_s, 1), "target": 90, "met": arms_s <= 90},
-        },
+        "goals": goals,
     }
 
 
@@ -810,7 +850,22 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--steps", type=int, default=10, help="Timed steps per measurement.")
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--no-compile", action="store_true", help="Train section: eager only.")
+    ap.add_argument(
+        "--train-compile",
+        choices=("both", "eager", "compiled"),
+        default="both",
+        help="Train section's modes.",
+    )
+    ap.add_argument(
+        "--train-exclude",
+        type=lambda s: tuple(x for x in s.split(",") if x),
+        default=(),
+        help="Train section: leave out models whose label contains one of these (comma list).",
+    )
+    ap.add_argument("--step-batches", default="256,1024", help="Step section: batch sizes (comma list).")
+    ap.add_argument(
+        "--arm-epochs", type=int, default=40, help="Step section: the six arms' epochs (0: skip)."
+    )
     ap.add_argument(
         "--train-models",
         default="phase,deit",
@@ -848,7 +903,12 @@ def main() -> int:
         "train": lambda: train_section(args, peak),
         "profile": lambda: profile_section(args),
         "infer": lambda: infer_section(args),
-        "step": lambda: step_section(args.out, data_dir=args.data_dir),
+        "step": lambda: step_section(
+            args.out,
+            batches=tuple(int(b) for b in args.step_batches.split(",")),
+            arm_epochs=args.arm_epochs,
+            data_dir=args.data_dir,
+        ),
         "e2e": lambda: e2e_section(args.out, args.e2e_device, args.e2e_epochs),
     }
     for name in sections:

@@ -3,7 +3,9 @@
     python bench/train_step.py                                  # CPU, batch 8, 2 threads
     python bench/train_step.py --device cuda --batch 128 --amp bf16 [--compile]
 
-The paper's model: 224 px, P = 16, d = 768, depth 6, MLP 3072, K = 5, 100 classes; phase 2 with
+The paper's model: 224 px, P = 16, d = 768, depth 6, MLP 3072, K = 5, 100 classes; phase 1 in
+both conv forms (convit_convert/conv_mixer.py: "pixels", F.conv2d, and "tokens", Theorem 1's
+products; the pixel form's FLOPs are the convolution's own, the MFU's numerator for both); phase 2 with
 9 heads and qk_dim 768 (the paper's) and 64, and the trainable variants (gated pinning; 3 free extra
 heads). One step = forward, SoftTargetCrossEntropy on
 Mixup-style soft targets, backward, AdamW step (the training loop's work minus data loading).
@@ -29,21 +31,24 @@ from convit_convert.model import VisionTransformer
 H100_BF16_TFLOPS = 989.0  # dense bf16 peak of an H100 SXM
 
 
-def models() -> dict[str, tuple[str, ViTConfig]]:
+PHASE1 = "phase 1: ConvViT, K=5"
+
+
+def models() -> dict[str, tuple[ViTConfig, dict[str, str]]]:
+    """name -> (config, VisionTransformer keywords): phase 1 in each conv form (conv_mixer.py), then
+    the phase-2 variants."""
     conv = ViTConfig.build()
     return {
-        "phase 1: ConvViT, K=5": ("conv", conv),
-        "phase 2: AttnViT, 9 heads, qk_dim 768": ("attn", conv.with_attention(9)),
-        "phase 2: AttnViT, 9 heads, qk_dim 64": ("attn", conv.with_attention(9, qk_dim=64)),
-        "phase 2: AttnViT, 9 heads, qk_dim 768, gated pinning": (
-            "attn",
-            conv.with_attention(9, pinning="gated"),
-        ),
+        f"{PHASE1}, pixels (F.conv2d)": (conv, {"conv_form": "pixels"}),
+        f"{PHASE1}, tokens (W^O products)": (conv, {"conv_form": "tokens"}),
+        "phase 2: AttnViT, 9 heads, qk_dim 768": (conv.with_attention(9), {}),
+        "phase 2: AttnViT, 9 heads, qk_dim 64": (conv.with_attention(9, qk_dim=64), {}),
+        "phase 2: AttnViT, 9 heads, qk_dim 768, gated pinning": (conv.with_attention(9, pinning="gated"), {}),
         "phase 2: AttnViT, 9 heads, qk_dim 64, gated pinning": (
-            "attn",
             conv.with_attention(9, qk_dim=64, pinning="gated"),
+            {},
         ),
-        "phase 2: AttnViT, 12 heads (3 free), qk_dim 64": ("attn", conv.with_attention(12, qk_dim=64)),
+        "phase 2: AttnViT, 12 heads (3 free), qk_dim 64": (conv.with_attention(12, qk_dim=64), {}),
     }
 
 
@@ -116,6 +121,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--peak-tflops", type=float, default=H100_BF16_TFLOPS)
+    ap.add_argument("--only", nargs="*", default=[], help="models whose name holds one of these words")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     dev = torch.device(args.device)
@@ -128,11 +134,13 @@ def main() -> None:
         f"torch {torch.__version__}, batch {args.batch}, amp {args.amp}, compile {args.compile}, "
         f"threads {args.threads}, {args.steps} timed steps after {args.warmup} warm-up"
     )
-    results = {}
-    for name, (_kind, cfg) in models().items():
+    results, useful = {}, {}
+    for name, (cfg, forms) in models().items():
+        if args.only and not any(o in name for o in args.only):
+            continue
         torch.manual_seed(0)
         timing = time_steps(
-            VisionTransformer(cfg, drop_path_rate=0.1),
+            VisionTransformer(cfg, drop_path_rate=0.1, **forms),
             img_size=cfg.img_size,
             num_classes=cfg.num_classes,
             batch=args.batch,
@@ -143,17 +151,22 @@ def main() -> None:
             dtype=dtype,
         )
         times, flops = timing.times, timing.flops
+        # a model's useful arithmetic: phase 1's is the convolution's (the pixel form's count),
+        # whichever form computes it; MFU is reported against that
+        work = useful.setdefault(PHASE1 if name.startswith(PHASE1) else name, flops)
         med = statistics.median(times)
         results[name] = med
-        mfu = flops / med / (args.peak_tflops * 1e12) if dev.type == "cuda" else None
+        mfu = work / med / (args.peak_tflops * 1e12) if dev.type == "cuda" else None
         print(
             f"{name}: {med:.3f} s/step (best {min(times):.3f}), {args.batch / med:.1f} img/s, "
-            f"{flops / args.batch / 1e9:.1f} GFLOP/img per step"
+            f"{flops / args.batch / 1e9:.1f} GFLOP/img per step counted"
+            + (f" ({work / args.batch / 1e9:.1f} the convolution's)" if work != flops else "")
             + (f", MFU {100 * mfu:.1f}% of {args.peak_tflops:g} TFLOPS" if mfu is not None else "")
         )
-    base = results["phase 1: ConvViT, K=5"]
+    base = next((t for n, t in results.items() if n.startswith(PHASE1)), None)
     for name, t in results.items():
-        print(f"{name}: {t / base:.2f}x phase 1's time per step")
+        if base is not None:
+            print(f"{name}: {t / base:.2f}x phase 1 (pixels)'s time per step")
 
 
 if __name__ == "__main__":

@@ -40,10 +40,10 @@ import torch
 import torch.nn.functional as F
 
 from .config import ViTConfig
-from .construct import output_projection
 from .errors import CmhsaError
 from .model import VisionTransformer
 from .spec import RULES
+from .taps import output_projection
 from .theory import patch_offsets
 
 

@@ -18,7 +18,8 @@ where there is none. Per axis, with PyTorch's cross-correlation, dilation D and 
     tap k = (δ·P + s - t + left) / D     if that is an integer in [0, K), else none.
 
 In our tensors (Linear weights are (out, in), tokens flattened channel-last):
-``proj.weight[(t_y·P + t_x)·C + j, r·v_dim + (s_y·P + s_x)·C + i]``.
+``proj.weight[(t_y·P + t_x)·C + j, r·v_dim + (s_y·P + s_x)·C + i]``. The gather itself is
+:func:`convit_convert.taps.output_projection`, which phase 1's token form also computes through.
 
 Borders (not in the paper). Where q + δ_r lies outside the image, the convolution reads zero
 padding, but Lemma 2's head has no key to pin: its softmax spreads over all N patches and returns
@@ -51,47 +52,13 @@ import math
 from collections.abc import Mapping, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .config import ViTConfig
 from .errors import CmhsaError
 from .spec import DEFAULT_MARGIN, ConversionPlan, Offset, pinned_heads, pinning_logits
-from .theory import head_count, same_padding
-
-
-def kernel_taps(deltas: Sequence[int], patch_size: int, kernel_size: int, dilation: int) -> torch.Tensor:
-    """(len(deltas), P, P) tap index k[r, s, t] along one axis; ``kernel_size`` where none."""
-    p = patch_size
-    left, _ = same_padding(kernel_size, dilation)
-    delta = torch.tensor(list(deltas), dtype=torch.long).view(-1, 1, 1)
-    s = torch.arange(p).view(1, -1, 1)
-    t = torch.arange(p).view(1, 1, -1)
-    num = delta * p + s - t + left
-    k = torch.div(num, dilation, rounding_mode="floor")
-    hit = (num % dilation == 0) & (k >= 0) & (k < kernel_size)
-    return torch.where(hit, k, kernel_size)
-
-
-def output_projection(
-    weight: torch.Tensor, patch_size: int, dilation: int, offsets: Sequence[tuple[int, int]]
-) -> torch.Tensor:
-    """W^O from a conv kernel, by gathering (no loop over entries).
-
-    weight: (C_out, C_in, K, K) as nn.Conv2d. Returns (P²·C_out, N_H·P²·C_in), rows (t, j), columns
-    (r, s, i), where head r reads the patch at offset ``offsets[r]``.
-    """
-    c_out, c_in, k, k2 = weight.shape
-    if k != k2:
-        raise ValueError(f"square kernels only, got {k}x{k2}")
-    p, n_h = patch_size, len(offsets)
-    ky = kernel_taps([o[0] for o in offsets], p, k, dilation)  # (r, s_y, t_y)
-    kx = kernel_taps([o[1] for o in offsets], p, k, dilation)  # (r, s_x, t_x)
-    w = F.pad(weight, (0, 1, 0, 1)).permute(2, 3, 0, 1)  # (K+1, K+1, C_out, C_in); tap K is zero
-    iy = ky.permute(2, 0, 1)[:, None, :, :, None]  # (t_y, 1, r, s_y, 1)
-    ix = kx.permute(2, 0, 1)[None, :, :, None, :]  # (1, t_x, r, 1, s_x)
-    wo = w[iy, ix]  # (t_y, t_x, r, s_y, s_x, C_out, C_in)
-    return wo.permute(0, 1, 5, 2, 3, 4, 6).reshape(p * p * c_out, n_h * p * p * c_in)
+from .taps import output_projection
+from .theory import head_count
 
 
 def check_heads(plan: ConversionPlan, path: object = None) -> None:

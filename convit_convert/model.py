@@ -9,8 +9,12 @@ padding, phase 2 from the relative position bias (Section 4.1 of the paper). Eve
 the file format's (docs/FORMAT.md), e.g. ``blocks.0.conv.weight``, ``blocks.0.attn.proj.weight``.
 
 Token layout: patches in row-major order; a patch is flattened channel-last, feature index
-(py·P + px)·C + c. The attention mixer lives in :mod:`convit_convert.attention`; the forms swapped
-in for deployment (export, fused inference) in :mod:`convit_convert.deploy`.
+(py·P + px)·C + c. The conv mixer lives in :mod:`convit_convert.conv_mixer`: by default it runs as
+Theorem 1's token products on CUDA (two tensor-core products per block, 2.2x faster at the paper's
+size) and as ``F.conv2d`` on the pixel view on the CPU (faster there), each measured in
+BENCHMARKS.md; ``conv_form`` picks one everywhere, for checking. The attention mixer lives in
+:mod:`convit_convert.attention`; the forms swapped in for deployment (export, fused inference) in
+:mod:`convit_convert.deploy`.
 """
 
 from __future__ import annotations
@@ -26,25 +30,8 @@ from torch import nn
 
 from .attention import AttentionFormName, RelPosAttention
 from .config import NORM_EPS, ViTConfig
+from .conv_mixer import ConvFormName, ConvMixer, patchify, unpatchify  # noqa: F401  (re-exported)
 from .deploy import FusedRelPosAttention
-
-
-def patchify(x: torch.Tensor, patch_size: int) -> torch.Tensor:
-    """(B, C, H, W) pixels -> (B, N, P²·C) tokens, N = (H/P)·(W/P)."""
-    b, c, h, w = x.shape
-    p = patch_size
-    x = x.reshape(b, c, h // p, p, w // p, p)
-    return x.permute(0, 2, 4, 3, 5, 1).reshape(b, (h // p) * (w // p), p * p * c)
-
-
-def unpatchify(x: torch.Tensor, grid_size: tuple[int, int], patch_size: int) -> torch.Tensor:
-    """(B, N, P²·C) tokens -> (B, C, H, W) pixels; the inverse of :func:`patchify`."""
-    b, _, d = x.shape
-    gh, gw = grid_size
-    p = patch_size
-    c = d // (p * p)
-    x = x.reshape(b, gh, gw, p, p, c)
-    return x.permute(0, 5, 1, 3, 2, 4).reshape(b, c, gh * p, gw * p)
 
 
 class PatchEmbed(nn.Module):
@@ -95,24 +82,6 @@ class DropPath(nn.Module):
         keep = 1.0 - self.drop_prob
         mask = x.new_empty((x.shape[0],) + (1,) * (x.ndim - 1)).bernoulli_(keep)
         return x * mask / keep
-
-
-class ConvMixer(nn.Conv2d):
-    """Token mixer: view tokens as pixels, apply Conv2d(C, C, K, padding='same', dilation=D), view
-    back. Subclasses Conv2d so its parameters are ``conv.weight`` (C, C, K, K) and ``conv.bias`` (C).
-    """
-
-    def __init__(
-        self, channels: int, kernel_size: int, dilation: int, grid_size: tuple[int, int], patch_size: int
-    ) -> None:
-        super().__init__(channels, channels, kernel_size, padding="same", dilation=dilation)
-        self.grid_size = grid_size
-        self.patch_size = patch_size
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, N, P²·C) -> (B, N, P²·C)."""
-        pixels = unpatchify(x, self.grid_size, self.patch_size)
-        return patchify(super().forward(pixels), self.patch_size)
 
 
 class Block(nn.Module):
@@ -196,12 +165,19 @@ class VisionTransformer(nn.Module):
     """
 
     def __init__(
-        self, cfg: ViTConfig, drop_path_rate: float = 0.0, attention_form: AttentionFormName = "padded"
+        self,
+        cfg: ViTConfig,
+        drop_path_rate: float = 0.0,
+        attention_form: AttentionFormName = "padded",
+        conv_form: ConvFormName = "auto",
     ) -> None:
         """``attention_form``: how every attention mixer computes its products ("padded" or
-        "by_head", :mod:`convit_convert.attention`); the same function either way."""
+        "by_head", :mod:`convit_convert.attention`); ``conv_form``: how every conv mixer does
+        ("pixels", "tokens", or "auto": tokens on CUDA, pixels on the CPU,
+        :mod:`convit_convert.conv_mixer`). The same function either way."""
         super().__init__()
         self.attention_form = attention_form
+        self.conv_form = conv_form
         cfg.validate()
         self.cfg = cfg
         self.kind = cfg.kind
@@ -217,7 +193,12 @@ class VisionTransformer(nn.Module):
         ).tolist()  # stochastic depth decay rule
         self.blocks = nn.ModuleList(
             Block(
-                cfg.embed_dim, cfg.kind, self._mixer(cfg, attention_form), cfg.mlp_hidden_dim, cfg.norm_eps, p
+                cfg.embed_dim,
+                cfg.kind,
+                self._mixer(cfg, attention_form, conv_form),
+                cfg.mlp_hidden_dim,
+                cfg.norm_eps,
+                p,
             )
             for p in dpr
         )
@@ -232,9 +213,11 @@ class VisionTransformer(nn.Module):
         self.apply(init_weights)
 
     @staticmethod
-    def _mixer(cfg: ViTConfig, form: AttentionFormName) -> nn.Module:
+    def _mixer(cfg: ViTConfig, form: AttentionFormName, conv_form: ConvFormName) -> nn.Module:
         if cfg.kind == "conv":
-            return ConvMixer(cfg.hidden_chans, cfg.kernel_size, cfg.dilation, cfg.grid_size, cfg.patch_size)
+            return ConvMixer(
+                cfg.hidden_chans, cfg.kernel_size, cfg.dilation, cfg.grid_size, cfg.patch_size, conv_form
+            )
         gated = cfg.pinning == "gated"
         return RelPosAttention(
             cfg.embed_dim, cfg.grid_size, cfg.num_heads, cfg.qk_dim, cfg.v_dim, bool(cfg.sink), gated, form

@@ -242,3 +242,36 @@ def test_device_loader_on_cuda_matches_cpu() -> None:
     level = torch.tensor(std).view(1, 3, 1, 1) * 255
     diff = ((batches[0] - batches[1]).abs() * level).round()
     assert diff.max() <= 1 and (diff == 0).float().mean() > 0.99
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_conv_forms_agree_on_cuda(compiled: bool) -> None:
+    """Phase 1's token form (the default on CUDA) against F.conv2d on the pixel view, eager and
+    through inductor: the output and every gradient of a mixer at P 16 / K 5 (strips of 96 and 12
+    features) and at P 4 / K 5, float32 with TF32 off within 1e-5 (the same products summed in
+    another order), and under bf16 autocast within 5e-2 (bf16 rounds inputs and weights to 8 bits)."""
+    from convit_convert.conv_mixer import ConvMixer
+
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        for c, k, p, grid in ((3, 5, 16, (5, 4)), (3, 5, 4, (7, 7))):
+            torch.manual_seed(0)
+            first = ConvMixer(c, k, 1, grid, p).cuda()
+            assert first.form_on(torch.device("cuda")) == "tokens"  # auto
+            x = torch.randn(8, grid[0] * grid[1], p * p * c, device="cuda")
+            for amp, tol in ((None, 1e-5), (torch.bfloat16, 5e-2)):
+                results = []
+                for form in ("pixels", "tokens"):
+                    mixer = ConvMixer(c, k, 1, grid, p, form).cuda()
+                    mixer.load_state_dict(first.state_dict())
+                    torch._dynamo.reset()
+                    fn = torch.compile(mixer) if compiled else mixer
+                    with torch.autocast("cuda", dtype=amp or torch.float32, enabled=amp is not None):
+                        out = fn(x)
+                    out.float().square().sum().backward()
+                    grads = [t.grad.flatten() for t in mixer.parameters()]
+                    results.append(torch.cat([out.detach().float().flatten(), *grads]))
+                assert rel_err(results[1], results[0]) < tol, (c, k, p, amp)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32

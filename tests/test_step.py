@@ -245,3 +245,29 @@ def test_the_start_line_names_the_channels_and_grey_data_at_3_gets_a_note(
     start = next(line for line in lines if line.startswith("phase1: conv model"))
     assert f"{chans} input channel" in start
     assert any(line.startswith("note: the digits images are grey") for line in lines) == noted
+
+
+def test_gradients_reach_the_fused_optimizer_in_the_parameters_layout() -> None:
+    # was (an H200, 2026-11-26): phase 1's token form made autograd.grad return conv.weight's
+    # gradient as a permuted view, and torch's fused AdamW refused the step ("params, grads,
+    # exp_avgs, and exp_avg_sqs must have same dtype, device, and layout"); backward() would have
+    # laid it out like the parameter
+    from timm.optim import create_optimizer_v2
+
+    from convit_convert.conv_mixer import ConvMixer
+
+    mixer = ConvMixer(3, 5, 1, (2, 2), 4, "tokens")
+    model = nn.Sequential(mixer, nn.Flatten(), nn.Linear(4 * 48, 3))
+    optimizer = create_optimizer_v2(model, opt="adamw", lr=0.1, fused=True)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    ctx = Context(0, 1, 0, torch.device("cpu"))
+    step = TrainStep(
+        model, model, nn.CrossEntropyLoss(), optimizer, scaler, None, None, ctx, None, None, False
+    )
+    x, y = torch.randn(4, 4, 48), torch.tensor([0, 1, 2, 0])
+    raw = torch.autograd.grad(nn.CrossEntropyLoss()(model(x), y), [mixer.weight])[0]
+    assert raw.stride() != mixer.weight.stride()  # what autograd.grad gives: the case in question
+    before = mixer.weight.detach().clone()
+    step(x, y)
+    assert all(p.grad.stride() == p.stride() for p in model.parameters())
+    assert not torch.equal(before, mixer.weight)

@@ -151,6 +151,7 @@ class RuntimeConfig:
     out: str = "runs/run"
     device: str = "auto"
     compile: bool = False
+    conv_form: str = "auto"  # phase 1's convolution: "pixels", "tokens", or "auto" (conv_mixer.py)
     deterministic: bool = False  # deterministic CUDA kernels; a resume in another environment refused
     workers: int | None = None  # workers loader only; default: data.default_workers
     threads: int | None = None  # torch CPU threads; default: data.default_threads

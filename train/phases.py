@@ -114,7 +114,8 @@ def build_phase_model(cfg: TrainConfig, num_classes: int, log: Any = print) -> P
     if cfg.phase == "phase1":
         mcfg = flag_config(cfg, num_classes)
         check_trainable(cfg, mcfg)
-        return PhaseModel(VisionTransformer(mcfg, cfg.model.drop_path), mcfg, {"init": "random"})
+        model = VisionTransformer(mcfg, cfg.model.drop_path, conv_form=cfg.runtime.conv_form)  # type: ignore[arg-type]
+        return PhaseModel(model, mcfg, {"init": "random"})
     if not cfg.from_checkpoint:
         mcfg = cfg.conversion.plan(flag_config(cfg, num_classes)).config  # no conversion: its layout
         mcfg.validate()

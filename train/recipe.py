@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..conv_mixer import CONV_FORMS
 from ..data import build_transform
 from ..errors import CmhsaError
 from ..model import ATTENTION_PARAMS
@@ -35,6 +36,8 @@ def check_recipe(cfg: TrainConfig) -> None:
         raise CmhsaError(f"`scale` must be min <= max, got {r.scale[0]} {r.scale[1]}")
     if cfg.data.loader not in LOADERS:
         raise CmhsaError(f"`loader` must be one of {', '.join(LOADERS)}, got {cfg.data.loader!r}")
+    if cfg.runtime.conv_form not in CONV_FORMS:
+        raise CmhsaError(f"`conv_form` must be one of {', '.join(CONV_FORMS)}, got {cfg.runtime.conv_form!r}")
     check_aa_numbers(r.aa)
     if cfg.data.loader == "device":
         check_supported(r.aa, r.interpolation, r.remode)

@@ -423,7 +423,8 @@ def build(
             return build_phase_model(cfg, num_classes, reporter.log)
         mcfg = ViTConfig.from_dict(saved["model_config"], saved["kind"], out / LAST)  # weights: loaded below
         check_trainable(cfg, mcfg)  # as a fresh run would, before anything of that size is made
-        return PhaseModel(VisionTransformer(mcfg, cfg.model.drop_path), mcfg, saved["init"])
+        model = VisionTransformer(mcfg, cfg.model.drop_path, conv_form=cfg.runtime.conv_form)  # type: ignore[arg-type]
+        return PhaseModel(model, mcfg, saved["init"])
 
     # one image size, the model's (which --init or a resumed run may set): synthetic images are made
     # at it, and every loader's transform resizes to it

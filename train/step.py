@@ -112,7 +112,10 @@ class TrainStep:
         self.tally = tally.clone() if self.graphs else tally  # not the graph's memory: the next call's input
         if grads is not None:  # handed over as they are (backward() would add each into .grad)
             for p, g in zip(self.params, grads, strict=True):
-                p.grad = g
+                # in the parameter's layout, as backward() makes it: autograd.grad may return a
+                # permuted view (the token form's weight gradient does on CUDA), and the fused
+                # optimizers need every tensor of a group in the same strides
+                p.grad = g if g is None or g.stride() == p.stride() else g.contiguous()
         self.update(skip)
 
     def _prepared_learn(self, inputs: Any, y: torch.Tensor, tally: torch.Tensor) -> Learned:

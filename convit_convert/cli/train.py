@@ -254,6 +254,16 @@ FLAGS: list[Flag] = [
         "GPU); the model's forward only under torchrun or fp16.",
     ),
     Flag(
+        "conv_form",
+        str,
+        RUN,
+        "How the phase-1 convolution is computed, the same function either way: "
+        "tokens (Theorem 1's products: two tensor-core products per block), pixels "
+        "(F.conv2d on the pixel view), auto: tokens on CUDA, pixels on the CPU "
+        "(the faster on each, BENCHMARKS.md).",
+        ("phase1",),
+    ),
+    Flag(
         "deterministic",
         bool,
         RUN,
