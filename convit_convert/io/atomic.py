@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from ..errors import CmhsaError, first_line
-from .journal import JOURNAL_PREFIX, alive, scan, temp_pid, temp_stem
+from .journal import JOURNAL_PREFIX, Scan, alive, scan, temp_pid, temp_stem
 from .paths import check_output_target
 
 
@@ -61,13 +61,14 @@ def check_writable(path: Path) -> None:
         raise CmhsaError("output folder is not writable", path)
 
 
-def recover(folder: Path) -> list[Path]:
+def recover(folder: Path, found: Scan | None = None) -> list[Path]:
     """Complete the commits that a killed writer left pending in ``folder`` (``journal.scan``: only
-    those cmhsa began there): each temp still there is renamed onto its target, then the journal
-    is removed. Returns the targets written. Only a command that writes into ``folder`` calls
-    this; an error (no write permission) leaves the journal for the next writer."""
+    those cmhsa began there; ``found``: that scan, when the caller has it): each temp still there
+    is renamed onto its target, then the journal is removed. Returns the targets written. Only a
+    command that writes into ``folder`` calls this; an error (no write permission) leaves the
+    journal for the next writer."""
     done: list[Path] = []
-    for journal in scan(folder).pending:
+    for journal in (found or scan(folder)).pending:
         try:
             for tmp, target in journal.pairs:
                 if os.path.lexists(journal.folder / tmp):
@@ -83,18 +84,19 @@ def remove_stale_temps(path: Path) -> list[Path]:
     """Delete temp files of ``path`` left by this user's writers that no longer run (killed with
     -9), after completing any commit such a writer had begun (:func:`recover`). A temp any journal
     names is kept: a foreign journal's commit is not ours to finish, nor to undo."""
-    recover(path.parent)
     folder = path.parent if str(path.parent) else Path(".")
-    named = scan(folder).named_temps
+    found = scan(folder)  # one look at the journals serves both (a finished commit's temps are gone)
+    recover(folder, found)
     prefix = f"{temp_stem(path)}."
     removed = []
     try:
-        names = [e.name for e in os.scandir(folder) if e.name.startswith(prefix) and e.name.endswith(".tmp")]
+        with os.scandir(folder) as entries:
+            names = [e.name for e in entries if e.name.startswith(prefix) and e.name.endswith(".tmp")]
     except OSError:
         return removed
     for name in names:
         pid = temp_pid(name, path)
-        if pid is None or name in named or pid == os.getpid() or alive(pid):
+        if pid is None or name in found.named_temps or pid == os.getpid() or alive(pid):
             continue
         with contextlib.suppress(OSError):
             st = os.lstat(folder / name)
