@@ -1719,7 +1719,18 @@ JOURNAL_COMMANDS: dict[str, tuple[list[str], tuple[str, ...]]] = {
 }
 
 
-@pytest.mark.parametrize("command", [*JOURNAL_COMMANDS, "timm local-dir"])
+# the default tier meets every hostile journal through a reader, a writer into the journal's
+# folder, a resume and timm's loader; the full tier through every command
+QUICK_JOURNAL_COMMANDS = ("inspect", "convert into dl", "resume", "timm local-dir")
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        c if c in QUICK_JOURNAL_COMMANDS else pytest.param(c, marks=pytest.mark.slow)
+        for c in (*JOURNAL_COMMANDS, "timm local-dir")
+    ],
+)
 def test_a_journal_cmhsa_did_not_begin_is_never_acted_on(
     tmp_path: Path, downloads: Path, monkeypatch, command: str
 ) -> None:
@@ -1859,7 +1870,14 @@ def test_overwrite_cut_short_after_the_first_checkpoint_is_finished_by_resume(
     assert old_files_left(run) == [] and not (run / "overwrite-pending.json").exists()
 
 
-@pytest.mark.parametrize("sig", [None, signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize(
+    "sig",
+    [
+        None,
+        pytest.param(signal.SIGINT, marks=pytest.mark.slow),
+        pytest.param(signal.SIGTERM, marks=pytest.mark.slow),
+    ],
+)
 def test_overwrite_leaves_no_empty_timm_folder(tmp_path: Path, exported_run: Path, sig: int | None) -> None:
     # was: an empty timm/ after every --overwrite of a run that had exported one
     run = copy_tree(exported_run, tmp_path / "run")
