@@ -6,8 +6,8 @@ ways, the same function either way (``form``):
 
       conv(X)_q = Σ_δ X_{q+δ} · W^O_δ + b          (X_{q+δ} = 0 outside the image)
 
-  with W^O gathered from ``conv.weight`` (:func:`convit_convert.taps.output_projection`, the
-  conversion's own gather, differentiable). For δ ≠ 0 only the input pixels within the kernel's
+  with W^O built from ``conv.weight`` through the conversion's own taps
+  (:func:`convit_convert.taps.kernel_taps`). For δ ≠ 0 only the input pixels within the kernel's
   reach of the patch edge have a tap (P 16, K 5: 2 columns or rows, 96 of 768 features; corners
   12), so each shifted neighbour contributes only those features: the mixer is two products on
   tensor cores, the patch itself through W^O's centre block ((B·N, d) by (d, d)) and the 8

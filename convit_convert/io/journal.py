@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import hashlib
 import os
 import re
@@ -51,6 +52,7 @@ TEMP_EXTRA = 1 + 1 + 10 + 1 + 8 + 4
 _MKSTEMP_CHARS = "[a-z0-9_]{8}"  # tempfile's _RandomNameSequence: 8 of a-z, 0-9, _
 
 
+@functools.lru_cache(maxsize=1)
 def pid_limit() -> int:
     """The largest process number this platform gives (Linux: /proc/sys/kernel/pid_max)."""
     with contextlib.suppress(OSError, ValueError), open("/proc/sys/kernel/pid_max", "rb") as f:
@@ -87,11 +89,6 @@ def temp_stem(path: Path) -> str:
     if len(os.fsencode(path.name)) + TEMP_EXTRA <= _name_max(folder):
         return f".{path.name}"
     return ".cmhsa-" + hashlib.sha256(os.fsencode(path.name)).hexdigest()[:20]
-
-
-def is_temp_of(name: str, target: Path, pid: int) -> bool:
-    """Whether ``name`` is a temp file name process ``pid`` gives ``target``'s writes."""
-    return re.fullmatch(re.escape(temp_stem(target)) + rf"\.{pid}\.{_MKSTEMP_CHARS}\.tmp", name) is not None
 
 
 def temp_pid(name: str, target: Path) -> int | None:
@@ -184,9 +181,9 @@ def _pairs(doc: object) -> tuple[tuple[str, str], ...]:
 
 
 def _check_pair(folder: Path, pid: int, tmp: str, target: str) -> None:
-    if JOURNAL_RE.fullmatch(target) or target.startswith(JOURNAL_PREFIX) or target.endswith(".tmp"):
+    if target.startswith(JOURNAL_PREFIX) or target.endswith(".tmp"):
         raise ValueError("names a temp or journal file as a target")
-    if not is_temp_of(tmp, folder / target, pid):
+    if temp_pid(tmp, folder / target) != pid:
         raise ValueError("names a file that is not the writer's temp file of its target")
     for name, what in ((tmp, "temp"), (target, "target")):
         try:
