@@ -43,9 +43,7 @@ def main() -> None:
     ckpt = load_checkpoint(FIXTURE)
     calib = noise_calibration(ckpt.config)
     spec = ConversionSpec(heads=args.heads, approximate=True)
-    convert_s = best(
-        lambda: convert_checkpoint(ckpt, spec, calibrate=lambda _: calib, verify=False), args.rounds
-    )
+    convert_s = best(lambda: convert_checkpoint(ckpt, spec, calibration=calib, verify=False), args.rounds)
     sweep_s = best(lambda: heads_sweep(ckpt, calib), args.rounds)
     print("| operation | seconds (min of rounds) |")
     print("|---|---:|")

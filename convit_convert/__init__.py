@@ -15,7 +15,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-__version__ = "0.1.0"
+from .version import __version__
+
+# The facade: names imported from their modules on first use (tests/test_architecture.py reads these
+# strings as imports, which puts this package above the api layer)
 
 _EXPORTS = {
     "config": "ViTConfig",

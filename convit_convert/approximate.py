@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from .config import ViTConfig
 from .errors import CmhsaError
 from .model import VisionTransformer
+from .settings import CalibrationSource
 from .spec import RULES
 from .taps import output_projection
 from .theory import patch_offsets
@@ -336,15 +337,14 @@ class Calibration:
         }
 
 
-def check_image_counts(images: int, heldout: int) -> None:
-    """A calibration set's sizes must be positive."""
-    if images < 1 or heldout < 1:
-        raise CmhsaError(f"`calib_images` and `heldout_images` must be positive, got {images} and {heldout}")
-
-
-def noise_calibration(cfg: ViTConfig, images: int = 256, heldout: int = 512, seed: int = 0) -> Calibration:
+def noise_calibration(
+    cfg: ViTConfig,
+    images: int = CalibrationSource.calib_images,
+    heldout: int = CalibrationSource.heldout_images,
+    seed: int = 0,
+) -> Calibration:
     """Standard normal images: the statistics of normalised inputs (mean 0, std 1 per channel)."""
-    check_image_counts(images, heldout)
+    CalibrationSource(calib_images=images, heldout_images=heldout, seed=seed)  # their ranges
     g = torch.Generator().manual_seed(seed)
     shape = (cfg.in_chans, *cfg.img_size)
     return Calibration(

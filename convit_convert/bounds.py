@@ -76,6 +76,7 @@ BOUNDS: dict[str, Bound] = {
     "channels": Bound(1, 65536),
     "heads": size("num_heads"),
     "qk_dim": size("qk_dim"),
+    "v_dim": size("v_dim"),
     "num_classes": Bound(2, LIMITS["num_classes"]),
     "norm_eps": Bound(0, 1, lo_open=True, hi_open=True),
     # conversion and checks

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 
-from .defaults import DATASETS, EVAL_CROP_PCT, EVAL_INTERPOLATION
+from .defaults import DATASETS, EVAL_CROP_PCT, EVAL_INTERPOLATION, MAX_DEFAULT_WORKERS
 from .errors import CmhsaError, first_line
 from .io.paths import make_folder, open_regular, remove_made, require_regular
 from .resources import check_fits
@@ -407,7 +407,7 @@ def default_workers() -> int:
     """Workers of the workers loader when `workers` is not given: up to 4, never more than the CPUs
     this process may use (PyTorch warns above that). On 2 CPUs, 0, 1 and 2 workers ran the same
     in-memory data within this VM's run-to-run spread (BENCHMARKS.md, 'Small-data training')."""
-    return min(4, cpus())
+    return min(MAX_DEFAULT_WORKERS, cpus())
 
 
 def default_threads() -> int:

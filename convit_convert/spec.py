@@ -19,6 +19,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from .bounds import check
 from .config import PINNING, ViTConfig
 from .errors import CmhsaError
 from .theory import patch_offsets
@@ -37,12 +38,6 @@ def pinning_logits(num_patches: int, sink: bool, margin: float = DEFAULT_MARGIN)
     """(offset logit M, sink logit S) that make attention one-hot to within e^-margin."""
     sink_logit = math.log(num_patches) + margin
     return (sink_logit + margin if sink else sink_logit), sink_logit
-
-
-def check_tol(tol: float, name: str = "tol") -> None:
-    """A tolerance is a number >= 0 (NaN is refused)."""
-    if not tol >= 0:
-        raise CmhsaError(f"`{name}` must be >= 0, got {tol}")
 
 
 @dataclass(frozen=True)
@@ -68,18 +63,12 @@ class ConversionSpec:
     refit: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("heads", "qk_dim", "v_dim"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise CmhsaError(f"`{name}` must be at least 1, got {value}")
+        for f in dataclasses.fields(self):  # the numbers: the ranges the CLI's flags have (BOUNDS)
+            check(f.name, getattr(self, f.name))
         if self.pinning not in PINNING:
             raise CmhsaError(f"`pinning` must be hard or gated, got {self.pinning!r}")
         if self.rule not in RULES:
             raise CmhsaError(f"`rule` must be one of {', '.join(RULES)}, got {self.rule!r}")
-        if not (self.margin > 0 and math.isfinite(self.margin)):
-            raise CmhsaError(f"`margin` must be a positive number, got {self.margin}")
-        check_tol(self.tol)
-        check_tol(self.qk_init_std, "qk_init_std")
 
     def replace(self, **changes: Any) -> ConversionSpec:
         """A copy with ``changes``, validated again."""

@@ -29,8 +29,6 @@ from typing import Any
 
 import torch
 from timm.models import generate_default_cfgs, register_model
-from timm.models._builder import pretrained_cfg_for_features
-from timm.models._features import FeatureGetterNet
 from torch import nn
 
 from .api import load_checkpoint
@@ -203,6 +201,11 @@ def _features(
         fits = all(-depth <= i < depth for i in out_indices)
     if not fits:
         raise ValueError(f"out_indices={out_indices!r}: the model has {depth} blocks (0..{depth - 1})")
+    # timm's private modules, imported only for features_only (a timm that moves them breaks that
+    # option alone, not the registry, cmhsa's loaders or training)
+    from timm.models._builder import pretrained_cfg_for_features
+    from timm.models._features import FeatureGetterNet
+
     features = FeatureGetterNet(model, out_indices, output_fmt=output_fmt)
     features.pretrained_cfg = features.default_cfg = pretrained_cfg_for_features(model.pretrained_cfg)
     return features

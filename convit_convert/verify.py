@@ -22,6 +22,7 @@ import torch
 
 from .config import ViTConfig
 from .model import VisionTransformer
+from .settings import Verification
 from .spec import DEFAULT_TOL
 from .theory import patch_offsets
 
@@ -100,7 +101,7 @@ def verify_models(
     conv: VisionTransformer,
     attn: VisionTransformer,
     *,
-    batch: int = 4,
+    batch: int = Verification.batch,
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",

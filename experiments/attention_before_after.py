@@ -21,6 +21,7 @@ import torch
 from convit_convert.api import convert_checkpoint, load_checkpoint
 from convit_convert.api.on_data import attention_on_data
 from convit_convert.io.checkpoint import save_checkpoint
+from convit_convert.settings import AttentionOptions
 from convit_convert.spec import ConversionSpec
 
 
@@ -55,9 +56,12 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / "start.safetensors"
             save_checkpoint(path, start.config, start.tensors)
-            before = summary(attention_on_data(path, data="fashion-mnist", images=args.images, device="cpu"))
+            options = AttentionOptions("fashion-mnist", images=args.images, device="cpu")
+            before = summary(attention_on_data(path, options))
         after = summary(
-            attention_on_data(run / "vit.safetensors", data="fashion-mnist", images=args.images, device="cpu")
+            attention_on_data(
+                run / "vit.safetensors", AttentionOptions("fashion-mnist", images=args.images, device="cpu")
+            )
         )
         warm, seed, name = (
             run.parent.parent.name.removeprefix("warmup"),

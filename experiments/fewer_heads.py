@@ -34,6 +34,7 @@ from convit_convert.api import convert_checkpoint, load_checkpoint
 from convit_convert.api.on_data import calibration_from_data, evaluate_checkpoint
 from convit_convert.construct import pinned_offsets
 from convit_convert.io.checkpoint import save_checkpoint
+from convit_convert.settings import CalibrationSource, EvalOptions
 from convit_convert.spec import ConversionSpec
 from convit_convert.theory import offset_tap_share
 
@@ -45,7 +46,8 @@ METHODS = {  # name -> (rule, refit)
 
 
 def top1(path: Path) -> float:
-    return evaluate_checkpoint(path, data="fashion-mnist", workers=0, batch_size=500, device="cpu").top1
+    options = EvalOptions("fashion-mnist", workers=0, batch_size=500, device="cpu")
+    return evaluate_checkpoint(path, options).top1
 
 
 def main() -> None:
@@ -73,7 +75,9 @@ def main() -> None:
         train(p1, phase="phase1", epochs=6, lr=LR_SCRATCH, seed=seed, warmup_epochs=1, train_samples=4000)
         conv_file = p1 / "conv.safetensors"
         ckpt = load_checkpoint(conv_file)
-        calib = calibration_from_data(ckpt.config, data="fashion-mnist", images=256, heldout=1, seed=seed)
+        calib = calibration_from_data(
+            ckpt.config, CalibrationSource("fashion-mnist", calib_images=256, heldout_images=1, seed=seed)
+        )
         conv_top1 = top1(conv_file)
         for n in args.heads:
             for name, (rule, refit) in METHODS.items():
@@ -84,7 +88,7 @@ def main() -> None:
                 vit = d / "vit.safetensors"
                 if not vit.is_file():
                     spec = ConversionSpec(heads=n, approximate=True, rule=rule, refit=refit, seed=seed)
-                    c = convert_checkpoint(ckpt, spec, calibrate=lambda _, c=calib: c, verify=False)
+                    c = convert_checkpoint(ckpt, spec, calibration=calib, verify=False)
                     save_checkpoint(vit, c.config, c.tensors)
                 r = rows.setdefault((name, n), {"conv": [], "converted": [], "finetuned": []})
                 r["conv"].append(conv_top1)

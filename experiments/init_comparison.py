@@ -102,13 +102,14 @@ def final_eval(arm: Arm, args: argparse.Namespace) -> dict:
     if cache.is_file():
         return json.loads(cache.read_text())
     from convit_convert.api.on_data import attention_on_data, evaluate_checkpoint
+    from convit_convert.settings import AttentionOptions, EvalOptions
 
     dev = "cpu" if args.device == "auto" else args.device
-    r = evaluate_checkpoint(arm.model, data="fashion-mnist", data_dir=args.data_dir, device=dev, workers=0)
+    r = evaluate_checkpoint(arm.model, EvalOptions("fashion-mnist", args.data_dir, device=dev, workers=0))
     out: dict = {"top1": r.top1, "top5": r.top5, "val_loss": r.val_loss, "images": r.images}
     if arm.config.phase == "phase2":
         att = attention_on_data(
-            arm.model, data="fashion-mnist", data_dir=args.data_dir, images=1000, device=dev
+            arm.model, AttentionOptions("fashion-mnist", args.data_dir, images=1000, device=dev)
         )
         out["attention"] = [
             {

@@ -4,13 +4,17 @@ convolutions with explicit padding, explicit loops, impulse responses."""
 from __future__ import annotations
 
 import gzip
+import subprocess
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from typer.testing import CliRunner, Result
 
+from convit_convert.cli import app
 from convit_convert.config import ViTConfig
 from convit_convert.model import VisionTransformer
 
@@ -27,6 +31,27 @@ TINY_RUN = dict(
     lr_base_batch=32,
     log_every=1000,
 )
+
+
+def invoke(*args: Any, env: dict[str, str] | None = None, **kwargs: Any) -> Result:
+    """``cmhsa ARGS`` through typer's CliRunner, in this process: the tests' one way to run a command
+    (each argument str()-ed; a list or tuple argument is spread)."""
+    words = [str(w) for a in args for w in (a if isinstance(a, (list, tuple)) else (a,))]
+    return CliRunner().invoke(app, words, env=env, **kwargs)
+
+
+def one_error_line(r: Result | subprocess.CompletedProcess[str], code: int, *fragments: str) -> str:
+    """The error contract: exit ``code``, exactly one line on stderr, starting ``error: `` and holding
+    every fragment, and no traceback anywhere (r: a CliRunner result or a finished subprocess).
+    Returns the line."""
+    exit_code = r.exit_code if isinstance(r, Result) else r.returncode
+    output = r.output if isinstance(r, Result) else (r.stdout or "") + r.stderr
+    err = [line for line in r.stderr.splitlines() if line.strip()]
+    assert exit_code == code, (exit_code, output[-2000:])
+    assert len(err) == 1 and err[0].startswith("error: "), r.stderr[-2000:]
+    assert all(f in err[0] for f in fragments), (fragments, err[0])
+    assert "Traceback" not in output, output[-2000:]
+    return err[0]
 
 
 def reference_conv(

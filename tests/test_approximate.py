@@ -123,7 +123,7 @@ def test_the_sweep_serves_every_head_count_from_one_drop_sequence() -> None:
     assert [r.heads for r in sweep.rows] == list(range(1, 10))
     for n in (2, 5, 8):
         c = convert_checkpoint(
-            ckpt, ConversionSpec(heads=n, approximate=True), calibrate=lambda _: calib, verify=False
+            ckpt, ConversionSpec(heads=n, approximate=True), calibration=calib, verify=False
         )
         a, row = c.approximation, sweep.rows[n - 1]
         assert a is not None and a.heldout is not None

@@ -8,15 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from typer.testing import CliRunner
 
-from conftest import FIXTURE
+from conftest import FIXTURE, invoke
 from convit_convert.api import load_checkpoint
 from convit_convert.approximate import choose, noise_calibration
-from convit_convert.cli import app
 from convit_convert.theory import patch_offsets
 
-runner = CliRunner()
 SMALL = (
     "--calib-images",
     "48",
@@ -26,7 +23,7 @@ SMALL = (
 
 
 def run(*args: object):
-    return runner.invoke(app, [str(a) for a in args])
+    return invoke([str(a) for a in args])
 
 
 def test_refusals(tmp_path: Path) -> None:

@@ -10,10 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
-from typer.testing import CliRunner
 
+from conftest import invoke
 from convit_convert.api import load_checkpoint
-from convit_convert.cli import app
 from convit_convert.config import ViTConfig
 from convit_convert.errors import CmhsaError
 from convit_convert.model import VisionTransformer
@@ -39,14 +38,53 @@ def module_imports() -> dict[str, set[str]]:
             if isinstance(node, ast.ImportFrom):
                 base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
                 target = ".".join([*base, node.module] if node.module else base)
-                candidates = [target, *(f"{target}.{a.name}" for a in node.names)]
+                # `from pkg import mod` imports pkg.mod (and runs pkg's __init__, which imports
+                # only `version`); `from mod import name` imports mod
+                candidates = [
+                    f"{target}.{a.name}" if f"{target}.{a.name}" in files else target for a in node.names
+                ]
             elif isinstance(node, ast.Import):
                 candidates = [a.name for a in node.names]
             else:
                 continue
             deps |= {c for c in candidates if c in files and c != name}
-        graph[name] = deps
+        graph[name] = deps | (string_imports(f) & files.keys())
     return graph
+
+
+DYNAMIC = ("import_module", "spec_from_file_location", "__import__", "module_from_spec")
+
+
+def string_imports(f: Path) -> set[str]:
+    """What a module imports by name at run time: the package's ``_EXPORTS`` (module names, imported
+    on first use of one of their names) and its loader of ``train/`` (``_checkout_train``). Only the
+    package's ``__init__.py`` may import that way (test_only_the_package_imports_by_string)."""
+    tree = ast.parse(f.read_text())
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "_EXPORTS" for t in node.targets):
+            found |= {f"convit_convert.{k.value}" for k in node.value.keys}  # type: ignore[attr-defined]
+        if isinstance(node, ast.FunctionDef) and node.name == "_checkout_train":
+            found.add("convit_convert.train")
+    return found
+
+
+def test_only_the_package_imports_by_string() -> None:
+    """importlib's run-time imports appear in the package's __init__.py alone, whose string imports
+    module_imports reads (so the layer test sees them); that it reads them is checked here too."""
+    users = []
+    for folder in PACKAGES.values():
+        for f in folder.rglob("*.py"):
+            calls = {
+                n.attr if isinstance(n, ast.Attribute) else n.id
+                for n in ast.walk(ast.parse(f.read_text()))
+                if isinstance(n, (ast.Attribute, ast.Name))
+            }
+            if calls & set(DYNAMIC):
+                users.append(str(f.relative_to(ROOT)))
+    assert users == ["convit_convert/__init__.py"], users
+    seen = module_imports()["convit_convert"]
+    assert {"convit_convert.api", "convit_convert.train", "convit_convert.model"} <= seen, seen
 
 
 def test_the_import_graph_has_no_cycles() -> None:
@@ -144,7 +182,7 @@ def test_library_errors_name_parameters_and_the_cli_names_flags(tmp_path: Path) 
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path))
     with pytest.raises(CmhsaError, match="give `img_size` and `patch_size`"):
         load_checkpoint(path)
-    r = CliRunner().invoke(app, ["convert", str(path), "-o", str(tmp_path / "v.safetensors")])
+    r = invoke(["convert", str(path), "-o", str(tmp_path / "v.safetensors")])
     assert r.exit_code == 2 and "give --img-size and --patch-size" in r.stderr, r.output
 
 
@@ -157,7 +195,7 @@ def test_pinned_heads_are_counted_from_the_conversion(tmp_path: Path) -> None:
 
     save_checkpoint(conv, cfg, VisionTransformer(cfg).state_dict())
     out = tmp_path / "vit.safetensors"
-    r = CliRunner().invoke(app, ["convert", str(conv), "-o", str(out), "--device", "cpu"])
+    r = invoke(["convert", str(conv), "-o", str(out), "--device", "cpu"])
     assert r.exit_code == 0, r.output
     assert "9 heads (3 pinned)" in " ".join(r.output.split()), r.output
     # independent count: heads whose bias table has a non-zero (pinned) entry, in the written file
@@ -176,6 +214,46 @@ def test_pinned_heads_are_counted_from_the_conversion(tmp_path: Path) -> None:
 def _modules(folder: Path) -> list[str]:
     """The module files of a package folder (no __init__ / __main__), their stems."""
     return sorted(f.stem for f in folder.glob("*.py") if f.stem not in ("__init__", "__main__"))
+
+
+def test_architecture_md_table_is_the_layers_block() -> None:
+    """Each row of docs/ARCHITECTURE.md's table names, in its first column, the layer the ```layers
+    block puts its module in, and the rows come in the block's layer order: the prose cannot say
+    one thing and the checked block another."""
+    doc = (ROOT / "docs" / "ARCHITECTURE.md").read_text(encoding="utf-8")
+    names = [
+        line.split(" ", 2)[1].rstrip(":")
+        for line in doc.split("```layers\n", 1)[1].split("```")[0].strip().splitlines()
+    ]
+    layers = documented_layers()
+    start = doc.index("| layer | module | owns |")
+    rows = [line.split(" | ")[:2] for line in doc[start:].split("\n\n", 1)[0].splitlines()[2:]]
+    assert len(rows) > 40
+    wrong, last = [], 0
+    for layer, cell in rows:
+        path = cell.strip("`")
+        module = (
+            "convit_convert"
+            if path == "convit_convert/__init__.py"
+            else "convit_convert."
+            + (path[:-1] + ".x" if path.endswith("/") else path.removesuffix(".py").replace("/", "."))
+        )
+        where = layer_of(module, layers)
+        if layer.lstrip("| ") != names[where]:
+            wrong.append(f"{cell} is under {layer.lstrip('| ')!r}; the block puts it in {names[where]!r}")
+        if where < last:
+            wrong.append(f"{cell} comes after a row of a later layer")
+        last = max(last, where)
+    assert not wrong, wrong
+
+
+def test_the_version_is_pyprojects() -> None:
+    import tomllib
+
+    from convit_convert import __version__
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    assert project["version"] == __version__
 
 
 def test_architecture_md_and_the_package_docstrings_name_every_module() -> None:
@@ -209,3 +287,19 @@ def test_architecture_md_and_the_package_docstrings_name_every_module() -> None:
         wrong += [f"{folder.name}/__init__.py names {n}.py" for n in sorted(named - set(_modules(folder)))]
         wrong += [f"{folder.name}/__init__.py omits {m}.py" for m in sorted(set(_modules(folder)) - named)]
     assert not wrong, wrong
+
+
+def test_the_step_in_reading_order_names_code_that_exists() -> None:
+    """train/__init__.py walks one training step through the functions that run it: each name it
+    gives (``module.name``, ``module.Class.method``) is in that module."""
+    import importlib
+
+    text = ast.get_docstring(ast.parse((ROOT / "train" / "__init__.py").read_text(encoding="utf-8"))) or ""
+    names = re.findall(r"``([a-z_]+(?:\.[A-Za-z_]+)+)``", text.split("One step", 1)[1])
+    assert len(names) >= 9, names
+    for name in (n for n in names if not n.endswith(".py")):
+        module, *attrs = name.split(".")
+        obj = importlib.import_module(f"convit_convert.train.{module}")
+        for a in attrs:
+            assert hasattr(obj, a), name
+            obj = getattr(obj, a)

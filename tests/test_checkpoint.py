@@ -14,6 +14,7 @@ from conftest import conv_model
 from convit_convert.api import load_checkpoint
 from convit_convert.errors import CmhsaError
 from convit_convert.io.checkpoint import save_checkpoint
+from convit_convert.settings import Geometry
 
 DOC_CONFIG = {  # exactly the keys docs/FORMAT.md requires of a conv checkpoint
     "img_size": [12, 8],
@@ -83,7 +84,7 @@ def test_bare_state_dicts_infer_the_config(tmp_path: Path) -> None:
     save_file(sd, str(tmp_path / "bare.safetensors"))
     torch.save({"epoch": 3, "state_dict": {f"module.{k}": v for k, v in sd.items()}}, tmp_path / "ddp.pth")
     for name in ("bare.safetensors", "ddp.pth"):
-        ckpt = load_checkpoint(tmp_path / name, img_size=(12, 8), patch_size=4)
+        ckpt = load_checkpoint(tmp_path / name, Geometry((12, 8), 4))
         assert ckpt.source == "state dict"
         assert ckpt.config == conv.cfg, name
 
@@ -116,7 +117,7 @@ def test_pickles_are_never_loaded_unsafely(tmp_path: Path) -> None:
     with open(path, "wb") as f:
         pickle.dump({"x": Evil()}, f)
     with pytest.raises(CmhsaError, match="weights_only=True") as info:
-        load_checkpoint(path, img_size=(12, 8), patch_size=4)
+        load_checkpoint(path, Geometry((12, 8), 4))
     assert "weights_only=False" not in str(info.value)
 
 

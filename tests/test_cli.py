@@ -13,15 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from typer.testing import CliRunner
 
-from convit_convert.cli import app
-
-runner = CliRunner()
+from conftest import invoke, one_error_line
 
 
 def run(*args: str):
-    return runner.invoke(app, [str(a) for a in args])
+    return invoke([str(a) for a in args])
 
 
 @pytest.fixture(scope="module")
@@ -211,11 +208,7 @@ EXPECT = {
 
 def assert_bad_input(result, path: Path | None, expect: str, out_dir: Path) -> None:
     """Exit 2, one line naming ``path`` (None: a flag's problem, no file) and the problem, nothing written."""
-    assert result.exit_code == 2, result.output
-    err = result.stderr.strip()
-    assert len(err.splitlines()) == 1, err
-    assert err.startswith("error: ") and (path is None or str(path) in err) and expect in err, err
-    assert "Traceback" not in result.output
+    one_error_line(result, 2, expect, *([] if path is None else [str(path)]))
     assert not [
         p
         for p in out_dir.iterdir()

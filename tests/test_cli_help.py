@@ -7,12 +7,11 @@ import re
 
 import pytest
 import typer
-from typer.testing import CliRunner
 
+from conftest import invoke
 from convit_convert.cli import app
 from convit_convert.cli import options as opts
 
-runner = CliRunner()
 WIDE = {"COLUMNS": "1000", "TERMINAL_WIDTH": "1000"}  # one row per option: no wrapping to confuse the checks
 
 
@@ -48,7 +47,7 @@ def test_every_command_is_walked() -> None:
 
 @pytest.mark.parametrize("path", [p for p, _ in COMMANDS], ids=lambda p: " ".join(p))
 def test_help_shows_each_default_once_and_no_type_metavars(path: tuple[str, ...]) -> None:
-    r = runner.invoke(app, [*path, "--help"], env=WIDE)
+    r = invoke([*path, "--help"], env=WIDE)
     assert r.exit_code == 0, r.output
     text = r.output
     assert not re.search(r"<(int|integer|str|text|float|path|bool)>", text), "a type metavar"
@@ -87,7 +86,7 @@ def test_one_spelling_per_concept() -> None:
     for path, p in seen["output"]:
         assert set(p.opts) == {"--output", "-o"}, path
     devices = {shown(p) for _, p in seen["device"]}
-    assert devices == {(opts.DEVICE, opts.DEVICE_HELP)}, devices
+    assert devices == {("auto", opts.DEVICE_HELP)}, devices
     workers = {shown(p) for _, p in seen["workers"]}
     assert workers == {(None, opts.WORKERS_HELP)}, workers
     for name in ("kernel_size", "patch_size"):  # heads, train, convert: one name for K and P
@@ -96,21 +95,21 @@ def test_one_spelling_per_concept() -> None:
 
 
 def test_old_spellings_still_work_and_say_so() -> None:
-    new = runner.invoke(app, ["heads", "--kernel-size", "5", "--patch-size", "16"])
-    old = runner.invoke(app, ["heads", "--kernel", "5", "--patch", "16"])
+    new = invoke(["heads", "--kernel-size", "5", "--patch-size", "16"])
+    old = invoke(["heads", "--kernel", "5", "--patch", "16"])
     assert new.exit_code == old.exit_code == 0
     assert "note: --kernel is now --kernel-size" in old.stderr and "note:" not in new.stderr
     assert old.stdout == new.stdout
-    both = runner.invoke(app, ["heads", "-k", "5", "--kernel", "7", "-p", "4"])
+    both = invoke(["heads", "-k", "5", "--kernel", "7", "-p", "4"])
     assert both.exit_code == 2 and "--kernel and --kernel-size are one option" in both.stderr
 
 
 def test_train_takes_output_and_the_old_out(tmp_path) -> None:
     for flag in ("-o", "--output", "--out"):
-        r = runner.invoke(app, ["train", "phase2", flag, str(tmp_path / "r"), "--pinning", "soft"])
+        r = invoke(["train", "phase2", flag, str(tmp_path / "r"), "--pinning", "soft"])
         assert r.exit_code == 2 and "--pinning must be hard or gated" in r.stderr, r.output  # past the alias
         assert ("note: --out is now -o/--output" in r.stderr) == (flag == "--out")
-    r = runner.invoke(app, ["train", "phase1", "--epochs", "1"])
+    r = invoke(["train", "phase1", "--epochs", "1"])
     assert r.exit_code == 2 and "-o/--output is missing" in r.stderr
 
 
@@ -123,9 +122,7 @@ def test_convert_margin_shapes_the_conversion(tmp_path) -> None:
 
     def convert(*flags: str) -> tuple[dict, float]:
         out = tmp_path / f"m{len(flags)}.safetensors"
-        r = runner.invoke(
-            app, ["convert", "fixtures/conv_digits.safetensors", "-o", str(out), "--tol", "1", *flags]
-        )
+        r = invoke(["convert", "fixtures/conv_digits.safetensors", "-o", str(out), "--tol", "1", *flags])
         assert r.exit_code == 0, r.output
         doc = json.loads(out.with_suffix(".report.json").read_text())
         worst = max(e["rel"] for e in doc["verification"]["errors"])
@@ -145,7 +142,7 @@ def test_a_missing_data_names_the_flag_and_the_choices(tmp_path) -> None:
         ["eval", "fixtures/conv_digits.safetensors"],
         ["attention", "fixtures/conv_digits.safetensors", "-o", str(tmp_path)],
     ):
-        r = runner.invoke(app, cmd)
+        r = invoke(cmd)
         assert r.exit_code == 2, r.output
         assert (
             f"--data is missing: {cmd[0]} needs a dataset, one of cifar100, cifar10, imagefolder, digits"
@@ -154,13 +151,43 @@ def test_a_missing_data_names_the_flag_and_the_choices(tmp_path) -> None:
         assert "cifar100` needs" not in r.stderr and "--data-dir" not in r.stderr  # not a dataset never typed
 
 
-@pytest.mark.parametrize("path", [p for p, _ in COMMANDS], ids=lambda p: " ".join(p))
-def test_a_flag_pairs_default_is_shown_one_way(path: tuple[str, ...]) -> None:
-    """--x/--no-x shows "[default: x]" or "[default: no-x]" in every command (typer's own way),
-    never True/False."""
-    r = runner.invoke(app, [*path, "--help"], env=WIDE)
+def flag_pairs(cmd) -> list[str]:
+    """The --x/--no-x pairs a command shows (the hidden ones aside), by their --x."""
+    return [p.opts[0] for p in cmd.params if getattr(p, "secondary_opts", None) and not p.hidden]
+
+
+PAIRED = [(p, c) for p, c in COMMANDS if flag_pairs(c)]
+
+
+def test_the_flag_pair_test_sees_the_commands_with_pairs() -> None:
+    assert {" ".join(p) for p, _ in PAIRED} >= {"convert", "train phase1", "train phase2", "eval"}
+
+
+@pytest.mark.parametrize(("path", "cmd"), PAIRED, ids=lambda x: " ".join(x) if isinstance(x, tuple) else "")
+def test_a_flag_pairs_default_is_shown_one_way(path: tuple[str, ...], cmd) -> None:
+    """--x/--no-x shows "[default: x]" or "[default: no-x]" in every command that has a pair
+    (typer's own way), never True/False; every pair the command declares is a row checked."""
+    r = invoke([*path, "--help"], env=WIDE)
+    seen = []
     for row in (line for line in r.output.splitlines() if "--no-" in line):
         flag = re.search(r"--([a-z-]+)\s+--no-\1", row)
         assert flag, row.strip()
         said = re.search(r"\[default: ([^\]]*)\]", row)
         assert said and said.group(1) in (flag.group(1), f"no-{flag.group(1)}"), row.strip()
+        seen.append(f"--{flag.group(1)}")
+    assert sorted(seen) == sorted(flag_pairs(cmd)), (seen, flag_pairs(cmd))
+
+
+def test_cmhsa_keeps_its_state_on_its_own_objects() -> None:
+    """Running a command adds no attribute to typer's or click's objects (the root group, the
+    commands, their callbacks): which commands are tidied and bounded is kept in cmhsa's modules."""
+    from convit_convert.cli import bounds
+
+    root = typer.main.get_command(app)  # the object run below, as cmhsa's main() runs it
+    before = {id(c): set(vars(c)) for c in [root, *root.commands.values()]}
+    root.main(["heads", "--kernel-size", "3", "--patch-size", "2"], standalone_mode=False)
+    after = {id(c): set(vars(c)) for c in [root, *root.commands.values()]}
+    assert after == before
+    callbacks = [i.callback for i in app.registered_commands]
+    assert all(not any(k.startswith("_bounded") for k in vars(cb)) for cb in callbacks)
+    assert set(callbacks) <= bounds.BOUNDED

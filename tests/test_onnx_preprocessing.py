@@ -9,6 +9,7 @@ from pathlib import Path
 from convit_convert.api import export_file
 from convit_convert.api.on_data import evaluate_checkpoint
 from convit_convert.data import build_data
+from convit_convert.settings import EvalOptions
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURE = ROOT / "fixtures" / "conv_digits.safetensors"
@@ -32,5 +33,5 @@ def test_readmes_onnxruntime_block_reproduces_cmhsa_evals_top1(tmp_path: Path) -
     val = build_data("digits", None, (32, 32)).val
     correct = sum(scope["predict"](img) == label for img, label in (val[i] for i in range(len(val))))
     ours = 100 * correct / len(val)
-    theirs = evaluate_checkpoint(FIXTURE, data="digits", workers=0).top1
+    theirs = evaluate_checkpoint(FIXTURE, EvalOptions("digits", workers=0)).top1
     assert abs(ours - theirs) < 1e-9, (ours, theirs)

@@ -17,6 +17,7 @@ from convit_convert.api.on_data import evaluate, evaluate_checkpoint
 from convit_convert.approximate import noise_calibration
 from convit_convert.config import ViTConfig
 from convit_convert.model import VisionTransformer
+from convit_convert.settings import EvalOptions, Verification
 from convit_convert.theory import head_count
 
 
@@ -46,7 +47,7 @@ def test_the_metric_loop_against_plain_torch() -> None:
 
 def test_eval_report_is_json(fixture_path: Path) -> None:
     """The shipped digits fixture: 98.33 % top-1 (README), 359 validation images (20 % of 1797)."""
-    r = evaluate_checkpoint(fixture_path, data="digits", workers=0, device="cpu")
+    r = evaluate_checkpoint(fixture_path, EvalOptions("digits", workers=0, device="cpu"))
     d = json.loads(json.dumps(r.to_dict()))
     assert d["command"] == "eval" and d["kind"] == "conv" and d["form"] == "conv" and d["images"] == 359
     assert d["top1"] == pytest.approx(98.33, abs=0.6)
@@ -54,7 +55,7 @@ def test_eval_report_is_json(fixture_path: Path) -> None:
 
 def test_inspection_report_is_json_and_reads_the_file(fixture_path: Path, tmp_path: Path) -> None:
     out = tmp_path / "vit.safetensors"
-    assert convert_file(fixture_path, out, device="cpu").passed
+    assert convert_file(fixture_path, out, verification=Verification(device="cpu")).passed
     d = json.loads(json.dumps(inspect_file(out).to_dict()))
     cfg = d["config"]
     hc = head_count(cfg["kernel_size"], cfg["patch_size"])

@@ -12,12 +12,10 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from typer.testing import CliRunner
 
-from conftest import write_idx
+from conftest import invoke, one_error_line, write_idx
 from convit_convert.analysis import attention_stats
 from convit_convert.api import load_checkpoint
-from convit_convert.cli import app
 from convit_convert.config import ViTConfig
 from convit_convert.construct import convert_state_dict
 from convit_convert.data import build_data
@@ -131,7 +129,7 @@ def test_fused_and_onnx_forms_of_gated_and_free_heads(tmp_path: Path) -> None:
             assert (form(copy.deepcopy(attn))(x) - ref).abs().max() <= 1e-12 * ref.abs().max()
     path = tmp_path / "gated.safetensors"
     save_checkpoint(path, attn.cfg, attn.float().state_dict())
-    r = CliRunner().invoke(app, ["export", str(path), "-o", str(tmp_path / "g.onnx"), "--exporter", "legacy"])
+    r = invoke(["export", str(path), "-o", str(tmp_path / "g.onnx"), "--exporter", "legacy"])
     assert r.exit_code == 0 and "PASS" in r.output, r.output
 
 
@@ -157,8 +155,7 @@ def test_attention_command_writes_json_and_png(tmp_path: Path) -> None:
     plan = ConversionSpec(heads=10, pinning="gated").plan(cfg)
     sd, acfg = convert_state_dict(VisionTransformer(cfg).state_dict(), plan), plan.config
     save_checkpoint(path, acfg, sd)
-    r = CliRunner().invoke(
-        app,
+    r = invoke(
         [
             "attention",
             str(path),
@@ -189,8 +186,7 @@ def test_fashion_mnist_from_idx_files(tmp_path: Path) -> None:
         == spec.train.indices
     )
     (tmp_path / "t10k-labels-idx1-ubyte.gz").unlink()
-    r = CliRunner().invoke(
-        app,
+    r = invoke(
         [
             *"train phase1 --data fashion-mnist --data-dir".split(),
             str(tmp_path),
@@ -200,8 +196,8 @@ def test_fashion_mnist_from_idx_files(tmp_path: Path) -> None:
             "cpu",
         ],
     )
-    assert r.exit_code == 2 and "apt-get install dataset-fashion-mnist" in r.stderr, r.output
-    assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
+    one_error_line(r, 2, "apt-get install dataset-fashion-mnist")
+    assert not (tmp_path / "run").exists()
 
 
 def test_version_1_files_load_and_newer_ones_are_refused(tmp_path: Path) -> None:
@@ -246,7 +242,7 @@ def test_bad_pinning_is_one_line(tmp_path: Path) -> None:
         [*phase2, "--pinning", "soft"],
         [*phase2, "--attn-lr-mult", "0"],
     ):
-        r = CliRunner().invoke(app, argv)
-        assert r.exit_code == 2 and len(r.stderr.strip().splitlines()) == 1, r.output
-        assert "--pinning" in r.stderr or "--attn-lr-mult" in r.stderr, r.stderr
+        r = invoke(argv)
+        line = one_error_line(r, 2)
+        assert "--pinning" in line or "--attn-lr-mult" in line, line
     assert not list(tmp_path.iterdir())

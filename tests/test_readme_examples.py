@@ -54,15 +54,12 @@ def test_cuts_and_timings_are_marked() -> None:
 def test_prose_claims_about_flags(tmp_path: Path) -> None:
     """The sentences README says about flags name flags that exist where it says they do."""
     assert "`--margin` shape the" in README or "and `--margin` shape the" in README
-    from typer.testing import CliRunner
-
-    from convit_convert.cli import app
+    from conftest import invoke
 
     for cmd in (["convert"], ["train", "phase2"]):
-        assert "--margin" in CliRunner().invoke(app, [*cmd, "--help"], env={"COLUMNS": "300"}).output
+        assert "--margin" in invoke([*cmd, "--help"], env={"COLUMNS": "300"}).output
     # "fewer are refused, citing the lower bound where one is proven ... and naming --approximate"
-    r = CliRunner().invoke(
-        app,
+    r = invoke(
         [
             "convert",
             "fixtures/conv_digits.safetensors",

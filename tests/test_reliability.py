@@ -21,10 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from typer.testing import CliRunner
 
-from conftest import FIXTURE
-from convit_convert.cli import app
+from conftest import FIXTURE, invoke, one_error_line
 from convit_convert.errors import CmhsaError
 from convit_convert.train.config import TrainConfig
 from convit_convert.train.run import run
@@ -34,19 +32,6 @@ TINY = (
     "--data synthetic --img-size 16 --patch-size 4 --depth 1 --kernel-size 3 "
     "--batch-size 32 --workers 0 --epochs 1 --warmup-epochs 0 --device cpu"
 ).split()
-
-
-def invoke(*args: object, env: dict[str, str] | None = None):
-    return CliRunner().invoke(app, [str(a) for a in args], env=env)
-
-
-def one_line(r, code: int, *fragments: str) -> None:
-    """Exit `code`, exactly one line on stderr holding every fragment, no traceback anywhere."""
-    assert r.exit_code == code, (r.exit_code, r.output)
-    err = r.stderr.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: "), r.stderr
-    assert all(f in err[0] for f in fragments), (fragments, err[0])
-    assert "Traceback" not in r.output
 
 
 def temps(folder: Path) -> list[Path]:
@@ -69,7 +54,7 @@ def test_an_internal_error_is_one_line_and_exit_3_unless_debug(tmp_path: Path, m
     monkeypatch.setattr(api, "convert_checkpoint", boom(ZeroDivisionError("division by zero")))
     args = ("convert", FIXTURE, "-o", tmp_path / "v.safetensors")
     r = invoke(*args)
-    one_line(r, 3, "internal error: ZeroDivisionError: division by zero", "--debug", "please report it")
+    one_error_line(r, 3, "internal error: ZeroDivisionError: division by zero", "--debug", "please report it")
     assert list(tmp_path.iterdir()) == []
     for debug in (invoke("--debug", *args), invoke(*args, env={"CMHSA_DEBUG": "1"})):
         assert debug.exit_code == 3 and "Traceback" in debug.stderr and "ZeroDivisionError" in debug.stderr
@@ -84,14 +69,16 @@ def test_an_allocation_failure_says_what_was_too_large(tmp_path: Path, monkeypat
         "you tried to allocate 80000000000 bytes. Error code 12 (Cannot allocate memory)"
     )
     monkeypatch.setattr(api, "convert_checkpoint", boom(oom))
-    one_line(invoke("convert", FIXTURE, "-o", tmp_path / "v.safetensors"), 2, "out of memory", "74.5 GiB")
+    one_error_line(
+        invoke("convert", FIXTURE, "-o", tmp_path / "v.safetensors"), 2, "out of memory", "74.5 GiB"
+    )
     monkeypatch.setattr(api, "convert_checkpoint", boom(MemoryError()))
-    one_line(invoke("convert", FIXTURE, "-o", tmp_path / "v.safetensors"), 2, "out of memory")
+    one_error_line(invoke("convert", FIXTURE, "-o", tmp_path / "v.safetensors"), 2, "out of memory")
 
 
 def test_usage_errors_are_one_line_too() -> None:
-    one_line(invoke("heads", "--kernel", "abc"), 2, "--kernel", "cmhsa heads --help")
-    one_line(invoke("convert", "--no-such-flag"), 2, "No such option")
+    one_error_line(invoke("heads", "--kernel", "abc"), 2, "--kernel", "cmhsa heads --help")
+    one_error_line(invoke("convert", "--no-such-flag"), 2, "No such option")
 
 
 @pytest.mark.parametrize(
@@ -136,7 +123,7 @@ def test_out_of_range_numbers_are_refused_naming_the_flag(
     """The issue's cases: each used to end in a traceback, run away, or be accepted silently."""
     monkeypatch.chdir(tmp_path)
     args = [*args, "-o", tmp_path / "run"] if args[0] == "train" else args
-    one_line(invoke(*args), 2, fragment)
+    one_error_line(invoke(*args), 2, fragment)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -157,7 +144,7 @@ def test_escape_sequences_from_a_file_never_reach_the_terminal(tmp_path: Path) -
     renamed = tmp_path / "name.safetensors"
     save_file({**tensors, f"blocks.0.{evil}": tensors["head.bias"].clone()}, str(renamed), meta)
     r = invoke("inspect", renamed)
-    one_line(r, 2, "\\x1b")
+    one_error_line(r, 2, "\\x1b")
     assert "\x1b" not in r.output and "\x07" not in r.output
 
 
@@ -188,7 +175,7 @@ def test_a_second_training_into_a_busy_run_folder_is_refused(tmp_path: Path) -> 
             )
             time.sleep(0.2)
         for extra in (["--seed", "7"], ["--resume"]):
-            one_line(
+            one_error_line(
                 invoke("train", "phase1", *TINY, *extra, "-o", out),
                 2,
                 "in use by another cmhsa process",
@@ -205,13 +192,13 @@ def test_a_second_training_into_a_busy_run_folder_is_refused(tmp_path: Path) -> 
 def test_resume_refuses_another_phase_and_changed_flags(tmp_path: Path) -> None:
     out = tmp_path / "p1"
     assert invoke("train", "phase1", *TINY, "-o", out).exit_code == 0
-    one_line(
+    one_error_line(
         invoke("train", "phase2", *TINY, "--resume", "-o", out),
         2,
         "holds a phase1 run",
         "cmhsa train phase1 --resume",
     )
-    one_line(
+    one_error_line(
         invoke("train", "phase1", *TINY, "--resume", "--seed", "7", "-o", out),
         2,
         "--seed 7 differs from the run's 0",
@@ -224,7 +211,7 @@ def crafted_checkpoints(tmp_path: Path) -> tuple[Path, dict]:
     return out, torch.load(out / "checkpoint-last.pt", weights_only=True)
 
 
-def test_a_crafted_training_checkpoint_is_refused_in_one_line(tmp_path: Path) -> None:
+def test_a_crafted_training_checkpoint_is_refused_in_one_error_line(tmp_path: Path) -> None:
     out, good = crafted_checkpoints(tmp_path)
     weight = next(iter(good["model"]))
 
@@ -263,7 +250,7 @@ def test_a_crafted_training_checkpoint_is_refused_in_one_line(tmp_path: Path) ->
         torch.save(state, run_dir / "checkpoint-last.pt")
         before = sorted(p.name for p in run_dir.iterdir())
         r = invoke("train", "phase1", *TINY, "--epochs", "2", "--resume", "-o", run_dir)
-        one_line(r, 2, "checkpoint-last.pt", fragment)
+        one_error_line(r, 2, "checkpoint-last.pt", fragment)
         assert sorted(p.name for p in run_dir.iterdir() if p.name != ".cmhsa.lock") == before, name
 
 
@@ -275,7 +262,7 @@ def test_an_unsafe_pickle_is_refused_without_advice_to_load_it_unsafely(tmp_path
     out, good = crafted_checkpoints(tmp_path)
     torch.save({**good, "extra": Payload()}, out / "checkpoint-last.pt")
     r = invoke("train", "phase1", *TINY, "--epochs", "2", "--resume", "-o", out)
-    one_line(r, 2, "will not load it", "not written by cmhsa train")
+    one_error_line(r, 2, "will not load it", "not written by cmhsa train")
     assert "weights_only" not in r.stderr and "--weights-only" not in r.stderr
 
 
@@ -297,7 +284,7 @@ def test_a_full_disk_at_a_checkpoint_keeps_the_last_one_and_its_metrics(tmp_path
     monkeypatch.setattr(torch, "save", full_on_the_second)
     out = tmp_path / "run"
     r = invoke("train", "phase1", *TINY, "--epochs", "3", "-o", out)
-    one_line(
+    one_error_line(
         r, 2, "checkpoint-last.pt", "cannot write (PytorchStreamWriter failed writing file", "nor metrics.csv"
     )
     assert real is not None and torch.load(out / "checkpoint-last.pt", weights_only=True)["epoch"] == 1
@@ -317,7 +304,7 @@ def test_a_full_disk_while_writing_convert_s_report_keeps_both_old_files(tmp_pat
 
     monkeypatch.setattr(api, "report_text", no_space)
     r = invoke("convert", FIXTURE, "-o", out)
-    one_line(r, 2, str(out), "No space left on device", "nor v.report.json")
+    one_error_line(r, 2, str(out), "No space left on device", "nor v.report.json")
     assert out.read_bytes() == b"old model" and report.read_text() == "old report" and temps(tmp_path) == []
 
 
@@ -340,18 +327,12 @@ def cli_under_a_file_size_limit(limit: int, *args: object) -> subprocess.Complet
     )
 
 
-def one_line_from(p: subprocess.CompletedProcess[str], code: int, *fragments: str) -> None:
-    err = p.stderr.strip().splitlines()
-    assert p.returncode == code and len(err) == 1 and err[0].startswith("error: "), (p.returncode, p.stderr)
-    assert all(f in err[0] for f in fragments), (fragments, err[0])
-
-
 def test_a_real_write_failure_in_convert_keeps_the_old_model_and_report(tmp_path: Path) -> None:
     out, report = tmp_path / "v.safetensors", tmp_path / "v.report.json"
     out.write_bytes(b"old model")
     report.write_text("old report")
     p = cli_under_a_file_size_limit(64 * 1024, "convert", FIXTURE, "-o", out)  # the model is ~1 MB
-    one_line_from(
+    one_error_line(
         p, 2, str(out), "cannot write (File too large)", "nor v.report.json", "previous file is kept"
     )
     assert out.read_bytes() == b"old model" and report.read_text() == "old report" and temps(tmp_path) == []
@@ -364,7 +345,7 @@ def test_a_real_short_write_at_a_checkpoint_keeps_the_last_one_and_its_metrics(t
     assert invoke("train", "phase1", *TINY, "-o", out).exit_code == 0
     before = (out / "checkpoint-last.pt").read_bytes(), (out / "metrics.csv").read_text()
     p = cli_under_a_file_size_limit(20_000, "train", "phase1", *TINY, "--epochs", "2", "-o", out, "--resume")
-    one_line_from(p, 2, "checkpoint-last.pt", "cannot write (", "nor metrics.csv", "previous file is kept")
+    one_error_line(p, 2, "checkpoint-last.pt", "cannot write (", "nor metrics.csv", "previous file is kept")
     assert ((out / "checkpoint-last.pt").read_bytes(), (out / "metrics.csv").read_text()) == before
     assert temps(tmp_path) == []
 
@@ -386,7 +367,7 @@ def test_a_graph_that_passes_the_checker_but_fails_in_onnxruntime(tmp_path: Path
     onnx.checker.check_model(model, full_check=True)
     path = tmp_path / "gather.onnx"
     onnx.save(model, str(path))
-    one_line(
+    one_error_line(
         invoke("convert", path, "-o", tmp_path / "v.safetensors"),
         2,
         str(path),
@@ -396,7 +377,7 @@ def test_a_graph_that_passes_the_checker_but_fails_in_onnxruntime(tmp_path: Path
 
 
 def test_a_kernel_reaching_past_the_image_is_refused(tmp_path: Path) -> None:
-    one_line(
+    one_error_line(
         invoke("train", "phase1", *TINY, "--kernel-size", "33", "-o", tmp_path / "r"),
         2,
         "kernel_size 33 (dilation 1) reaches 16 pixels, beyond the 16x16 image",
@@ -470,7 +451,7 @@ def test_the_size_estimate_counts_what_torch_builds(kind: str) -> None:
 
 def test_sizes_beyond_memory_are_refused_with_the_estimate(tmp_path: Path) -> None:
     out = tmp_path / "v.safetensors"
-    one_line(
+    one_error_line(
         invoke("convert", FIXTURE, "-o", out, "--heads", "4096", "--qk-dim", "65536"),
         2,
         str(FIXTURE),
@@ -478,7 +459,7 @@ def test_sizes_beyond_memory_are_refused_with_the_estimate(tmp_path: Path) -> No
         "GiB of memory available",
     )
     # a model that fits (hidden_chans 1: d = 32², 128×128 patches) on images that do not
-    one_line(
+    one_error_line(
         invoke(
             "train",
             "phase1",
@@ -489,7 +470,7 @@ def test_sizes_beyond_memory_are_refused_with_the_estimate(tmp_path: Path) -> No
         2,
         "synthetic data at 4096x4096 px would need",
     )
-    one_line(
+    one_error_line(
         invoke(
             "train",
             "phase1",
@@ -502,7 +483,7 @@ def test_sizes_beyond_memory_are_refused_with_the_estimate(tmp_path: Path) -> No
         "would need about",
     )
     assert invoke("convert", FIXTURE, "-o", out).exit_code == 0
-    one_line(
+    one_error_line(
         invoke("verify", FIXTURE, out, "--batch", "65536", "--dtype", "float64"),
         2,
         "verifying at batch 65536 would need about",
@@ -525,5 +506,5 @@ def test_a_file_claiming_a_huge_model_is_refused_before_it_is_built(tmp_path: Pa
         crafted = tmp_path / f"claims-{img[0]}.safetensors"
         save_file(tensors, str(crafted), {**meta, "cmhsa.config": json.dumps(cfg)})
         for args in (["inspect", crafted], ["convert", crafted, "-o", tmp_path / "v.safetensors"]):
-            one_line(invoke(*args), 2, str(crafted), fragment)
+            one_error_line(invoke(*args), 2, str(crafted), fragment)
     assert not (tmp_path / "v.safetensors").exists()

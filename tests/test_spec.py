@@ -21,14 +21,17 @@ CFG = ViTConfig.build(img_size=16, patch_size=4, hidden_chans=2, depth=1, mlp_ra
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
-        ({"heads": 0}, "`heads` must be at least 1, got 0"),
-        ({"qk_dim": -2}, "`qk_dim` must be at least 1, got -2"),
+        ({"heads": 0}, "`heads` must be 1 ≤ x ≤ 4096, got 0"),
+        ({"qk_dim": -2}, "`qk_dim` must be 1 ≤ x ≤ 65536, got -2"),
+        ({"v_dim": 0}, "`v_dim` must be 1 ≤ x ≤ 1048576, got 0"),
         ({"pinning": "soft"}, "`pinning` must be hard or gated, got 'soft'"),
         ({"rule": "best"}, "`rule` must be one of greedy, corner, got 'best'"),
-        ({"margin": 0.0}, "`margin` must be a positive number, got 0.0"),
-        ({"margin": math.inf}, "`margin` must be a positive number, got inf"),
-        ({"tol": math.nan}, "`tol` must be >= 0, got nan"),
-        ({"qk_init_std": -1.0}, "`qk_init_std` must be >= 0, got -1.0"),
+        ({"margin": 0.0}, "`margin` must be 0 < x ≤ 10000, got 0"),
+        ({"margin": math.inf}, "`margin` must be 0 < x ≤ 10000, got inf"),
+        ({"margin": 1e5}, "`margin` must be 0 < x ≤ 10000, got 100000"),  # as --margin 1e5 is
+        ({"tol": math.nan}, "`tol` must be 0 ≤ x ≤ 1000000, got nan"),
+        ({"tol": math.inf}, "`tol` must be 0 ≤ x ≤ 1000000, got inf"),  # as --tol inf is
+        ({"qk_init_std": -1.0}, "`qk_init_std` must be 0 ≤ x ≤ 10, got -1"),
     ],
 )
 def test_a_bad_choice_is_refused_when_the_spec_is_made(changes: dict, message: str) -> None:
@@ -94,7 +97,7 @@ def test_bad_export_options_are_refused_when_made() -> None:
 
     with pytest.raises(CmhsaError, match="`device` must be auto, cpu, cuda or cuda:N"):
         ExportOptions(device="tpu")
-    with pytest.raises(CmhsaError, match="`tol` must be >= 0"):
+    with pytest.raises(CmhsaError, match="`tol` must be 0 ≤ x ≤ 1000000, got -1"):
         ExportOptions(tol=-1.0)
 
 

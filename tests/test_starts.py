@@ -11,10 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from typer.testing import CliRunner
 
+from conftest import invoke, one_error_line
 from convit_convert.analysis import recording
-from convit_convert.cli import app
 from convit_convert.io.checkpoint import save_checkpoint
 from convit_convert.theory import patch_offsets
 from convit_convert.train.config import TrainConfig
@@ -26,10 +25,6 @@ CLI_TINY = (
     "--data synthetic --img-size 16 --patch-size 4 --depth 1 --kernel-size 3 "
     "--batch-size 32 --epochs 1 --warmup-epochs 0 --device cpu"
 ).split()
-
-
-def invoke(*args: object):
-    return CliRunner().invoke(app, [str(a) for a in args])
 
 
 def built(**kw):
@@ -93,7 +88,8 @@ def test_mimetic_is_seeded_and_refuses_gated_pinning(tmp_path: Path) -> None:
         ("--impulse-offsets", "diagonal", "--impulse-offsets must be one of conversion, random"),
     ):
         r = invoke("train", "phase2", *CLI_TINY, "--init", "impulse", flag, value, "-o", tmp_path / "bad")
-        assert r.exit_code == 2 and msg in r.output and len(r.output.strip().splitlines()) == 1, r.output
+        one_error_line(r, 2, msg)
+        assert not r.stdout.strip(), r.stdout
         assert not (tmp_path / "bad").exists()
 
 

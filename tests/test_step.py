@@ -147,7 +147,8 @@ def test_compiled_step_is_one_graph(tmp_path: Path, monkeypatch, phase: str) -> 
     assert step.augment_inside and step.why_not_whole is None
     loop.train_loader.sampler.set_epoch(0)
     inputs, y = next(loop.train_loader.batches())
-    explained = torch._dynamo.explain(step._prepared_learn)(inputs, y, step.tally)
+    with torch._dynamo.config.patch(trace_autograd_ops=True):  # as step.with_autograd_traced runs it
+        explained = torch._dynamo.explain(step._prepared_learn)(inputs, y, step.tally)
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
 
 
@@ -164,7 +165,9 @@ def test_compiled_step_trains_as_the_eager_one(tmp_path: Path) -> None:
     kw = dict(data="synthetic", train_samples=32, opt="sgd", lr=0.05, drop_path=0.0)
     start = run(small(tmp_path, "start", **{**kw, "lr": 1e-12}), progress=Progress(None))  # the init
     eager = run(small(tmp_path, "eager", **kw, epochs=2), progress=Progress(None))
+    traced = torch._dynamo.config.trace_autograd_ops
     compiled = run(small(tmp_path, "compiled", **kw, epochs=2, compile=True), progress=Progress(None))
+    assert torch._dynamo.config.trace_autograd_ops == traced  # the step's setting stayed in the step
     a, b, s = (load_file(str(r.model_path)) for r in (eager, compiled, start))
     for k in a:
         assert (a[k] - b[k]).abs().max().item() <= 1e-5 * a[k].abs().max().item(), k

@@ -10,6 +10,7 @@ import torch
 from timm.data import create_transform, resolve_data_config
 
 import convit_convert.timm  # noqa: F401  (registers the models)
+from conftest import invoke
 from convit_convert.api import load_checkpoint
 from convit_convert.construct import convert_state_dict
 from convit_convert.errors import CmhsaError
@@ -95,9 +96,6 @@ def test_timm_validate_on_an_imagefolder_equals_cmhsa_eval(tmp_path: Path) -> No
 
     from PIL import Image
     from sklearn.datasets import load_digits
-    from typer.testing import CliRunner
-
-    from convit_convert.cli import app
 
     digits = load_digits()
     for split, start in (("train", 0), ("val", 1000)):
@@ -108,10 +106,8 @@ def test_timm_validate_on_an_imagefolder_equals_cmhsa_eval(tmp_path: Path) -> No
             # every other image rotated: the model gets those wrong in ways that depend on the pixels
             (img.transpose(Image.Transpose.ROTATE_90) if i % 2 else img).save(folder / f"{i}.png")
     attn = tmp_path / "vit.safetensors"
-    runner = CliRunner()
-    assert runner.invoke(app, ["convert", str(FIXTURE), "-o", str(attn)]).exit_code == 0
-    r = runner.invoke(
-        app,
+    assert invoke(["convert", str(FIXTURE), "-o", str(attn)]).exit_code == 0
+    r = invoke(
         [
             "eval",
             str(attn),
@@ -199,3 +195,24 @@ def test_factory_keywords_features_and_heads() -> None:
     assert len(feats.model.blocks) == 3 and isinstance(feats.model.head, torch.nn.Identity)
     with pytest.raises(TypeError):
         timm.create_model("cmhsa_conv", **kw, not_a_model_arg=1)
+
+
+def test_timms_private_modules_are_needed_by_features_only_alone() -> None:
+    """A timm without the private names cmhsa borrows for ``features_only`` (timm.models._builder's
+    pretrained_cfg_for_features, _features' FeatureGetterNet) still registers and builds cmhsa's
+    models and trains, and training never imports convit_convert.timm unless it exports a timm folder."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "import convit_convert.train.run\n"
+        "assert 'convit_convert.timm' not in sys.modules, 'training imported the timm registry'\n"
+        "import timm.models._builder as b, timm.models._features as f\n"
+        "del b.pretrained_cfg_for_features, f.FeatureGetterNet\n"
+        "import timm, convit_convert.timm\n"
+        "m = timm.create_model('cmhsa_conv', img_size=16, patch_size=4, depth=1, num_classes=3)\n"
+        "assert m.num_classes == 3\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]

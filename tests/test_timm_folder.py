@@ -12,12 +12,10 @@ import pytest
 import timm
 import torch
 from PIL import Image
-from typer.testing import CliRunner
 
 import convit_convert.timm  # noqa: F401  (registers cmhsa's architectures)
-from conftest import conv_model
+from conftest import conv_model, invoke
 from convit_convert.api.convert import convert_file
-from convit_convert.cli import app
 from convit_convert.errors import CmhsaError
 from convit_convert.io.checkpoint import save_checkpoint
 from convit_convert.io.timm_folder import CONFIG, WEIGHTS, write_timm_folder
@@ -47,7 +45,7 @@ def test_a_folder_loads_in_timm_as_the_same_model_both_kinds_two_sizes(tmp_path:
 
     for name, src in checkpoints(tmp_path).items():
         folder = tmp_path / name.replace(" ", "-")
-        r = CliRunner().invoke(app, ["export", str(src), "--format", "timm", "-o", str(folder)])
+        r = invoke(["export", str(src), "--format", "timm", "-o", str(folder)])
         assert r.exit_code == 0, (name, r.output)
         assert sorted(p.name for p in folder.iterdir()) == [CONFIG, WEIGHTS]
         ckpt = load_checkpoint(src)
@@ -108,7 +106,7 @@ def test_a_folder_with_a_bad_config_is_one_line_naming_it(tmp_path: Path, edit, 
 
 def test_export_format_timm_refuses_a_file_as_the_folder(tmp_path: Path) -> None:
     (tmp_path / "taken").write_text("x")
-    r = CliRunner().invoke(app, ["export", str(FIXTURE), "--format", "timm", "-o", str(tmp_path / "taken")])
+    r = invoke(["export", str(FIXTURE), "--format", "timm", "-o", str(tmp_path / "taken")])
     assert r.exit_code == 2 and "a timm folder is a directory" in r.output
     assert (tmp_path / "taken").read_text() == "x"
 

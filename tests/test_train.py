@@ -22,11 +22,9 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
-from typer.testing import CliRunner
 
 import convit_convert.data as cdata
-from conftest import TINY_RUN
-from convit_convert.cli import app
+from conftest import TINY_RUN, invoke, one_error_line
 from convit_convert.cli.common import as_flags
 from convit_convert.data import EpochSampler, build_data, build_loader, build_transform
 from convit_convert.errors import CheckFailed, CmhsaError
@@ -124,9 +122,7 @@ def test_eval_of_an_image_folder_needs_only_val(tmp_path: Path) -> None:
         ViTConfig.build(img_size=(16, 16), patch_size=4, depth=1, kernel_size=3, num_classes=2)
     )
     save_checkpoint(model, conv.cfg, conv.state_dict())
-    r = CliRunner().invoke(
-        app, ["eval", str(model), "--data", "imagefolder", "--data-dir", str(tmp_path), "--workers", "0"]
-    )
+    r = invoke(["eval", str(model), "--data", "imagefolder", "--data-dir", str(tmp_path), "--workers", "0"])
     assert r.exit_code == 0 and "6 images" in " ".join(r.output.split()), r.output
 
 
@@ -399,10 +395,6 @@ CLI_TINY = (
 ).split()
 
 
-def invoke(*args: object):
-    return CliRunner().invoke(app, [str(a) for a in args])
-
-
 def test_cli_phase1_phase2_eval_plot(tmp_path: Path) -> None:
     r = invoke("train", "phase1", *CLI_TINY, "-o", tmp_path / "p1", "--export-timm")
     assert r.exit_code == 0, r.output
@@ -518,8 +510,8 @@ def test_cli_refuses_bad_training_input(tmp_path: Path, monkeypatch) -> None:
 
     monkeypatch.setattr(Path, "mkdir", read_only)
     r = invoke("train", "phase1", *CLI_TINY, "-o", tmp_path / "ro")
-    assert r.exit_code == 2 and "cannot create the run folder (Read-only file system)" in r.output
-    assert len(r.output.strip().splitlines()) == 1
+    one_error_line(r, 2, "cannot create the run folder (Read-only file system)")
+    assert not r.stdout.strip(), r.stdout
 
 
 @pytest.mark.slow

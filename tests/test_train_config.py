@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from conftest import invoke
 from convit_convert.cli.train import FLAGS as CLI_FLAGS
 from convit_convert.errors import CmhsaError
 from convit_convert.spec import ConversionSpec
@@ -130,7 +131,7 @@ def test_pinning_default_follows_the_start(phase: str, init: str, pinning: str) 
 def test_a_bad_conversion_flag_is_one_line() -> None:
     with pytest.raises(CmhsaError, match="`pinning` must be hard or gated, got 'soft'"):
         TrainConfig.from_flags(pinning="soft")
-    with pytest.raises(CmhsaError, match="`heads` must be at least 1"):
+    with pytest.raises(CmhsaError, match="`heads` must be 1 ≤ x ≤ 4096, got 0"):
         TrainConfig.from_flags(heads=0)
 
 
@@ -184,10 +185,7 @@ def test_readme_which_start_commands_are_the_experiments_runs(monkeypatch: pytes
     import shlex
     from pathlib import Path
 
-    from typer.testing import CliRunner
-
     import convit_convert.cli.train as cli_train
-    from convit_convert.cli import app
     from convit_convert.train.config import RUNTIME_FIELDS
 
     root = Path(__file__).resolve().parent.parent
@@ -218,7 +216,7 @@ def test_readme_which_start_commands_are_the_experiments_runs(monkeypatch: pytes
     for line in lines[1:]:
         words = shlex.split(line.replace("$C", common), comments=True)
         assert words[:2] == ["cmhsa", "train"], line
-        r = CliRunner().invoke(app, words[1:])
+        r = invoke(words[1:])
         assert r.exit_code == 0, (line, r.output)
 
     def computed(cfg: TrainConfig) -> dict:

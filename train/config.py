@@ -57,6 +57,24 @@ WARMUP_FRACTION = {"cpu": 0.1}  # presets whose warm-up is a fraction of --epoch
 # trained weights is what takes the 10x lower rate. The paper's (Appendix B): 5e-4 and 5e-5 at 512;
 # cpu: EXPERIMENTS.md's, 2e-3 and 2e-4 at 64 (the paper's 10:1).
 PEAK_LR = {"paper": (5e-4, 5e-5), "cpu": (2e-3, 2e-4)}
+CHECKPOINT_ATTN_LR_MULT = 10.0  # attn_lr_mult's default from a checkpoint (1 otherwise)
+
+
+def _sci(x: float) -> str:
+    """5e-4, not 0.0005: learning rates as people write them."""
+    mantissa, exponent = f"{x:e}".split("e")
+    return f"{float(mantissa):g}e{int(exponent)}"
+
+
+# The flags whose default is a rule, not a value: the rule in words, beside the code that applies it
+# (from_flags, peak_lr, attn_lr_scale, data.default_threads); --help shows these
+DEFAULT_RULES = {
+    "lr": "{} from scratch (phase 1; phase 2 from random, impulse or mimetic), {} for phase 2 from a "
+    "checkpoint (the paper's); --preset cpu: {}, {}".format(*map(_sci, (*PEAK_LR["paper"], *PEAK_LR["cpu"]))),
+    "threads": "the CPUs this process may use",
+    "pinning": "gated from a conv-phase --init and impulse, hard from random and mimetic",
+    "attn_lr_mult": f"{CHECKPOINT_ATTN_LR_MULT:g} from a checkpoint, 1 otherwise",
+}
 
 
 @dataclass(frozen=True)
@@ -278,7 +296,7 @@ class TrainConfig:
     @property
     def attn_lr_scale(self) -> float:
         mult = self.recipe.attn_lr_mult
-        return mult if mult is not None else (10.0 if self.from_checkpoint else 1.0)
+        return mult if mult is not None else (CHECKPOINT_ATTN_LR_MULT if self.from_checkpoint else 1.0)
 
     @property
     def peak_lr(self) -> float:

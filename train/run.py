@@ -20,7 +20,7 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -50,7 +50,6 @@ from ..io.lock import LOCK_NAME, locked_folder
 from ..io.paths import make_folder, parse_json, read_text, remove_made
 from ..io.timm_folder import CONFIG, WEIGHTS
 from ..model import VisionTransformer
-from ..timm import TimmFolderReport, export_timm_folder
 from .augment import augment_spec, check_supported
 from .config import RUNTIME_FIELDS, TrainConfig
 from .distributed import Context, barrier, setup, teardown
@@ -58,6 +57,9 @@ from .epoch import Loop, seed_everything, train_one_epoch
 from .held import HeldEvalLoader, HeldLoader, eval_view, hold, holdable
 from .phases import PhaseModel, build_phase_model, check_trainable, freeze_attention
 from .progress import EMA_METRICS, METRICS, Progress
+
+if TYPE_CHECKING:
+    from ..timm import TimmFolderReport
 from .recipe import (
     build_recipe,
     build_scheduler,
@@ -396,9 +398,72 @@ def build(
     reschedule: bool,
     reporter: Progress,
 ) -> Loop:
-    """Data, model, recipe and run state (restored from ``saved`` when resuming); writes config.json."""
+    """Data, model, recipe and run state (restored from ``saved`` when resuming), and the step that
+    trains them; the config.json text the run writes."""
     device, dtype = ctx.device, amp_dtype(cfg.recipe.amp, ctx.device)
     seed_everything(cfg.seed + ctx.rank)
+    spec, pm = data_and_model(cfg, ctx, out, saved, reporter)
+    if cfg.recipe.freeze_attention:
+        freeze_attention(pm.model)
+    model = pm.model.to(device).train()
+    loader, why = choose_loader(cfg, spec, pm.config.in_chans)
+    if why:
+        reporter.log(f"loader workers: {why}")
+    loaders = build_loaders(cfg, spec, pm.config, ctx, loader)
+    steps_per_epoch = len(loaders[0].sampler) // cfg.recipe.batch_size
+    fwd: nn.Module = model
+    if ctx.distributed:
+        from torch.nn.parallel import DistributedDataParallel
+
+        fwd = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    optimizer, scheduler, mixup, criterion = build_recipe(
+        cfg, model, spec.num_classes, ctx.world, steps_per_epoch
+    )
+    ema = None
+    if cfg.recipe.model_ema:
+        from timm.utils import ModelEmaV3
+
+        ema = ModelEmaV3(model, decay=cfg.recipe.model_ema_decay)
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+    state = RunState(cfg, pm.config, pm.init, model, optimizer, scheduler, scaler, ema)
+    here = environment(device, ctx.world)
+    state.environments = [{"epoch": 0, "step": 0, **here}]
+    if saved is not None:
+        resume_state(state, saved, here, cfg, ctx, out, steps_per_epoch, reschedule, reporter)
+    if ctx.is_main:
+        describe_run(cfg, ctx, pm, spec, dtype, steps_per_epoch, loader, reporter)
+    probe = next(iter(loaders[1]))[0][:64].to(device) if pm.config.kind == "attn" else None
+    step = TrainStep(
+        model,
+        fwd,
+        criterion,
+        optimizer,
+        scaler,
+        cfg.recipe.clip_grad,
+        dtype,
+        ctx,
+        getattr(loaders[0], "prepare", None),  # the device loader augments inside the step
+        mixup,
+        cfg.runtime.compile,
+    )
+    if step.why_not_whole is not None:
+        reporter.log(f"compile: the model's forward only, not the whole step ({step.why_not_whole})")
+    if cfg.runtime.compile and ctx.is_main:
+        reporter.log(
+            "compile: torch.compile builds the step's kernels during the first steps, before any "
+            "progress shows (measured on 2 CPU cores, depth 1 at 16 px: about 70 s the first time, "
+            "7 s once torch has cached the kernels; on CPU it pays back only over long runs)"
+        )
+    doc = config_doc(cfg, ctx, pm, state, loader)
+    return Loop(cfg, ctx, out, dtype, *loaders, steps_per_epoch, state, reporter, step, probe, doc)
+
+
+def data_and_model(
+    cfg: TrainConfig, ctx: Context, out: Path, saved: dict[str, Any] | None, reporter: Progress
+) -> tuple[DataSpec, PhaseModel]:
+    """The run's data and its model (a resumed run's model as saved; its weights load later), at one
+    image size, the model's (which --init or a resumed run may set): synthetic images are made at
+    it, and every loader's transform resizes to it."""
 
     def load_data(img_size: tuple[int, int] | None) -> DataSpec:
         def read(download: bool) -> DataSpec:
@@ -426,127 +491,94 @@ def build(
         model = VisionTransformer(mcfg, cfg.model.drop_path, conv_form=cfg.runtime.conv_form)  # type: ignore[arg-type]
         return PhaseModel(model, mcfg, saved["init"])
 
-    # one image size, the model's (which --init or a resumed run may set): synthetic images are made
-    # at it, and every loader's transform resizes to it
     if cfg.data.name == "synthetic":
         pm = model_for(cfg.data.num_classes)
-        spec = load_data(pm.config.img_size)
-    else:
-        spec = load_data(None)
-        pm = model_for(spec.num_classes)
-    if cfg.recipe.freeze_attention:
-        freeze_attention(pm.model)
-    model = pm.model.to(device).train()
-    loader, why = choose_loader(cfg, spec, pm.config.in_chans)
-    if why:
-        reporter.log(f"loader workers: {why}")
-    loaders = build_loaders(cfg, spec, pm.config, ctx, loader)
-    steps_per_epoch = len(loaders[0].sampler) // cfg.recipe.batch_size
+        return load_data(pm.config.img_size), pm
+    spec = load_data(None)
+    return spec, model_for(spec.num_classes)
 
-    fwd: nn.Module = model
-    if ctx.distributed:
-        from torch.nn.parallel import DistributedDataParallel
 
-        fwd = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    optimizer, scheduler, mixup, criterion = build_recipe(
-        cfg, model, spec.num_classes, ctx.world, steps_per_epoch
-    )
-    ema = None
-    if cfg.recipe.model_ema:
-        from timm.utils import ModelEmaV3
+def resume_state(
+    state: RunState,
+    saved: dict[str, Any],
+    here: dict[str, Any],
+    cfg: TrainConfig,
+    ctx: Context,
+    out: Path,
+    steps_per_epoch: int,
+    reschedule: bool,
+    reporter: Progress,
+) -> None:
+    """``state`` as ``saved`` left it (a fresh schedule where --epochs or --lr changed), and the
+    environments it ran in; a move to another environment than ``here`` is said, and refused under
+    `deterministic`."""
+    history = saved.get("environments")
+    changes = environment_changes(history, here)
+    if changes and cfg.runtime.deterministic:
+        raise CmhsaError(
+            f"`deterministic`: the run was saved elsewhere ({'; '.join(changes)}), so resuming it here "
+            "cannot give an uninterrupted run's bits; resume with the saved "
+            "settings, or without `deterministic`",
+            out / LAST,
+        )
+    if changes:
+        reporter.log(
+            f"resuming in another environment ({'; '.join(changes)}): from here the weights differ "
+            "in the last bits from an uninterrupted run's (README, 'When two runs are bit-identical')"
+        )
 
-        ema = ModelEmaV3(model, decay=cfg.recipe.model_ema_decay)
-    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-    state = RunState(cfg, pm.config, pm.init, model, optimizer, scheduler, scaler, ema)
-    here = environment(device, ctx.world)
-    state.environments = [{"epoch": 0, "step": 0, **here}]
-    if saved is not None:
-        history = saved.get("environments")
-        changes = environment_changes(history, here)
-        if changes and cfg.runtime.deterministic:
-            raise CmhsaError(
-                f"`deterministic`: the run was saved elsewhere ({'; '.join(changes)}), so resuming it here "
-                "cannot give an uninterrupted run's bits; resume with the saved "
-                "settings, or without `deterministic`",
-                out / LAST,
-            )
+    def fresh_schedule(opt: Any) -> Any:  # --epochs / --lr changed: a schedule from the new values
+        lr, min_lr, warmup_lr = scaled_lrs(cfg, ctx.world)
+        for group in opt.param_groups:
+            group["initial_lr"] = group["lr"] = lr
+        return build_scheduler(cfg, opt, lr, min_lr, warmup_lr, steps_per_epoch)
+
+    state.load(saved, fresh_schedule if reschedule else None, steps_per_epoch)
+    if plain_records(history):
+        state.environments = list(history)
         if changes:
-            reporter.log(
-                f"resuming in another environment ({'; '.join(changes)}): from here the weights differ "
-                "in the last bits from an uninterrupted run's (README, 'When two runs are bit-identical')"
-            )
+            state.environments.append({"epoch": state.epoch, "step": state.step, **here})
+    reporter.log(f"resumed {out / LAST} at epoch {state.epoch + 1}, step {state.step}")
 
-        def fresh_schedule(opt: Any) -> Any:  # --epochs / --lr changed: a schedule from the new values
-            lr, min_lr, warmup_lr = scaled_lrs(cfg, ctx.world)
-            for group in opt.param_groups:
-                group["initial_lr"] = group["lr"] = lr
-            return build_scheduler(cfg, opt, lr, min_lr, warmup_lr, steps_per_epoch)
 
-        state.load(saved, fresh_schedule if reschedule else None, steps_per_epoch)
-        if plain_records(history):
-            state.environments = list(history)
-            if changes:
-                state.environments.append({"epoch": state.epoch, "step": state.step, **here})
-        reporter.log(f"resumed {out / LAST} at epoch {state.epoch + 1}, step {state.step}")
-    kind = pm.config.kind
-    doc = {**cfg.to_dict(), "model": pm.config.to_dict(), "kind": kind, "init_info": pm.init}
+def describe_run(
+    cfg: TrainConfig,
+    ctx: Context,
+    pm: PhaseModel,
+    spec: DataSpec,
+    dtype: torch.dtype | None,
+    steps_per_epoch: int,
+    loader: str,
+    reporter: Progress,
+) -> None:
+    """The run's first log line (model, data, processes, precision, loader), and a note for grey
+    images given 3 channels."""
+    kind, n_params = pm.config.kind, sum(p.numel() for p in pm.model.parameters())
+    reporter.log(
+        f"{cfg.phase}: {kind} model, {n_params / 1e6:.2f} M parameters, {pm.config.in_chans} input "
+        f"channel{'s' if pm.config.in_chans > 1 else ''}, {spec.num_classes} classes; "
+        f"{len(spec.train)} train / {len(spec.val)} val images; {ctx.world} process(es) on {ctx.device}, "
+        f"amp {str(dtype).removeprefix('torch.') if dtype else 'none'}; {steps_per_epoch} steps/epoch; "
+        f"loader {loader}"
+        + (f" ({cfg.runtime.workers} workers)" if loader == "workers" else "")
+        + f", {cfg.runtime.threads} threads"
+    )
+    if cfg.data.name in GREY and pm.config.in_chans == 3:
+        reporter.log(
+            f"note: the {cfg.data.name} images are grey: with 3 input channels the "
+            "model sees each one three "
+            "times over (--in-chans 1: the same information, a third of the input)"
+        )
+
+
+def config_doc(cfg: TrainConfig, ctx: Context, pm: PhaseModel, state: RunState, loader: str) -> str:
+    """config.json: the flags, the model's config, how the run started and where it ran."""
+    doc = {**cfg.to_dict(), "model": pm.config.to_dict(), "kind": pm.config.kind, "init_info": pm.init}
     doc["world_size"], doc["backend"] = ctx.world, ctx.backend
     doc["loader_used"], doc["threads_used"] = loader, cfg.runtime.threads
     doc["environments"] = state.environments  # threads, CPU code path, versions, from which epoch
     doc["scaled_lr"] = dict(zip(("lr", "min_lr", "warmup_lr"), scaled_lrs(cfg, ctx.world), strict=True))
-    if ctx.is_main:
-        n_params = sum(p.numel() for p in model.parameters())
-        reporter.log(
-            f"{cfg.phase}: {kind} model, {n_params / 1e6:.2f} M parameters, {pm.config.in_chans} input "
-            f"channel{'s' if pm.config.in_chans > 1 else ''}, {spec.num_classes} classes; "
-            f"{len(spec.train)} train / {len(spec.val)} val images; {ctx.world} process(es) on {device}, "
-            f"amp {str(dtype).removeprefix('torch.') if dtype else 'none'}; {steps_per_epoch} steps/epoch; "
-            f"loader {loader}"
-            + (f" ({cfg.runtime.workers} workers)" if loader == "workers" else "")
-            + f", {cfg.runtime.threads} threads"
-        )
-        if cfg.data.name in GREY and pm.config.in_chans == 3:
-            reporter.log(
-                f"note: the {cfg.data.name} images are grey: with 3 input channels the "
-                "model sees each one three "
-                "times over (--in-chans 1: the same information, a third of the input)"
-            )
-    probe = next(iter(loaders[1]))[0][:64].to(device) if pm.config.kind == "attn" else None
-    prepare = getattr(loaders[0], "prepare", None)  # the device loader augments inside the step
-    step = TrainStep(
-        model,
-        fwd,
-        criterion,
-        optimizer,
-        scaler,
-        cfg.recipe.clip_grad,
-        dtype,
-        ctx,
-        prepare,
-        mixup,
-        cfg.runtime.compile,
-    )
-    if step.why_not_whole is not None:
-        reporter.log(f"compile: the model's forward only, not the whole step ({step.why_not_whole})")
-    if cfg.runtime.compile and ctx.is_main:
-        reporter.log(
-            "compile: torch.compile builds the step's kernels during the first steps, before any "
-            "progress shows (measured on 2 CPU cores, depth 1 at 16 px: about 70 s the first time, "
-            "7 s once torch has cached the kernels; on CPU it pays back only over long runs)"
-        )
-    return Loop(
-        cfg,
-        ctx,
-        out,
-        dtype,
-        *loaders,
-        steps_per_epoch,
-        state,
-        reporter,
-        step,
-        probe,
-        json.dumps(doc, indent=2) + "\n",
-    )
+    return json.dumps(doc, indent=2) + "\n"
 
 
 def export_trained(loop: Loop, result: RunResult, meta: dict[str, str]) -> None:
@@ -566,6 +598,8 @@ def export_trained(loop: Loop, result: RunResult, meta: dict[str, str]) -> None:
         loop.reporter.log(f"exporting {onnx_path} and checking it in onnxruntime")
         result.export = export_checkpoint(ckpt, onnx_path)
     if cfg.runtime.export_timm:
+        from ..timm import export_timm_folder  # timm's registry: loaded only for this
+
         loop.reporter.log(f"writing timm's folder {out / TIMM_FOLDER} and loading it with timm")
         result.timm = export_timm_folder(ckpt, out / TIMM_FOLDER)
 
@@ -632,8 +666,10 @@ def worker_deaths_at_fetch() -> Iterator[None]:
     happens to be. A SIGTERM to the process group ends the workers too; raised asynchronously, that
     would cut a checkpoint's write short or skip the save a stop makes. (torch installs the handler
     once per process, with its first worker loader: this marks it installed. Private, so guarded.)"""
-    from torch.utils.data._utils import signal_handling
-
+    try:
+        from torch.utils.data._utils import signal_handling
+    except ImportError:  # a torch that moved it: its workers' deaths are reported as they are
+        signal_handling = None
     before = getattr(signal_handling, "_SIGCHLD_handler_set", None)
     if before is None:
         yield

@@ -53,6 +53,18 @@ class Totals:
     bad_step: int | None  # index among those steps of the first non-finite loss; None: all finite
 
 
+def with_autograd_traced(compiled: Callable[..., Any]) -> Callable[..., Any]:
+    """``compiled`` called with dynamo tracing autograd.grad into its graph (the backward pass inside
+    the one graph), a setting of this call only: torch's global config is as it was after each
+    call, for whatever else the process compiles."""
+
+    def call(*args: Any) -> Any:
+        with torch._dynamo.config.patch(trace_autograd_ops=True):
+            return compiled(*args)
+
+    return call
+
+
 class TrainStep:
     """Callable per step on (inputs, labels); ``prepare`` turns the loader's inputs into images
     (the device loader's augmentation), None when the loader already gave images."""
@@ -84,14 +96,13 @@ class TrainStep:
         self.graphs = False  # CUDA graphs: outputs live in memory the next replay overwrites
         self.why_not_whole = whole_step_refusal(ctx, self.scaling) if compile else None
         if compile and self.why_not_whole is None:
-            torch._dynamo.config.trace_autograd_ops = True  # the backward pass inside the graph
             self.graphs = ctx.device.type == "cuda"
             mode = "reduce-overhead" if self.graphs else None
             if mixup is None and prepare is not None:
-                self.learn = torch.compile(self._prepared_learn, mode=mode)
+                self.learn = with_autograd_traced(torch.compile(self._prepared_learn, mode=mode))
                 self.augment_inside = True
             else:
-                self.learn = torch.compile(self._learn, mode=mode)
+                self.learn = with_autograd_traced(torch.compile(self._learn, mode=mode))
                 if prepare is not None:
                     self.prepare = torch.compile(prepare, mode=mode)
         elif compile:

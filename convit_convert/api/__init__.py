@@ -3,13 +3,17 @@ return typed reports with ``to_dict()`` (the CLI renders them). One module per o
 
 - :mod:`.common`: ``load_checkpoint`` (any format), device / dtype / autocast choices, output checks;
 - :mod:`.convert`: ``convert_checkpoint`` / ``convert_file`` (``Conversion``, ``ConvertReport``);
-- :mod:`.sweep`: ``heads_sweep`` (``HeadsSweep``);
+- :mod:`.sweep`: ``heads_sweep`` (``HeadsSweep``), ``checkpoint_head_count``;
 - :mod:`.verify`: ``verify_files`` (``VerifyReport``);
 - :mod:`.export`: ``export_file``, ``export_checkpoint`` (a model in memory), with ``ExportOptions``
   (``ExportReport``);
 - :mod:`.inspection`: ``inspect_file`` (``Inspection``);
 - :mod:`.on_data`: ``evaluate_checkpoint`` (``EvalReport``), ``attention_on_data``
   (``AttentionReport``), ``calibration_from_data`` (``Calibration``): the ones that read a dataset.
+
+What each operation takes is a typed object with its defaults and ranges
+(:mod:`convit_convert.settings`: ``Geometry``, ``Verification``, ``CalibrationSource``,
+``EvalOptions``, ``AttentionOptions``; ``ConversionSpec``; ``ExportOptions``), re-exported here.
 
 Bad input raises :class:`~convit_convert.errors.CmhsaError` before anything is written; a check
 that fails is a report with ``passed`` False. Importing this package imports torch, not the data
@@ -18,23 +22,39 @@ stack: :mod:`.on_data` (torchvision, timm's transforms on use) is imported by na
 
 from __future__ import annotations
 
+from ..settings import AttentionOptions, CalibrationSource, EvalOptions, Geometry, Verification
+from ..spec import ConversionSpec
 from .common import as_float32, load_checkpoint, resolve_device
-from .convert import Conversion, ConvertReport, convert_checkpoint, convert_file, converted_model
+from .convert import (
+    Conversion,
+    ConvertReport,
+    convert_checkpoint,
+    convert_file,
+    converted_model,
+    make_calibration,
+)
 from .export import ExportOptions, ExportReport, export_checkpoint, export_file
 from .inspection import Inspection, inspect_file
-from .sweep import HeadsSweep, SweepRow, heads_sweep
+from .sweep import HeadsSweep, SweepRow, checkpoint_head_count, heads_sweep
 from .verify import VerifyReport, verify_files
 
 __all__ = [
+    "AttentionOptions",
+    "CalibrationSource",
     "Conversion",
+    "ConversionSpec",
     "ConvertReport",
+    "EvalOptions",
     "ExportOptions",
     "ExportReport",
+    "Geometry",
     "HeadsSweep",
     "Inspection",
     "SweepRow",
+    "Verification",
     "VerifyReport",
     "as_float32",
+    "checkpoint_head_count",
     "convert_checkpoint",
     "convert_file",
     "converted_model",
@@ -43,6 +63,7 @@ __all__ = [
     "heads_sweep",
     "inspect_file",
     "load_checkpoint",
+    "make_calibration",
     "resolve_device",
     "verify_files",
 ]

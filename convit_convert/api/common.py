@@ -10,42 +10,30 @@ from pathlib import Path
 
 import torch
 
-from ..config import NORM_EPS
 from ..errors import CmhsaError
 from ..io.atomic import check_writable
 from ..io.checkpoint import Checkpoint, check_geometry, load_tensor_checkpoint
+from ..settings import Geometry
 from ..spec import DEFAULT_TOL
 
 AMP = {"bf16": torch.bfloat16, "fp16": torch.float16, "none": None}
 
 
 def load_checkpoint(
-    path: str | Path,
-    *,
-    img_size: tuple[int, int] | None = None,
-    patch_size: int | None = None,
-    dilation: int = 1,
-    norm_eps: float = NORM_EPS,
-    onnx_tol: float = DEFAULT_TOL,
+    path: str | Path, geometry: Geometry | None = None, *, onnx_tol: float = DEFAULT_TOL
 ) -> Checkpoint:
-    """Any model file: cmhsa safetensors, a bare conv-phase state dict (given ``img_size`` and
-    ``patch_size``), or a conv-phase ONNX graph, read by its structure and checked against
-    onnxruntime within ``onnx_tol`` (:mod:`convit_convert.onnx.importer`)."""
+    """Any model file: cmhsa safetensors, a bare conv-phase state dict (given ``geometry``'s
+    ``img_size`` and ``patch_size``), or a conv-phase ONNX graph, read by its structure and checked
+    against onnxruntime within ``onnx_tol`` (:mod:`convit_convert.onnx.importer`)."""
     path = Path(path)
     if path.suffix.lower() != ".onnx":
-        return load_tensor_checkpoint(
-            path, img_size=img_size, patch_size=patch_size, dilation=dilation, norm_eps=norm_eps
-        )
+        return load_tensor_checkpoint(path, geometry)
     from ..onnx.importer import import_onnx
 
     ckpt = import_onnx(path, tol=onnx_tol)
-    check_geometry(ckpt.config, img_size, patch_size, path, "graph")
+    g = geometry or Geometry()
+    check_geometry(ckpt.config, g.img_size, g.patch_size, path, "graph")
     return ckpt
-
-
-def check_batch(batch: int) -> None:
-    if batch < 1:
-        raise CmhsaError(f"`batch` must be positive, got {batch}")
 
 
 def resolve_device(name: str) -> str:
@@ -64,8 +52,7 @@ def resolve_device(name: str) -> str:
 
 
 def resolve_dtype(name: str) -> torch.dtype:
-    if name not in ("float32", "float64"):
-        raise CmhsaError(f"`dtype` must be float32 or float64, got {name!r}")
+    """float32 or float64 (a :class:`~convit_convert.settings.Verification`'s ``dtype``)."""
     return getattr(torch, name)
 
 

@@ -8,7 +8,6 @@ report with ``passed`` False, no model written and its JSON report written.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,7 @@ from ..approximate import (
     heldout_errors,
     noise_calibration,
 )
-from ..config import NORM_EPS, ViTConfig
+from ..config import ViTConfig
 from ..construct import convert_state_dict
 from ..errors import CmhsaError, article
 from ..io.atomic import atomic_paths
@@ -33,9 +32,10 @@ from ..io.checkpoint import Checkpoint, write_checkpoint
 from ..io.report import default_report_path, environment, file_facts, report_text
 from ..model import VisionTransformer
 from ..resources import check_fits
+from ..settings import CalibrationSource, Geometry, Verification
 from ..spec import ConversionPlan, ConversionSpec, Offset
 from ..verify import VerifyResult, verify_models
-from .common import check_batch, check_outputs, load_checkpoint, resolve_device, resolve_dtype
+from .common import check_outputs, load_checkpoint, resolve_device, resolve_dtype
 
 
 @dataclass
@@ -87,26 +87,26 @@ def convert_checkpoint(
     spec: ConversionSpec | None = None,
     *,
     verify: bool = True,
-    batch: int = 4,
-    dtype: torch.dtype = torch.float32,
-    device: str = "cpu",
-    calibrate: Callable[[ViTConfig], Calibration] | None = None,
+    verification: Verification | None = None,
+    calibration: CalibrationSource | Calibration | None = None,
 ) -> Conversion:
     """Convert a conv checkpoint as ``spec`` says (default: the paper's construction) and, unless
-    ``verify`` is False, verify it against the conv model on ``batch`` random images: every relative
-    error must be <= ``spec.tol``.
+    ``verify`` is False, verify it against the conv model as ``verification`` says (default: 4
+    random float32 images, on the CPU): every relative error must be <= ``spec.tol``.
 
     An approximate spec (``approximate`` with ``heads`` below what the kernel needs) keeps the
-    ``heads`` offsets chosen by ``spec.rule`` and refits their W^O on the images
-    ``calibrate(config)`` makes (called only then; default: noise images), then measures the result
-    on its held-out images (:mod:`convit_convert.approximate`); with enough heads it is the exact
-    conversion. Verification still judges against ``spec.tol``."""
+    ``heads`` offsets chosen by ``spec.rule`` and refits their W^O on ``calibration``'s images
+    (images already made, or where to make them: :func:`make_calibration`; default: noise images,
+    made only then), then measures the result on its held-out images
+    (:mod:`convit_convert.approximate`); with enough heads it is the exact conversion. Verification
+    still judges against ``spec.tol``."""
     spec = spec or ConversionSpec()
     if ckpt.kind != "conv":
         raise CmhsaError(
             f"is {article(ckpt.kind)} checkpoint already; convert takes a conv-phase one", ckpt.path
         )
-    check_batch(batch)
+    v = verification or Verification(device="cpu")
+    batch, dtype, device = v.batch, resolve_dtype(v.dtype), resolve_device(v.device) if verify else "cpu"
     t = time.perf_counter()
     src = ckpt.config
     plan = spec.plan(src)
@@ -121,7 +121,7 @@ def convert_checkpoint(
     )
     approx, conv_model = None, None
     if plan.approximate:
-        calibration = calibrate(src) if calibrate else noise_calibration(src, seed=spec.seed)
+        calibration = make_calibration(src, calibration or CalibrationSource(seed=spec.seed))
         conv_model = ckpt.model()  # built once: choice, held-out errors and verification share it
         blocks = choose(
             as_float32_model(ckpt, conv_model),
@@ -241,37 +241,26 @@ def convert_file(
     spec: ConversionSpec | None = None,
     *,
     report: Path | None = None,
-    img_size: tuple[int, int] | None = None,
-    patch_size: int | None = None,
-    dilation: int = 1,
-    norm_eps: float = NORM_EPS,
-    dtype: str = "float32",
-    device: str = "auto",
+    geometry: Geometry | None = None,
     verify: bool = True,
-    batch: int = 4,
-    calibrate: Callable[[ViTConfig], Calibration] | None = None,
+    verification: Verification | None = None,
+    calibration: CalibrationSource | Calibration | None = None,
 ) -> ConvertReport:
-    """``cmhsa convert``: load, convert as ``spec`` says and verify (:func:`convert_checkpoint`),
-    write the attention checkpoint if verification passed, and the JSON report either way."""
+    """``cmhsa convert``: load (a bare state dict as ``geometry`` says), convert as ``spec`` says and
+    verify as ``verification`` says (default: 4 random float32 images on CUDA when there is one;
+    :func:`convert_checkpoint`), write the attention checkpoint if verification passed, and the
+    JSON report either way."""
     spec = spec or ConversionSpec()
+    verification = verification or Verification()
     report_path = report or default_report_path(output)
     check_outputs(input, output, report_path, ".safetensors", "a safetensors checkpoint (export writes ONNX)")
-    verify_dtype = resolve_dtype(dtype)
-    verify_device = resolve_device(device) if verify else "cpu"
+    if verify:
+        resolve_device(verification.device)  # a GPU that is not there, before the slow part
     t = time.perf_counter()
-    ckpt = load_checkpoint(
-        input,
-        img_size=img_size,
-        patch_size=patch_size,
-        dilation=dilation,
-        norm_eps=norm_eps,
-        onnx_tol=spec.tol,
-    )
+    ckpt = load_checkpoint(input, geometry, onnx_tol=spec.tol)
     timings = {"load_s": time.perf_counter() - t}
     input_facts = file_facts(input)
-    conv = convert_checkpoint(
-        ckpt, spec, verify=verify, batch=batch, dtype=verify_dtype, device=verify_device, calibrate=calibrate
-    )
+    conv = convert_checkpoint(ckpt, spec, verify=verify, verification=verification, calibration=calibration)
     timings.update(conv.timings)
     output_facts = None
     # the model and its report together or neither: a failed write keeps both previous files
@@ -286,3 +275,15 @@ def convert_file(
         result = ConvertReport(conv, output, report_path, input_facts, output_facts, timings)
         tmps[-1].write_text(report_text(result.to_dict()), encoding="utf-8")
     return result
+
+
+def make_calibration(cfg: ViTConfig, source: CalibrationSource | Calibration) -> Calibration:
+    """Calibration images for a model of ``cfg``: ``source`` itself if already made, N(0, 1) noise
+    images, or ``source.calib``'s images (torchvision loads only then)."""
+    if isinstance(source, Calibration):
+        return source
+    if source.calib is None:
+        return noise_calibration(cfg, source.calib_images, source.heldout_images, source.seed)
+    from .on_data import calibration_from_data
+
+    return calibration_from_data(cfg, source)

@@ -9,6 +9,7 @@ from typing import Any
 from ..construct import pinned_offsets
 from ..io.checkpoint import Checkpoint
 from ..io.report import file_facts
+from ..settings import Geometry
 from ..theory import HeadCount, head_count
 from .common import load_checkpoint
 
@@ -46,11 +47,10 @@ class Inspection:
         }
 
 
-def inspect_file(
-    path: Path, *, img_size: tuple[int, int] | None = None, patch_size: int | None = None
-) -> Inspection:
-    """Kind, config, size and hash of a model file; for attention, each head's pinned offset."""
-    ckpt = load_checkpoint(path, img_size=img_size, patch_size=patch_size)
+def inspect_file(path: Path, geometry: Geometry | None = None) -> Inspection:
+    """Kind, config, size and hash of a model file (a bare state dict read as ``geometry`` says);
+    for attention, each head's pinned offset."""
+    ckpt = load_checkpoint(path, geometry)
     cfg = ckpt.config
     pinned = None
     if ckpt.kind == "attn":

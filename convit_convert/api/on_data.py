@@ -14,13 +14,14 @@ from torch import nn
 from torch.utils.data import DataLoader, Subset
 
 from ..analysis import AttentionReport, attention_stats
-from ..approximate import Calibration, check_image_counts
+from ..approximate import Calibration
 from ..config import ViTConfig
 from ..data import DataSpec, build_data, build_loader, build_transform, default_workers, image_mode
-from ..defaults import DATASETS, EVAL_CROP_PCT
+from ..defaults import EVAL_CROP_PCT
 from ..deploy import for_inference
 from ..errors import CmhsaError
 from ..io.checkpoint import Checkpoint
+from ..settings import AttentionOptions, CalibrationSource, EvalOptions
 from .common import amp_dtype, autocast, load_checkpoint, pick_device
 
 
@@ -83,8 +84,6 @@ def _dataset(
 ) -> tuple[DataSpec, Any]:
     """``data`` (the value of library parameter ``param``) for a model of ``cfg``, and the evaluation
     transform for it; a dataset whose classes or images do not fit the model is refused."""
-    if data not in DATASETS:
-        raise CmhsaError(f"`{param}` must be one of {', '.join(DATASETS)}, got {data!r}")
     spec = build_data(
         data,
         data_dir,
@@ -130,57 +129,33 @@ def _val_loader(
     return loader, len(spec.val)
 
 
-def evaluate_checkpoint(
-    path: str | Path,
-    *,
-    data: str,
-    data_dir: str | None = None,
-    download: bool = False,
-    batch_size: int = 128,
-    device: str = "auto",
-    amp: str = "none",
-    workers: int | None = None,
-    crop_pct: float = EVAL_CROP_PCT,
-    seed: int = 0,
-) -> EvalReport:
-    """``cmhsa eval``: top-1 / top-5 and loss of a checkpoint on ``data``'s validation split
-    (``workers`` None: :func:`~convit_convert.data.default_workers`)."""
+def evaluate_checkpoint(path: str | Path, options: EvalOptions) -> EvalReport:
+    """``cmhsa eval``: top-1 / top-5 and loss of a checkpoint on ``options.data``'s validation split."""
+    o = options
     ckpt = load_checkpoint(path)
-    workers = default_workers() if workers is None else workers
-    if batch_size < 1:
-        raise CmhsaError(f"`batch_size` must be positive, got {batch_size}")
-    dev = pick_device(device)
-    dtype = amp_dtype(amp, dev)
-    loader, n = _val_loader(ckpt, data, data_dir, download, batch_size, dev, workers, crop_pct, seed)
+    workers = default_workers() if o.workers is None else o.workers
+    dev = pick_device(o.device)
+    dtype = amp_dtype(o.amp, dev)
+    loader, n = _val_loader(
+        ckpt, o.data, o.data_dir, o.download, o.batch_size, dev, workers, o.crop_pct, o.seed
+    )
     model, form = for_inference(ckpt.model(dtype=torch.float32).to(dev))  # fused where exact to 1e-5
     metrics = evaluate(model, loader, dev, dtype)
     return EvalReport(ckpt.kind, n, metrics["top1"], metrics["top5"], metrics["val_loss"], form)
 
 
-def attention_on_data(
-    path: str | Path,
-    *,
-    data: str,
-    data_dir: str | None = None,
-    images: int = 1000,
-    batch_size: int = 100,
-    device: str = "auto",
-    workers: int = 0,
-    crop_pct: float = EVAL_CROP_PCT,
-    seed: int = 0,
-) -> AttentionReport:
+def attention_on_data(path: str | Path, options: AttentionOptions) -> AttentionReport:
     """``cmhsa attention``: :func:`convit_convert.analysis.attention_stats` over the first
-    ``images`` validation images."""
+    ``options.images`` validation images."""
+    o = options
     ckpt = load_checkpoint(path)
     if ckpt.kind != "attn":
         raise CmhsaError("is a conv checkpoint; attention statistics need an attn checkpoint", ckpt.path)
-    if images < 1 or batch_size < 1:
-        raise CmhsaError(f"`images` and `batch_size` must be positive, got {images} and {batch_size}")
-    dev = pick_device(device)
-    loader, _ = _val_loader(ckpt, data, data_dir, False, batch_size, dev, workers, crop_pct, seed)
+    dev = pick_device(o.device)
+    loader, _ = _val_loader(ckpt, o.data, o.data_dir, False, o.batch_size, dev, o.workers, o.crop_pct, o.seed)
 
     def batches():  # the first `images` validation images
-        left = images
+        left = o.images
         for x, _ in loader:
             if left <= 0:
                 return
@@ -191,22 +166,18 @@ def attention_on_data(
 
 
 def calibration_from_data(
-    cfg: ViTConfig,
-    *,
-    data: str,
-    data_dir: str | None = None,
-    images: int = 256,
-    heldout: int = 512,
-    crop_pct: float = EVAL_CROP_PCT,
-    seed: int = 0,
+    cfg: ViTConfig, source: CalibrationSource, crop_pct: float = EVAL_CROP_PCT
 ) -> Calibration:
     """Calibration images for ``cmhsa convert --approximate`` / ``cmhsa heads --checkpoint``: a
-    seeded random ``images`` of ``data``'s training split, and the first ``heldout`` validation
-    images with their labels, preprocessed as ``cmhsa eval`` does."""
-    check_image_counts(images, heldout)
-    spec, tf = _dataset(cfg, data, data_dir, crop_pct=crop_pct, seed=seed, param="calib")
+    seeded random ``source.calib_images`` of ``source.calib``'s training split, and the first
+    ``source.heldout_images`` validation images with their labels, preprocessed as ``cmhsa eval``
+    does."""
+    data, seed = source.calib, source.seed
+    if data is None:
+        raise CmhsaError("`calib` names no dataset: noise images need no data (make_calibration)")
+    spec, tf = _dataset(cfg, data, source.data_dir, crop_pct=crop_pct, seed=seed, param="calib")
     g = torch.Generator().manual_seed(seed)
-    pick = torch.randperm(len(spec.train), generator=g)[: min(images, len(spec.train))].tolist()
+    pick = torch.randperm(len(spec.train), generator=g)[: min(source.calib_images, len(spec.train))].tolist()
 
     def load(ds: Any, idx: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         loader = build_loader(
@@ -216,5 +187,5 @@ def calibration_from_data(
         return torch.cat(xs), torch.cat(ys)
 
     x, _ = load(spec.train, pick)
-    hx, hy = load(spec.val, list(range(min(heldout, len(spec.val)))))
+    hx, hy = load(spec.val, list(range(min(source.heldout_images, len(spec.val)))))
     return Calibration(x, hx, hy, f"{data}: {len(x)} training images; held out: {len(hx)} validation images")

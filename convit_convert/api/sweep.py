@@ -5,11 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..approximate import Calibration, HeldOut, heldout_errors, noise_calibration, problems
+from ..approximate import Calibration, HeldOut, heldout_errors, problems
 from ..errors import CmhsaError, article
 from ..io.checkpoint import Checkpoint
+from ..settings import CalibrationSource, HeadsQuery
 from ..spec import ConversionSpec, Offset
-from .convert import approximation, as_float32_model, converted_model
+from ..theory import HeadCount, head_count
+from .convert import approximation, as_float32_model, converted_model, make_calibration
 
 
 @dataclass
@@ -59,17 +61,36 @@ class HeadsSweep:
         }
 
 
+def checkpoint_head_count(ckpt: Checkpoint, query: HeadsQuery | None = None) -> HeadCount:
+    """``cmhsa heads --checkpoint``: the heads ``ckpt``'s kernel needs (theory.head_count, with the
+    checkpoint's channels unless ``query.channels`` is given); a kernel or patch size the query
+    gives must be the checkpoint's."""
+    cfg, q = ckpt.config, query or HeadsQuery()
+    asked = (q.kernel_size, q.patch_size)
+    if asked != (None, None) and asked != (cfg.kernel_size, cfg.patch_size):
+        raise CmhsaError(
+            f"has K = {cfg.kernel_size}, P = {cfg.patch_size}; drop `kernel_size`/`patch_size` or match them",
+            ckpt.path,
+        )
+    channels = cfg.hidden_chans if q.channels is None else q.channels
+    return head_count(cfg.kernel_size, cfg.patch_size, cfg.dilation, channels)
+
+
 def heads_sweep(
-    ckpt: Checkpoint, calibration: Calibration | None = None, rule: str = "greedy", seed: int = 0
+    ckpt: Checkpoint,
+    calibration: CalibrationSource | Calibration | None = None,
+    rule: str = "greedy",
+    seed: int = 0,
 ) -> HeadsSweep:
     """For every N from 1 to the bound, the approximate conversion's errors (as ``convert
     --approximate``), from one pass of the calibration images through the conv model and one drop
-    sequence per block: N's choice is its prefix."""
+    sequence per block: N's choice is its prefix. ``calibration``: images already made, or where to
+    make them (default: noise images seeded by ``seed``)."""
     if ckpt.kind != "conv":
         raise CmhsaError(f"is {article(ckpt.kind)} checkpoint; the sweep needs a conv-phase one", ckpt.path)
     cfg = ckpt.config
     spec = ConversionSpec(approximate=True, rule=rule, seed=seed)
-    calibration = calibration or noise_calibration(cfg, seed=seed)
+    calibration = make_calibration(cfg, calibration or CalibrationSource(seed=seed))
     conv = ckpt.model()
     probs = problems(as_float32_model(ckpt, conv), calibration.images.float(), rule)
     rows = []

@@ -8,14 +8,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..bounds import check
 from ..errors import CmhsaError, article
 from ..io.atomic import check_writable
 from ..io.checkpoint import Checkpoint
 from ..io.report import environment, file_facts, write_report
 from ..resources import check_fits
-from ..spec import DEFAULT_TOL, check_tol
+from ..settings import Verification
+from ..spec import DEFAULT_TOL
 from ..verify import VerifyResult, verify_models
-from .common import check_batch, load_checkpoint, resolve_device, resolve_dtype, same_file
+from .common import load_checkpoint, resolve_device, resolve_dtype, same_file
 
 
 @dataclass
@@ -47,16 +49,17 @@ def verify_files(
     attn: Path,
     *,
     tol: float = DEFAULT_TOL,
-    dtype: str = "float32",
-    batch: int = 4,
     seed: int = 0,
-    device: str = "auto",
+    verification: Verification | None = None,
     report: Path | None = None,
 ) -> VerifyReport:
-    """``cmhsa verify``: does the attn checkpoint compute what the conv checkpoint computes?"""
-    check_tol(tol)
-    check_batch(batch)
-    verify_dtype, verify_device = resolve_dtype(dtype), resolve_device(device)
+    """``cmhsa verify``: does the attn checkpoint compute what the conv checkpoint computes, within
+    ``tol`` on random images drawn from ``seed``, checked as ``verification`` says?"""
+    check("tol", tol)
+    check("seed", seed)
+    v = verification or Verification()
+    verify_dtype, verify_device = resolve_dtype(v.dtype), resolve_device(v.device)
+    batch = v.batch
     if report is not None:
         for p in (conv, attn):
             if same_file(report, p):

@@ -15,7 +15,7 @@ from typing import Annotated
 
 import typer
 
-from .. import __version__
+from ..version import __version__
 from . import convert, export, train
 from .boundary import BoundaryGroup, set_debug
 from .bounds import bound_all

@@ -245,11 +245,9 @@ class BoundaryGroup(TyperGroup):
         **extra: Any,
     ) -> Any:
         set_debug(False)  # one invocation's --debug does not carry to the next (CliRunner tests)
-        if not getattr(self, "_plain", False):  # --help: each default once, no type metavars
-            from .options import plain_help
+        from .options import plain_help
 
-            plain_help(self)
-            self._plain = True
+        plain_help(self)  # --help: each default once, no type metavars (once per command tree)
         signals.clear()  # this invocation's signals only (CliRunner runs many in one process)
         notices.set_sink(lambda line: print(f"note: {terminal_safe(line)}", file=sys.stderr))
         args = list(sys.argv[1:] if args is None else args)

@@ -25,11 +25,14 @@ def bounded(fn: Callable[..., Any]) -> Callable[..., Any]:
     return command
 
 
+BOUNDED: set[Callable[..., Any]] = set()  # the commands bound_all made (kept here, not on them)
+
+
 def bound_all(app: Any) -> None:
     """Every command of a typer app (and of its groups) through `bounded`, once."""
     for info in app.registered_commands:
-        if info.callback is not None and not getattr(info.callback, "_bounded", False):
+        if info.callback is not None and info.callback not in BOUNDED:
             info.callback = bounded(info.callback)
-            info.callback._bounded = True  # type: ignore[attr-defined]
+            BOUNDED.add(info.callback)
     for group in app.registered_groups:
         bound_all(group.typer_instance)

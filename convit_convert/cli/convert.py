@@ -10,9 +10,9 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from rich.table import Table
 
-from ..config import NORM_EPS
 from ..errors import CmhsaError
-from ..spec import ConversionSpec
+from ..settings import CalibrationSource, Geometry, HeadsQuery, Verification
+from ..spec import DEFAULT_TOL, ConversionSpec
 from .common import (
     EXIT_FAIL,
     console,
@@ -25,14 +25,17 @@ from .common import (
     print_written,
     safe,
 )
-from .options import DEVICE, alias_option, device_option, output_option, use_alias
+from .options import alias_option, calibration_options, device_option, output_option, use_alias
 
 if TYPE_CHECKING:
-    from ..approximate import Approximation, Calibration
-    from ..config import ViTConfig
+    from ..approximate import Approximation
 
 app = typer.Typer()
-SPEC = ConversionSpec()  # the flags' defaults: the spec's, stated there once
+# the flags' defaults: the library's objects', each stated there once (tests/test_options.py)
+SPEC, GEOMETRY, VERIFICATION, CALIBRATION = ConversionSpec(), Geometry(), Verification(), CalibrationSource()
+HEADS = HeadsQuery()
+APPROXIMATE_CALIB, SWEEP_CALIB = calibration_options("--approximate"), calibration_options("--checkpoint")
+VERIFY_TOL, VERIFY_SEED = DEFAULT_TOL, 0  # api.verify_files' keywords (torch: not imported to read them)
 
 
 @app.command()
@@ -101,14 +104,18 @@ def convert(
     report: Annotated[Path | None, path_opt("Report path (default: OUTPUT's stem + .report.json).")] = None,
     img_size: Annotated[str | None, typer.Option(help="Bare state dicts only: image size, H or HxW.")] = None,
     patch_size: Annotated[int | None, typer.Option(help="Bare state dicts only: patch size P.")] = None,
-    dilation: Annotated[int, typer.Option(help="Bare state dicts only: the convolutions' dilation.")] = 1,
-    norm_eps: Annotated[float, typer.Option(help="Bare state dicts only: LayerNorm eps.")] = NORM_EPS,
-    dtype: Annotated[str, typer.Option(help="Verification dtype: float32 or float64.")] = "float32",
-    batch: Annotated[int, typer.Option(help="Verification batch size.")] = 4,
+    dilation: Annotated[
+        int, typer.Option(help="Bare state dicts only: the convolutions' dilation.")
+    ] = GEOMETRY.dilation,
+    norm_eps: Annotated[
+        float, typer.Option(help="Bare state dicts only: LayerNorm eps.")
+    ] = GEOMETRY.norm_eps,
+    dtype: Annotated[str, typer.Option(help="Verification dtype: float32 or float64.")] = VERIFICATION.dtype,
+    batch: Annotated[int, typer.Option(help="Verification batch size.")] = VERIFICATION.batch,
     seed: Annotated[
         int, typer.Option(help="Seed for the verification images and any random W_Q, W_K.")
     ] = SPEC.seed,
-    device: Annotated[str, device_option()] = DEVICE,
+    device: Annotated[str, device_option()] = VERIFICATION.device,
     approximate: Annotated[
         bool,
         typer.Option(
@@ -133,27 +140,10 @@ def convert(
             help="--approximate: refit the kept heads' W_O by least squares (--no-refit: plain dropping).",
         ),
     ] = SPEC.refit,
-    calib: Annotated[
-        str | None,
-        typer.Option(
-            help="--approximate: calibration data, as train's --data (digits, "
-            "fashion-mnist, cifar10, cifar100, imagefolder, synthetic); default: "
-            "N(0, 1) noise images."
-        ),
-    ] = None,
-    data_dir: Annotated[
-        str | None, typer.Option(help="--calib: the dataset's folder, as train's --data-dir.")
-    ] = None,
-    calib_images: Annotated[
-        int, typer.Option(help="--approximate: calibration images (from the training split).")
-    ] = 256,
-    heldout_images: Annotated[
-        int,
-        typer.Option(
-            help="--approximate: held-out images the report measures on (the validation "
-            "split, with its labels)."
-        ),
-    ] = 512,
+    calib: Annotated[str | None, APPROXIMATE_CALIB["calib"]] = CALIBRATION.calib,
+    data_dir: Annotated[str | None, APPROXIMATE_CALIB["data_dir"]] = CALIBRATION.data_dir,
+    calib_images: Annotated[int, APPROXIMATE_CALIB["calib_images"]] = CALIBRATION.calib_images,
+    heldout_images: Annotated[int, APPROXIMATE_CALIB["heldout_images"]] = CALIBRATION.heldout_images,
 ) -> None:
     """Convert a conv-phase ViT into the attention ViT that computes the same function (Theorem 1)."""
     from ..api import convert_file
@@ -162,9 +152,6 @@ def convert(
         raise CmhsaError(
             "--calib and --data-dir calibrate an approximate conversion: add --approximate and --heads N"
         )
-
-    def calibrate(cfg: ViTConfig) -> Calibration:  # called only when an approximation needs images
-        return calibration(cfg, calib, data_dir, calib_images, heldout_images, seed)
 
     spec = ConversionSpec(
         heads=heads,
@@ -185,16 +172,19 @@ def convert(
             output,
             spec,
             report=report,
-            img_size=parse_img_size(img_size),
-            patch_size=patch_size,
-            dilation=dilation,
-            norm_eps=norm_eps,
-            dtype=dtype,
-            device=device,
+            geometry=Geometry(parse_img_size(img_size), patch_size, dilation, norm_eps),
             verify=verify,
-            batch=batch,
-            calibrate=calibrate,
+            verification=Verification(dtype, batch, device),
+            calibration=CalibrationSource(calib, data_dir, calib_images, heldout_images, seed),
         )
+    print_conversion(r, input, approximate)
+    if not r.passed:
+        raise typer.Exit(EXIT_FAIL)
+
+
+def print_conversion(r: Any, input: Path, approximate: bool) -> None:
+    """A ConvertReport: what was read and made, the approximation's choices, the verification, what
+    was written, and what to do when an approximate conversion fails its --tol."""
     c = r.conversion
     cfg, pinned = c.config, c.summary()["pinned_heads"]
     print_import(c.source)
@@ -212,30 +202,13 @@ def convert(
         print_approximation(c.approximation)
     if c.verification is not None:
         print_verification(c.verification, "Verification: attention vs convolution")
-    print_written(r.passed, output, r.report_path, "verification")
+    print_written(r.passed, r.output, r.report_path, "verification")
     if not r.passed and c.approximation is not None and c.verification is not None:
         console.print(
             "An approximate conversion is not exact: to write it, pass --tol "
             f"{rounded_up(c.verification.worst.rel)} "
             "or more (the held-out errors above say what the approximation costs)."
         )
-    if not r.passed:
-        raise typer.Exit(EXIT_FAIL)
-
-
-def calibration(
-    cfg: ViTConfig, calib: str | None, data_dir: str | None, images: int, heldout: int, seed: int
-) -> Calibration:
-    """``--calib D`` images from a dataset (torchvision loads only then), else N(0, 1) noise."""
-    if calib is None:
-        from ..approximate import noise_calibration
-
-        return noise_calibration(cfg, images, heldout, seed)
-    from ..api.on_data import calibration_from_data
-
-    return calibration_from_data(
-        cfg, data=calib, data_dir=data_dir, images=images, heldout=heldout, seed=seed
-    )
 
 
 def print_approximation(a: Approximation) -> None:
@@ -280,19 +253,19 @@ def print_approximation(a: Approximation) -> None:
 def verify_cmd(
     conv: Annotated[Path, path_arg("Conv-phase checkpoint (.safetensors or .onnx).")],
     attn: Annotated[Path, path_arg("Attention checkpoint.")],
-    tol: Annotated[float, typer.Option(help="Largest relative error accepted.")] = SPEC.tol,
-    dtype: Annotated[str, typer.Option(help="float32 or float64.")] = "float32",
-    batch: Annotated[int, typer.Option(help="Random images per check.")] = 4,
-    seed: Annotated[int, typer.Option(help="Seed for the random images.")] = 0,
+    tol: Annotated[float, typer.Option(help="Largest relative error accepted.")] = VERIFY_TOL,
+    dtype: Annotated[str, typer.Option(help="float32 or float64.")] = VERIFICATION.dtype,
+    batch: Annotated[int, typer.Option(help="Random images per check.")] = VERIFICATION.batch,
+    seed: Annotated[int, typer.Option(help="Seed for the random images.")] = VERIFY_SEED,
     report: Annotated[Path | None, path_opt("Write a JSON report here.")] = None,
-    device: Annotated[str, device_option()] = DEVICE,
+    device: Annotated[str, device_option()] = VERIFICATION.device,
 ) -> None:
     """Check numerically that ATTN computes what CONV computes. Exit 0 pass, 1 outside tol, 2 bad input."""
     from ..api import verify_files
 
     with console.status(f"Verifying on {batch} random images ({dtype})..."):
         r = verify_files(
-            conv, attn, tol=tol, dtype=dtype, batch=batch, seed=seed, device=device, report=report
+            conv, attn, tol=tol, seed=seed, verification=Verification(dtype, batch, device), report=report
         )
     print_import(r.conv)
     print_verification(r.result, f"{safe(str(attn))} vs {safe(str(conv))}")
@@ -310,12 +283,14 @@ def inspect(
         ),
     ],
     img_size: Annotated[str | None, typer.Option(help="Bare state dicts only: image size, H or HxW.")] = None,
-    patch_size: Annotated[int | None, typer.Option(help="Bare state dicts only: patch size P.")] = None,
+    patch_size: Annotated[
+        int | None, typer.Option(help="Bare state dicts only: patch size P.")
+    ] = GEOMETRY.patch_size,
 ) -> None:
     """Kind, config, size and hash of a checkpoint; for attention, each head's pinned offset."""
     from ..api import inspect_file
 
-    r = inspect_file(ckpt, img_size=parse_img_size(img_size), patch_size=patch_size)
+    r = inspect_file(ckpt, Geometry(parse_img_size(img_size), patch_size))
     c, cfg = r.checkpoint, r.checkpoint.config
     info = Table(show_header=False)
     info.add_column(style="bold")
@@ -356,14 +331,14 @@ def inspect(
 def heads(
     kernel_size: Annotated[
         int | None, typer.Option("--kernel-size", "-k", help="Kernel size K (or --checkpoint).")
-    ] = None,
+    ] = HEADS.kernel_size,
     patch_size: Annotated[
         int | None, typer.Option("--patch-size", "-p", help="Patch size P (or --checkpoint).")
-    ] = None,
-    dilation: Annotated[int, typer.Option("--dilation", "-d", help="Dilation D.")] = 1,
+    ] = HEADS.patch_size,
+    dilation: Annotated[int, typer.Option("--dilation", "-d", help="Dilation D.")] = HEADS.dilation,
     channels: Annotated[
         int | None, typer.Option(help="Channels C (Theorem 5's pixel-input bound is min(K², C)).")
-    ] = None,
+    ] = HEADS.channels,
     checkpoint: Annotated[
         Path | None,
         path_opt(
@@ -375,16 +350,13 @@ def heads(
     rule: Annotated[
         str, typer.Option(help="--checkpoint: greedy or corner (see convert --rule).")
     ] = SPEC.rule,
-    calib: Annotated[
-        str | None,
-        typer.Option(
-            help="--checkpoint: calibration data, as train's --data; default: N(0, 1) noise images."
-        ),
-    ] = None,
-    data_dir: Annotated[str | None, typer.Option(help="--calib: the dataset's folder.")] = None,
-    calib_images: Annotated[int, typer.Option(help="--checkpoint: calibration images.")] = 256,
-    heldout_images: Annotated[int, typer.Option(help="--checkpoint: held-out images.")] = 512,
-    seed: Annotated[int, typer.Option(help="--checkpoint: seed of the calibration images.")] = 0,
+    calib: Annotated[str | None, SWEEP_CALIB["calib"]] = CALIBRATION.calib,
+    data_dir: Annotated[str | None, SWEEP_CALIB["data_dir"]] = CALIBRATION.data_dir,
+    calib_images: Annotated[int, SWEEP_CALIB["calib_images"]] = CALIBRATION.calib_images,
+    heldout_images: Annotated[int, SWEEP_CALIB["heldout_images"]] = CALIBRATION.heldout_images,
+    seed: Annotated[
+        int, typer.Option(help="--checkpoint: seed of the calibration images.")
+    ] = CALIBRATION.seed,
     kernel: Annotated[int | None, alias_option("--kernel", "--kernel-size")] = None,
     patch: Annotated[int | None, alias_option("--patch", "--patch-size")] = None,
 ) -> None:
@@ -394,25 +366,20 @@ def heads(
 
     kernel = use_alias(kernel_size, kernel, "--kernel", "--kernel-size")
     patch = use_alias(patch_size, patch, "--patch", "--patch-size")
-    ckpt = None
+    query, ckpt = HeadsQuery(kernel, patch, dilation, channels), None
     if checkpoint is not None:
-        from ..api import load_checkpoint
+        from ..api import checkpoint_head_count, load_checkpoint, make_calibration
 
         ckpt = load_checkpoint(checkpoint)
-        cfg = ckpt.config
-        if (kernel, patch) != (None, None) and (kernel, patch) != (cfg.kernel_size, cfg.patch_size):
-            raise CmhsaError(
-                f"has K = {cfg.kernel_size}, P = {cfg.patch_size}; drop "
-                "--kernel-size/--patch-size or match them",
-                checkpoint,
-            )
-        kernel, patch, dilation = cfg.kernel_size, cfg.patch_size, cfg.dilation
-        channels = cfg.hidden_chans if channels is None else channels
+        hc = checkpoint_head_count(ckpt, query)
+        kernel, patch, dilation = hc.kernel_size, hc.patch_size, hc.dilation
         ConversionSpec(rule=rule)  # refuses a bad --rule before anything is printed
-        calib_set = calibration(cfg, calib, data_dir, calib_images, heldout_images, seed)
-    if kernel is None or patch is None:
+        source = CalibrationSource(calib, data_dir, calib_images, heldout_images, seed)
+        calib_set = make_calibration(ckpt.config, source)
+    elif kernel is None or patch is None:
         raise CmhsaError("give --kernel-size and --patch-size, or --checkpoint")
-    hc = head_count(kernel, patch, dilation, channels)
+    else:
+        hc = head_count(kernel, patch, dilation, channels)
     left, right = same_padding(kernel, dilation)
     console.print(
         f"{kernel}x{kernel} kernel, dilation {dilation} (extent {hc.extent} px, "
@@ -441,7 +408,7 @@ def heads(
         print_sweep(ckpt, rule, calib_set, seed)
 
 
-def print_sweep(ckpt: Any, rule: str, calib_set: Calibration, seed: int) -> None:
+def print_sweep(ckpt: Any, rule: str, calib_set: Any, seed: int) -> None:
     """``heads --checkpoint``: the measured error of N heads, N = 1 … the bound."""
     from ..api import heads_sweep
 

@@ -12,7 +12,7 @@ from rich.table import Table
 from ..errors import CmhsaError
 from ..onnx.options import ExportOptions
 from .common import EXIT_FAIL, console, fmt, path_arg, path_opt, print_import, print_written, safe
-from .options import DEVICE, device_option, output_option
+from .options import device_option, output_option
 
 app = typer.Typer()
 OPTIONS = {f.name: f.default for f in dataclasses.fields(ExportOptions)}  # the flags' defaults, stated there
@@ -116,7 +116,7 @@ def export_cmd(
             "function) or trained (the projections as trained)."
         ),
     ] = OPTIONS["form"],
-    device: Annotated[str, device_option()] = DEVICE,
+    device: Annotated[str, device_option()] = OPTIONS["device"],
     seed: Annotated[int, typer.Option(help="Seed of the check images.")] = OPTIONS["seed"],
     report: Annotated[Path | None, path_opt("Report path (default: OUTPUT + .report.json).")] = None,
 ) -> None:

@@ -7,20 +7,21 @@ names them (``INPUT``, not ``{input}``)."""
 from __future__ import annotations
 
 import sys
+import weakref
 from typing import Any
 
 import typer
 
 from ..bounds import BOUNDS
-from ..defaults import DATASETS
+from ..defaults import DATASET_NOTES, DATASETS, MAX_DEFAULT_WORKERS
 from ..errors import CmhsaError
 
-DEVICE = "auto"  # every command's --device default
 DEVICE_HELP = "Where to run: auto (CUDA when there is one), cpu, cuda or cuda:N."
-WORKERS_HELP = "Data-loading worker processes (workers loader) \\[default: min(4, CPUs)]."
+WORKERS_HELP = (
+    f"Data-loading worker processes (workers loader) \\[default: min({MAX_DEFAULT_WORKERS}, CPUs)]."
+)
 DATA_HELP = (
-    "Dataset: cifar100, cifar10, imagefolder (DIR/train, DIR/val), digits (scikit-learn's), "
-    "fashion-mnist (Debian's dataset-fashion-mnist), synthetic."
+    "Dataset: " + ", ".join(f"{d} ({DATASET_NOTES[d]})" if d in DATASET_NOTES else d for d in DATASETS) + "."
 )
 
 
@@ -42,6 +43,31 @@ def data_option(required_by: str) -> Any:
     return typer.Option("--data", help=f"{DATA_HELP} Needed by {required_by}.", show_default=False)
 
 
+def data_dir_option(help: str = "Folder of the dataset.") -> Any:
+    return typer.Option("--data-dir", help=help)
+
+
+def calibration_options(needs: str) -> dict[str, Any]:
+    """--calib, --data-dir, --calib-images, --heldout-images: an approximate conversion's images
+    (convert --approximate, heads --checkpoint), each help text saying which flag ``needs`` them."""
+    return {
+        "calib": typer.Option(
+            "--calib",
+            help=f"{needs}: calibration data, as train's --data ({', '.join(DATASETS)}); "
+            "default: N(0, 1) noise images.",
+        ),
+        "data_dir": data_dir_option("--calib: the dataset's folder, as train's --data-dir."),
+        "calib_images": typer.Option(
+            "--calib-images", help=f"{needs}: calibration images (from the training split)."
+        ),
+        "heldout_images": typer.Option(
+            "--heldout-images",
+            help=f"{needs}: held-out images the errors are measured on (the validation split, "
+            "with its labels).",
+        ),
+    }
+
+
 def alias_option(old: str, new: str) -> Any:
     """A hidden old spelling of ``new``, kept for one release (README, "Command line")."""
     return typer.Option(old, hidden=True, help=f"Old spelling of {new}.", show_default=False)
@@ -61,10 +87,16 @@ def missing_data(command: str) -> str:
     return f"--data is missing: {command} needs a dataset, one of {', '.join(DATASETS)}"
 
 
+TIDIED: weakref.WeakSet[Any] = weakref.WeakSet()  # commands plain_help has done (kept here, not on them)
+
+
 def plain_help(command: Any) -> None:
     """Every option and argument of ``command`` (a built click command or group, and everything under
-    it) tidied for ``--help``: no type metavar (``<int>``), arguments shown by name in capitals, and
-    no default shown by typer where the help already states one or the default is None."""
+    it) tidied for ``--help``, once: no type metavar (``<int>``), arguments shown by name in
+    capitals, and no default shown by typer where the help already states one or the default is None."""
+    if command in TIDIED:
+        return
+    TIDIED.add(command)
     # the command's own context class (click's Context, wherever this typer keeps click): no import
     # of click or of typer's private modules
     for param in command.get_params(command.context_class(command)):  # the --help option included
@@ -73,8 +105,12 @@ def plain_help(command: Any) -> None:
             param.metavar = param.name.upper() if is_argument else ""
         if is_argument:  # typer 0.29 writes a required one as {NAME} and adds its type; the README's form
             name = param.metavar + ("..." if param.nargs != 1 else "")
-            param._usage_display_name = lambda n=name: n
-            param.display_type_rich = lambda ctx: None
+            # overridden only where this typer has them (the first is click's private method): a
+            # typer without them shows its own form of the usage line, and works
+            if callable(getattr(param, "_usage_display_name", None)):
+                param._usage_display_name = lambda n=name: n
+            if callable(getattr(param, "display_type_rich", None)):
+                param.display_type_rich = lambda ctx: None
         if param.default is None or "default" in (getattr(param, "help", None) or "").lower():
             param.show_default = False
         bound = BOUNDS.get(param.name or "")

@@ -17,17 +17,17 @@ from typing import Annotated, Any, NamedTuple, Optional
 
 import typer
 
-from ..defaults import EVAL_CROP_PCT
 from ..errors import CmhsaError
 from ..io.paths import make_folder, remove_made
-from ..train.config import PEAK_LR, TrainConfig
+from ..settings import AMPS, AttentionOptions, EvalOptions
+from ..train.config import DEFAULT_RULES, TrainConfig
 from .common import EXIT_FAIL, console, print_titled, safe
 from .options import (
     DATA_HELP,
-    DEVICE,
     DEVICE_HELP,
     WORKERS_HELP,
     alias_option,
+    data_dir_option,
     data_option,
     device_option,
     missing_data,
@@ -322,24 +322,10 @@ FLAGS: list[Flag] = [
 ]
 
 
-def _sci(x: float) -> str:
-    """5e-4, not 0.0005: learning rates as people write them."""
-    mantissa, exponent = f"{x:e}".split("e")
-    return f"{float(mantissa):g}e{int(exponent)}"
-
-
 def _option(name: str, typ: Any, help_text: str, panel: str, default: Any) -> inspect.Parameter:
     flag = "--" + name.replace("_", "-")
     decls = [f"{flag}/--no-{name.replace('_', '-')}"] if typ is bool else [flag]
-    shown = {
-        "lr": "{} from scratch (phase 1; phase 2 from random, impulse or mimetic), {} for phase 2 from a "
-        "checkpoint (the paper's); --preset cpu: {}, {}".format(
-            *map(_sci, (*PEAK_LR["paper"], *PEAK_LR["cpu"]))
-        ),
-        "threads": "the CPUs this process may use",
-        "pinning": "gated from a conv-phase --init and impulse, hard from random and mimetic",
-        "attn_lr_mult": "10 from a checkpoint, 1 otherwise",
-    }.get(name, default)
+    shown = DEFAULT_RULES.get(name, default)
     if isinstance(shown, tuple):
         shown = " ".join(map(str, shown))
     elif typ is bool:  # as typer shows a flag pair's default everywhere else: sink, no-download
@@ -426,14 +412,14 @@ def eval_command(
         Path, typer.Argument(help="Model checkpoint (.safetensors, conv or attn).", show_default=False)
     ],
     data: Annotated[Optional[str], data_option("eval")] = None,  # noqa: UP045
-    data_dir: Annotated[Optional[str], typer.Option(help="Folder of the dataset.")] = None,  # noqa: UP045
-    download: Annotated[bool, typer.Option(help="Let torchvision download CIFAR.")] = False,
-    batch_size: Annotated[int, typer.Option(help="Batch size.")] = 128,
-    device: Annotated[str, device_option()] = DEVICE,
-    amp: Annotated[str, typer.Option(help="auto, bf16, fp16 or none.")] = "none",
-    workers: Annotated[Optional[int], workers_option()] = None,  # noqa: UP045
-    crop_pct: Annotated[float, typer.Option(help="Eval centre-crop fraction.")] = EVAL_CROP_PCT,
-    seed: Annotated[int, typer.Option(help="Seed of --data synthetic.")] = 0,
+    data_dir: Annotated[Optional[str], data_dir_option()] = EvalOptions.data_dir,  # noqa: UP045
+    download: Annotated[bool, typer.Option(help="Let torchvision download CIFAR.")] = EvalOptions.download,
+    batch_size: Annotated[int, typer.Option(help="Batch size.")] = EvalOptions.batch_size,
+    device: Annotated[str, device_option()] = EvalOptions.device,
+    amp: Annotated[str, typer.Option(help=f"{', '.join(AMPS[:-1])} or {AMPS[-1]}.")] = EvalOptions.amp,
+    workers: Annotated[Optional[int], workers_option()] = EvalOptions.workers,  # noqa: UP045
+    crop_pct: Annotated[float, typer.Option(help="Eval centre-crop fraction.")] = EvalOptions.crop_pct,
+    seed: Annotated[int, typer.Option(help="Seed of --data synthetic.")] = EvalOptions.seed,
 ) -> None:
     """Top-1 / top-5 accuracy and loss of a checkpoint on a dataset's validation split."""
     from rich.table import Table
@@ -443,16 +429,7 @@ def eval_command(
     if data is None:
         raise CmhsaError(missing_data("eval"))
     r = evaluate_checkpoint(
-        checkpoint,
-        data=data,
-        data_dir=data_dir,
-        download=download,
-        batch_size=batch_size,
-        device=device,
-        amp=amp,
-        workers=workers,
-        crop_pct=crop_pct,
-        seed=seed,
+        checkpoint, EvalOptions(data, data_dir, download, batch_size, device, amp, workers, crop_pct, seed)
     )
     title, table = f"{safe(str(checkpoint))} on {data} (val, {r.images} images)", Table()
     for col in ("kind", "top-1 %", "top-5 %", "loss"):
@@ -468,11 +445,11 @@ def attention_command(
     ],
     output: Annotated[Path, output_option("Folder for attention.json and attention.png (created).")],
     data: Annotated[Optional[str], data_option("attention")] = None,  # noqa: UP045
-    data_dir: Annotated[Optional[str], typer.Option(help="Folder of the dataset.")] = None,  # noqa: UP045
-    images: Annotated[int, typer.Option(help="Validation images to average over.")] = 1000,
-    batch_size: Annotated[int, typer.Option(help="Batch size.")] = 100,
-    device: Annotated[str, device_option()] = DEVICE,
-    seed: Annotated[int, typer.Option(help="Seed of --data synthetic.")] = 0,
+    data_dir: Annotated[Optional[str], data_dir_option()] = AttentionOptions.data_dir,  # noqa: UP045
+    images: Annotated[int, typer.Option(help="Validation images to average over.")] = AttentionOptions.images,
+    batch_size: Annotated[int, typer.Option(help="Batch size.")] = AttentionOptions.batch_size,
+    device: Annotated[str, device_option()] = AttentionOptions.device,
+    seed: Annotated[int, typer.Option(help="Seed of --data synthetic.")] = AttentionOptions.seed,
 ) -> None:
     """What each head attends to on real images: pinned share, attention distance, entropy, gate."""
     import json
@@ -489,12 +466,7 @@ def attention_command(
     pyplot()  # fail before the slow part, and before anything is written, if matplotlib is missing
     r = attention_on_data(
         checkpoint,
-        data=data,
-        data_dir=data_dir,
-        images=images,
-        batch_size=batch_size,
-        device=device,
-        seed=seed,
+        AttentionOptions(data, data_dir, images, batch_size, device, seed=seed),
     )
     created = make_folder(output)
     doc = json.dumps(r.to_dict(str(checkpoint)), indent=2) + "\n"

@@ -16,10 +16,11 @@ from typing import Any
 
 import torch
 
-from .. import __version__
-from ..config import KINDS, NORM_EPS, ViTConfig
+from ..config import KINDS, ViTConfig
 from ..errors import CmhsaError, article
 from ..model import VisionTransformer
+from ..settings import Geometry
+from ..version import __version__
 from .atomic import atomic_path
 from .journal import check_settled
 from .paths import check_input_file
@@ -196,8 +197,8 @@ def infer_conv_config(
     tensors: dict[str, torch.Tensor],
     img_size: tuple[int, int],
     patch_size: int,
-    dilation: int = 1,
-    norm_eps: float = NORM_EPS,
+    dilation: int,
+    norm_eps: float,
     path: object = None,
 ) -> ViTConfig:
     """The config of a bare conv-phase state dict, from its tensor shapes and the image geometry
@@ -272,17 +273,12 @@ def check_geometry(
         )
 
 
-def load_tensor_checkpoint(
-    path: str | Path,
-    *,
-    img_size: tuple[int, int] | None = None,
-    patch_size: int | None = None,
-    dilation: int = 1,
-    norm_eps: float = NORM_EPS,
-) -> Checkpoint:
+def load_tensor_checkpoint(path: str | Path, geometry: Geometry | None = None) -> Checkpoint:
     """Load and validate a tensor file. Files with cmhsa metadata describe themselves; a bare
-    conv-phase state dict needs ``img_size`` and ``patch_size`` (the rest is inferred)."""
+    conv-phase state dict needs ``geometry``'s ``img_size`` and ``patch_size`` (the rest is inferred)."""
     path = Path(path)
+    g = geometry or Geometry()
+    img_size, patch_size = g.img_size, g.patch_size
     tensors, metadata = read_tensors(path)
     if not tensors:
         raise CmhsaError("holds no tensors", path)
@@ -313,7 +309,7 @@ def load_tensor_checkpoint(
                 path,
             )
         source = "state dict"
-        cfg = infer_conv_config(tensors, tuple(img_size), patch_size, dilation, norm_eps, path)
+        cfg = infer_conv_config(tensors, tuple(img_size), patch_size, g.dilation, g.norm_eps, path)
     validate_tensors(cfg, tensors, path)
     return Checkpoint(path, cfg, tensors, metadata, source)
 

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .. import __version__
+from ..version import __version__
 from .atomic import atomic_write_text
 
 

@@ -3,16 +3,15 @@ command line reads its defaults from here at start-up."""
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
-from ..errors import CmhsaError
-from ..spec import check_tol
+from ..settings import Checked
 
 
 @dataclass(frozen=True)
-class ExportOptions:
-    """How ``cmhsa export`` writes and checks: validated when made, each default stated once."""
+class ExportOptions(Checked):
+    """How ``cmhsa export`` writes and checks: validated when made (numbers against BOUNDS), each
+    default stated once."""
 
     opset: int | None = None  # ai.onnx opset; None: the exporter's
     tol: float = 1e-4  # largest relative error of onnxruntime against PyTorch
@@ -24,7 +23,5 @@ class ExportOptions:
     def __post_init__(self) -> None:
         from .export import check_options  # torch: only when options are made
 
-        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
-            raise CmhsaError(f"`device` must be auto, cpu, cuda or cuda:N, got {self.device!r}")
-        check_tol(self.tol)
+        super().__post_init__()
         check_options(self.exporter, self.opset, self.form)

@@ -1,0 +1,141 @@
+"""What each operation takes besides a conversion spec or export options, as typed objects the
+library owns (no torch): every default stated once, here, and every number held to its range in
+:data:`~convit_convert.bounds.BOUNDS` when an object is made. The CLI's flags read their defaults
+from these fields (a flag and its field share a name); ``tests/test_options.py`` fails when a
+command's default or range differs from the library's.
+
+- :class:`Geometry`: how to read a bare conv-phase state dict (convert, inspect);
+- :class:`Verification`: how a numerical check runs (convert, verify);
+- :class:`CalibrationSource`: the images an approximate conversion fits on (convert, heads);
+- :class:`HeadsQuery`: ``cmhsa heads``'s kernel, patch, dilation and channels;
+- :class:`EvalOptions` and :class:`AttentionOptions`: ``cmhsa eval`` and ``cmhsa attention``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from .bounds import check
+from .config import NORM_EPS
+from .defaults import DATASETS, EVAL_CROP_PCT
+from .errors import CmhsaError
+
+DEVICE_NAME = re.compile(r"auto|cpu|cuda(:\d{1,4})?")  # which GPUs exist is checked where one is used
+AMPS = ("auto", "bf16", "fp16", "none")
+DTYPES = ("float32", "float64")
+
+
+@dataclass(frozen=True)
+class Checked:
+    """A frozen set of options, checked when made: each number against BOUNDS (by field name), each
+    name against ``CHOICES``; ``device`` fields against the device names."""
+
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {}
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            check(f.name, value)
+            allowed = self.CHOICES.get(f.name)
+            if allowed is not None and value not in allowed:
+                raise CmhsaError(f"`{f.name}` must be one of {', '.join(allowed)}, got {value!r}")
+        device = getattr(self, "device", None)
+        if device is not None and not DEVICE_NAME.fullmatch(str(device)):
+            raise CmhsaError(f"`device` must be auto, cpu, cuda or cuda:N, got {device!r}")
+
+    def replace(self, **changes: Any) -> Any:
+        """A copy with ``changes``, checked again."""
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class Geometry(Checked):
+    """What a bare conv-phase state dict cannot say about itself: the image size (H, W) and patch
+    size P (both needed to read one; for a file that states its own they must agree with it), the
+    convolutions' dilation and LayerNorm's eps."""
+
+    img_size: tuple[int, int] | None = None
+    patch_size: int | None = None
+    dilation: int = 1
+    norm_eps: float = NORM_EPS
+
+
+@dataclass(frozen=True)
+class Verification(Checked):
+    """How a numerical check runs: ``batch`` random images (seeded by the caller), in ``dtype``, on
+    ``device`` (auto: CUDA when there is one)."""
+
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"dtype": DTYPES}
+
+    dtype: str = "float32"
+    batch: int = 4
+    device: str = "auto"
+
+
+@dataclass(frozen=True)
+class CalibrationSource(Checked):
+    """The images an approximate conversion is fitted and measured on: ``calib_images`` seeded
+    random images of ``calib``'s training split and its first ``heldout_images`` validation images
+    (``calib`` None: N(0, 1) noise images, the statistics of normalised inputs)."""
+
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {}
+
+    calib: str | None = None
+    data_dir: str | None = None
+    calib_images: int = 256
+    heldout_images: int = 512
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.calib is not None and self.calib not in DATASETS:
+            raise CmhsaError(f"`calib` must be one of {', '.join(DATASETS)}, got {self.calib!r}")
+
+
+@dataclass(frozen=True)
+class HeadsQuery(Checked):
+    """``cmhsa heads``: the kernel size K, patch size P, dilation D and pixel channels C whose head
+    counts are asked (theory.head_count); K and P None: a checkpoint's."""
+
+    kernel_size: int | None = None
+    patch_size: int | None = None
+    dilation: int = 1
+    channels: int | None = None
+
+
+@dataclass(frozen=True)
+class EvalOptions(Checked):
+    """``cmhsa eval``: ``data``'s validation split in batches of ``batch_size``, preprocessed as the
+    model's evaluation transform (``crop_pct``); ``workers`` None: data.default_workers()."""
+
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"data": DATASETS, "amp": AMPS}
+
+    data: str
+    data_dir: str | None = None
+    download: bool = False
+    batch_size: int = 128
+    device: str = "auto"
+    amp: str = "none"
+    workers: int | None = None
+    crop_pct: float = EVAL_CROP_PCT
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class AttentionOptions(Checked):
+    """``cmhsa attention``: the first ``images`` validation images of ``data``, in batches of
+    ``batch_size``."""
+
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"data": DATASETS}
+
+    data: str
+    data_dir: str | None = None
+    images: int = 1000
+    batch_size: int = 100
+    device: str = "auto"
+    workers: int = 0
+    crop_pct: float = EVAL_CROP_PCT
+    seed: int = 0
