@@ -25,7 +25,6 @@ from .errors import CmhsaError, first_line
 from .io.paths import make_folder, open_regular, remove_made, require_regular
 from .resources import check_fits
 
-GREY = ("digits", "fashion-mnist")  # datasets whose images are grey (digits is held as grey RGB)
 NEEDS_DIR = ("cifar10", "cifar100", "imagefolder")  # the datasets only `data_dir` can give
 FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"  # Debian's dataset-fashion-mnist
 MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: spreads (seed, epoch, index) over the seed space
@@ -37,7 +36,8 @@ def sample_seed(seed: int, epoch: int, index: int) -> int:
 
 @dataclass
 class DataSpec:
-    """What the model needs to know about a dataset."""
+    """What the model needs to know about a dataset: its splits, classes, and the channels its
+    images carry (1: grey, which a 3-channel model sees three times over)."""
 
     train: Dataset
     val: Dataset
@@ -75,7 +75,9 @@ def digits(val_fraction: float = 0.2, seed: int = 0) -> DataSpec:
     perm = np.random.default_rng(seed).permutation(len(img))
     n_val = round(len(img) * val_fraction)
     val, train = perm[:n_val], perm[n_val:]
-    return DataSpec(ArrayImages(img[train], d.target[train]), ArrayImages(img[val], d.target[val]), 10)
+    return DataSpec(
+        ArrayImages(img[train], d.target[train]), ArrayImages(img[val], d.target[val]), 10, in_chans=1
+    )
 
 
 def synthetic(
@@ -173,7 +175,10 @@ def fashion_mnist(root: Path) -> DataSpec:
                 f"{split}: {len(found[split])} images but {len(found[split + '_labels'])} labels", root
             )
     return DataSpec(
-        ArrayImages(found["train"], found["train_labels"]), ArrayImages(found["val"], found["val_labels"]), 10
+        ArrayImages(found["train"], found["train_labels"]),
+        ArrayImages(found["val"], found["val_labels"]),
+        10,
+        in_chans=1,
     )
 
 
@@ -274,11 +279,30 @@ def image_folder(root: Path, val_only: bool = False) -> DataSpec:
         raise CmhsaError(f"not a usable image folder ({first_line(e, 200)})", root) from None
     val = found[-1]
     if val_only:
-        return DataSpec(Subset(val, []), val, len(val.classes))
+        return DataSpec(Subset(val, []), val, len(val.classes), in_chans=sampled_channels(val))
     train = found[0]
     if train.classes != val.classes:
         raise CmhsaError("train/ and val/ have different class folders", root)
-    return DataSpec(train, val, len(train.classes))
+    return DataSpec(train, val, len(train.classes), in_chans=sampled_channels(train))
+
+
+GREY_MODES = ("1", "L", "LA", "I", "I;16", "F")  # PIL's modes of single-channel images
+SAMPLED = 16  # images an image folder's channels are judged by (their headers only)
+
+
+def sampled_channels(folder: Any) -> int:
+    """1 where every one of up to SAMPLED images spread over an ImageFolder is grey, else 3: a grey
+    folder is said, as Fashion-MNIST and digits are (the loader converts every image to the
+    model's channels either way)."""
+    samples = folder.samples
+    if not samples:
+        return 3
+    picks = {samples[i * len(samples) // SAMPLED][0] for i in range(min(SAMPLED, len(samples)))}
+    for path in picks:
+        with open_image(path) as im:
+            if im.mode not in GREY_MODES:
+                return 3
+    return 1
 
 
 def build_data(

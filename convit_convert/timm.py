@@ -238,6 +238,9 @@ def cmhsa3_224(pretrained: bool = False, **kwargs: Any) -> nn.Module:
 # the folder timm loads (io/timm_folder.py), written and checked ----------------------------------
 
 
+CARD_KEYS = ("cmhsa.trained", "cmhsa.init", "cmhsa.result", "cmhsa.source_sha256")
+
+
 @dataclass
 class TimmFolderReport:
     checkpoint: Checkpoint
@@ -269,7 +272,7 @@ def export_timm_folder(checkpoint: Path | Checkpoint, folder: Path, seed: int = 
 
     ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else load_checkpoint(checkpoint)
     model = ckpt.model(torch.float32)
-    meta = {k: ckpt.metadata[k] for k in ("cmhsa.trained", "cmhsa.init") if k in ckpt.metadata}
+    meta = {k: ckpt.metadata[k] for k in CARD_KEYS if k in ckpt.metadata}  # what the model card tells
     written = write_timm_folder(folder, ckpt.config, model.state_dict(), meta)
     loaded = timm.create_model(f"local-dir:{folder}", pretrained=True).eval()
     g = torch.Generator().manual_seed(seed)

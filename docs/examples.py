@@ -1,5 +1,6 @@
-"""Run every console example README.md shows and rewrite its output block from what the command
-printed, so the examples cannot go stale (tests/test_readme_examples.py runs the fast ones in CI).
+"""Run every console example README.md and the docs/ pages show and rewrite its output block from
+what the command printed, so the examples cannot go stale (tests/test_readme_examples.py runs the
+fast ones in CI).
 
 An example is a fenced ``console`` block whose first line is ``$ COMMAND``, right after a marker:
 
@@ -8,10 +9,10 @@ An example is a fenced ``console`` block whose first line is ``$ COMMAND``, righ
 ``slow``: run only with ``--slow`` (the training demo); ``keep``: Python slices of the output lines
 that the block shows, a ``...`` line marking each cut. A ``bash`` block after an
 ``<!-- example: NAME slow run -->`` marker is run (as a script, unchecked) before the examples
-after it: the runs they read. Commands run in README order in one scratch folder holding
-``fixtures/``; timings print as ``<t> s``.
+after it: the runs they read. Commands run in the order of DOCS (README.md first, each page top to
+bottom) in one scratch folder holding ``fixtures/``; timings print as ``<t> s``.
 
-    python docs/examples.py            # rewrite the fast blocks in README.md
+    python docs/examples.py            # rewrite the fast blocks
     python docs/examples.py --slow     # and the training ones (about 2 minutes on 2 cores)
     python docs/examples.py --check    # exit 1, with a diff, when a block differs
 
@@ -35,6 +36,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
+# the pages whose examples run, in this order (a page's examples may read what an earlier one wrote)
+DOCS = [README] + [
+    ROOT / "docs" / f"{name}.md" for name in ("conversion", "training", "sharing", "reliability", "python")
+]
 MARKER = re.compile(
     r"<!-- example: (?P<name>[\w-]+)(?P<opts>[^>]*)-->\n```(?P<lang>console|bash)\n(?P<body>.*?)```", re.S
 )
@@ -68,7 +73,7 @@ def examples(text: str) -> list[Example]:
         run_only = m.group("lang") == "bash"
         first, _, rest = body.partition("\n")
         if not run_only and not first.startswith("$ "):
-            raise SystemExit(f"README.md: example {m.group('name')} does not start with '$ COMMAND'")
+            raise SystemExit(f"example {m.group('name')} does not start with '$ COMMAND'")
         command = body if run_only else first[2:]
         found.append(Example(m.group("name"), "slow" in opts, run_only, keep, command, rest, m.span("body")))
     return found
@@ -108,7 +113,7 @@ def run(example: Example, cwd: Path) -> str:
         args = [sys.executable, "-m", "convit_convert", *words[1:]] if words[0] == "cmhsa" else words
     r = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=1800)
     if example.run_only and r.returncode:
-        raise SystemExit(f"README.md: example {example.name} failed ({r.returncode}):\n{r.stderr[-2000:]}")
+        raise SystemExit(f"example {example.name} failed ({r.returncode}):\n{r.stderr[-2000:]}")
     return normalise(r.stdout + r.stderr, example.keep)
 
 
@@ -119,11 +124,28 @@ def scratch() -> tempfile.TemporaryDirectory:
     return tmp
 
 
-def outputs(text: str, slow: bool) -> dict[str, str]:
-    """Each example's output, by name, run in README order (slow ones only when ``slow``)."""
+def documents() -> dict[Path, str]:
+    """DOCS' texts, by path."""
+    return {path: path.read_text(encoding="utf-8") for path in DOCS}
+
+
+def all_examples(texts: dict[Path, str]) -> list[Example]:
+    """Every page's examples, in DOCS order; a name is one example's, across all pages."""
+    found = [ex for text in texts.values() for ex in examples(text)]
+    names = [ex.name for ex in found]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise SystemExit(f"example names used twice: {', '.join(dup)}")
+    return found
+
+
+def outputs(texts: dict[Path, str] | str, slow: bool) -> dict[str, str]:
+    """Each example's output, by name, run in DOCS order (slow ones only when ``slow``); ``texts``:
+    the pages (a single text: one page)."""
+    texts = {README: texts} if isinstance(texts, str) else texts
     got = {}
     with scratch() as tmp:
-        for ex in examples(text):
+        for ex in all_examples(texts):
             if ex.slow and not slow:
                 continue
             out = run(ex, Path(tmp))
@@ -145,22 +167,24 @@ def main() -> int:
     ap.add_argument("--slow", action="store_true", help="also the training examples")
     ap.add_argument("--check", action="store_true", help="compare, do not write; exit 1 on a difference")
     args = ap.parse_args()
-    text = README.read_text(encoding="utf-8")
-    got = outputs(text, args.slow)
-    if args.check:  # float32 rounding digits may differ from this README's CPU's (loose)
-        differ = {
-            e.name: got[e.name]
-            for e in examples(text)
-            if e.name in got and loose(got[e.name]) != loose(e.shown)
-        }
-        new = rewritten(text, differ)
-        diff = list(
-            difflib.unified_diff(text.splitlines(), new.splitlines(), "README.md", "commands", lineterm="")
-        )
-        print("\n".join(diff) or "README.md: every example block is what its command prints")
+    texts = documents()
+    got = outputs(texts, args.slow)
+    if args.check:  # float32 rounding digits may differ from the pages' CPU's (loose)
+        diff = []
+        for path, text in texts.items():
+            differ = {
+                e.name: got[e.name]
+                for e in examples(text)
+                if e.name in got and loose(got[e.name]) != loose(e.shown)
+            }
+            name = str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+            new = rewritten(text, differ)
+            diff += difflib.unified_diff(text.splitlines(), new.splitlines(), name, "commands", lineterm="")
+        print("\n".join(diff) or "every example block is what its command prints")
         return 1 if diff else 0
-    README.write_text(rewritten(text, got), encoding="utf-8")
-    print(f"README.md: {len(examples(text))} example blocks rewritten from their commands")
+    for path, text in texts.items():
+        path.write_text(rewritten(text, got), encoding="utf-8")
+    print(f"{len(all_examples(texts))} example blocks in {len(texts)} pages rewritten from their commands")
     return 0
 
 

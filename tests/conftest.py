@@ -4,6 +4,7 @@ convolutions with explicit padding, explicit loops, impulse responses."""
 from __future__ import annotations
 
 import gzip
+import signal
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -33,9 +34,55 @@ TINY_RUN = dict(
 )
 
 
+# Ctrl-C stops the suite --------------------------------------------------------------------------
+# A training run takes SIGINT and SIGTERM as a request to save and stop, and the CLI's boundary turns
+# them into an exit status: right for a user, but in the suite a Ctrl-C would then end one run and
+# let the test (and the next test) go on. Here a signal from outside ends the session: the run's
+# stop request also raises KeyboardInterrupt (unless the test sends the signal itself, marked
+# sends_signals), no command starts after one, and the session exits after the test it hit.
+# torch.compile compiles in this process (one thread), so an interrupted compile leaves no worker
+# pool behind: its g++ is a subprocess.run child, killed when the interrupt reaches it.
+INTERRUPTED: list[int] = []  # the signals from outside this session received
+_SIGNALS_ARE_THE_TEST = [False]
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    INTERRUPTED.append(signum)
+    raise KeyboardInterrupt(f"{signal.Signals(signum).name}: the test session stops")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "sends_signals: the test signals its own process (a run's stop)")
+    import torch._inductor.config as inductor
+
+    inductor.compile_threads = 1
+    signal.signal(signal.SIGTERM, _interrupt)  # SIGINT: Python's KeyboardInterrupt already
+    from convit_convert.train import run as train_run
+
+    handle = train_run.StopRequest._handle
+
+    def handle_in_the_suite(self: Any, signum: int, frame: Any) -> None:
+        handle(self, signum, frame)
+        if not _SIGNALS_ARE_THE_TEST[0]:
+            _interrupt(signum, frame)
+
+    train_run.StopRequest._handle = handle_in_the_suite
+
+
+@pytest.fixture(autouse=True)
+def _stop_the_session_on_a_signal(request: pytest.FixtureRequest) -> Any:
+    _SIGNALS_ARE_THE_TEST[0] = request.node.get_closest_marker("sends_signals") is not None
+    yield
+    _SIGNALS_ARE_THE_TEST[0] = False
+    if INTERRUPTED:  # the CLI's boundary turned it into an exit status: the session still ends
+        pytest.exit(f"interrupted by {signal.Signals(INTERRUPTED[0]).name}", returncode=130)
+
+
 def invoke(*args: Any, env: dict[str, str] | None = None, **kwargs: Any) -> Result:
     """``cmhsa ARGS`` through typer's CliRunner, in this process: the tests' one way to run a command
-    (each argument str()-ed; a list or tuple argument is spread)."""
+    (each argument str()-ed; a list or tuple argument is spread). None starts after an interrupt."""
+    if INTERRUPTED:
+        raise KeyboardInterrupt("the test session was interrupted")
     words = [str(w) for a in args for w in (a if isinstance(a, (list, tuple)) else (a,))]
     return CliRunner().invoke(app, words, env=env, **kwargs)
 

@@ -77,7 +77,7 @@ def test_readmes_start_table_is_the_three_experiments_raw_results(tmp_path: Path
         ),
     }
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    section = readme.split("### Which start should I use?", 1)[1].split("\n### ", 1)[0]
+    section = readme.split("## Which start?", 1)[1].split("\n## ", 1)[0]
     table = [ln.replace("**", "") for ln in section.splitlines() if ln.startswith("| ") and "---" not in ln][
         1:
     ]

@@ -16,7 +16,7 @@ FIXTURE = ROOT / "fixtures" / "conv_digits.safetensors"
 
 
 def readme_snippet(name: str) -> str:
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    text = (ROOT / "docs" / "sharing.md").read_text(encoding="utf-8")
     m = re.search(rf"<!-- snippet: {name} -->\n```python\n(.*?)```", text, re.S)
     assert m is not None, name
     return m.group(1)

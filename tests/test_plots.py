@@ -13,6 +13,7 @@ pytest.importorskip("matplotlib")
 from matplotlib.colors import LogNorm
 from matplotlib.patches import Rectangle
 
+from conftest import invoke
 from convit_convert.analysis import AttentionReport, HeadStats
 from convit_convert.train.plot import attention_figure, curves_figure, plot_attention, plot_runs
 
@@ -78,10 +79,13 @@ def metrics(run: Path, rows: int) -> Path:
 
 def test_curves_figure_names_its_runs_and_series(tmp_path: Path) -> None:
     runs = [metrics(tmp_path / "gated", 3), metrics(tmp_path / "impulse", 4)]
-    fig = curves_figure(runs)
-    assert fig._suptitle.get_text() == "Training curves: gated, impulse"
-    loss, acc, attn = fig.axes[:3]
-    assert (loss.get_title(), acc.get_title()) == ("Validation loss", "Validation top-1")
+    fig, notes = curves_figure(runs)
+    assert fig._suptitle.get_text() == "Training curves: gated, impulse" and notes == []
+    loss, acc, _lr, attn = fig.axes[:4]
+    assert (loss.get_title(), acc.get_title()) == (
+        "Loss: validation (solid), training (dashed)",
+        "Validation top-1",
+    )
     labels = [line.get_label() for line in attn.lines]
     assert "gated: block 0 pinned share" in labels and "impulse: block 1 gate" in labels
     assert not any("attn" in label or "dist" in label for label in labels)
@@ -106,7 +110,7 @@ def test_two_runs_of_one_name_are_told_apart(tmp_path: Path) -> None:
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     runs = [metrics(tmp_path / "a" / "phase2", 2), metrics(tmp_path / "b" / "phase2", 2)]
-    fig = curves_figure(runs)
+    fig, _ = curves_figure(runs)
     labels = [line.get_label() for line in fig.axes[0].lines]
     assert labels == [str(runs[0]), str(runs[1])]
 
@@ -136,7 +140,7 @@ def test_phase_2_is_drawn_after_the_phase_1_it_continues(tmp_path: Path) -> None
         json.dumps({"phase": "phase2", "init_info": {"init": str(p1 / "conv.safetensors")}})
     )
     (impulse / "config.json").write_text(json.dumps({"phase": "phase2", "init_info": {"init": "impulse"}}))
-    fig = curves_figure([p1, p2, impulse])
+    fig, _ = curves_figure([p1, p2, impulse])
     loss = fig.axes[0]
     drawn = {
         line.get_label(): list(line.get_xdata())
@@ -146,9 +150,58 @@ def test_phase_2_is_drawn_after_the_phase_1_it_continues(tmp_path: Path) -> None
     assert drawn == {"p1": [1, 2, 3], "p2 (after p1)": [4, 5], "impulse": [1, 2]}
     assert [list(line.get_xdata()) for line in loss.lines if line.get_linestyle() == ":"] == [[3, 3]]
     fig.canvas.draw()
-    for ax in fig.axes[:3]:
+    for ax in fig.axes[:4]:
         assert all(float(t).is_integer() for t in ax.get_xticks()), ax.get_xticks()
         box, page = ax.title.get_window_extent(), fig.bbox
         assert page.x0 <= box.x0 and box.x1 <= page.x1, ax.get_title()
-    titles = [ax.title.get_window_extent() for ax in fig.axes[:3]]
-    assert not titles[1].overlaps(titles[2])
+    titles = [ax.title.get_window_extent() for ax in fig.axes[:4]]
+    assert not any(titles[i].overlaps(titles[i + 1]) for i in range(len(titles) - 1))
+
+
+def full_metrics(run: Path, rows: int, data: str = "digits", resumed: list[tuple[int, int]] = ()) -> Path:
+    """A run folder as cmhsa train writes it: metrics.csv with every column, config.json with the
+    dataset and an environment record per (re)start."""
+    run.mkdir()
+    head = "epoch,train_loss,val_loss,top1,top5,lr,epoch_seconds,images_per_s"
+    lines = [f"{e},{2.0 / e},{1.0 / e},{50 + e},{90},{1e-3 / e},1.0,100.0" for e in range(1, rows + 1)]
+    (run / "metrics.csv").write_text("\n".join([head, *lines]) + "\n")
+    envs = [{"epoch": 0, "step": 0, "threads": 2}] + [
+        {"epoch": e, "step": s, "resumed": True, "threads": 2} for e, s in resumed
+    ]
+    (run / "config.json").write_text(json.dumps({"phase": "phase1", "data": data, "environments": envs}))
+    return run
+
+
+def test_a_one_epoch_run_is_drawn_and_every_curve_a_run_has_is_there(tmp_path: Path) -> None:
+    """A run of one epoch is a visible dot (a line of one point draws nothing without a marker);
+    the loss panel has the training loss (dashed) beside the validation loss, a panel draws the
+    learning rate, and each resume is a dash-dotted line at its epoch (mid-epoch: its middle)."""
+    one = full_metrics(tmp_path / "one", 1)
+    three = full_metrics(tmp_path / "three", 3, resumed=[(1, 0), (2, 5)])
+    fig, notes = curves_figure([one, three])
+    loss, acc, lr = fig.axes[:3]
+    assert notes == []
+    for ax in (loss, acc, lr):
+        drawn = [line for line in ax.lines if not line.get_label().startswith("_")]
+        assert all(line.get_marker() == "o" for line in drawn), ax.get_title()
+    assert [line.get_label() for line in loss.lines if line.get_linestyle() == "--"] == [
+        "one (train)",
+        "three (train)",
+    ]
+    curves = [list(line.get_ydata()) for line in lr.lines if not line.get_label().startswith("_")]
+    assert lr.get_yscale() == "log" and curves[1][0] == 1e-3
+    resumes = sorted({line.get_xdata()[0] for line in acc.lines if line.get_linestyle() == "-."})
+    assert resumes == [1.0, 2.5] and "resumed" in fig._suptitle.get_text()
+
+
+def test_runs_on_different_datasets_are_said(tmp_path: Path) -> None:
+    a = full_metrics(tmp_path / "a", 2, data="digits")
+    b = full_metrics(tmp_path / "b", 2, data="fashion-mnist")
+    _, notes = curves_figure([a, b])
+    assert notes == [
+        "the runs trained on different datasets (a: digits, b: fashion-mnist): "
+        "their curves are not comparable"
+    ]
+    r = invoke("plot", a, b, "-o", tmp_path / "c.png")
+    assert r.exit_code == 0 and "note: the runs trained on different datasets" in r.stderr, r.output
+    assert invoke("plot", a, full_metrics(tmp_path / "c", 2), "-o", tmp_path / "d.png").stderr == ""

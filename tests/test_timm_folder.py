@@ -18,6 +18,7 @@ from conftest import conv_model, invoke
 from convit_convert.api.convert import convert_file
 from convit_convert.errors import CmhsaError
 from convit_convert.io.checkpoint import save_checkpoint
+from convit_convert.io.model_card import CARD
 from convit_convert.io.timm_folder import CONFIG, WEIGHTS, write_timm_folder
 
 FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "conv_digits.safetensors"
@@ -40,14 +41,14 @@ def test_a_folder_loads_in_timm_as_the_same_model_both_kinds_two_sizes(tmp_path:
     """Each model written by `cmhsa export --format timm`, then loaded by timm from the folder as a
     timm user would: logits equal, bit for bit, to cmhsa's model from the original file on the
     same images (the same weights in the same model), and the folder holds exactly timm's two
-    files, config.json naming the architecture, classes and features."""
+    files and the model card, config.json naming the architecture, classes and features."""
     from convit_convert.api import load_checkpoint
 
     for name, src in checkpoints(tmp_path).items():
         folder = tmp_path / name.replace(" ", "-")
         r = invoke(["export", str(src), "--format", "timm", "-o", str(folder)])
         assert r.exit_code == 0, (name, r.output)
-        assert sorted(p.name for p in folder.iterdir()) == [CONFIG, WEIGHTS]
+        assert sorted(p.name for p in folder.iterdir()) == sorted([CONFIG, WEIGHTS, CARD])
         ckpt = load_checkpoint(src)
         config = json.loads((folder / CONFIG).read_text())
         assert config["architecture"] == f"cmhsa_{ckpt.kind}"
@@ -128,3 +129,39 @@ def test_features_only_defaults_to_the_blocks_a_shallow_model_has() -> None:
             features_only=True,
             out_indices=(0, 5),
         )
+
+
+def test_a_trained_models_folder_has_a_model_card_the_hub_reads(tmp_path: Path) -> None:
+    """`cmhsa train --export-timm` writes README.md beside timm's files: huggingface_hub's
+    ModelCard reads it offline, its metadata says timm, its tags and metric, and its body how the
+    model was made (phase, start, data, epochs, the run's last top-1 from metrics.csv), its input,
+    and the import line; that code, run as the card shows it, builds the model from the folder."""
+    import csv
+    import subprocess
+    import sys
+
+    from huggingface_hub import ModelCard
+
+    run = tmp_path / "run"
+    flags = "--data digits --img-size 16 --patch-size 4 --depth 1 --kernel-size 3 --in-chans 1"
+    r = invoke(
+        "train", "phase2", *flags.split(), "--epochs", "1", "--warmup-epochs", "0", "--workers", "0",
+        "--device", "cpu", "--export-timm", "-o", run,
+    )  # fmt: skip
+    assert r.exit_code == 0, r.output
+    card = ModelCard.load(run / "timm" / CARD)
+    meta = card.data.to_dict()
+    assert meta["library_name"] == "timm" and meta["pipeline_tag"] == "image-classification"
+    assert {"timm", "cmhsa", "cmhsa_attn"} <= set(meta["tags"]) and meta["metrics"] == ["accuracy"]
+    assert "datasets" not in meta  # digits: no Hub dataset id, so none is claimed
+    top1 = float(list(csv.DictReader((run / "metrics.csv").open()))[-1]["top1"])
+    text = card.text
+    assert "Trained by `cmhsa train`: phase2 digits, 1 epochs." in text
+    assert "Start: impulse." in text
+    assert f"Validation top-1 {top1:.2f}% after epoch 1, on digits" in text
+    assert "Grey (PIL mode L) images, [1, 16, 16]" in text
+    code = text.split("```python\n", 1)[1].split("```", 1)[0]
+    code = code.replace("PATH/TO/THIS/FOLDER", str(run / "timm"))
+    code += "assert model.num_classes == 10 and config['input_size'] == (1, 16, 16)\n"
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]

@@ -30,7 +30,7 @@ import timm
 from timm_plugin import MODELS, SKIPS
 
 TESTS = Path(__file__).parent
-README = TESTS.parent / "README.md"
+README = TESTS.parent / "docs" / "python.md"  # its "timm's own tests" section
 FILES = ("tests/__init__.py", "tests/conftest.py", "tests/test_models.py")
 # What must pass on every model; the rest of the file names other models or is not picked for ViTs
 MUST_PASS = {

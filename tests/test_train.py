@@ -126,6 +126,34 @@ def test_eval_of_an_image_folder_needs_only_val(tmp_path: Path) -> None:
     assert r.exit_code == 0 and "6 images" in " ".join(r.output.split()), r.output
 
 
+@pytest.mark.parametrize("grey", [True, False])
+def test_a_grey_image_folder_is_said(tmp_path: Path, grey: bool) -> None:
+    """A folder of grey PNGs trained with 3 input channels gets the note Fashion-MNIST and digits
+    get (each image seen three times over; --in-chans 1); a colour folder does not, nor does a grey
+    one trained with --in-chans 1."""
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for split in ("train", "val"):
+        for c in ("a", "b"):
+            (tmp_path / "data" / split / c).mkdir(parents=True)
+            for i in range(4):
+                pixels = rng.integers(0, 256, (16, 16) if grey else (16, 16, 3), dtype=np.uint8)
+                Image.fromarray(pixels).save(tmp_path / "data" / split / c / f"{i}.png")
+    flags = [
+        *"--data imagefolder --img-size 16 --patch-size 4 --depth 1 --kernel-size 3 --batch-size 4".split(),
+        *"--workers 0 --epochs 1 --warmup-epochs 0 --device cpu --data-dir".split(),
+        tmp_path / "data",
+    ]
+    r = invoke("train", "phase1", *flags, "-o", tmp_path / "run3")
+    assert r.exit_code == 0, r.output
+    said = "note: the imagefolder images are grey" in " ".join(r.output.split())
+    assert said == grey, r.output
+    if grey:
+        r = invoke("train", "phase1", *flags, "--in-chans", "1", "-o", tmp_path / "run1")
+        assert r.exit_code == 0 and "images are grey" not in r.output, r.output
+
+
 def test_sampler_batches_do_not_depend_on_world_size() -> None:
     one = EpochSampler(100, rank=0, world=1, batch_size=8, seed=3, shuffle=True)
     two = [EpochSampler(100, rank=r, world=2, batch_size=4, seed=3, shuffle=True) for r in range(2)]
@@ -332,6 +360,7 @@ def test_non_finite_loss_in_the_first_epoch_names_no_checkpoint(tmp_path: Path, 
     assert not (tmp_path / "run" / "checkpoint-last.pt").exists()
 
 
+@pytest.mark.sends_signals
 def test_sigterm_finishes_the_step_saves_and_stops(tmp_path: Path, monkeypatch) -> None:
     def sigterm_at_3(n: int, loss: torch.Tensor) -> torch.Tensor:
         if n == 3:
@@ -339,11 +368,12 @@ def test_sigterm_finishes_the_step_saves_and_stops(tmp_path: Path, monkeypatch) 
         return loss
 
     hook_loss(monkeypatch, sigterm_at_3)
+    before = signal.getsignal(signal.SIGTERM)
     res = run(tiny(tmp_path, epochs=2, **PLAIN))
     assert res.stopped == "SIGTERM"
     state = torch.load(tmp_path / "run" / "checkpoint-last.pt", weights_only=True)
     assert (state["epoch"], state["step"], state["global_step"]) == (0, 3, 3)
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handlers restored
+    assert signal.getsignal(signal.SIGTERM) is before  # handlers restored
 
 
 @pytest.mark.slow
@@ -401,6 +431,7 @@ def test_cli_phase1_phase2_eval_plot(tmp_path: Path) -> None:
     conv = tmp_path / "p1" / "conv.safetensors"
     assert "PASS: equal logits from timm.create_model('local-dir:" in r.output
     assert sorted(p.name for p in (tmp_path / "p1" / "timm").iterdir()) == [
+        "README.md",
         "config.json",
         "model.safetensors",
     ]

@@ -205,7 +205,7 @@ def test_readme_which_start_commands_are_the_experiments_runs(monkeypatch: pytes
     )
     arms = {arm.name.split("/")[1]: arm.config for arm in seed_arms(args, 0)}
     block = re.search(
-        r"<!-- which-start -->\n```bash\n(.*?)```", (root / "README.md").read_text(), re.S
+        r"<!-- which-start -->\n```bash\n(.*?)```", (root / "docs" / "training.md").read_text(), re.S
     ).group(1)
     lines = block.splitlines()
     common = shlex.split(lines[0].split("=", 1)[1])[0]

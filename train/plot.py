@@ -99,19 +99,49 @@ BLOCK_MARKERS = "osD^vP*Xph"  # the attention panel's blocks; a run's colour is 
 MODEL_FILES = ("conv.safetensors", "conv-ema.safetensors", "vit.safetensors", "vit-ema.safetensors")
 
 
-def _started_from(run: Path) -> str | None:
-    """The checkpoint a phase-2 run started from, as its config.json names it (None: another
-    start, or no config.json cmhsa can read: the curves are then drawn from epoch 1)."""
+def _run_config(run: Path) -> dict[str, Any] | None:
+    """A run's config.json, or None where there is none cmhsa can read (the curves are then drawn
+    without what it would add: a start after another run, the dataset, the resumes)."""
     path = run / "config.json"
     try:
         check_settled(path)
         cfg = parse_json(read_text(path, what="config.json"), path) if os.path.lexists(path) else None
     except CmhsaError:
         return None
-    info = cfg.get("init_info") if isinstance(cfg, dict) else None
+    return cfg if isinstance(cfg, dict) else None
+
+
+def _started_from(run: Path) -> str | None:
+    """The checkpoint a phase-2 run started from, as its config.json names it (None: another
+    start, or no config.json cmhsa can read: the curves are then drawn from epoch 1)."""
+    cfg = _run_config(run)
+    info = cfg.get("init_info") if cfg is not None else None
     init = info.get("init") if isinstance(info, dict) else None
     ok = isinstance(init, str) and starts_from_checkpoint(str(cfg.get("phase")), init)  # type: ignore[union-attr]
     return init if ok else None
+
+
+def resumed_at(run: Path) -> list[float]:
+    """The epochs (fractional within an epoch) where a run was resumed, from config.json's
+    ``environments`` records flagged ``resumed``."""
+    cfg = _run_config(run)
+    envs = cfg.get("environments") if cfg is not None else None
+    marks = []
+    for e in envs if isinstance(envs, list) else []:
+        epoch, step = (e.get(k) for k in ("epoch", "step")) if isinstance(e, dict) else (None, None)
+        if e.get("resumed") is True and isinstance(epoch, int) and isinstance(step, int):  # type: ignore[union-attr]
+            marks.append(epoch + (0.5 if step > 0 else 0.0))  # within an epoch: its middle
+    return marks
+
+
+def dataset_of(run: Path) -> str | None:
+    """The dataset a run trained on (config.json's ``data``, with its folder), None if unknown."""
+    cfg = _run_config(run)
+    data = cfg.get("data") if cfg is not None else None
+    if not isinstance(data, str):
+        return None
+    folder = cfg.get("data_dir")  # type: ignore[union-attr]
+    return label_safe(f"{data} ({folder})" if isinstance(folder, str) and data == "imagefolder" else data)
 
 
 def epoch_offsets(runs: list[Path], last_epoch: dict[Path, float]) -> dict[Path, tuple[float, Path | None]]:
@@ -142,11 +172,13 @@ def run_labels(runs: list[Path]) -> list[str]:
     return [label_safe(str(run) if names.count(run.name) > 1 else run.name) for run in runs]
 
 
-def curves_figure(runs: list[Path]) -> Any:
-    """Validation loss and top-1 against epoch, one colour per run in every panel; with phase-2 runs,
-    each block's pinned share (solid) and gate (dashed), the run's colour, a marker per block. A
-    phase-2 run that continues another of ``runs`` is drawn after it (:func:`epoch_offsets`), a
-    dotted line where it was converted; epochs are whole numbers on the axes."""
+def curves_figure(runs: list[Path]) -> tuple[Any, list[str]]:
+    """Loss (validation solid, training dashed), top-1 and the learning rate against epoch, one
+    colour per run in every panel, each epoch a marker (a one-epoch run is a dot); with phase-2
+    runs, each block's pinned share (solid) and gate (dashed), a marker per block. A phase-2 run
+    that continues another of ``runs`` is drawn after it (:func:`epoch_offsets`), a dotted line
+    where it was converted; a dash-dotted line where a run was resumed; epochs are whole numbers on
+    the axes. Also the notes a reader needs (runs on different datasets)."""
     from matplotlib.ticker import MaxNLocator
 
     plt = pyplot()
@@ -159,11 +191,14 @@ def curves_figure(runs: list[Path]) -> Any:
     attn = sorted(
         {k for rows in data.values() for k in rows[0] if k.startswith("attn") and not k.endswith("_dist_px")}
     )
-    fig, axes = plt.subplots(1, 3 if attn else 2, figsize=(16 if attn else 11, 4.4), layout="constrained")
-    ax_loss, ax_acc = axes[0], axes[1]
+    fig, axes = plt.subplots(
+        1, 4 if attn else 3, figsize=(21 if attn else 16, 4.4), layout="constrained", sharex=True
+    )
+    ax_loss, ax_acc, ax_lr = axes[0], axes[1], axes[2]
     labels = run_labels(runs)
     label_of = dict(zip(runs, labels, strict=True))
     offsets = epoch_offsets(runs, {run: max(r["epoch"] for r in rows) for run, rows in data.items()})
+    dot = dict(marker="o", markersize=3)
     for n, (run, rows, name) in enumerate(zip(runs, data.values(), labels, strict=True)):
         shift, before = offsets[run]
         colour, epochs = f"C{n % 10}", [shift + r["epoch"] for r in rows]
@@ -171,13 +206,21 @@ def curves_figure(runs: list[Path]) -> Any:
             name = f"{name} (after {label_of[before]})"
             for ax in axes:
                 ax.axvline(shift, color=colour, linestyle=":", linewidth=1)
-        ax_loss.plot(epochs, [r["val_loss"] for r in rows], color=colour, label=name)
-        ax_acc.plot(epochs, [r["top1"] for r in rows], color=colour, label=name)
+        for at in resumed_at(run):
+            for ax in axes:
+                ax.axvline(shift + at, color=colour, linestyle="-.", linewidth=1, alpha=0.7)
+        ax_loss.plot(epochs, [r["val_loss"] for r in rows], color=colour, label=name, **dot)
+        if all("train_loss" in r for r in rows):
+            train = [r["train_loss"] for r in rows]
+            ax_loss.plot(epochs, train, "--", color=colour, label=f"{name} (train)", **dot)
+        ax_acc.plot(epochs, [r["top1"] for r in rows], color=colour, label=name, **dot)
+        if all("lr" in r and r["lr"] > 0 for r in rows):
+            ax_lr.plot(epochs, [r["lr"] for r in rows], color=colour, label=name, **dot)
         for key in attn:
             if all(key in r for r in rows):
                 block, what = _series(key)
                 run_name = f"{name}: " if len(data) > 1 else ""
-                axes[2].plot(
+                axes[3].plot(
                     epochs,
                     [r[key] for r in rows],
                     "--" if what == "gate" else "-",
@@ -187,24 +230,41 @@ def curves_figure(runs: list[Path]) -> Any:
                     markersize=4,
                     label=f"{run_name}block {block} {what}",
                 )
-    ax_loss.set(xlabel="epoch", ylabel="validation loss", title="Validation loss")
+    ax_loss.set(xlabel="epoch", ylabel="loss", title="Loss: validation (solid), training (dashed)")
     ax_acc.set(xlabel="epoch", ylabel="top-1 (%)", title="Validation top-1")
+    ax_lr.set(xlabel="epoch", ylabel="learning rate", title="Learning rate (at each epoch's start)")
+    if any(not line.get_label().startswith("_") for line in ax_lr.lines):
+        ax_lr.set_yscale("log")
+    else:
+        ax_lr.text(0.5, 0.5, "no learning rate in metrics.csv", ha="center", transform=ax_lr.transAxes)
     if attn:
-        axes[2].set(
+        axes[3].set(
             xlabel="epoch", ylabel="0 to 1, a marker per block", title="Pinned share (solid), gate (dashed)"
         )
     for ax in axes:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.suptitle(f"Training curves: {', '.join(labels)}")
-    return fig
+        if any(not line.get_label().startswith("_") for line in ax.lines):
+            ax.legend(fontsize=7)
+    notes = []
+    datasets = {run: dataset_of(run) for run in runs}
+    if len({d for d in datasets.values() if d is not None}) > 1:
+        said = ", ".join(f"{label_of[r]}: {d or 'unknown'}" for r, d in datasets.items())
+        notes.append(f"the runs trained on different datasets ({said}): their curves are not comparable")
+    title = f"Training curves: {', '.join(labels)}"
+    if any(resumed_at(run) for run in runs):
+        title += " (dash-dotted: resumed)"
+    fig.suptitle(title + ("\n" + notes[0] if notes else ""))
+    return fig, notes
 
 
-def plot_runs(runs: list[Path], output: Path) -> None:
-    """:func:`curves_figure`, written to ``output`` (.png, .pdf, .svg)."""
+def plot_runs(runs: list[Path], output: Path) -> list[str]:
+    """:func:`curves_figure`, written to ``output`` (.png, .pdf, .svg); the figure's notes (also
+    in its title) for the caller to say."""
     check_image_path(output)
-    _save(curves_figure(runs), output)
+    fig, notes = curves_figure(runs)
+    _save(fig, output)
+    return notes
 
 
 DECADES = 3  # the attention maps' log scale spans this many powers of ten below a block's largest weight

@@ -30,7 +30,6 @@ from ..api.common import amp_dtype, same_file
 from ..api.export import ExportReport, export_checkpoint
 from ..config import ViTConfig
 from ..data import (
-    GREY,
     NEEDS_DIR,
     DataSpec,
     build_data,
@@ -47,6 +46,7 @@ from ..errors import CmhsaError
 from ..io.atomic import check_writable
 from ..io.checkpoint import Checkpoint, save_checkpoint
 from ..io.lock import LOCK_NAME, locked_folder
+from ..io.model_card import CARD
 from ..io.paths import make_folder, parse_json, read_text, remove_made
 from ..io.timm_folder import CONFIG, WEIGHTS
 from ..model import VisionTransformer
@@ -306,7 +306,7 @@ def run_files(phases: tuple[str, ...] = tuple(OUTPUT)) -> list[str]:
     models = [OUTPUT[p] for p in phases]
     names = [LAST, "metrics.csv", "config.json", PENDING_REMOVAL, *models]
     names += [n.replace(".safetensors", s) for n in models for s in ("-ema.safetensors", ".onnx")]
-    return names + [f"{TIMM_FOLDER}/{n}" for n in (WEIGHTS, CONFIG)]
+    return names + [f"{TIMM_FOLDER}/{n}" for n in (WEIGHTS, CONFIG, CARD)]
 
 
 def run_outputs(out: Path) -> list[Path]:
@@ -536,8 +536,8 @@ def resume_state(
     state.load(saved, fresh_schedule if reschedule else None, steps_per_epoch)
     if plain_records(history):
         state.environments = list(history)
-        if changes:
-            state.environments.append({"epoch": state.epoch, "step": state.step, **here})
+    # a record at every resume (cmhsa plot marks them), flagged apart from the run's first one
+    state.environments.append({"epoch": state.epoch, "step": state.step, "resumed": True, **here})
     reporter.log(f"resumed {out / LAST} at epoch {state.epoch + 1}, step {state.step}")
 
 
@@ -563,7 +563,7 @@ def describe_run(
         + (f" ({cfg.runtime.workers} workers)" if loader == "workers" else "")
         + f", {cfg.runtime.threads} threads"
     )
-    if cfg.data.name in GREY and pm.config.in_chans == 3:
+    if spec.in_chans == 1 and pm.config.in_chans == 3:
         reporter.log(
             f"note: the {cfg.data.name} images are grey: with 3 input channels the "
             "model sees each one three "
@@ -576,7 +576,7 @@ def config_doc(cfg: TrainConfig, ctx: Context, pm: PhaseModel, state: RunState, 
     doc = {**cfg.to_dict(), "model": pm.config.to_dict(), "kind": pm.config.kind, "init_info": pm.init}
     doc["world_size"], doc["backend"] = ctx.world, ctx.backend
     doc["loader_used"], doc["threads_used"] = loader, cfg.runtime.threads
-    doc["environments"] = state.environments  # threads, CPU code path, versions, from which epoch
+    doc["environments"] = state.environments  # threads, CPU code path, versions; one per (re)start
     doc["scaled_lr"] = dict(zip(("lr", "min_lr", "warmup_lr"), scaled_lrs(cfg, ctx.world), strict=True))
     return json.dumps(doc, indent=2) + "\n"
 
@@ -727,9 +727,12 @@ def train(
             save()
     if ctx.is_main:
         result.model_path = out / OUTPUT[cfg.phase]
+        last = st.metrics[-1] if st.metrics else {}
+        figures = {k: last[k] for k in ("epoch", "top1", "top5", "val_loss") if k in last}
         meta = {
             "cmhsa.trained": f"{cfg.phase} {cfg.data.name}, {cfg.recipe.epochs} epochs",
             "cmhsa.init": json.dumps(st.init),
+            "cmhsa.result": json.dumps({"data": cfg.data.name, **figures}),  # the model card's figures
         }
         save_checkpoint(result.model_path, st.model_config, st.model.state_dict(), meta)
         if st.ema is not None:

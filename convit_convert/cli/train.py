@@ -12,6 +12,7 @@ that were typed and disagree.
 from __future__ import annotations
 
 import inspect
+import sys
 from pathlib import Path
 from typing import Annotated, Any, NamedTuple, Optional
 
@@ -20,6 +21,7 @@ import typer
 from ..errors import CmhsaError
 from ..io.paths import make_folder, remove_made
 from ..settings import AMPS, AttentionOptions, EvalOptions
+from ..text import terminal_safe
 from ..train.config import DEFAULT_RULES, TrainConfig
 from .common import EXIT_FAIL, console, print_titled, safe
 from .options import (
@@ -510,11 +512,12 @@ def plot_command(
         ),
     ] = None,
 ) -> None:
-    """Validation loss and top-1 against epoch for one or more runs (the paper's Figure 2 view)."""
+    """Loss, top-1 and learning rate against epoch for one or more runs (the paper's Figure 2 view)."""
     from ..train.plot import plot_runs
 
     output = output or runs[0] / "curves.png"  # beside the runs, never in whatever folder the shell is in
-    plot_runs(runs, output)
+    for note in plot_runs(runs, output):
+        print(f"note: {terminal_safe(note)}", file=sys.stderr)
     console.print(f"wrote {safe(str(output))}")
 
 

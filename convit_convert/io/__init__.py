@@ -1,4 +1,5 @@
 """Files: the checkpoint format (`checkpoint.py`: read, validate, write; `safetensors_writer.py`:
 one pass, hashed), atomic writes (`atomic.py`) and their commit journal read as untrusted input
 (`journal.py`), the paths a user gives (`paths.py`), the run folder's lock (`lock.py`), JSON
-reports (`report.py`) and timm's pretrained folder (`timm_folder.py`)."""
+reports (`report.py`) and timm's pretrained folder (`timm_folder.py`) with its model card
+(`model_card.py`)."""

@@ -6,6 +6,8 @@ reads (timm >= 1.0.16, after ``import convit_convert.timm``) and the Hugging Fac
     DIR/config.json         timm's: {"architecture": "cmhsa_attn", "num_classes": 10,
                             "num_features": 48, "model_args": {"cmhsa_config": {...}},
                             "pretrained_cfg": {"input_size": [1, 28, 28], "mean": [...], ...}}
+    DIR/README.md           the model card (io/model_card.py): the Hub's metadata, how it was
+                            made, its input, the import line
 
 ``model_args`` carries the model's whole cmhsa config, so any size cmhsa supports is rebuilt as it
 was; ``pretrained_cfg`` is how the model wants its input (timm's ``resolve_data_config`` reads it).
@@ -23,6 +25,7 @@ from ..defaults import EVAL_CROP_PCT, EVAL_INTERPOLATION
 from ..errors import CmhsaError
 from .atomic import atomic_paths
 from .checkpoint import write_checkpoint
+from .model_card import CARD, model_card
 
 WEIGHTS, CONFIG = "model.safetensors", "config.json"
 ARCHITECTURES = {"conv": "cmhsa_conv", "attn": "cmhsa_attn"}  # timm's registered names, by kind
@@ -89,17 +92,20 @@ def timm_config(cfg: ViTConfig) -> dict[str, Any]:
 def write_timm_folder(
     folder: Path, cfg: ViTConfig, state_dict: dict[str, Any], metadata: dict[str, str] | None = None
 ) -> list[Path]:
-    """Write ``folder``'s two files together (both or neither; the folder is made if missing);
+    """Write ``folder``'s three files together (all or none; the folder is made if missing): the
+    weights, timm's config.json and the model card README.md (io/model_card.py, from ``metadata``);
     ``state_dict``: every tensor of the model (timm loads it strictly). The paths written."""
     folder = Path(folder)
     if folder.exists() and not folder.is_dir():
         raise CmhsaError("is a file; a timm folder is a directory", folder)
     folder.mkdir(parents=True, exist_ok=True)
-    weights, config = folder / WEIGHTS, folder / CONFIG
-    with atomic_paths(weights, config) as (tmp_weights, tmp_config):
+    weights, config, card = folder / WEIGHTS, folder / CONFIG, folder / CARD
+    text = model_card(cfg, metadata or {}, cfg.num_params(), preprocessing(cfg))
+    with atomic_paths(weights, config, card) as (tmp_weights, tmp_config, tmp_card):
         write_checkpoint(tmp_weights, cfg, state_dict, metadata, weights)
         tmp_config.write_text(json.dumps(timm_config(cfg), indent=2) + "\n", encoding="utf-8")
-    return [weights, config]
+        tmp_card.write_text(text, encoding="utf-8")
+    return [weights, config, card]
 
 
 def config_from_arg(value: Any, kind: str, where: object) -> ViTConfig:

@@ -1,0 +1,118 @@
+"""The model card of a timm folder (README.md): YAML metadata as the Hugging Face Hub reads it
+(``huggingface_hub.ModelCard.load``), then how the model was made, its input, and the one import
+line ``create_model("local-dir:...")`` / ``hf-hub:`` needs. Everything in it comes from the model's
+config and the metadata cmhsa wrote into the checkpoint (``cmhsa.trained``, ``cmhsa.init``,
+``cmhsa.result`` from ``cmhsa train``; ``cmhsa.source_sha256`` from ``cmhsa convert``); what is
+not known is not claimed. No torch."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from ..config import ViTConfig
+from ..text import terminal_safe
+
+CARD = "README.md"
+# the Hub's ids of the datasets cmhsa reads, where the Hub has one (digits, a folder, synthetic: none)
+HUB_DATASETS = {
+    "fashion-mnist": "zalando-datasets/fashion_mnist",
+    "cifar10": "uoft-cs/cifar10",
+    "cifar100": "uoft-cs/cifar100",
+}
+KINDS = {
+    "conv": "phase 1: a convolutional ViT (each block's attention replaced by a K×K convolution)",
+    "attn": "phase 2: a Vision Transformer with relative-position multi-head self-attention",
+}
+
+
+def _json(metadata: dict[str, str], key: str) -> dict[str, Any]:
+    """A JSON object cmhsa wrote into the metadata, or {} (absent, or not an object)."""
+    try:
+        value = json.loads(metadata.get(key, "{}"))
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _text(value: object) -> str:
+    """A value from a file, safe to put in Markdown and YAML: control characters escaped, no
+    backquotes, one line."""
+    return " ".join(terminal_safe(str(value)).replace("`", "'").split())[:200]
+
+
+def model_card(
+    cfg: ViTConfig, metadata: dict[str, str], num_params: int, preprocessing: dict[str, str]
+) -> str:
+    """README.md of a timm folder holding a model of ``cfg`` (``preprocessing``: how it wants an
+    image, io.timm_folder.preprocessing)."""
+    result, init = _json(metadata, "cmhsa.result"), _json(metadata, "cmhsa.init")
+    data = result.get("data")
+    arch = "cmhsa_attn" if cfg.kind == "attn" else "cmhsa_conv"
+    yaml = ["---", "library_name: timm", "license: mit", "pipeline_tag: image-classification", "tags:"]
+    yaml += [f"- {t}" for t in ("image-classification", "timm", "cmhsa", "vision-transformer", arch)]
+    if data in HUB_DATASETS:
+        yaml += ["datasets:", f"- {HUB_DATASETS[data]}"]
+    if isinstance(result.get("top1"), (int, float)):
+        yaml += ["metrics:", "- accuracy"]
+    yaml.append("---")
+    heads = f", {cfg.num_heads} heads" if cfg.kind == "attn" else ""
+    lines = [
+        f"# {arch}: {KINDS[cfg.kind]}",
+        "",
+        "Made with [cmhsa](https://arxiv.org/abs/2111.01353) (*Can Vision Transformers Perform "
+        "Convolution?*): "
+        f"depth {cfg.depth}, width {cfg.embed_dim}, {cfg.patch_size}×{cfg.patch_size} patches, "
+        f"{cfg.kernel_size}×{cfg.kernel_size} kernel{heads}; {num_params:,} parameters; "
+        f"{cfg.num_classes} classes.",
+        "",
+        "## How it was made",
+        "",
+    ]
+    made = []
+    if "cmhsa.trained" in metadata:
+        made.append(f"- Trained by `cmhsa train`: {_text(metadata['cmhsa.trained'])}.")
+    if init.get("init") is not None:
+        made.append(f"- Start: {_text(init['init'])}.")
+    if isinstance(result.get("top1"), (int, float)):
+        at = f" after epoch {result['epoch']}" if isinstance(result.get("epoch"), int) else ""
+        made.append(
+            f"- Validation top-1 {result['top1']:.2f}%{at}, on {_text(data)}'s validation split as "
+            "`cmhsa train` held it out (the run's metrics.csv)."
+        )
+    if "cmhsa.source_sha256" in metadata:
+        made.append(
+            "- Converted exactly (Theorem 1) by `cmhsa convert` from the convolutional model with "
+            f"sha256 {_text(metadata['cmhsa.source_sha256'])}."
+        )
+    lines += made or ["- Not recorded in the weights' metadata (not written by `cmhsa train`)."]
+    p = preprocessing
+    lines += [
+        "",
+        "## Input",
+        "",
+        f"{'Grey (PIL mode L)' if p['channels'] == 'L' else 'RGB'} images, {p['input_size']} "
+        "(channels, height, width), fixed size. As "
+        f"`cmhsa eval` and timm's evaluation transform: resize the shorter side to "
+        f"{p['resize_shorter_to']} px ({p['interpolation']}), centre crop, scale to 0..1, normalise "
+        f"with mean {p['mean']} and std {p['std']}. Output: {p['num_classes']} logits.",
+        "",
+        "## Use",
+        "",
+        "```python",
+        "import timm",
+        "import timm.data",
+        "import convit_convert.timm  # registers cmhsa_conv and cmhsa_attn with timm (pip install cmhsa)",
+        "",
+        '# "local-dir:" and this folder\'s path, or "hf-hub:" and its Hub name once uploaded',
+        'model = timm.create_model("local-dir:PATH/TO/THIS/FOLDER", pretrained=True)',
+        "config = timm.data.resolve_data_config({}, model=model)",
+        "transform = timm.data.create_transform(**config)",
+        "```",
+        "",
+        "Files: `model.safetensors` (the weights, cmhsa's checkpoint format: `cmhsa inspect` reads it) "
+        "and `config.json` (timm's: the architecture, `model_args` with the whole cmhsa config, "
+        "`pretrained_cfg`). The license above is `pretrained_cfg`'s; change both if yours differs.",
+        "",
+    ]
+    return "\n".join(yaml) + "\n\n" + "\n".join(lines)

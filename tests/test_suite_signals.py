@@ -1,0 +1,69 @@
+"""The test suite itself stops on Ctrl-C (conftest.py): a SIGINT or SIGTERM that lands in a training
+run ends the session, not only that run, and no command starts after it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import TINY_RUN
+from convit_convert.train.config import TrainConfig
+from convit_convert.train.progress import Progress
+from convit_convert.train.run import run
+
+ROOT = Path(__file__).resolve().parent.parent
+PROBE = "CMHSA_SIGNAL_PROBE"  # the folder the probe's runs write to; unset: the probe is skipped
+
+
+@pytest.mark.skipif(PROBE not in os.environ, reason="run by test_a_signal_stops_the_whole_session")
+def test_two_long_runs() -> None:
+    """Two runs of many epochs, back to back (the shape of test_step's compiled tests): the first
+    says when its steps start; a second must never start once a signal came."""
+    folder = Path(os.environ[PROBE])
+    log = folder / "log.txt"
+
+    def write(line: str) -> None:
+        with log.open("a") as f:
+            f.write(line + "\n")
+
+    for name in ("first", "second"):
+        write(f"starting {name}")
+        flags = {**TINY_RUN, "epochs": 10_000, "log_every": 1, "workers": 0, "device": "cpu"}
+        run(TrainConfig.from_flags(out=str(folder / name), **flags), progress=Progress(write))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_stops_the_whole_session(tmp_path: Path, sig: signal.Signals) -> None:
+    """pytest running the probe gets ``sig`` once the first run is stepping: it exits within 60 s,
+    interrupted (pytest's code 2 for a KeyboardInterrupt, or 130 from conftest), and the second run
+    never starts. (Before conftest's handling the first run saved and stopped, the test went on,
+    and the second run trained for its 10,000 epochs.)"""
+    log = tmp_path / "log.txt"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"{__file__}::test_two_long_runs"],
+        cwd=ROOT,
+        env={**os.environ, PROBE: str(tmp_path)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while "step 2/" not in (log.read_text() if log.exists() else ""):
+            assert proc.poll() is None and time.monotonic() < deadline, "the probe never started stepping"
+            time.sleep(0.2)
+        proc.send_signal(sig)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    text = log.read_text()
+    assert "starting second" not in text, text[-2000:]
+    assert proc.returncode in (2, 130), (proc.returncode, out[-2000:])
+    assert "KeyboardInterrupt" in out or "interrupted" in out, out[-2000:]
