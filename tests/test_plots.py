@@ -205,3 +205,27 @@ def test_runs_on_different_datasets_are_said(tmp_path: Path) -> None:
     r = invoke("plot", a, b, "-o", tmp_path / "c.png")
     assert r.exit_code == 0 and "note: the runs trained on different datasets" in r.stderr, r.output
     assert invoke("plot", a, full_metrics(tmp_path / "c", 2), "-o", tmp_path / "d.png").stderr == ""
+
+
+def test_resume_marks_from_a_config_anyone_wrote_are_bounded(tmp_path: Path) -> None:
+    """config.json is read as untrusted: records that are not objects, flags that are not true,
+    epochs that are not whole numbers in range (a bool, a float, 10**400, negative) are ignored,
+    and at most MAX_MARKS marks are drawn."""
+    from convit_convert.train.plot import MAX_MARKS, resumed_at
+
+    run = full_metrics(tmp_path / "run", 2)
+    envs = [
+        "text",
+        7,
+        {"resumed": "yes", "epoch": 1, "step": 0},
+        {"resumed": True, "epoch": True, "step": 0},
+        {"resumed": True, "epoch": 1.5, "step": 0},
+        {"resumed": True, "epoch": 10**400, "step": 0},
+        {"resumed": True, "epoch": -1, "step": 0},
+        {"resumed": True, "epoch": 1, "step": 3},
+    ] + [{"resumed": True, "epoch": e, "step": 0} for e in range(2, 10_000)]
+    (run / "config.json").write_text(json.dumps({"phase": "phase1", "environments": envs}))
+    marks = resumed_at(run)
+    assert marks[0] == 1.5 and len(marks) == MAX_MARKS
+    fig, _ = curves_figure([run])
+    assert fig is not None

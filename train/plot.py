@@ -121,17 +121,25 @@ def _started_from(run: Path) -> str | None:
     return init if ok else None
 
 
+MAX_MARKS = 100  # resume marks drawn per run (config.json may be anyone's)
+
+
 def resumed_at(run: Path) -> list[float]:
     """The epochs (fractional within an epoch) where a run was resumed, from config.json's
-    ``environments`` records flagged ``resumed``."""
+    ``environments`` records flagged ``resumed``: whole numbers from 0 to LARGEST only, at most
+    MAX_MARKS of them (anything else in the file is ignored)."""
     cfg = _run_config(run)
     envs = cfg.get("environments") if cfg is not None else None
-    marks = []
+    marks: set[float] = set()
     for e in envs if isinstance(envs, list) else []:
-        epoch, step = (e.get(k) for k in ("epoch", "step")) if isinstance(e, dict) else (None, None)
-        if e.get("resumed") is True and isinstance(epoch, int) and isinstance(step, int):  # type: ignore[union-attr]
-            marks.append(epoch + (0.5 if step > 0 else 0.0))  # within an epoch: its middle
-    return marks
+        if not isinstance(e, dict) or e.get("resumed") is not True:
+            continue
+        epoch, step = e.get("epoch"), e.get("step")
+        if all(type(v) is int and 0 <= v <= LARGEST for v in (epoch, step)):
+            marks.add(epoch + (0.5 if step > 0 else 0.0))  # within an epoch: its middle
+        if len(marks) >= MAX_MARKS:
+            break
+    return sorted(marks)
 
 
 def dataset_of(run: Path) -> str | None:
@@ -141,7 +149,8 @@ def dataset_of(run: Path) -> str | None:
     if not isinstance(data, str):
         return None
     folder = cfg.get("data_dir")  # type: ignore[union-attr]
-    return label_safe(f"{data} ({folder})" if isinstance(folder, str) and data == "imagefolder" else data)
+    said = f"{data} ({folder})" if isinstance(folder, str) and data == "imagefolder" else data
+    return label_safe(said[:200])  # anyone's file: a name, not a page of text
 
 
 def epoch_offsets(runs: list[Path], last_epoch: dict[Path, float]) -> dict[Path, tuple[float, Path | None]]:
