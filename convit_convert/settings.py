@@ -23,9 +23,15 @@ from .config import NORM_EPS
 from .defaults import DATASETS, EVAL_CROP_PCT
 from .errors import CmhsaError
 
-DEVICE_NAME = re.compile(r"auto|cpu|cuda(:\d{1,4})?")  # which GPUs exist is checked where one is used
+DEVICE_NAME = re.compile(r"auto|cpu|cuda(?::(\d{1,4}))?")  # group 1: the GPU's index
 AMPS = ("auto", "bf16", "fp16", "none")
 DTYPES = ("float32", "float64")
+
+
+def check_device_name(name: object) -> None:
+    """``name`` is one a user may give (which GPUs exist is checked where one is used)."""
+    if not isinstance(name, str) or not DEVICE_NAME.fullmatch(name):
+        raise CmhsaError(f"`device` must be auto, cpu, cuda or cuda:N, got {name!r}")
 
 
 @dataclass(frozen=True)
@@ -43,8 +49,8 @@ class Checked:
             if allowed is not None and value not in allowed:
                 raise CmhsaError(f"`{f.name}` must be one of {', '.join(allowed)}, got {value!r}")
         device = getattr(self, "device", None)
-        if device is not None and not DEVICE_NAME.fullmatch(str(device)):
-            raise CmhsaError(f"`device` must be auto, cpu, cuda or cuda:N, got {device!r}")
+        if device is not None:
+            check_device_name(device)
 
     def replace(self, **changes: Any) -> Any:
         """A copy with ``changes``, checked again."""

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import re
 from pathlib import Path
 
 import torch
@@ -13,7 +12,7 @@ import torch
 from ..errors import CmhsaError
 from ..io.atomic import check_writable
 from ..io.checkpoint import Checkpoint, check_geometry, load_tensor_checkpoint
-from ..settings import Geometry
+from ..settings import DEVICE_NAME, Geometry, check_device_name
 from ..spec import DEFAULT_TOL
 
 AMP = {"bf16": torch.bfloat16, "fp16": torch.float16, "none": None}
@@ -39,11 +38,10 @@ def load_checkpoint(
 def resolve_device(name: str) -> str:
     """'auto' is CUDA when present; anything but cpu, cuda, cuda:N, or a GPU that is not there, is
     bad input."""
+    check_device_name(name)
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
-    m = re.fullmatch(r"cuda(?::(\d{1,4}))?", name)
-    if name != "cpu" and m is None:
-        raise CmhsaError(f"`device` must be auto, cpu, cuda or cuda:N, got {name!r}")
+    m = DEVICE_NAME.fullmatch(name) if name.startswith("cuda") else None
     if m is not None and not torch.cuda.is_available():
         raise CmhsaError(f"`device` {name}: CUDA is not available here (use `device` cpu or auto)")
     if m is not None and m.group(1) is not None and int(m.group(1)) >= torch.cuda.device_count():
