@@ -122,3 +122,10 @@ def test_the_python_pages_api_block_runs(tmp_path: Path) -> None:
     r = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.split()[:2] == ["True", "16"] and (tmp_path / "runs" / "vit.safetensors").exists()
+
+
+def test_the_readmes_test_command_is_what_ci_runs() -> None:
+    """.ci/run sets up from nothing and runs the README's test command: the two lines are one."""
+    ci = [ln for ln in (ROOT / ".ci" / "run").read_text().splitlines() if ln.startswith("python3 -m venv")]
+    readme = [ln for ln in README.read_text(encoding="utf-8").splitlines() if "pytest -q -m" in ln]
+    assert len(ci) == 1 and readme == ci
