@@ -46,7 +46,8 @@ class Checked:
             value = getattr(self, f.name)
             check(f.name, value)
             allowed = self.CHOICES.get(f.name)
-            if allowed is not None and value not in allowed:
+            optional = value is None and f.default is None  # a field whose default is "none given"
+            if allowed is not None and not optional and value not in allowed:
                 raise CmhsaError(f"`{f.name}` must be one of {', '.join(allowed)}, got {value!r}")
         device = getattr(self, "device", None)
         if device is not None:
@@ -87,18 +88,13 @@ class CalibrationSource(Checked):
     random images of ``calib``'s training split and its first ``heldout_images`` validation images
     (``calib`` None: N(0, 1) noise images, the statistics of normalised inputs)."""
 
-    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {}
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"calib": DATASETS}
 
     calib: str | None = None
     data_dir: str | None = None
     calib_images: int = 256
     heldout_images: int = 512
     seed: int = 0
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.calib is not None and self.calib not in DATASETS:
-            raise CmhsaError(f"`calib` must be one of {', '.join(DATASETS)}, got {self.calib!r}")
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from ..errors import CmhsaError
 from ..io.atomic import atomic_path, atomic_paths
 from ..io.journal import check_settled
 from ..io.paths import parse_json, read_text
+from ..notices import notice
 from ..text import label_safe
 from .config import starts_from_checkpoint
 from .progress import EMA_METRICS, METRICS
@@ -207,6 +208,7 @@ def curves_figure(runs: list[Path]) -> tuple[Any, list[str]]:
     labels = run_labels(runs)
     label_of = dict(zip(runs, labels, strict=True))
     offsets = epoch_offsets(runs, {run: max(r["epoch"] for r in rows) for run, rows in data.items()})
+    marks = {run: resumed_at(run) for run in runs}
     dot = dict(marker="o", markersize=3)
     for n, (run, rows, name) in enumerate(zip(runs, data.values(), labels, strict=True)):
         shift, before = offsets[run]
@@ -215,7 +217,7 @@ def curves_figure(runs: list[Path]) -> tuple[Any, list[str]]:
             name = f"{name} (after {label_of[before]})"
             for ax in axes:
                 ax.axvline(shift, color=colour, linestyle=":", linewidth=1)
-        for at in resumed_at(run):
+        for at in marks[run]:
             for ax in axes:
                 ax.axvline(shift + at, color=colour, linestyle="-.", linewidth=1, alpha=0.7)
         ax_loss.plot(epochs, [r["val_loss"] for r in rows], color=colour, label=name, **dot)
@@ -261,19 +263,20 @@ def curves_figure(runs: list[Path]) -> tuple[Any, list[str]]:
         said = ", ".join(f"{label_of[r]}: {d or 'unknown'}" for r, d in datasets.items())
         notes.append(f"the runs trained on different datasets ({said}): their curves are not comparable")
     title = f"Training curves: {', '.join(labels)}"
-    if any(resumed_at(run) for run in runs):
+    if any(marks.values()):
         title += " (dash-dotted: resumed)"
     fig.suptitle(title + ("\n" + notes[0] if notes else ""))
     return fig, notes
 
 
-def plot_runs(runs: list[Path], output: Path) -> list[str]:
-    """:func:`curves_figure`, written to ``output`` (.png, .pdf, .svg); the figure's notes (also
-    in its title) for the caller to say."""
+def plot_runs(runs: list[Path], output: Path) -> None:
+    """:func:`curves_figure`, written to ``output`` (.png, .pdf, .svg); its notes (also in its
+    title) said as notices (the CLI prints them as ``note:`` lines)."""
     check_image_path(output)
     fig, notes = curves_figure(runs)
     _save(fig, output)
-    return notes
+    for line in notes:
+        notice(line)
 
 
 DECADES = 3  # the attention maps' log scale spans this many powers of ten below a block's largest weight

@@ -12,7 +12,6 @@ that were typed and disagree.
 from __future__ import annotations
 
 import inspect
-import sys
 from pathlib import Path
 from typing import Annotated, Any, NamedTuple, Optional
 
@@ -21,7 +20,6 @@ import typer
 from ..errors import CmhsaError
 from ..io.paths import make_folder, remove_made
 from ..settings import AMPS, AttentionOptions, EvalOptions
-from ..text import terminal_safe
 from ..train.config import DEFAULT_RULES, TrainConfig
 from .common import EXIT_FAIL, console, print_titled, safe
 from .options import (
@@ -516,8 +514,7 @@ def plot_command(
     from ..train.plot import plot_runs
 
     output = output or runs[0] / "curves.png"  # beside the runs, never in whatever folder the shell is in
-    for note in plot_runs(runs, output):
-        print(f"note: {terminal_safe(note)}", file=sys.stderr)
+    plot_runs(runs, output)  # its notes reach stderr through the boundary's notice sink
     console.print(f"wrote {safe(str(output))}")
 
 
