@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .taps import output_projection, project, tap_selectors
+from .taps import kernel_taps, output_projection, project, tap_selectors
 from .theory import patch_offsets
 
 ConvFormName = Literal["auto", "pixels", "tokens"]
@@ -86,6 +86,47 @@ def token_plan(channels: int, kernel_size: int, patch_size: int, dilation: int) 
     position[ring] = torch.arange(len(ring))
     columns = torch.cat([r * d + f for r, f in enumerate(reads)])
     return TokenPlan(offsets, [position[f] for f in reads[1:]], ring, columns, len(reads[0]))
+
+
+def token_sizes(channels: int, kernel_size: int, patch_size: int, dilation: int) -> tuple[int, int, int, int]:
+    """(N_Δ, centre, Σ|strip|, |ring|) of :func:`token_plan`, counted from the taps alone (per axis,
+    which of a neighbour's P pixels some tap reads), without building W^O: what sizing a run needs
+    before it allocates anything."""
+    offsets = patch_offsets(kernel_size, patch_size, dilation)
+    offsets.sort(key=lambda o: o != (0, 0))
+    read = [  # per axis: (N_Δ, P) whether input pixel s of the neighbour at offsets[r] is read
+        (kernel_taps([o[axis] for o in offsets], patch_size, kernel_size, dilation) < kernel_size).any(2)
+        for axis in (0, 1)
+    ]
+    pixels = read[0][:, :, None] & read[1][:, None, :]  # (N_Δ, P, P)
+    counts = pixels.flatten(1).sum(1).tolist()
+    ring = int(pixels[1:].any(0).sum()) if len(offsets) > 1 else 0
+    return len(offsets), channels * counts[0], channels * sum(counts[1:]), channels * ring
+
+
+def token_form_bytes(
+    channels: int,
+    kernel_size: int,
+    patch_size: int,
+    dilation: int,
+    grid_size: tuple[int, int],
+    batch: int,
+) -> int:
+    """Bytes one block's token form allocates in a training step, beyond what the pixel form's
+    estimate (``ViTConfig.activation_bytes``) counts, from the sizes :meth:`ConvMixer.token_products`
+    allocates: W^O's float64 contractions (y taps N_Δ·P²·K·C², W^O and its reshape 2·N_Δ·d², its
+    columns d·(centre + S), then in float32) and the float32 activations kept for the backward (the
+    centre's features, y, the ring's features and its zero-padded grid, the strips and their
+    concatenation, the sum)."""
+    n_delta, centre, strips, ring = token_sizes(channels, kernel_size, patch_size, dilation)
+    d, p, (gh, gw) = patch_size**2 * channels, patch_size, grid_size
+    reach = max(max(abs(dy), abs(dx)) for dy, dx in patch_offsets(kernel_size, patch_size, dilation))
+    n = gh * gw
+    weights = 8 * (n_delta * p * p * kernel_size * channels**2 + 2 * n_delta * d * d + d * (centre + strips))
+    weights += 4 * d * (centre + strips)
+    per_image = n * ((centre if centre < d else 0) + 2 * d + ring + 2 * strips)
+    per_image += (gh + 2 * reach) * (gw + 2 * reach) * ring
+    return weights + 4 * batch * per_image
 
 
 class ConvMixer(nn.Conv2d):

@@ -22,7 +22,8 @@ from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 
 from .defaults import DATASETS, EVAL_CROP_PCT, EVAL_INTERPOLATION, MAX_DEFAULT_WORKERS
 from .errors import CmhsaError, first_line
-from .io.paths import make_folder, open_regular, remove_made, require_regular
+from .io.folder import make_folder, remove_made
+from .io.paths import open_regular, require_regular
 from .resources import check_fits
 
 NEEDS_DIR = ("cifar10", "cifar100", "imagefolder")  # the datasets only `data_dir` can give
@@ -273,8 +274,14 @@ def image_folder(root: Path, val_only: bool = False) -> DataSpec:
     for split in splits:
         if not (root / split).is_dir():
             raise CmhsaError(f"imagefolder needs {split}/ (class folders of images) inside", root)
+
+    class Scanned(ImageFolder):  # torchvision's class, with a walk that ends (scan_images)
+        @staticmethod
+        def make_dataset(directory: Any, class_to_idx: dict[str, int], *args: Any, **kw: Any) -> Any:
+            return scan_images(Path(directory), class_to_idx)
+
     try:
-        found = [ImageFolder(str(root / s), loader=load_image, is_valid_file=_image_file) for s in splits]
+        found = [Scanned(str(root / s), loader=load_image, is_valid_file=_image_file) for s in splits]
     except (FileNotFoundError, RuntimeError) as e:
         raise CmhsaError(f"not a usable image folder ({first_line(e, 200)})", root) from None
     val = found[-1]
@@ -284,6 +291,59 @@ def image_folder(root: Path, val_only: bool = False) -> DataSpec:
     if train.classes != val.classes:
         raise CmhsaError("train/ and val/ have different class folders", root)
     return DataSpec(train, val, len(train.classes), in_chans=sampled_channels(train))
+
+
+# an image folder's scan is bounded: ImageNet-21k has 14 M images in 22 k folders
+MAX_IMAGES = 50_000_000
+MAX_FOLDERS = 1_000_000
+
+
+def scan_images(directory: Path, class_to_idx: dict[str, int]) -> list[tuple[str, int]]:
+    """Each class folder's images as (path, class index), in torchvision's order (by folder path,
+    then file name). Links to folders are followed, but every folder is visited once (two links
+    that point at each other end, where ``os.walk(followlinks=True)`` never does), and at most
+    MAX_FOLDERS folders and MAX_IMAGES images are taken; a class with no image is refused
+    (FileNotFoundError, as torchvision raises it)."""
+    seen: set[tuple[int, int]] = set()
+    found: list[tuple[str, int]] = []
+    empty: list[str] = []
+    count = 0
+    for name in sorted(class_to_idx):
+        listed: list[tuple[str, list[str]]] = []
+        stack = [str(directory / name)]
+        while stack:
+            folder = stack.pop()
+            try:
+                st = os.stat(folder)
+                if (st.st_dev, st.st_ino) in seen:
+                    continue  # a loop, or a second link to a folder already scanned
+                seen.add((st.st_dev, st.st_ino))
+                if len(seen) > MAX_FOLDERS:
+                    raise CmhsaError(
+                        f"holds more than {MAX_FOLDERS:,} folders; cmhsa scans at most that", directory
+                    )
+                with os.scandir(folder) as it:
+                    entries = sorted(it, key=lambda e: e.name)
+                files = []
+                for e in entries:
+                    if e.is_dir():  # follows a link, as torchvision does
+                        stack.append(e.path)
+                    elif _image_file(e.path):
+                        files.append(e.path)
+            except OSError as e:
+                raise CmhsaError(f"cannot read the image folder ({e.strerror})", folder) from None
+            listed.append((folder, files))
+            count += len(files)
+            if count > MAX_IMAGES:
+                raise CmhsaError(
+                    f"holds more than {MAX_IMAGES:,} images; cmhsa scans at most that", directory
+                )
+        found += [(path, class_to_idx[name]) for _, files in sorted(listed) for path in files]
+        if not any(files for _, files in listed):
+            empty.append(name)
+    if empty:  # torchvision's words
+        raise FileNotFoundError(f"Found no valid file for the classes {', '.join(empty)}. ")
+    return found
 
 
 GREY_MODES = ("1", "L", "LA", "I", "I;16", "F")  # PIL's modes of single-channel images

@@ -23,6 +23,7 @@ here), loaded back with ``timm.create_model("local-dir:DIR", pretrained=True)`` 
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,8 +36,18 @@ from .api import load_checkpoint
 from .config import ViTConfig
 from .errors import CmhsaError, article
 from .io.checkpoint import Checkpoint
+from .io.folder import Folder
 from .io.journal import check_settled
-from .io.timm_folder import CONFIG, CONFIG_ARG, WEIGHTS, config_from_arg, pretrained_cfg, write_timm_folder
+from .io.paths import parse_json, read_text
+from .io.timm_folder import (
+    CONFIG,
+    CONFIG_ARG,
+    WEIGHTS,
+    check_folder_config,
+    config_from_arg,
+    pretrained_cfg,
+    write_timm_folder,
+)
 from .model import VisionTransformer
 from .theory import heads_needed
 
@@ -64,7 +75,14 @@ def _create(
     source = _as_dict(kwargs.pop("pretrained_cfg", None))  # timm's, for a folder: its config.json's
     cache_dir = kwargs.pop("cache_dir", None)
     folder_args = kwargs.pop(CONFIG_ARG, None)  # a timm folder's model_args (local-dir:, hf-hub:)
-    kwargs.pop("pretrained_model_args", None)  # timm's copy of them
+    saved_args = kwargs.pop("pretrained_model_args", None) or {}  # timm's copy of them
+    if folder_args is not None and set(saved_args) - {CONFIG_ARG}:  # they reached kwargs too
+        extra = sorted(set(saved_args) - {CONFIG_ARG})
+        raise CmhsaError(
+            f"the folder's config.json has model_args {', '.join(map(repr, extra))[:100]} beside "
+            f"{CONFIG_ARG!r}; timm would pass them to the model's factory: not a folder cmhsa wrote",
+            source.get("file") or source.get("hf_hub_id"),
+        )
     num_classes, drop_path_rate = kwargs.pop("num_classes", None), kwargs.pop("drop_path_rate", 0.0)
     device, dtype = kwargs.pop("device", None), kwargs.pop("dtype", None)
     global_pool = kwargs.pop("global_pool", None)
@@ -173,7 +191,7 @@ def _agrees_with_timm(cfg: ViTConfig, source: dict[str, Any], where: object) -> 
     expected = pretrained_cfg(cfg)
     for key in ("num_classes", "input_size"):
         value = source.get(key)
-        if value is not None and plain(value) != plain(expected[key]):
+        if key in source and (isinstance(value, bool) or plain(value) != plain(expected[key])):
             raise CmhsaError(
                 f"config.json says {key} {value!r} but its model_args' {CONFIG_ARG} makes "
                 f"{expected[key]!r}; timm would load a different model than the one saved",
@@ -209,6 +227,57 @@ def _features(
     features = FeatureGetterNet(model, out_indices, output_fmt=output_fmt)
     features.pretrained_cfg = features.default_cfg = pretrained_cfg_for_features(model.pretrained_cfg)
     return features
+
+
+def folder_config(path: Path) -> ViTConfig | None:
+    """The timm folder ``path``'s config.json read as untrusted input (bounded, a regular file)
+    and checked as cmhsa writes it (``io.timm_folder.check_folder_config``); None for a folder of
+    another architecture."""
+    where = Path(path) / CONFIG
+    doc = parse_json(read_text(where, MAX_CONFIG_BYTES, "timm config.json"), where, "config.json")
+    return check_folder_config(doc, where)
+
+
+MAX_CONFIG_BYTES = 2**20  # a cmhsa config.json is about 1 KB
+
+
+def _checked_first(load: Any, read: Any) -> Any:
+    """timm's folder-config loader ``load``, after cmhsa's check of the config.json ``read(...)``
+    returns (a path): a folder that names a cmhsa architecture is refused in one line before timm
+    parses it, builds anything or loads a weight."""
+
+    @functools.wraps(load)
+    def checked(model_id: Any, *args: Any, **kwargs: Any) -> Any:
+        path = read(model_id, *args, **kwargs)
+        if path is not None:
+            folder_config(Path(path).parent)
+        return load(model_id, *args, **kwargs)
+
+    checked.cmhsa_checked = True  # type: ignore[attr-defined]
+    return checked
+
+
+def _check_folders_before_timm() -> None:
+    """Put cmhsa's folder check in front of timm's two folder-config loaders (``local-dir:``,
+    ``hf-hub:``) where timm's factory calls them (private names: skipped when a timm release moves
+    them; ``_create`` still checks what reaches it)."""
+    try:
+        from timm.models import _factory, _hub
+    except ImportError:
+        return
+    local = getattr(_factory, "load_model_config_from_path", None)
+    if callable(local) and not getattr(local, "cmhsa_checked", False):
+        _factory.load_model_config_from_path = _checked_first(local, lambda d, *a, **k: Path(d) / CONFIG)
+    hub = getattr(_factory, "load_model_config_from_hf", None)
+    if callable(hub) and hasattr(_hub, "download_from_hf") and not getattr(hub, "cmhsa_checked", False):
+
+        def fetched(model_id: str, cache_dir: Any = None, *a: Any, **k: Any) -> Any:
+            return _hub.download_from_hf(model_id, CONFIG, cache_dir=cache_dir)  # timm's own call, cached
+
+        _factory.load_model_config_from_hf = _checked_first(hub, fetched)
+
+
+_check_folders_before_timm()
 
 
 @register_model
@@ -263,7 +332,9 @@ class TimmFolderReport:
         }
 
 
-def export_timm_folder(checkpoint: Path | Checkpoint, folder: Path, seed: int = 0) -> TimmFolderReport:
+def export_timm_folder(
+    checkpoint: Path | Checkpoint, folder: Path | Folder, seed: int = 0
+) -> TimmFolderReport:
     """Write ``checkpoint``'s model (a file, or one held in memory: ``cmhsa train --export-timm``)
     as timm's folder ``folder`` (io/timm_folder.py), then load it with timm as a timm user would and
     compare logits on 4 random images (float32, CPU): they must be equal, the same weights in the
@@ -274,9 +345,10 @@ def export_timm_folder(checkpoint: Path | Checkpoint, folder: Path, seed: int = 
     model = ckpt.model(torch.float32)
     meta = {k: ckpt.metadata[k] for k in CARD_KEYS if k in ckpt.metadata}  # what the model card tells
     written = write_timm_folder(folder, ckpt.config, model.state_dict(), meta)
-    loaded = timm.create_model(f"local-dir:{folder}", pretrained=True).eval()
+    where = written[0].parent
+    loaded = timm.create_model(f"local-dir:{where}", pretrained=True).eval()
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(4, ckpt.config.in_chans, *ckpt.config.img_size, generator=g)
     with torch.inference_mode():
         diff = (loaded(x) - model(x)).abs().max().item()
-    return TimmFolderReport(ckpt, folder, written, diff)
+    return TimmFolderReport(ckpt, where, written, diff)

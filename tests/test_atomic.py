@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from convit_convert.io.atomic import atomic_write, remove_stale_temps
+from convit_convert.io.folder import Folder
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -95,7 +96,8 @@ def test_a_kill_9_temp_is_removed_by_the_next_write(tmp_path: Path) -> None:
     finally:
         live.kill()
         live.wait(timeout=30)
-    assert remove_stale_temps(target) == [mine] and temps(tmp_path) == []
+    with Folder.open(tmp_path) as folder:
+        assert remove_stale_temps(folder, target.name) == [mine.name] and temps(tmp_path) == []
 
 
 @pytest.mark.parametrize("name", ["a[1].safetensors", "weird*name.onnx"])

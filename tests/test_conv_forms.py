@@ -18,9 +18,13 @@ import pytest
 import torch
 
 from conftest import reference_conv, tokens_to_pixels
+from convit_convert import resources
 from convit_convert.config import ViTConfig
-from convit_convert.conv_mixer import ConvMixer, patchify
+from convit_convert.conv_mixer import ConvMixer, patchify, token_form_bytes, token_plan, token_sizes
+from convit_convert.errors import CmhsaError
 from convit_convert.model import VisionTransformer
+from convit_convert.train.config import TrainConfig
+from convit_convert.train.phases import check_trainable
 
 # (channels, K, P, dilation, grid): K < 2P (9 offsets), K >= 2P (25), even K, dilation > 1,
 # non-square grids, 1 and 3 channels, the paper's P 16 / K 5
@@ -130,3 +134,29 @@ def test_a_model_built_on_the_meta_device_holds_its_indices_on_it() -> None:
     with torch.device("meta"):
         model = VisionTransformer(cfg)
     assert all(b.conv.columns.is_meta and b.conv.select_y.is_meta for b in model.blocks)
+
+
+# sizing the token form before it allocates
+
+
+@pytest.mark.parametrize("c,k,p,d", [(3, 5, 16, 1), (1, 3, 4, 1), (3, 9, 4, 1), (2, 4, 4, 2), (3, 33, 16, 1)])
+def test_the_token_form_is_sized_from_the_taps_as_its_plan_builds_it(c: int, k: int, p: int, d: int) -> None:
+    plan = token_plan(c, k, p, d)
+    built = (len(plan.offsets), plan.centre, sum(len(s) for s in plan.strips), len(plan.ring))
+    assert token_sizes(c, k, p, d) == built
+
+
+def test_training_memory_is_estimated_for_the_form_that_will_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    # was: --conv-form tokens sized as the pixel form (a CPU run killed by the kernel at 22.8 GB)
+    flags = dict(phase="phase1", data="synthetic", img_size=64, patch_size=4, kernel_size=17, depth=2)
+    flags |= dict(batch_size=128, device="cpu", out="unused")
+    pixels = TrainConfig.from_flags(conv_form="pixels", **flags)
+    tokens = TrainConfig.from_flags(conv_form="tokens", **flags)
+    mcfg = ViTConfig.build(img_size=64, patch_size=4, in_chans=3, depth=2, kernel_size=17, num_classes=10)
+    extra = 2 * token_form_bytes(3, 17, 4, 1, mcfg.grid_size, 128)
+    base = 16 * mcfg.num_params() + mcfg.activation_bytes(128, training=True)
+    assert extra > base  # measured on this size (2 cores, float32): pixels 0.27 GB, tokens 0.77 GB
+    monkeypatch.setattr(resources, "available_memory", lambda: base + extra // 2)
+    check_trainable(pixels, mcfg)
+    with pytest.raises(CmhsaError, match="token form"):
+        check_trainable(tokens, mcfg)

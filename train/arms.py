@@ -30,6 +30,7 @@ from pathlib import Path
 
 from ..bounds import check
 from ..errors import CmhsaError
+from ..io.folder import make_folder
 from .config import TrainConfig
 from .run import OUTPUT
 from .state import LAST
@@ -183,7 +184,7 @@ def run_arms(
 
 
 def _launch(arm: Arm, threads: int) -> _Running:
-    arm.out.mkdir(parents=True, exist_ok=True)
+    make_folder(arm.out, "run folder")
     # without a checkpoint it is a fresh start: whatever an earlier attempt left is the arm's own
     started = (arm.out / LAST).is_file()
     cfg = arm.config.replace(resume=started, overwrite=not started, threads=threads)

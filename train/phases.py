@@ -18,6 +18,7 @@ import torch
 
 from ..api import as_float32, convert_checkpoint, load_checkpoint
 from ..config import ViTConfig
+from ..conv_mixer import AUTO_FORM, token_form_bytes
 from ..data import image_mode
 from ..errors import CheckFailed, CmhsaError
 from ..io.report import sha256_file
@@ -101,13 +102,15 @@ def check_trainable(cfg: TrainConfig, mcfg: ViTConfig) -> None:
     """Refuse, with the estimate, a model whose training cannot fit in memory: float32 weights,
     gradients and two AdamW moments, and (on CPU) a batch's activations kept for the backward."""
     on_cpu = cfg.runtime.device == "cpu" or not torch.cuda.is_available()
-    need = 16 * mcfg.num_params() + (
-        mcfg.activation_bytes(cfg.recipe.batch_size, training=True) if on_cpu else 0
-    )
-    what = (
-        f"training a {mcfg.kind} model of {mcfg.num_params():,} parameters at batch {cfg.recipe.batch_size}"
-    )
-    check_fits(need, what)
+    batch = cfg.recipe.batch_size
+    need = 16 * mcfg.num_params() + (mcfg.activation_bytes(batch, training=True) if on_cpu else 0)
+    form = AUTO_FORM.get("cpu", "pixels") if cfg.runtime.conv_form == "auto" else cfg.runtime.conv_form
+    tokens = on_cpu and mcfg.kind == "conv" and form == "tokens"
+    if tokens:  # the form that will run, sized as it allocates
+        sizes = (mcfg.hidden_chans, mcfg.kernel_size, mcfg.patch_size, mcfg.dilation, mcfg.grid_size)
+        need += mcfg.depth * token_form_bytes(*sizes, batch)
+    what = f"training a {mcfg.kind} model of {mcfg.num_params():,} parameters at batch {batch}"
+    check_fits(need, what + (" in the token form (`conv_form` tokens)" if tokens else ""))
 
 
 def build_phase_model(cfg: TrainConfig, num_classes: int, log: Any = print) -> PhaseModel:

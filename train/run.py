@@ -14,8 +14,8 @@ import csv
 import io
 import json
 import os
-import re
 import signal
+import stat
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from .. import signals
-from ..api.common import amp_dtype, same_file
+from ..api.common import amp_dtype
 from ..api.export import ExportReport, export_checkpoint
 from ..config import ViTConfig
 from ..data import (
@@ -43,11 +43,11 @@ from ..data import (
 )
 from ..defaults import DATASETS, EVAL_CROP_PCT, EVAL_INTERPOLATION
 from ..errors import CmhsaError
-from ..io.atomic import check_writable
 from ..io.checkpoint import Checkpoint, save_checkpoint
+from ..io.folder import Folder, make_folder, remove_made
 from ..io.lock import LOCK_NAME, locked_folder
 from ..io.model_card import CARD
-from ..io.paths import make_folder, parse_json, read_text, remove_made
+from ..io.paths import parse_json
 from ..io.timm_folder import CONFIG, WEIGHTS
 from ..model import VisionTransformer
 from .augment import augment_spec, check_supported
@@ -66,7 +66,7 @@ from .recipe import (
     check_recipe,
     scaled_lrs,
 )
-from .state import LAST, RunState, environment, environment_changes, plain_records, read_checkpoint
+from .state import LAST, NUMBERED, RunState, environment, environment_changes, plain_records, read_checkpoint
 from .step import TrainStep
 
 OUTPUT = {"phase1": "conv.safetensors", "phase2": "vit.safetensors"}
@@ -250,55 +250,62 @@ def _run(
     try:
         if out.exists() and not out.is_dir():
             raise CmhsaError("`out` names an existing file; give a folder for the run", out)
-        had_lock = os.path.lexists(out / LOCK_NAME)
     except OSError as e:
         raise CmhsaError(f"cannot check the run folder ({e.strerror})", out) from None
     reporter = (progress or Progress()) if ctx.is_main else Progress(None)  # one per run: open() sets it up
     created: list[Path] = []
     wrote: list[Path] = []  # what this run has saved into `out` (train() adds to it)
+    folder, had_lock = None, True
     try:
         if ctx.is_main:
             created = make_folder(out, "run folder")
-            check_writable(out / "config.json")
+            if not os.access(out, os.W_OK | os.X_OK):
+                raise CmhsaError("the run folder is not writable", out)
         barrier(ctx)
-        lock = locked_folder(out) if ctx.is_main else contextlib.nullcontext()
+        folder = Folder.open(out)  # held for the whole run: every file below it is touched by name
+        had_lock = folder.exists(LOCK_NAME)
+        lock = locked_folder(folder) if ctx.is_main else contextlib.nullcontext()
         with lock:  # one process at a time writes a run folder (a second one is refused)
-            return _locked_run(cfg, ctx, out, reporter, stop_after_steps, wrote)
+            return _locked_run(cfg, ctx, folder, reporter, stop_after_steps, wrote)
     except BaseException:
         if ctx.is_main and not wrote:
             # it wrote nothing: leave the folder as it was, and no folder it made
             if created:
                 remove_made(created, keep=(LOCK_NAME,))
-            elif not had_lock:
-                with contextlib.suppress(OSError):
-                    (out / LOCK_NAME).unlink()
+            elif folder is not None and not had_lock:
+                with contextlib.suppress(OSError, CmhsaError):
+                    folder.remove_all([LOCK_NAME])
         raise
     finally:
+        if folder is not None:
+            folder.close()
         reporter.close()
 
 
 def _locked_run(
     cfg: TrainConfig,
     ctx: Context,
-    out: Path,
+    folder: Folder,
     reporter: Progress,
     stop_after_steps: int | None,
     wrote: list[Path],
 ) -> RunResult:
     saved, reschedule, replaces = None, False, []
+    out = folder.path
     init = cfg.start.init if cfg.from_checkpoint else None
-    check_init_kept(out, cfg.phase, init)
+    check_run_names(folder)  # before anything is read, written or removed
+    check_init_kept(folder, cfg.phase, init)
     if cfg.runtime.resume:
-        saved = read_checkpoint(out / LAST)
+        saved = read_checkpoint(folder)
         cfg, reschedule = resumed_config(cfg, saved, out, reporter.log)
-        finish_removal(out)
+        finish_removal(folder)
     else:
-        replaces = previous_run(out, cfg.runtime.overwrite, init)
+        replaces = previous_run(folder, cfg.runtime.overwrite, init)
     reporter.open(cfg.recipe.epochs, cfg.runtime.log_every)
     for line in [] if saved else unmeant_choices(cfg):
         reporter.log(line)
     loop = build(cfg, ctx, out, saved, reschedule, reporter)
-    return train(loop, stop_after_steps, replaces, wrote)
+    return train(loop, stop_after_steps, replaces, wrote, folder)
 
 
 def run_files(phases: tuple[str, ...] = tuple(OUTPUT)) -> list[str]:
@@ -306,61 +313,98 @@ def run_files(phases: tuple[str, ...] = tuple(OUTPUT)) -> list[str]:
     models = [OUTPUT[p] for p in phases]
     names = [LAST, "metrics.csv", "config.json", PENDING_REMOVAL, *models]
     names += [n.replace(".safetensors", s) for n in models for s in ("-ema.safetensors", ".onnx")]
+    names += [n.replace(".safetensors", ".onnx.report.json") for n in models]
     return names + [f"{TIMM_FOLDER}/{n}" for n in (WEIGHTS, CONFIG, CARD)]
 
 
-def run_outputs(out: Path) -> list[Path]:
-    """What a run writes into its folder (any phase), as far as it is there."""
-    found = [out / n for n in run_files() if os.path.lexists(out / n)]
-    return found + sorted(p for p in out.glob("checkpoint-epoch*.pt"))
+def run_outputs(folder: Folder) -> list[str]:
+    """What a run writes into its folder (any phase), as far as it is there: exact names, never a
+    pattern a user's file could match."""
+    found = [n for n in run_files() if entry(folder, n) is not None]
+    return found + [n for n in folder.names() if NUMBERED.fullmatch(n)]
 
 
-def check_init_kept(out: Path, phase: str, init: str | None) -> None:
+def entry(folder: Folder, name: str) -> os.stat_result | None:
+    """The stat of ``name`` (``timm/NAME``: inside the run's timm folder) in the held run folder."""
+    sub, _, leaf = name.rpartition("/")
+    if not sub:
+        return folder.lstat(name)
+    st = folder.lstat(sub)
+    if st is None or not stat.S_ISDIR(st.st_mode):
+        return st  # a file or link named `timm`: check_run_names refuses it
+    with folder.enter(sub) as inner:
+        return inner.lstat(leaf)
+
+
+def check_run_names(folder: Folder) -> None:
+    """Every name a run writes, replaces or removes in its folder (its outputs, the numbered copies,
+    the timm folder) is absent or what cmhsa writes there: a regular file of this user's with one
+    name, ``timm`` a real folder. Anything else (a link, a folder where a file belongs, a hard link,
+    another user's file) is refused here, naming it, before anything is read, written or removed."""
+    if folder.exists(TIMM_FOLDER):
+        folder.enter(TIMM_FOLDER).close()  # a link, file or another user's folder: refused
+    for name in run_files() + [n for n in folder.names() if NUMBERED.fullmatch(n)]:
+        sub, _, leaf = name.rpartition("/")
+        if not sub:
+            folder.check_replaceable(name)
+        elif folder.exists(sub):
+            with folder.enter(sub) as inner:
+                inner.check_replaceable(leaf)
+
+
+def check_init_kept(folder: Folder, phase: str, init: str | None) -> None:
     """The file `init` names is never replaced by the run that starts from it: refused when it is
     one this run writes (its model, checkpoints, exports)."""
     if not init:
         return
-    source = Path(init).expanduser()
-    written = [out / n for n in run_files((phase,))] + list(out.glob("checkpoint-epoch*.pt"))
-    if any(same_file(source, p) for p in written if os.path.lexists(p)):
+    written = run_files((phase,)) + [n for n in folder.names() if NUMBERED.fullmatch(n)]
+    if any(is_init(folder, n, init) for n in written):
         raise CmhsaError(
             f"`init` {init} is a file this run writes (its model or a checkpoint) and would be "
             "replaced by the trained model; copy it out of `out` first, or choose another `out`",
-            out,
+            folder.path,
         )
 
 
-def previous_run(out: Path, overwrite: bool, init: str | None = None) -> list[Path]:
-    """A new run in ``out``: refused while another run's outputs are there (its metrics and model
+def is_init(folder: Folder, name: str, init: str | None) -> bool:
+    """Whether the run folder's ``name`` is the file `init` names (the same device and inode)."""
+    if not init:
+        return False
+    try:
+        source = os.stat(Path(init).expanduser())
+    except OSError:
+        return False
+    st = entry(folder, name)
+    return st is not None and (st.st_dev, st.st_ino) == (source.st_dev, source.st_ino)
+
+
+def previous_run(folder: Folder, overwrite: bool, init: str | None = None) -> list[str]:
+    """A new run in ``folder``: refused while another run's outputs are there (its metrics and model
     would be silently replaced, or mixed with this run's), unless ``overwrite``. Returns what the
-    new run replaces, removed only once it has written its first checkpoint (:func:`train`), and
-    never the file ``init`` names, which the new run starts from."""
-    previous = run_outputs(out)
+    new run replaces (names), removed only once it has written its first checkpoint
+    (:func:`train`), and never the file ``init`` names, which the new run starts from."""
+    previous = run_outputs(folder)
     if not previous:
         return []
     if not overwrite:
-        what = "a previous run (checkpoint-last.pt)" if previous[0].name == LAST else "another run's outputs"
-        names = ", ".join(p.name for p in previous[:4]) + (" ..." if len(previous) > 4 else "")
+        what = "a previous run (checkpoint-last.pt)" if previous[0] == LAST else "another run's outputs"
+        names = ", ".join(previous[:4]) + (" ..." if len(previous) > 4 else "")
         raise CmhsaError(
             f"holds {what}: {names}; pass `resume` to continue it, `overwrite` to replace it, "
             "or choose another `out`",
-            out,
+            folder.path,
         )
-    source = Path(init).expanduser() if init else None
-    return [p for p in previous if source is None or not same_file(p, source)]
+    return [n for n in previous if not is_init(folder, n, init)]
 
 
-def remove_replaced(out: Path, names: list[str]) -> None:
-    """`overwrite`: remove the previous run's files ``names`` (relative to ``out``), then the list of
-    them (:data:`PENDING_REMOVAL`) and a timm folder left empty."""
-    for name in names:
-        try:
-            (out / name).unlink(missing_ok=True)
-        except OSError as e:
-            raise CmhsaError(f"`overwrite`: cannot remove {name} ({e.strerror})", out) from None
-    (out / PENDING_REMOVAL).unlink(missing_ok=True)
-    with contextlib.suppress(OSError):  # not there, or holds something else: kept
-        (out / TIMM_FOLDER).rmdir()
+def remove_replaced(folder: Folder, names: list[str]) -> None:
+    """`overwrite`: remove the previous run's files ``names``, then the list of them
+    (:data:`PENDING_REMOVAL`) and a timm folder left empty; every name checked before the first is
+    removed (``Folder.remove_all``)."""
+    try:
+        folder.remove_all([*names, PENDING_REMOVAL])
+    except CmhsaError as e:
+        raise CmhsaError(f"`overwrite`: {e}") from None
 
 
 def removable(name: object) -> bool:
@@ -369,25 +413,25 @@ def removable(name: object) -> bool:
     writes, or a numbered checkpoint; never a path out of the folder."""
     kept = (LAST, "metrics.csv", "config.json", PENDING_REMOVAL)
     return isinstance(name, str) and (
-        (name in run_files() and name not in kept)
-        or re.fullmatch(r"checkpoint-epoch\d{4,9}\.pt", name) is not None
+        (name in run_files() and name not in kept) or NUMBERED.fullmatch(name) is not None
     )
 
 
-def finish_removal(out: Path) -> None:
+def finish_removal(folder: Folder) -> None:
     """`resume` of a run whose `overwrite` was cut short after its first checkpoint: remove what
     :data:`PENDING_REMOVAL` still lists (names checked by :func:`removable`; the file is bounded)."""
-    path = out / PENDING_REMOVAL
-    if not os.path.lexists(path):
+    if not folder.exists(PENDING_REMOVAL):
         return
-    names = parse_json(read_text(path, 64 * 2**10, PENDING_REMOVAL), path, PENDING_REMOVAL, max_depth=2)
+    path = folder.show(PENDING_REMOVAL)
+    data = folder.read_bytes(PENDING_REMOVAL, 64 * 2**10, PENDING_REMOVAL)
+    names = parse_json(data, path, PENDING_REMOVAL, max_depth=2)
     if not isinstance(names, list) or not all(removable(n) for n in names):
         raise CmhsaError(
             f"is not a list of a previous run's files that `overwrite` removes; delete {PENDING_REMOVAL} "
             "to resume without it",
             path,
         )
-    remove_replaced(out, names)
+    remove_replaced(folder, names)
 
 
 def build(
@@ -581,7 +625,7 @@ def config_doc(cfg: TrainConfig, ctx: Context, pm: PhaseModel, state: RunState, 
     return json.dumps(doc, indent=2) + "\n"
 
 
-def export_trained(loop: Loop, result: RunResult, meta: dict[str, str]) -> None:
+def export_trained(loop: Loop, result: RunResult, meta: dict[str, str], folder: Folder) -> None:
     """`export_onnx` / `export_timm`: the trained model, from memory as saved (no second read of the
     file just written), into ``result``."""
     cfg, st, out = loop.cfg, loop.state, loop.out
@@ -601,7 +645,8 @@ def export_trained(loop: Loop, result: RunResult, meta: dict[str, str]) -> None:
         from ..timm import export_timm_folder  # timm's registry: loaded only for this
 
         loop.reporter.log(f"writing timm's folder {out / TIMM_FOLDER} and loading it with timm")
-        result.timm = export_timm_folder(ckpt, out / TIMM_FOLDER)
+        with folder.enter(TIMM_FOLDER, create=True) as timm_folder:
+            result.timm = export_timm_folder(ckpt, timm_folder)
 
 
 def choose_loader(cfg: TrainConfig, spec: DataSpec, in_chans: int) -> tuple[str, str]:
@@ -684,18 +729,21 @@ def worker_deaths_at_fetch() -> Iterator[None]:
 def train(
     loop: Loop,
     stop_after_steps: int | None = None,
-    replaces: list[Path] | None = None,
+    replaces: list[str] | None = None,
     wrote: list[Path] | None = None,
+    folder: Folder | None = None,
 ) -> RunResult:
     """Epochs until ``cfg.recipe.epochs``, saving after each; then the trained model as safetensors.
     ``replaces``: a previous run's files (`overwrite`), removed once the first save has committed;
     ``wrote`` gets each file saved."""
     wrote = [] if wrote is None else wrote
     cfg, ctx, st, out = loop.cfg, loop.ctx, loop.state, loop.out
+    if folder is None:
+        with Folder.open(out) as held:
+            return train(loop, stop_after_steps, replaces, wrote, held)
     result = RunResult(out, st.metrics)
     # the previous run's files the first save does not replace (timm/config.json is not config.json)
-    pending = [p.relative_to(out).as_posix() for p in replaces or []]
-    pending = [n for n in pending if n not in (LAST, "metrics.csv", "config.json", PENDING_REMOVAL)]
+    pending = [n for n in replaces or [] if n not in (LAST, "metrics.csv", "config.json", PENDING_REMOVAL)]
 
     def save() -> None:
         if ctx.is_main:  # checkpoint, metrics and config land together or not at all (state.save)
@@ -706,10 +754,10 @@ def train(
             def committed() -> None:
                 wrote.append(out / LAST)
                 if pending:
-                    remove_replaced(out, pending)
+                    remove_replaced(folder, pending)
                     pending.clear()
 
-            st.save(out, cfg.runtime.keep, also, committed)
+            st.save(folder, cfg.runtime.keep, also, committed)
         barrier(ctx)
 
     stop = StopRequest()
@@ -740,6 +788,6 @@ def train(
             save_checkpoint(ema_path, st.model_config, st.ema.module.state_dict(), meta)
         loop.reporter.log(f"wrote {result.model_path}, metrics.csv, config.json")
         if cfg.runtime.export_onnx or cfg.runtime.export_timm:
-            export_trained(loop, result, meta)
+            export_trained(loop, result, meta, folder)
     barrier(ctx)
     return result

@@ -22,11 +22,18 @@ from torch import nn
 
 from ..config import ViTConfig
 from ..errors import CmhsaError, first_line
-from ..io.atomic import atomic_paths, atomic_write, recover
+from ..io.atomic import atomic_names, recover
+from ..io.folder import Folder
 from .config import TrainConfig
 
 LAST = "checkpoint-last.pt"
-_EPOCH = re.compile(r"^checkpoint-epoch(\d+)\.pt$")
+# an end-of-epoch copy (`keep`): exactly the names numbered_name gives, never a user's look-alike
+NUMBERED = re.compile(r"checkpoint-epoch\d{4,9}\.pt")
+
+
+def numbered_name(epoch: int) -> str:
+    """The end-of-epoch copy of epoch ``epoch`` (`keep`)."""
+    return f"checkpoint-epoch{epoch:04d}.pt"
 
 
 def rng_state() -> dict[str, Any]:
@@ -90,17 +97,19 @@ def plain_records(x: Any, limit: int = 10_000) -> bool:
     )
 
 
-def read_checkpoint(path: Path) -> dict[str, Any]:
-    """A saved run state as a dict (its config and model config tell what to build before
-    :meth:`RunState.load`). The file is untrusted input: read with ``weights_only=True`` and every
-    field checked, so a damaged or crafted file is one line, never a traceback."""
+def read_checkpoint(folder: Folder) -> dict[str, Any]:
+    """The run folder's saved run state as a dict (its config and model config tell what to build
+    before :meth:`RunState.load`). The file is untrusted input: read with ``weights_only=True`` and
+    every field checked, so a damaged or crafted file is one line, never a traceback."""
     import pickle
 
-    recover(path.parent)  # resuming writes into the run folder: first finish a save a kill -9 cut short
-    if not path.is_file():
+    recover(folder)  # resuming writes into the run folder: first finish a save a kill -9 cut short
+    path = folder.show(LAST)
+    if not folder.exists(LAST):
         raise CmhsaError("no checkpoint to resume from (run without `resume` first)", path)
     try:
-        saved = torch.load(path, map_location="cpu", weights_only=True)
+        with folder.open_read(LAST) as f:
+            saved = torch.load(f, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError:
         raise CmhsaError(
             "holds objects other than tensors and plain values, so cmhsa will not "
@@ -335,24 +344,23 @@ class RunState:
             set_rng_state(current)
 
     def save(
-        self, run_dir: Path, keep: int, also: dict[str, str] | None = None, committed: Any = None
+        self, run_dir: Folder, keep: int, also: dict[str, str] | None = None, committed: Any = None
     ) -> Path:
-        """Write ``checkpoint-last.pt`` and the text files ``also`` (name -> text) in ``run_dir``,
-        all or none (:func:`atomic_paths` commits them together); then call ``committed()``; at an
-        epoch's end with ``keep`` > 0 also a numbered copy, pruning all but the newest ``keep``."""
-        path = run_dir / LAST
+        """Write ``checkpoint-last.pt`` and the text files ``also`` (name -> text) in the held run
+        folder, all or none (:func:`atomic_names` commits them together); then call ``committed()``;
+        at an epoch's end with ``keep`` > 0 also a numbered copy, pruning all but the newest ``keep``."""
         state = self.to_dict()
         also = also or {}
-        with atomic_paths(path, *(run_dir / name for name in also)) as tmps:
+        with atomic_names((run_dir, LAST), *((run_dir, name) for name in also)) as tmps:
             torch.save(state, tmps[0])
             for tmp, text in zip(tmps[1:], also.values(), strict=True):
                 tmp.write_text(text, encoding="utf-8")
         if committed is not None:
             committed()
         if keep > 0 and self.step == 0:
-            numbered = run_dir / f"checkpoint-epoch{self.epoch:04d}.pt"
-            atomic_write(numbered, lambda tmp: shutil.copyfile(path, tmp))  # copy the bytes, don't re-pickle
-            old = sorted(p for p in run_dir.iterdir() if _EPOCH.match(p.name))
-            for p in old[:-keep]:
-                p.unlink(missing_ok=True)
-        return path
+            numbered = (run_dir, numbered_name(self.epoch))
+            with atomic_names(numbered) as (tmp,), run_dir.open_read(LAST) as src, open(tmp, "wb") as dst:
+                shutil.copyfileobj(src, dst)  # copy the bytes, don't re-pickle
+            old = sorted((n for n in run_dir.names() if NUMBERED.fullmatch(n)), key=lambda n: int(n[16:-3]))
+            run_dir.remove_all(old[:-keep])
+        return run_dir.show(LAST)

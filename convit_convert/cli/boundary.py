@@ -27,6 +27,7 @@ from typer.core import TyperGroup
 
 from .. import notices, signals
 from ..errors import CheckFailed, CmhsaError, first_line
+from ..text import lines_safe
 from .common import EXIT_BAD_INPUT, EXIT_FAIL, as_flags, terminal_safe
 
 EXIT_INTERNAL = 3
@@ -262,7 +263,7 @@ class BoundaryGroup(TyperGroup):
             if debug_enabled():  # a library's warnings are for whoever asked for the details
                 for w in caught:
                     print(
-                        terminal_safe(warnings.formatwarning(w.message, w.category, w.filename, w.lineno)),
+                        lines_safe(warnings.formatwarning(w.message, w.category, w.filename, w.lineno)),
                         end="",
                         file=sys.stderr,
                     )

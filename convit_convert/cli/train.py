@@ -18,7 +18,7 @@ from typing import Annotated, Any, NamedTuple, Optional
 import typer
 
 from ..errors import CmhsaError
-from ..io.paths import make_folder, remove_made
+from ..io.folder import make_folder, remove_made
 from ..settings import AMPS, AttentionOptions, EvalOptions
 from ..train.config import DEFAULT_RULES, TrainConfig
 from .common import EXIT_FAIL, console, print_titled, safe

@@ -29,13 +29,15 @@ import json
 import os
 import re
 import signal
-import tempfile
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from ..errors import CmhsaError, first_line
-from .journal import JOURNAL_PREFIX, Scan, alive, scan, temp_pid, temp_stem
+from ..notices import notice
+from ..text import terminal_safe
+from .folder import Folder
+from .journal import JOURNAL_PREFIX, Scan, alive, name_max, scan, temp_pid, temp_stem
 from .paths import check_output_target
 
 
@@ -61,49 +63,57 @@ def check_writable(path: Path) -> None:
         raise CmhsaError("output folder is not writable", path)
 
 
-def recover(folder: Path, found: Scan | None = None) -> list[Path]:
+def recover(folder: Folder, found: Scan | None = None) -> list[str]:
     """Complete the commits that a killed writer left pending in ``folder`` (``journal.scan``: only
     those cmhsa began there; ``found``: that scan, when the caller has it): each temp still there
-    is renamed onto its target, then the journal is removed. Returns the targets written. Only a
-    command that writes into ``folder`` calls this; an error (no write permission) leaves the
-    journal for the next writer."""
-    done: list[Path] = []
+    is renamed onto its target, then the journal is removed, and one note names the files replaced
+    (a journal that passes every check may still be one cmhsa did not write). Returns the targets
+    written. Only a command that writes into ``folder`` calls this; an error (no write permission)
+    leaves the journal for the next writer."""
+    done: list[str] = []
     for journal in (found or scan(folder)).pending:
+        replaced = []
         try:
             for tmp, target in journal.pairs:
-                if os.path.lexists(journal.folder / tmp):
-                    os.replace(journal.folder / tmp, journal.folder / target)
-                    done.append(journal.folder / target)
-            os.unlink(journal.path)
-        except OSError:
+                if folder.exists(tmp):
+                    folder.rename_onto(tmp, target)
+                    replaced.append(target)
+            folder.discard(journal.name)
+        except (OSError, CmhsaError):
             continue
+        finally:
+            if replaced:
+                names = ", ".join(terminal_safe(n) for n in replaced)
+                notice(
+                    f"{terminal_safe(str(folder.path))}: finished the commit process {journal.pid} "
+                    f"began and did not end ({terminal_safe(journal.name)}): replaced {names}"
+                )
+        done += replaced
     return done
 
 
-def remove_stale_temps(path: Path) -> list[Path]:
-    """Delete temp files of ``path`` left by this user's writers that no longer run (killed with
+def remove_stale_temps(folder: Folder, target: str) -> list[str]:
+    """Delete temp files of ``target`` left by this user's writers that no longer run (killed with
     -9), after completing any commit such a writer had begun (:func:`recover`). A temp any journal
     names is kept: a foreign journal's commit is not ours to finish, nor to undo."""
-    folder = path.parent if str(path.parent) else Path(".")
     found = scan(folder)  # one look at the journals serves both (a finished commit's temps are gone)
     recover(folder, found)
-    prefix = f"{temp_stem(path)}."
+    longest = name_max(folder)
+    prefix = f"{temp_stem(target, longest)}."
     removed = []
     try:
-        with os.scandir(folder) as entries:
+        with os.scandir(folder.fd) as entries:
             names = [e.name for e in entries if e.name.startswith(prefix) and e.name.endswith(".tmp")]
     except OSError:
         return removed
     for name in names:
-        pid = temp_pid(name, path)
+        pid = temp_pid(name, target, longest)
         if pid is None or name in found.named_temps or pid == os.getpid() or alive(pid):
             continue
-        with contextlib.suppress(OSError):
-            st = os.lstat(folder / name)
-            if hasattr(os, "geteuid") and st.st_uid != os.geteuid():
-                continue
-            os.unlink(folder / name)
-            removed.append(folder / name)
+        with contextlib.suppress(OSError, CmhsaError):
+            folder.check_replaceable(name)  # this user's, one name, not a link
+            folder.discard(name)
+            removed.append(name)
     return removed
 
 
@@ -145,72 +155,91 @@ def signals_held() -> Iterator[None]:
             signal.raise_signal(s)
 
 
-def _commit(tmps: list[Path], targets: list[Path]) -> None:
+Target = tuple[Folder, str]  # a bare name in a held folder
+
+
+def _commit(tmps: list[str], targets: Sequence[Target]) -> None:
     """Rename every temp onto its target, all or (after a kill -9, until :func:`recover`) none, per
     folder (the module docstring)."""
     with signals_held():
         if len(targets) == 1:
-            os.replace(tmps[0], targets[0])
+            folder, name = targets[0]
+            folder.rename_onto(tmps[0], name)
             return
-        by_folder: dict[str, list[list[str]]] = {}
-        for tmp, target in zip(tmps, targets, strict=True):
-            folder = os.path.dirname(os.path.abspath(target))
-            by_folder.setdefault(folder, []).append([tmp.name, target.name])
-        journals = []
+        by_folder: dict[tuple[int, int], tuple[Folder, list[list[str]]]] = {}
+        for tmp, (folder, name) in zip(tmps, targets, strict=True):
+            by_folder.setdefault(folder.identity, (folder, []))[1].append([tmp, name])
+        journals: list[tuple[Folder, str, str]] = []
         try:
-            for folder, pairs in by_folder.items():
-                journal = Path(folder) / f"{JOURNAL_PREFIX}{os.getpid()}.json"
-                staged = journal.with_name(journal.name + ".part")
-                staged.write_text(json.dumps({"pairs": pairs}), encoding="utf-8")
-                journals.append((staged, journal))
-            for staged, journal in journals:
-                os.replace(staged, journal)  # the commit point (of this folder's outputs)
+            for folder, pairs in by_folder.values():
+                journal = f"{JOURNAL_PREFIX}{os.getpid()}.json"
+                staged = journal + ".part"
+                folder.discard(staged)  # a staged journal of a killed process of this PID
+                folder.write_new(staged, json.dumps({"pairs": pairs}).encode())
+                journals.append((folder, staged, journal))
+            for folder, staged, journal in journals:
+                folder.rename_onto(staged, journal)  # the commit point (of this folder's outputs)
         finally:
-            for staged, _ in journals:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(staged)
-        for folder, pairs in by_folder.items():
-            for tmp, target in pairs:
-                os.replace(Path(folder) / tmp, Path(folder) / target)
-        for _, journal in journals:
-            os.unlink(journal)
+            for folder, staged, _ in journals:
+                folder.discard(staged)
+        for folder, pairs in by_folder.values():
+            for tmp, name in pairs:
+                folder.rename_onto(tmp, name)
+        for folder, _, journal in journals:
+            folder.discard(journal)
 
 
 @contextlib.contextmanager
-def atomic_paths(*paths: str | Path) -> Iterator[list[Path]]:
-    """Yield a temp path in each target's folder; only if the block succeeds, commit them all onto
-    their targets (the module docstring: a journal, signals held). A failed write (any error, a
-    full disk included) keeps every previous file and leaves no temp file: outputs that belong
-    together (model + report, checkpoint + metrics row) are written together or not at all."""
-    targets = [Path(p) for p in paths]
-    tmps: list[Path] = []
+def atomic_names(*targets: Target) -> Iterator[list[Path]]:
+    """Yield, for each (held folder, bare name), a temp file's path in that folder (a writer opens it
+    through the folder's descriptor: ``Folder.writer_path``); only if the block succeeds, commit them
+    all onto their targets (the module docstring: a journal, signals held). Each target is checked
+    first (``Folder.check_replaceable``: never a link, folder, hard link or another user's file). A
+    failed write (any error, a full disk included) keeps every previous file and leaves no temp
+    file: outputs that belong together are written together or not at all."""
+    for folder, name in targets:  # every target checked before any temp is made
+        folder.check_replaceable(name)
+    made: list[tuple[Folder, str]] = []
     try:
-        for path in targets:
-            check_writable(path)
-            remove_stale_temps(path)
-            try:
-                fd, tmp = tempfile.mkstemp(
-                    dir=path.parent or Path("."), prefix=f"{temp_stem(path)}.{os.getpid()}.", suffix=".tmp"
-                )
-            except OSError as e:
-                raise CmhsaError(f"cannot create a file in the output folder ({e.strerror})", path) from None
-            os.close(fd)
-            tmps.append(Path(tmp))
+        for folder, name in targets:
+            remove_stale_temps(folder, name)
+            stem = f"{temp_stem(name, name_max(folder))}.{os.getpid()}"
+            made.append((folder, folder.make_temp(stem)))
         try:
-            yield list(tmps)
-            for tmp in tmps:
-                os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give what open() would have given
-            _commit(tmps, targets)
+            yield [folder.writer_path(tmp) for folder, tmp in made]
+            for folder, tmp in made:
+                folder.set_mode(tmp, 0o666 & ~_umask())  # made 0600; give what open() would have given
+            _commit([tmp for _, tmp in made], targets)
         except (OSError, RuntimeError) as e:
             why = write_error(e)
             if why is None:
                 raise
-            others = "".join(f" (nor {p.name})" for p in targets[1:])
-            raise CmhsaError(f"cannot write ({why}){others}; any previous file is kept", targets[0]) from None
+            first, *rest = (folder.show(name) for folder, name in targets)
+            others = "".join(f" (nor {p.name})" for p in rest)
+            raise CmhsaError(f"cannot write ({why}){others}; any previous file is kept", first) from None
     finally:
-        for tmp in tmps:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
+        for folder, tmp in made:
+            with contextlib.suppress(OSError):
+                folder.discard(tmp)
+
+
+@contextlib.contextmanager
+def atomic_paths(*paths: str | Path) -> Iterator[list[Path]]:
+    """:func:`atomic_names` for paths the user gave: each path's folder is opened as the user named
+    it (links in it are the user's), once per folder, and held until the commit."""
+    targets = [Path(p) for p in paths]
+    for path in targets:
+        check_writable(path)
+    with contextlib.ExitStack() as stack:
+        held: dict[str, Folder] = {}
+        pairs: list[Target] = []
+        for path in targets:
+            parent = os.path.dirname(os.path.abspath(path))
+            if parent not in held:
+                held[parent] = stack.enter_context(Folder.open(path.parent if str(path.parent) else "."))
+            pairs.append((held[parent], path.name))
+        with atomic_names(*pairs) as tmps:
+            yield tmps
 
 
 @contextlib.contextmanager

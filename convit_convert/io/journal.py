@@ -29,7 +29,6 @@ import functools
 import hashlib
 import os
 import re
-import stat
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +36,7 @@ from pathlib import Path
 from ..errors import CmhsaError
 from ..notices import notice
 from ..text import terminal_safe
+from .folder import Folder, bare, refusal
 from .paths import parse_json
 
 JOURNAL_PREFIX = ".cmhsa-commit."
@@ -60,9 +60,14 @@ def pid_limit() -> int:
     return 2**22 if sys.platform.startswith("linux") else 2**31 - 1
 
 
+def possible_pid(pid: int) -> bool:
+    """Whether a process can have number ``pid``: 0 < pid < pid_max (pid_max itself is never given)."""
+    return 0 < pid < pid_limit()
+
+
 def alive(pid: int) -> bool:
     """Whether process ``pid`` runs (someone else's counts). A number no process can have is dead."""
-    if not 0 < pid <= pid_limit():
+    if not possible_pid(pid):
         return False
     try:
         os.kill(pid, 0)
@@ -75,25 +80,26 @@ def alive(pid: int) -> bool:
     return True
 
 
-def _name_max(folder: Path) -> int:
+def name_max(folder: Folder) -> int:
+    """The longest file name ``folder`` holds."""
     try:
-        return os.pathconf(folder, "PC_NAME_MAX")
+        return os.fpathconf(folder.fd, "PC_NAME_MAX")
     except (OSError, ValueError):
         return 255
 
 
-def temp_stem(path: Path) -> str:
-    """The part of ``path``'s temp names before the PID: ``.NAME``, or ``.cmhsa-HASH`` where NAME
-    is too long for the folder to hold NAME plus the temp suffix."""
-    folder = path.parent if str(path.parent) else Path(".")
-    if len(os.fsencode(path.name)) + TEMP_EXTRA <= _name_max(folder):
-        return f".{path.name}"
-    return ".cmhsa-" + hashlib.sha256(os.fsencode(path.name)).hexdigest()[:20]
+def temp_stem(target: str, longest: int = 255) -> str:
+    """The part of ``target``'s temp names before the PID: ``.NAME``, or ``.cmhsa-HASH`` where NAME
+    is too long for a folder holding names of ``longest`` bytes to hold NAME plus the temp suffix."""
+    if len(os.fsencode(target)) + TEMP_EXTRA <= longest:
+        return f".{target}"
+    return ".cmhsa-" + hashlib.sha256(os.fsencode(target)).hexdigest()[:20]
 
 
-def temp_pid(name: str, target: Path) -> int | None:
+def temp_pid(name: str, target: str, longest: int = 255) -> int | None:
     """The writer's PID in ``name`` if it is one of ``target``'s temp files, else None."""
-    m = re.fullmatch(re.escape(temp_stem(target)) + rf"\.(\d{{1,20}})\.{_MKSTEMP_CHARS}\.tmp", name)
+    stem = re.escape(temp_stem(target, longest))
+    m = re.fullmatch(stem + rf"\.(\d{{1,20}})\.{_MKSTEMP_CHARS}\.tmp", name)
     return None if m is None else int(m.group(1))
 
 
@@ -104,6 +110,7 @@ class Journal:
     path: Path
     pid: int
     pairs: tuple[tuple[str, str], ...]
+    name: str = ""  # the journal's bare name in its folder
 
     @property
     def folder(self) -> Path:
@@ -124,44 +131,22 @@ class Scan:
     named_temps: frozenset[str]  # temp names any journal there lists (never removed as stale)
 
 
-def _bare(name: object) -> bool:
-    return (
-        isinstance(name, str)
-        and name not in ("", ".", "..")
-        and "/" not in name
-        and "\0" not in name
-        and os.sep not in name
-        and (os.altsep is None or os.altsep not in name)
-        and len(os.fsencode(name)) <= 255
-    )
-
-
-def _owned_regular(st: os.stat_result) -> bool:
-    return stat.S_ISREG(st.st_mode) and (not hasattr(os, "geteuid") or st.st_uid == os.geteuid())
-
-
-def _read(path: Path) -> str:
-    """The journal's text, if it is a regular file of this user's of at most MAX_JOURNAL_BYTES
-    (opened without following a link and without blocking on a FIFO); else ValueError(why)."""
-    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NOCTTY", 0)
+def _read(folder: Folder, name: str) -> str:
+    """The journal's text, if it is a regular file of this user's with one name and at most
+    MAX_JOURNAL_BYTES (opened without following a link and without blocking on a FIFO); else
+    ValueError(why)."""
     try:
-        fd = os.open(path, flags)
+        st = folder.lstat(name)
+        why = "absent" if st is None else refusal(st, "journal")
+        if why is not None:
+            raise ValueError(why)
+        data = folder.read_bytes(name, MAX_JOURNAL_BYTES, "journal")
+    except CmhsaError as e:
+        raise ValueError(e.message) from None
     except OSError as e:
-        why = "a symbolic link" if e.errno == errno.ELOOP else f"unreadable ({e.strerror})"
-        raise ValueError(why) from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ValueError("not a regular file")
-        if not _owned_regular(st):
-            raise ValueError("owned by another user")
-        if st.st_size > MAX_JOURNAL_BYTES:
-            raise ValueError(f"{st.st_size:,} bytes, more than a journal holds ({MAX_JOURNAL_BYTES:,})")
-        data = os.read(fd, MAX_JOURNAL_BYTES + 1)
-    finally:
-        os.close(fd)
-    if len(data) > MAX_JOURNAL_BYTES:
-        raise ValueError(f"more than a journal holds ({MAX_JOURNAL_BYTES:,} bytes)")
+        raise ValueError(
+            "a symbolic link" if e.errno == errno.ELOOP else f"unreadable ({e.strerror})"
+        ) from None
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError:
@@ -174,66 +159,70 @@ def _pairs(doc: object) -> tuple[tuple[str, str], ...]:
         raise ValueError(f"not a list of 1 to {MAX_PAIRS} pairs")
     out = []
     for pair in pairs:
-        if not (isinstance(pair, list) and len(pair) == 2 and all(_bare(n) for n in pair)):
+        if not (isinstance(pair, list) and len(pair) == 2 and all(bare(n) for n in pair)):
             raise ValueError("names a path that is not a bare file name in its folder")
         out.append((pair[0], pair[1]))
     return tuple(out)
 
 
-def _check_pair(folder: Path, pid: int, tmp: str, target: str) -> None:
+def _check_pair(folder: Folder, pid: int, tmp: str, target: str) -> None:
     if target.startswith(JOURNAL_PREFIX) or target.endswith(".tmp"):
         raise ValueError("names a temp or journal file as a target")
-    if temp_pid(tmp, folder / target) != pid:
+    if temp_pid(tmp, target, name_max(folder)) != pid:
         raise ValueError("names a file that is not the writer's temp file of its target")
-    for name, what in ((tmp, "temp"), (target, "target")):
+    for name, what in ((tmp, "temp file"), (target, "target")):
         try:
-            st = os.lstat(folder / name)
-        except FileNotFoundError:
-            continue
-        except OSError as e:
-            raise ValueError(f"its {what} cannot be checked ({e.strerror})") from None
-        if what == "temp" and not _owned_regular(st):
-            raise ValueError("its temp file is not a regular file of this user's")
-        if what == "target" and not stat.S_ISREG(st.st_mode):
-            raise ValueError("its target is not a regular file")
+            st = folder.lstat(name)
+        except CmhsaError as e:
+            raise ValueError(f"its {what} cannot be checked ({e.message})") from None
+        why = None if st is None else refusal(st, what)
+        if why is not None:
+            raise ValueError(f"its {what} {name} {why}")
 
 
-def _read_pairs(path: Path) -> tuple[tuple[str, str], ...]:
+def _read_pairs(folder: Folder, name: str) -> tuple[tuple[str, str], ...]:
     """The (temp, target) names a journal file lists, read bounded; ValueError(why) if it is not one."""
     try:
-        doc = parse_json(_read(path), path, "journal", max_depth=MAX_JOURNAL_DEPTH)
+        doc = parse_json(_read(folder, name), folder.show(name), "journal", max_depth=MAX_JOURNAL_DEPTH)
     except CmhsaError as e:
         raise ValueError(e.message) from None
     return _pairs(doc)
 
 
-def _journal(path: Path, pid: int) -> Journal:
-    """``path`` read and checked as a pending journal of process ``pid``; ValueError(why) if not."""
-    pairs = _read_pairs(path)
+def _journal(folder: Folder, name: str, pid: int) -> Journal:
+    """``name`` read and checked as a pending journal of process ``pid``; ValueError(why) if not."""
+    pairs = _read_pairs(folder, name)
     for tmp, target in pairs:
-        _check_pair(path.parent, pid, tmp, target)
-    return Journal(path, pid, pairs)
+        _check_pair(folder, pid, tmp, target)
+    return Journal(folder.show(name), pid, pairs, name)
 
 
-def _named_temps(path: Path) -> list[str]:
+def _named_temps(folder: Folder, name: str) -> list[str]:
     """The temp names a journal that is not pending lists: a live writer's temps, or a foreign
     journal's, are never taken for stale ones."""
     try:
-        return [tmp for tmp, _ in _read_pairs(path)]
+        return [tmp for tmp, _ in _read_pairs(folder, name)]
     except ValueError:
         return []
 
 
-def scan(folder: Path) -> Scan:
-    """The journals in ``folder``: pending ones (checked as the module docstring says) and foreign
-    ones, each foreign one said once (:func:`notices.notice`). Reads at most MAX_JOURNALS files,
-    each at most MAX_JOURNAL_BYTES; never blocks, renames or removes."""
-    folder = folder if str(folder) else Path(".")
+def scan(where: Folder | Path) -> Scan:
+    """The journals in a folder (held, or a path a reader opens): pending ones (checked as the module
+    docstring says) and foreign ones, each foreign one said once (:func:`notices.notice`). Reads at
+    most MAX_JOURNALS files, each at most MAX_JOURNAL_BYTES; never blocks, renames or removes."""
+    if not isinstance(where, Folder):
+        try:
+            folder = Folder.open(where)
+        except CmhsaError:
+            return Scan((), (), frozenset())
+        with folder:
+            return scan(folder)
+    folder = where
     pending: list[Journal] = []
     foreign: list[tuple[str, str]] = []
     named: set[str] = set()
     try:
-        with os.scandir(folder) as it:
+        with os.scandir(folder.fd) as it:
             names = []
             for entry in it:
                 if entry.name.startswith(JOURNAL_PREFIX) and entry.name.endswith(".json"):
@@ -243,29 +232,28 @@ def scan(folder: Path) -> Scan:
     except OSError:
         return Scan((), (), frozenset())
     for i, name in enumerate(sorted(names)):
-        path = folder / name
         m = JOURNAL_RE.fullmatch(name)
         if i >= MAX_JOURNALS:
             foreign.append((name, f"more than {MAX_JOURNALS} journals in one folder"))
             continue
-        if m is None or not 0 < int(m.group(1)) <= pid_limit():
+        if m is None or not possible_pid(int(m.group(1))):
             foreign.append((name, "not a process number this system gives"))
             continue
         pid = int(m.group(1))
         if pid == os.getpid() or alive(pid):  # a commit in progress: its writer finishes it
-            named.update(_named_temps(path))
+            named.update(_named_temps(folder, name))
             continue
         try:
-            journal = _journal(path, pid)
+            journal = _journal(folder, name, pid)
         except ValueError as e:
             foreign.append((name, str(e)))
-            named.update(_named_temps(path))
+            named.update(_named_temps(folder, name))
             continue
         pending.append(journal)
         named.update(tmp for tmp, _ in journal.pairs)
     for name, why in foreign:
         notice(
-            f"{terminal_safe(str(folder))}: ignoring {terminal_safe(name)}, which is not a commit cmhsa "
+            f"{terminal_safe(str(folder.path))}: ignoring {terminal_safe(name)}, which is not a commit cmhsa "
             f"began here ({terminal_safe(why)}); nothing was renamed"
         )
     return Scan(tuple(pending), tuple(foreign), frozenset(named))

@@ -11,7 +11,7 @@ import json
 from typing import Any
 
 from ..config import ViTConfig
-from ..text import terminal_safe
+from ..text import card_number, markdown_safe
 
 CARD = "README.md"
 # the Hub's ids of the datasets cmhsa reads, where the Hub has one (digits, a folder, synthetic: none)
@@ -35,12 +35,6 @@ def _json(metadata: dict[str, str], key: str) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def _text(value: object) -> str:
-    """A value from a file, safe to put in Markdown and YAML: control characters escaped, no
-    backquotes, one line."""
-    return " ".join(terminal_safe(str(value)).replace("`", "'").split())[:200]
-
-
 def model_card(
     cfg: ViTConfig, metadata: dict[str, str], num_params: int, preprocessing: dict[str, str]
 ) -> str:
@@ -53,7 +47,8 @@ def model_card(
     yaml += [f"- {t}" for t in ("image-classification", "timm", "cmhsa", "vision-transformer", arch)]
     if data in HUB_DATASETS:
         yaml += ["datasets:", f"- {HUB_DATASETS[data]}"]
-    if isinstance(result.get("top1"), (int, float)):
+    top1 = card_number(result.get("top1"), 0, 100)  # a figure from a file: only a real percentage
+    if top1 is not None:
         yaml += ["metrics:", "- accuracy"]
     yaml.append("---")
     heads = f", {cfg.num_heads} heads" if cfg.kind == "attn" else ""
@@ -71,19 +66,26 @@ def model_card(
     ]
     made = []
     if "cmhsa.trained" in metadata:
-        made.append(f"- Trained by `cmhsa train`: {_text(metadata['cmhsa.trained'])}.")
-    if init.get("init") is not None:
-        made.append(f"- Start: {_text(init['init'])}.")
-    if isinstance(result.get("top1"), (int, float)):
-        at = f" after epoch {result['epoch']}" if isinstance(result.get("epoch"), int) else ""
+        made.append(f"- Trained by `cmhsa train`: {markdown_safe(metadata['cmhsa.trained'])}.")
+    if init.get("init") is not None:  # a file by its name (and hash), never a local path
+        start = markdown_safe(str(init["init"]).replace("\\", "/").rsplit("/", 1)[-1])
+        sha = init.get("init_sha256")
         made.append(
-            f"- Validation top-1 {result['top1']:.2f}%{at}, on {_text(data)}'s validation split as "
+            f"- Start: {start}"
+            + (f" (sha256 {markdown_safe(sha, 64)})" if isinstance(sha, str) else "")
+            + "."
+        )
+    if top1 is not None:
+        epoch = card_number(result.get("epoch"), 0, 10**9, digits=0)
+        at = f" after epoch {epoch}" if epoch is not None else ""
+        made.append(
+            f"- Validation top-1 {top1}%{at}, on {markdown_safe(data)}'s validation split as "
             "`cmhsa train` held it out (the run's metrics.csv)."
         )
     if "cmhsa.source_sha256" in metadata:
         made.append(
             "- Converted exactly (Theorem 1) by `cmhsa convert` from the convolutional model with "
-            f"sha256 {_text(metadata['cmhsa.source_sha256'])}."
+            f"sha256 {markdown_safe(metadata['cmhsa.source_sha256'], 64)}."
         )
     lines += made or ["- Not recorded in the weights' metadata (not written by `cmhsa train`)."]
     p = preprocessing

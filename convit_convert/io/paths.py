@@ -175,36 +175,3 @@ def parse_json(
         return json.loads(text)
     except (ValueError, RecursionError, TypeError) as e:  # JSONDecodeError, too many digits
         raise CmhsaError(f"{what} is not valid JSON ({str(e).split(';')[0]})", path) from None
-
-
-def make_folder(path: Path, what: str = "folder") -> list[Path]:
-    """Create the folder ``path`` and any missing parents; the folders created, deepest first, for
-    :func:`remove_made` to take away again if the command that asked writes nothing."""
-    missing = missing_folders(path)
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        remove_made(missing)
-        raise CmhsaError(f"cannot create the {what} ({e.strerror})", path) from None
-    return missing
-
-
-def missing_folders(path: Path) -> list[Path]:
-    """``path`` and those of its parents that do not exist, deepest first."""
-    missing = []
-    p = Path(os.path.abspath(path))
-    while not os.path.lexists(p) and p != p.parent:
-        missing.append(p)
-        p = p.parent
-    return missing
-
-
-def remove_made(created: list[Path], keep: tuple[str, ...] = ()) -> None:
-    """Remove the folders :func:`make_folder` created, deepest first, as long as each holds nothing
-    but files named in ``keep`` (removed with it): a refused command leaves no folder behind."""
-    with contextlib.suppress(OSError):
-        for folder in created:
-            for name in keep:
-                with contextlib.suppress(FileNotFoundError):
-                    (folder / name).unlink()
-            folder.rmdir()  # OSError (not empty): stop here, keeping it and its parents

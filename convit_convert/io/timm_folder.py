@@ -23,8 +23,9 @@ from typing import Any
 from ..config import ViTConfig
 from ..defaults import EVAL_CROP_PCT, EVAL_INTERPOLATION
 from ..errors import CmhsaError
-from .atomic import atomic_paths
+from .atomic import atomic_names
 from .checkpoint import write_checkpoint
+from .folder import Folder, make_folder
 from .model_card import CARD, model_card
 
 WEIGHTS, CONFIG = "model.safetensors", "config.json"
@@ -90,22 +91,109 @@ def timm_config(cfg: ViTConfig) -> dict[str, Any]:
 
 
 def write_timm_folder(
-    folder: Path, cfg: ViTConfig, state_dict: dict[str, Any], metadata: dict[str, str] | None = None
+    folder: Path | Folder, cfg: ViTConfig, state_dict: dict[str, Any], metadata: dict[str, str] | None = None
 ) -> list[Path]:
-    """Write ``folder``'s three files together (all or none; the folder is made if missing): the
-    weights, timm's config.json and the model card README.md (io/model_card.py, from ``metadata``);
-    ``state_dict``: every tensor of the model (timm loads it strictly). The paths written."""
-    folder = Path(folder)
-    if folder.exists() and not folder.is_dir():
-        raise CmhsaError("is a file; a timm folder is a directory", folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    weights, config, card = folder / WEIGHTS, folder / CONFIG, folder / CARD
+    """Write ``folder``'s three files together (all or none): the weights, timm's config.json and
+    the model card README.md (io/model_card.py, from ``metadata``); ``state_dict``: every tensor of
+    the model (timm loads it strictly). ``folder``: a path the user gave (made if missing), or a
+    folder held open (a run's ``timm/``, entered without following a link). The paths written."""
+    if not isinstance(folder, Folder):
+        path = Path(folder)
+        if path.exists() and not path.is_dir():
+            raise CmhsaError("is a file; a timm folder is a directory", path)
+        make_folder(path)
+        with Folder.open(path) as held:
+            return write_timm_folder(held, cfg, state_dict, metadata)
     text = model_card(cfg, metadata or {}, cfg.num_params(), preprocessing(cfg))
-    with atomic_paths(weights, config, card) as (tmp_weights, tmp_config, tmp_card):
-        write_checkpoint(tmp_weights, cfg, state_dict, metadata, weights)
+    with atomic_names((folder, WEIGHTS), (folder, CONFIG), (folder, CARD)) as (
+        tmp_weights,
+        tmp_config,
+        tmp_card,
+    ):
+        write_checkpoint(tmp_weights, cfg, state_dict, metadata, folder.show(WEIGHTS))
         tmp_config.write_text(json.dumps(timm_config(cfg), indent=2) + "\n", encoding="utf-8")
         tmp_card.write_text(text, encoding="utf-8")
-    return [weights, config, card]
+    return [folder.show(WEIGHTS), folder.show(CONFIG), folder.show(CARD)]
+
+
+# pretrained_cfg's keys timm adds to a folder's (local-dir:, hf-hub:) before a model is built
+TIMM_ADDED = ("file", "source", "hf_hub_id")
+MAX_LICENSE = 100
+
+
+def _plain(v: Any) -> Any:
+    """JSON's view of a value, compared strictly: tuples as lists, nested; a bool never equal to a number."""
+    if isinstance(v, bool):
+        return ("bool", v)
+    return [_plain(x) for x in v] if isinstance(v, list | tuple) else v
+
+
+def _shown(v: Any) -> str:
+    """A value from a file in a message: its repr, cut at 60 characters."""
+    text = repr(v)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def check_folder_config(doc: Any, where: object, added: tuple[str, ...] = ()) -> ViTConfig | None:
+    """A timm folder's config.json, read as untrusted input before timm builds anything: None if it
+    names an architecture that is not cmhsa's (timm's own to read), else the cmhsa config it holds,
+    checked field by field as cmhsa writes it (:func:`timm_config`): ``model_args`` holds the cmhsa
+    config and nothing else (no ``num_classes``, ``global_pool`` or ``device`` that timm would pass
+    to the model's factory), the top-level ``num_classes`` and every ``pretrained_cfg`` key are what
+    that config makes (``license`` any short text; ``added``: keys timm itself set), no other key. A
+    one-line CmhsaError naming the field otherwise."""
+    if not isinstance(doc, dict):
+        raise CmhsaError("config.json is not a JSON object", where)
+    arch = doc.get("architecture")
+    if not isinstance(arch, str):
+        raise CmhsaError(f"config.json's architecture is {type(arch).__name__}, not a model's name", where)
+    kind = next((k for k, name in ARCHITECTURES.items() if name == arch), None)
+    if kind is None:
+        return None
+    args = doc.get("model_args")
+    if not isinstance(args, dict) or set(args) != {CONFIG_ARG}:
+        what = _shown(sorted(args)) if isinstance(args, dict) else type(args).__name__
+        raise CmhsaError(
+            f"config.json's model_args must hold {CONFIG_ARG!r} alone, not {what}: timm passes each to the "
+            "model's factory; not a folder cmhsa wrote",
+            where,
+        )
+    cfg = config_from_arg(args[CONFIG_ARG], kind, where)
+    unknown = sorted(
+        set(doc) - {"architecture", "num_classes", "num_features", "model_args", "pretrained_cfg"}
+    )
+    if unknown:
+        raise CmhsaError(f"config.json holds {_shown(unknown[0])}, which cmhsa never writes", where)
+    written = timm_config(cfg)
+    for key in ("num_classes", "num_features"):
+        if key in doc and _plain(doc[key]) != _plain(written[key]):
+            raise CmhsaError(
+                f"config.json says {key} {_shown(doc[key])} but its model_args' {CONFIG_ARG} makes "
+                f"{written[key]!r}; timm would load a different model than the one saved",
+                where,
+            )
+    pcfg = doc.get("pretrained_cfg")
+    if not isinstance(pcfg, dict):
+        raise CmhsaError(f"config.json's pretrained_cfg is {type(pcfg).__name__}, not a JSON object", where)
+    expected = written["pretrained_cfg"]
+    for key, value in pcfg.items():
+        if key in added:
+            continue
+        if key not in expected:
+            raise CmhsaError(
+                f"config.json's pretrained_cfg holds {_shown(key)}, which cmhsa never writes", where
+            )
+        if key == "license":
+            if not isinstance(value, str) or len(value) > MAX_LICENSE:
+                raise CmhsaError("config.json's pretrained_cfg license is not a short text", where)
+        elif _plain(value) != _plain(expected[key]):
+            raise CmhsaError(
+                f"config.json's pretrained_cfg says {key} {_shown(value)} but its model_args' "
+                f"{CONFIG_ARG} makes {_shown(expected[key])}; timm would load or feed a different "
+                "model than the one saved",
+                where,
+            )
+    return cfg
 
 
 def config_from_arg(value: Any, kind: str, where: object) -> ViTConfig:
