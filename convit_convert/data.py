@@ -301,14 +301,17 @@ MAX_FOLDERS = 1_000_000
 def scan_images(directory: Path, class_to_idx: dict[str, int]) -> list[tuple[str, int]]:
     """Each class folder's images as (path, class index), in torchvision's order (by folder path,
     then file name). Links to folders are followed, but every folder is visited once (two links
-    that point at each other end, where ``os.walk(followlinks=True)`` never does), and at most
+    that point at each other end, where ``os.walk(followlinks=True)`` never does; once per class:
+    a link to another class's folder is read as torchvision reads it), and at most
     MAX_FOLDERS folders and MAX_IMAGES images are taken; a class with no image is refused
     (FileNotFoundError, as torchvision raises it)."""
-    seen: set[tuple[int, int]] = set()
     found: list[tuple[str, int]] = []
     empty: list[str] = []
-    count = 0
+    count = folders = 0
     for name in sorted(class_to_idx):
+        seen: set[tuple[int, int]] = (
+            set()
+        )  # per class: a link to another class's folder reads it as torchvision does
         listed: list[tuple[str, list[str]]] = []
         stack = [str(directory / name)]
         while stack:
@@ -318,7 +321,8 @@ def scan_images(directory: Path, class_to_idx: dict[str, int]) -> list[tuple[str
                 if (st.st_dev, st.st_ino) in seen:
                     continue  # a loop, or a second link to a folder already scanned
                 seen.add((st.st_dev, st.st_ino))
-                if len(seen) > MAX_FOLDERS:
+                folders += 1
+                if folders > MAX_FOLDERS:
                     raise CmhsaError(
                         f"holds more than {MAX_FOLDERS:,} folders; cmhsa scans at most that", directory
                     )

@@ -22,6 +22,7 @@ from typing import Any
 from ..errors import CmhsaError, first_line
 from ..io.journal import check_settled
 from ..io.paths import check_input_file
+from .shapes import shape_known
 
 # element types cmhsa reads weights and images in (onnx.TensorProto.FLOAT / DOUBLE)
 FLOAT, DOUBLE = 1, 11
@@ -185,46 +186,15 @@ MAX_TENSOR_ELEMENTS = 2**28  # any one tensor of the graph at the batch it is ru
 RUN_SECONDS = 600.0  # one onnxruntime run of a graph; a ViT within the flags' limits takes seconds
 
 
-# ops whose output's size is decided by their input's values whatever the graph
-VALUE_SHAPED = ("NonZero", "Unique", "Compress", "NonMaxSuppression", "StringSplit")
-# the inputs that decide an op's output size (a shape, repeats, pads, a range, sizes, k)
-SHAPE_INPUTS = {
-    "Reshape": (1,),
-    "Expand": (1,),
-    "Tile": (1,),
-    "ConstantOfShape": (0,),
-    "Range": (0, 1, 2),
-    "Resize": (1, 2, 3),
-    "Upsample": (1,),
-    "Pad": (1, 2, 3),
-    "OneHot": (1,),
-    "Slice": (1, 2, 3, 4),
-    "TopK": (1,),
-    "Split": (1,),
-    "Col2Im": (1, 2, 3),
-    "CenterCropPad": (1, 2),
-}
-
-
-def value_dependent(graph: Any) -> set[str]:
-    """The tensors computed from the image input's values (not only from its shape: Shape and Size
-    give numbers that hold for every image of that size). A size taken from one is known only by
-    running the graph: a 400-byte graph can ask for an Expand of max(pixels) x 10^5 elements."""
-    init = {t.name for t in graph.initializer}
-    tainted = {i.name for i in graph.input if i.name not in init}
-    for node in graph.node:  # the graph is topologically sorted (the checker requires it)
-        if node.op_type not in ("Shape", "Size") and any(n in tainted for n in node.input):
-            tainted.update(filter(None, node.output))
-    return tainted
-
-
 def check_runnable(model: Any, path: Path, batch: int) -> int:
     """Before onnxruntime sees the graph: only standard ops, no control flow, subgraphs or local
-    functions, no size taken from the input's values (:func:`value_dependent`: refused naming the
-    node), and every tensor's shape known from the input's by shape inference (with data
-    propagation, so an Expand to a constant shape is sized; a symbolic dimension is the batch) and
-    at most MAX_TENSOR_ELEMENTS at ``batch``. Returns the bytes of every node's outputs
-    together, for the caller to hold against the memory available."""
+    functions, and every dimension of every node's output fixed by shape inference from the declared
+    input's shape at ``batch`` (``shapes.shape_known``: a Reshape to a shape computed from the
+    input's shape, or an Expand to a constant one, is sized): a number. Decided by the graph, not
+    by a list of ops: any op whose output size comes from the input's values (NonZero, an Expand or
+    HannWindow sized by a pixel) leaves a dimension inference cannot fix, and is refused naming its
+    node. Every tensor holds at most MAX_TENSOR_ELEMENTS at ``batch``. Returns the bytes of every
+    node's outputs together, for the caller to hold against the memory available."""
     import onnx
     from onnx import helper
 
@@ -241,9 +211,10 @@ def check_runnable(model: Any, path: Path, batch: int) -> int:
                 f"node {node.name!r} is a {node.op_type} with a subgraph; a ViT's graph has no control flow",
                 path,
             )
-    tainted = value_dependent(graph)
     try:
-        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=True, data_prop=True)
+        inferred = onnx.shape_inference.infer_shapes(
+            shape_known(model, batch), strict_mode=True, data_prop=True
+        )
     except Exception as e:  # onnx raises several types
         raise CmhsaError(f"shape inference fails on the graph: {_first_line(e)}", path) from None
     types = {
@@ -251,30 +222,25 @@ def check_runnable(model: Any, path: Path, batch: int) -> int:
     }
     total = 0
     for node in graph.node:
-        sizes = SHAPE_INPUTS.get(node.op_type, ())
-        shaping = [n for i, n in enumerate(node.input) if i in sizes and n in tainted]
-        if node.op_type in VALUE_SHAPED or shaping:
-            raise CmhsaError(
-                f"node {node.name or node.op_type!r} ({node.op_type}) makes a tensor whose shape depends on "
-                f"the input's values{f' (through {shaping[0]!r})' if shaping else ''}, not only its shape; "
-                "cmhsa runs only graphs whose sizes follow from the input's shape",
-                path,
-            )
         for name in filter(None, node.output):
             t = types.get(name)
             if t is None or not t.HasField("tensor_type") or not t.tensor_type.HasField("shape"):
                 raise CmhsaError(
-                    f"tensor {name!r} ({node.op_type}) has no shape known before running the graph", path
+                    f"node {node.name or node.op_type!r} ({node.op_type}) makes tensor {name!r}, whose shape "
+                    "is not known before running the graph; cmhsa runs only graphs whose sizes follow from "
+                    "the input's shape",
+                    path,
                 )
             count = 1
-            for d in t.tensor_type.shape.dim:
-                if d.HasField("dim_param") and not d.HasField("dim_value"):
-                    count *= batch  # a size computed from the input's shape: the batch's, in a ViT
-                elif d.HasField("dim_value") and d.dim_value >= 0:
+            for axis, d in enumerate(t.tensor_type.shape.dim):
+                if d.HasField("dim_value") and d.dim_value >= 0:
                     count *= d.dim_value
-                else:
+                else:  # a size shape inference cannot fix from the input's shape: from its values
                     raise CmhsaError(
-                        f"tensor {name!r} ({node.op_type}) has a dimension of unknown size", path
+                        f"node {node.name or node.op_type!r} ({node.op_type}) makes tensor {name!r} whose "
+                        f"dimension {axis} does not follow from the input's shape (it depends on the "
+                        "input's values); cmhsa runs only graphs whose sizes follow from the input's shape",
+                        path,
                     )
             if count > MAX_TENSOR_ELEMENTS:
                 raise CmhsaError(
