@@ -195,6 +195,23 @@ def test_a_converted_model_never_replaces_a_file_with_other_names(tmp_path: Path
     assert tree(tmp_path) == before
 
 
+@pytest.mark.parametrize("plant", ["link", "hard link", "folder"])
+def test_an_export_folder_from_elsewhere_is_never_written_through(tmp_path: Path, plant: str) -> None:
+    fixture = ROOT / "fixtures" / "conv_digits.safetensors"
+    (tmp_path / "victim.json").write_text("the user's\n")
+    out = tmp_path / "shared"
+    out.mkdir()
+    if plant == "link":
+        (out / "config.json").symlink_to("../victim.json")
+    elif plant == "hard link":
+        os.link(tmp_path / "victim.json", out / "config.json")
+    else:
+        (out / "config.json").mkdir()
+    before = tree(tmp_path)
+    one_error_line(invoke("export", fixture, "--format", "timm", "-o", out), 2, "config.json")
+    assert tree(tmp_path) == before
+
+
 # 3. removal lists name cmhsa's outputs exactly ---------------------------------------------------
 
 

@@ -96,15 +96,26 @@ def graph_with(op: str, path: Path, batch: object = 1, scale: float = 1e5) -> Pa
     ]
     t = helper.make_tensor
     inits = [
-        t("big", F, [], [scale]), t("one_shape", I64, [1], [1]), t("onef", F, [1], [1.0]),
-        t("onef0", F, [], [1.0]), t("zerof", F, [], [0.0]), t("zero", I64, [], [0]),
-        t("onei", I64, [], [1]), t("zero1", I64, [1], [0]), t("three1", I64, [1], [3]),
-        t("four1", I64, [1], [4]), t("idx", I64, [2], [0, 1]), t("onoff", F, [2], [0.0, 1.0]),
-        t("two2", I64, [2], [2, 2]), t("flat_shape", I64, [1], [-1]),
-        t("signal_shape", I64, [3], [1, -1, 1]), t("cols_shape", I64, [3], [1, 12, -1]),
-        t("boxes_shape", I64, [3], [1, -1, 4]), t("scores_shape", I64, [3], [1, 1, -1]),
+        t("big", F, [], [scale]),
+        t("one_shape", I64, [1], [1]),
+        t("onef", F, [1], [1.0]),
+        t("onef0", F, [], [1.0]),
+        t("zerof", F, [], [0.0]),
+        t("zero", I64, [], [0]),
+        t("onei", I64, [], [1]),
+        t("zero1", I64, [1], [0]),
+        t("three1", I64, [1], [3]),
+        t("four1", I64, [1], [4]),
+        t("idx", I64, [2], [0, 1]),
+        t("onoff", F, [2], [0.0, 1.0]),
+        t("two2", I64, [2], [2, 2]),
+        t("flat_shape", I64, [1], [-1]),
+        t("signal_shape", I64, [3], [1, -1, 1]),
+        t("cols_shape", I64, [3], [1, 12, -1]),
+        t("boxes_shape", I64, [3], [1, -1, 4]),
+        t("scores_shape", I64, [3], [1, 1, -1]),
         t("forty8", I64, [1], [48]),
-    ]  # fmt: skip
+    ]
     graph = helper.make_graph([*value, *OPS[op], *tail], "g", [x], [y], inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
     model.ir_version = 8
