@@ -24,6 +24,7 @@ from .defaults import DATASETS, EVAL_CROP_PCT, EVAL_INTERPOLATION, MAX_DEFAULT_W
 from .errors import CmhsaError, first_line
 from .io.folder import make_folder, remove_made
 from .io.paths import open_regular, require_regular
+from .labels import DIGITS, FASHION_MNIST, recordable
 from .resources import check_fits
 
 NEEDS_DIR = ("cifar10", "cifar100", "imagefolder")  # the datasets only `data_dir` can give
@@ -44,6 +45,7 @@ class DataSpec:
     val: Dataset
     num_classes: int
     in_chans: int = 3
+    classes: tuple[str, ...] | None = None  # the outputs' names, where known (labels.py)
 
 
 class ArrayImages(Dataset):
@@ -77,7 +79,11 @@ def digits(val_fraction: float = 0.2, seed: int = 0) -> DataSpec:
     n_val = round(len(img) * val_fraction)
     val, train = perm[:n_val], perm[n_val:]
     return DataSpec(
-        ArrayImages(img[train], d.target[train]), ArrayImages(img[val], d.target[val]), 10, in_chans=1
+        ArrayImages(img[train], d.target[train]),
+        ArrayImages(img[val], d.target[val]),
+        10,
+        in_chans=1,
+        classes=DIGITS,
     )
 
 
@@ -180,6 +186,7 @@ def fashion_mnist(root: Path) -> DataSpec:
         ArrayImages(found["val"], found["val_labels"]),
         10,
         in_chans=1,
+        classes=FASHION_MNIST,
     )
 
 
@@ -203,7 +210,7 @@ def cifar(name: str, root: Path, download: bool) -> DataSpec:
             f"{cls.base_folder}) in `data_dir` and run without `download`",
             root,
         ) from None
-    return DataSpec(train, val, len(train.classes))
+    return DataSpec(train, val, len(train.classes), classes=recordable(train.classes, len(train.classes)))
 
 
 MAX_IMAGE_BYTES = 256 * 2**20  # one image file
@@ -286,11 +293,15 @@ def image_folder(root: Path, val_only: bool = False) -> DataSpec:
         raise CmhsaError(f"not a usable image folder ({first_line(e, 200)})", root) from None
     val = found[-1]
     if val_only:
-        return DataSpec(Subset(val, []), val, len(val.classes), in_chans=sampled_channels(val))
+        n = len(val.classes)
+        return DataSpec(
+            Subset(val, []), val, n, in_chans=sampled_channels(val), classes=recordable(val.classes, n)
+        )
     train = found[0]
     if train.classes != val.classes:
         raise CmhsaError("train/ and val/ have different class folders", root)
-    return DataSpec(train, val, len(train.classes), in_chans=sampled_channels(train))
+    n = len(train.classes)
+    return DataSpec(train, val, n, in_chans=sampled_channels(train), classes=recordable(train.classes, n))
 
 
 # an image folder's scan is bounded: ImageNet-21k has 14 M images in 22 k folders

@@ -82,6 +82,11 @@ class Verification(Checked):
     device: str = "auto"
 
 
+# `cmhsa verify`'s images: seed 0 is the conversion's own check (ConversionSpec.seed), so a
+# second check of the same files draws other images by default
+VERIFY_SEED = 1
+
+
 @dataclass(frozen=True)
 class CalibrationSource(Checked):
     """The images an approximate conversion is fitted and measured on: ``calib_images`` seeded

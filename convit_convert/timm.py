@@ -32,6 +32,7 @@ import torch
 from timm.models import generate_default_cfgs, register_model
 from torch import nn
 
+from . import labels
 from .api import load_checkpoint
 from .config import ViTConfig
 from .errors import CmhsaError, article
@@ -90,9 +91,12 @@ def _create(
         k: kwargs.pop(k) for k in ("features_only", "out_indices", "feature_cls", "output_fmt") if k in kwargs
     }
     file = (pretrained_cfg_overlay or {}).get("file")
+    names = None
     if folder_args is not None:
         file = source.get("file") or source.get("hf_hub_id")
         model = _from_folder(kind, folder_args, source, pretrained, kwargs, drop_path_rate, device, cache_dir)
+        if source.get("label_names") is not None:
+            names = labels.check_class_names(source["label_names"], model.cfg.num_classes, file)
     elif pretrained:
         if not file:
             raise CmhsaError(
@@ -106,6 +110,7 @@ def _create(
                 f"is {article(ckpt.kind)} checkpoint; cmhsa_{kind} loads {article(kind)} one", file
             )
         model = ckpt.model(torch.float32, drop_path_rate).train()
+        names = ckpt.classes
     else:
         attn = {k: kwargs.pop(k) for k in _ATTN_ARGS if k in kwargs}
         head = {"num_classes": num_classes} if num_classes else {}  # 0 (no head): reset below
@@ -119,6 +124,8 @@ def _create(
     if (num_classes is not None and num_classes != model.num_classes) or global_pool is not None:
         model.reset_classifier(model.num_classes if num_classes is None else num_classes, global_pool)
     model.pretrained_cfg = model.default_cfg = pretrained_cfg(model.cfg, file)
+    if names is not None and model.num_classes == len(names):  # the head the names belong to
+        model.pretrained_cfg["label_names"] = list(names)
     return _features(model, **features) if features.pop("features_only", False) else model
 
 
@@ -307,7 +314,7 @@ def cmhsa3_224(pretrained: bool = False, **kwargs: Any) -> nn.Module:
 # the folder timm loads (io/timm_folder.py), written and checked ----------------------------------
 
 
-CARD_KEYS = ("cmhsa.trained", "cmhsa.init", "cmhsa.result", "cmhsa.source_sha256")
+CARD_KEYS = ("cmhsa.trained", "cmhsa.init", "cmhsa.result", "cmhsa.source_sha256", labels.KEY)
 
 
 @dataclass

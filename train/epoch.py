@@ -47,6 +47,7 @@ class Loop:
     step: TrainStep  # augmentation to update: the model as trained (DDP-wrapped, compiled), loss, Mixup
     probe: torch.Tensor | None = None  # attn models: fixed val images for the per-epoch attention metrics
     config_json: str = ""  # config.json's text, written with every checkpoint
+    classes: tuple[str, ...] | None = None  # the outputs' names, where the data names them (labels.py)
 
 
 def seed_everything(seed: int) -> None:

@@ -49,6 +49,7 @@ from ..io.lock import LOCK_NAME, locked_folder
 from ..io.model_card import CARD
 from ..io.paths import parse_json
 from ..io.timm_folder import CONFIG, WEIGHTS
+from ..labels import to_metadata
 from ..model import VisionTransformer
 from .augment import augment_spec, check_supported
 from .config import RUNTIME_FIELDS, TrainConfig
@@ -498,8 +499,10 @@ def build(
             "progress shows (measured on 2 CPU cores, depth 1 at 16 px: about 70 s the first time, "
             "7 s once torch has cached the kernels; on CPU it pays back only over long runs)"
         )
-    doc = config_doc(cfg, ctx, pm, state, loader)
-    return Loop(cfg, ctx, out, dtype, *loaders, steps_per_epoch, state, reporter, step, probe, doc)
+    doc = config_doc(cfg, ctx, pm, state, loader, spec.classes)
+    loop = Loop(cfg, ctx, out, dtype, *loaders, steps_per_epoch, state, reporter, step, probe, doc)
+    loop.classes = spec.classes
+    return loop
 
 
 def data_and_model(
@@ -615,9 +618,18 @@ def describe_run(
         )
 
 
-def config_doc(cfg: TrainConfig, ctx: Context, pm: PhaseModel, state: RunState, loader: str) -> str:
-    """config.json: the flags, the model's config, how the run started and where it ran."""
+def config_doc(
+    cfg: TrainConfig,
+    ctx: Context,
+    pm: PhaseModel,
+    state: RunState,
+    loader: str,
+    classes: tuple[str, ...] | None = None,
+) -> str:
+    """config.json: the flags, the model's config, how the run started and where it ran, and the
+    names of the model's outputs where the data names them."""
     doc = {**cfg.to_dict(), "model": pm.config.to_dict(), "kind": pm.config.kind, "init_info": pm.init}
+    doc["classes"] = None if classes is None else list(classes)
     doc["world_size"], doc["backend"] = ctx.world, ctx.backend
     doc["loader_used"], doc["threads_used"] = loader, cfg.runtime.threads
     doc["environments"] = state.environments  # threads, CPU code path, versions; one per (re)start
@@ -781,6 +793,7 @@ def train(
             "cmhsa.trained": f"{cfg.phase} {cfg.data.name}, {cfg.recipe.epochs} epochs",
             "cmhsa.init": json.dumps(st.init),
             "cmhsa.result": json.dumps({"data": cfg.data.name, **figures}),  # the model card's figures
+            **to_metadata(loop.classes),
         }
         save_checkpoint(result.model_path, st.model_config, st.model.state_dict(), meta)
         if st.ema is not None:

@@ -30,6 +30,7 @@ from ..errors import CmhsaError, article
 from ..io.atomic import atomic_paths
 from ..io.checkpoint import Checkpoint, write_checkpoint
 from ..io.report import default_report_path, environment, file_facts, report_text
+from ..labels import to_metadata
 from ..model import VisionTransformer
 from ..resources import check_fits
 from ..settings import CalibrationSource, Geometry, Verification
@@ -267,9 +268,8 @@ def convert_file(
     with atomic_paths(*([output] if conv.passed else []), report_path) as tmps:
         if conv.passed:
             t = time.perf_counter()
-            digest = write_checkpoint(
-                tmps[0], conv.config, conv.tensors, {"cmhsa.source_sha256": input_facts["sha256"]}, output
-            )
+            meta = {"cmhsa.source_sha256": input_facts["sha256"], **to_metadata(ckpt.classes)}
+            digest = write_checkpoint(tmps[0], conv.config, conv.tensors, meta, output)
             timings["write_s"] = time.perf_counter() - t
             output_facts = {"path": str(output), "bytes": tmps[0].stat().st_size, "sha256": digest}
         result = ConvertReport(conv, output, report_path, input_facts, output_facts, timings)

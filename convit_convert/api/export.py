@@ -101,6 +101,7 @@ def _export(
         seed=o.seed,
         path=output,
         form=o.form,
+        classes=ckpt.classes,
     )
     facts = None
     with atomic_paths(*([output] if ex.check.passed else []), report_path) as tmps:  # both or neither

@@ -4,7 +4,7 @@ each head attends to), and calibration images for an approximate conversion."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +21,27 @@ from ..defaults import EVAL_CROP_PCT
 from ..deploy import for_inference
 from ..errors import CmhsaError
 from ..io.checkpoint import Checkpoint
+from ..labels import name_of
 from ..settings import AttentionOptions, CalibrationSource, EvalOptions
 from .common import amp_dtype, autocast, load_checkpoint, pick_device
+
+
+@dataclass
+class ClassRow:
+    """One class of the validation split: its images and the share the model got right."""
+
+    name: str
+    images: int
+    top1: float
+
+
+@dataclass
+class Confusion:
+    """Images of class ``true`` the model called ``predicted``."""
+
+    true: str
+    predicted: str
+    images: int
 
 
 @dataclass
@@ -33,9 +52,37 @@ class EvalReport:
     top5: float
     val_loss: float
     form: str  # the form that ran: "fused" (attention, exact to 1e-5), "trained", or "conv"
+    classes: list[ClassRow] = field(default_factory=list)  # per class, output 0 first
+    confused: list[Confusion] = field(default_factory=list)  # the most frequent mistakes, most first
+    names_from: str = "numbers"  # where the class names came from: "model", "data" or "numbers"
+    data_names_differ: bool = False  # the model and the data both name classes, differently
 
     def to_dict(self) -> dict[str, Any]:
         return {"command": "eval", **asdict(self)}
+
+
+MOST_CONFUSED = 5  # pairs eval reports
+
+
+def per_class(
+    confusion: torch.Tensor, names: tuple[str, ...] | None
+) -> tuple[list[ClassRow], list[Confusion]]:
+    """Per-class top-1 and the most frequent (true, predicted) mistakes from a confusion matrix
+    (rows: true class, columns: predicted)."""
+    m = confusion.cpu().long()
+    rows = [
+        ClassRow(name_of(names, i), int(m[i].sum()), 100.0 * int(m[i, i]) / max(int(m[i].sum()), 1))
+        for i in range(m.shape[0])
+    ]
+    off = m.clone()
+    off.fill_diagonal_(0)
+    counts, flat = off.flatten().sort(descending=True)
+    pairs = [
+        Confusion(name_of(names, int(f) // m.shape[0]), name_of(names, int(f) % m.shape[0]), int(c))
+        for c, f in zip(counts[:MOST_CONFUSED].tolist(), flat[:MOST_CONFUSED].tolist(), strict=True)
+        if c > 0
+    ]
+    return rows, pairs
 
 
 def evaluate(
@@ -44,9 +91,11 @@ def evaluate(
     device: torch.device,
     dtype: torch.dtype | None,
     reduce: Callable[[torch.Tensor], None] | None = None,
+    confusion: torch.Tensor | None = None,
 ) -> dict[str, float]:
     """Cross-entropy, top-1 and top-5 (%) over ``batches`` of (images, labels); ``reduce`` sums
-    the (loss, top-1, top-5, count) totals across processes in place (training's all-reduce)."""
+    the (loss, top-1, top-5, count) totals across processes in place (training's all-reduce);
+    ``confusion`` (classes × classes, int64 on ``device``), when given, counts (true, predicted)."""
     was_training = model.training
     model.eval()
     sums = torch.zeros(4, dtype=torch.float64, device=device)  # loss, top1, top5, count
@@ -56,6 +105,9 @@ def evaluate(
             with autocast(device, dtype):
                 logits = model(x).float()
             hit = logits.topk(min(5, logits.shape[1]), dim=1).indices == y[:, None]
+            if confusion is not None:
+                c = confusion.shape[0]
+                confusion.view(-1).add_(torch.bincount(y * c + logits.argmax(1), minlength=c * c))
             loss = F.cross_entropy(logits, y, reduction="sum").double()
             count = torch.tensor(float(len(y)), dtype=torch.float64, device=device)
             sums += torch.stack([loss, hit[:, 0].sum().double(), hit.any(dim=1).sum().double(), count])
@@ -110,8 +162,9 @@ def _val_loader(
     workers: int,
     crop_pct: float,
     seed: int,
-) -> tuple[DataLoader, int]:
-    """The validation loader of ``data`` preprocessed for ``ckpt``'s model, and the split's size."""
+) -> tuple[DataLoader, int, tuple[str, ...] | None]:
+    """The validation loader of ``data`` preprocessed for ``ckpt``'s model, the split's size, and
+    the data's class names where it has them."""
     cfg = ckpt.config
     spec, tf = _dataset(
         cfg, data, data_dir, download=download, crop_pct=crop_pct, seed=seed, path=ckpt.path, val_only=True
@@ -126,7 +179,7 @@ def _val_loader(
         pin_memory=dev.type == "cuda",
         in_chans=cfg.in_chans,
     )
-    return loader, len(spec.val)
+    return loader, len(spec.val), spec.classes
 
 
 def evaluate_checkpoint(path: str | Path, options: EvalOptions) -> EvalReport:
@@ -136,12 +189,27 @@ def evaluate_checkpoint(path: str | Path, options: EvalOptions) -> EvalReport:
     workers = default_workers() if o.workers is None else o.workers
     dev = pick_device(o.device)
     dtype = amp_dtype(o.amp, dev)
-    loader, n = _val_loader(
+    loader, n, data_names = _val_loader(
         ckpt, o.data, o.data_dir, o.download, o.batch_size, dev, workers, o.crop_pct, o.seed
     )
     model, form = for_inference(ckpt.model(dtype=torch.float32).to(dev))  # fused where exact to 1e-5
-    metrics = evaluate(model, loader, dev, dtype)
-    return EvalReport(ckpt.kind, n, metrics["top1"], metrics["top5"], metrics["val_loss"], form)
+    c = ckpt.config.num_classes
+    confusion = torch.zeros(c, c, dtype=torch.int64, device=dev)
+    metrics = evaluate(model, loader, dev, dtype, confusion=confusion)
+    names = ckpt.classes or data_names  # the outputs are the model's: its names first
+    rows, pairs = per_class(confusion, names)
+    return EvalReport(
+        ckpt.kind,
+        n,
+        metrics["top1"],
+        metrics["top5"],
+        metrics["val_loss"],
+        form,
+        rows,
+        pairs,
+        "model" if ckpt.classes else "data" if data_names else "numbers",
+        bool(ckpt.classes and data_names and ckpt.classes != data_names),
+    )
 
 
 def attention_on_data(path: str | Path, options: AttentionOptions) -> AttentionReport:
@@ -152,7 +220,9 @@ def attention_on_data(path: str | Path, options: AttentionOptions) -> AttentionR
     if ckpt.kind != "attn":
         raise CmhsaError("is a conv checkpoint; attention statistics need an attn checkpoint", ckpt.path)
     dev = pick_device(o.device)
-    loader, _ = _val_loader(ckpt, o.data, o.data_dir, False, o.batch_size, dev, o.workers, o.crop_pct, o.seed)
+    loader, _, _ = _val_loader(
+        ckpt, o.data, o.data_dir, False, o.batch_size, dev, o.workers, o.crop_pct, o.seed
+    )
 
     def batches():  # the first `images` validation images
         left = o.images

@@ -14,7 +14,7 @@ from ..io.atomic import check_writable
 from ..io.checkpoint import Checkpoint
 from ..io.report import environment, file_facts, write_report
 from ..resources import check_fits
-from ..settings import Verification
+from ..settings import VERIFY_SEED, Verification
 from ..spec import DEFAULT_TOL
 from ..verify import VerifyResult, verify_models
 from .common import load_checkpoint, resolve_device, resolve_dtype, same_file
@@ -49,7 +49,7 @@ def verify_files(
     attn: Path,
     *,
     tol: float = DEFAULT_TOL,
-    seed: int = 0,
+    seed: int = VERIFY_SEED,
     verification: Verification | None = None,
     report: Path | None = None,
 ) -> VerifyReport:

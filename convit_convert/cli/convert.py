@@ -11,7 +11,8 @@ import typer
 from rich.table import Table
 
 from ..errors import CmhsaError
-from ..settings import CalibrationSource, Geometry, HeadsQuery, Verification
+from ..io.model_card import SHOWN_CLASSES
+from ..settings import VERIFY_SEED, CalibrationSource, Geometry, HeadsQuery, Verification
 from ..spec import DEFAULT_TOL, ConversionSpec
 from .common import (
     EXIT_FAIL,
@@ -35,7 +36,7 @@ app = typer.Typer()
 SPEC, GEOMETRY, VERIFICATION, CALIBRATION = ConversionSpec(), Geometry(), Verification(), CalibrationSource()
 HEADS = HeadsQuery()
 APPROXIMATE_CALIB, SWEEP_CALIB = calibration_options("--approximate"), calibration_options("--checkpoint")
-VERIFY_TOL, VERIFY_SEED = DEFAULT_TOL, 0  # api.verify_files' keywords (torch: not imported to read them)
+VERIFY_TOL = DEFAULT_TOL  # api.verify_files' keyword (torch: not imported to read it)
 
 
 @app.command()
@@ -256,7 +257,9 @@ def verify_cmd(
     tol: Annotated[float, typer.Option(help="Largest relative error accepted.")] = VERIFY_TOL,
     dtype: Annotated[str, typer.Option(help="float32 or float64.")] = VERIFICATION.dtype,
     batch: Annotated[int, typer.Option(help="Random images per check.")] = VERIFICATION.batch,
-    seed: Annotated[int, typer.Option(help="Seed for the random images.")] = VERIFY_SEED,
+    seed: Annotated[
+        int, typer.Option(help="Seed for the random images (convert checks on seed 0's: these are others).")
+    ] = VERIFY_SEED,
     report: Annotated[Path | None, path_opt("Write a JSON report here.")] = None,
     device: Annotated[str, device_option()] = VERIFICATION.device,
 ) -> None:
@@ -308,6 +311,10 @@ def inspect(
     for key in ("trained", "init"):  # written by `cmhsa train`: how the weights were made
         if f"cmhsa.{key}" in c.metadata:
             info.add_row(key, safe(c.metadata[f"cmhsa.{key}"]))
+    if c.classes is not None:  # output i is class i; anyone's names: escaped, the first few shown
+        shown = ", ".join(safe(n[:60]) for n in c.classes[:SHOWN_CLASSES])
+        more = len(c.classes) - SHOWN_CLASSES
+        info.add_row("classes", shown + (f", ... ({more:,} more)" if more > 0 else ""))
     print_titled(safe(str(ckpt)), info)
     console.print(f"sha256 {r.facts['sha256']}", soft_wrap=True)
     if r.pinned is None:

@@ -437,6 +437,42 @@ def eval_command(
     kind = r.kind if r.form == "conv" else f"{r.kind}, {r.form} form"  # attention runs fused where exact
     table.add_row(kind, f"{r.top1:.2f}", f"{r.top5:.2f}", f"{r.val_loss:.4f}")
     print_titled(title, table)
+    print_per_class(r)
+
+
+ALL_CLASSES_UP_TO = 30  # eval lists every class up to this many; beyond, the worst WORST_CLASSES
+WORST_CLASSES = 15
+
+
+def print_per_class(r: Any) -> None:
+    """Per-class top-1 (every class, or the worst ones of many) and the most frequent mistakes,
+    classes by name where the model or the data names them (names are foreign text: escaped)."""
+    if not r.classes:
+        return
+    rows = r.classes
+    if len(rows) > ALL_CLASSES_UP_TO:
+        rows = sorted(rows, key=lambda row: row.top1)[:WORST_CLASSES]
+        title = f"The {WORST_CLASSES} classes with the lowest top-1 (of {len(r.classes):,})"
+    else:
+        title = "Per class"
+    if r.names_from == "numbers":
+        title += " (classes by number: neither the model nor the data names them)"
+    from rich.table import Table
+
+    table = Table()
+    for col in ("class", "images", "top-1 %"):
+        table.add_column(col, justify="left" if col == "class" else "right")
+    for row in rows:
+        table.add_row(safe(row.name), f"{row.images:,}", f"{row.top1:.2f}")
+    print_titled(title, table)
+    if r.confused:
+        console.print("Most confused (true -> predicted, images):")
+        for c in r.confused:
+            console.print(f"  {safe(c.true)} -> {safe(c.predicted)}: {c.images:,}")
+    if r.data_names_differ:
+        console.print(
+            "note: the data names its classes differently from the model; rows name the model's outputs"
+        )
 
 
 def attention_command(

@@ -18,6 +18,7 @@ import torch
 
 from ..config import KINDS, ViTConfig
 from ..errors import CmhsaError, article
+from ..labels import from_metadata
 from ..model import VisionTransformer
 from ..settings import Geometry
 from ..version import __version__
@@ -47,6 +48,11 @@ class Checkpoint:
     @property
     def kind(self) -> str:
         return self.config.kind
+
+    @property
+    def classes(self) -> tuple[str, ...] | None:
+        """The names of the model's outputs, where the file records them (labels.py)."""
+        return from_metadata(self.metadata, self.config.num_classes, self.path)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -299,6 +305,7 @@ def load_tensor_checkpoint(path: str | Path, geometry: Geometry | None = None) -
             )
         cfg = ViTConfig.from_json(metadata[CONFIG_KEY], kind, path)
         check_geometry(cfg, img_size, patch_size, path, "file")
+        from_metadata(metadata, cfg.num_classes, path)  # foreign names: refused here, not when shown
         source = "cmhsa"
     else:
         if img_size is None or patch_size is None:

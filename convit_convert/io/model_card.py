@@ -11,9 +11,11 @@ import json
 from typing import Any
 
 from ..config import ViTConfig
+from ..labels import from_metadata
 from ..text import card_number, markdown_safe
 
 CARD = "README.md"
+SHOWN_CLASSES = 20  # class names the card lists; all of them are in config.json
 # the Hub's ids of the datasets cmhsa reads, where the Hub has one (digits, a folder, synthetic: none)
 HUB_DATASETS = {
     "fashion-mnist": "zalando-datasets/fashion_mnist",
@@ -88,6 +90,12 @@ def model_card(
             f"sha256 {markdown_safe(metadata['cmhsa.source_sha256'], 64)}."
         )
     lines += made or ["- Not recorded in the weights' metadata (not written by `cmhsa train`)."]
+    names = from_metadata(metadata, cfg.num_classes)
+    if names is not None:  # output i is class names[i]; anyone's folder names: inert text, bounded
+        shown = ", ".join(markdown_safe(n, 60) for n in names[:SHOWN_CLASSES])
+        more = len(names) - SHOWN_CLASSES
+        rest = f", and {more:,} more (config.json's `label_names`)" if more > 0 else ""
+        lines += ["", "## Classes", "", f"Output 0 first: {shown}{rest}."]
     p = preprocessing
     lines += [
         "",

@@ -23,6 +23,7 @@ from typing import Any
 from ..config import ViTConfig
 from ..defaults import EVAL_CROP_PCT, EVAL_INTERPOLATION
 from ..errors import CmhsaError
+from ..labels import check_class_names, from_metadata
 from .atomic import atomic_names
 from .checkpoint import write_checkpoint
 from .folder import Folder, make_folder
@@ -78,9 +79,12 @@ def preprocessing(cfg: ViTConfig) -> dict[str, str]:
     }
 
 
-def timm_config(cfg: ViTConfig) -> dict[str, Any]:
-    """config.json's content for a model of ``cfg``."""
+def timm_config(cfg: ViTConfig, classes: tuple[str, ...] | None = None) -> dict[str, Any]:
+    """config.json's content for a model of ``cfg`` (``classes``: its outputs' names, as timm and
+    the Hub read them: ``pretrained_cfg.label_names``)."""
     pcfg = {k: v for k, v in pretrained_cfg(cfg).items() if k != "file"}
+    if classes is not None:
+        pcfg["label_names"] = list(classes)
     return {
         "architecture": ARCHITECTURES[cfg.kind],
         "num_classes": cfg.num_classes,
@@ -104,14 +108,13 @@ def write_timm_folder(
         make_folder(path)
         with Folder.open(path) as held:
             return write_timm_folder(held, cfg, state_dict, metadata)
+    classes = from_metadata(metadata or {}, cfg.num_classes, folder.show(WEIGHTS))
     text = model_card(cfg, metadata or {}, cfg.num_params(), preprocessing(cfg))
-    with atomic_names((folder, WEIGHTS), (folder, CONFIG), (folder, CARD)) as (
-        tmp_weights,
-        tmp_config,
-        tmp_card,
-    ):
+    doc = json.dumps(timm_config(cfg, classes), indent=2, ensure_ascii=False) + "\n"
+    targets = [(folder, WEIGHTS), (folder, CONFIG), (folder, CARD)]
+    with atomic_names(*targets) as (tmp_weights, tmp_config, tmp_card):
         write_checkpoint(tmp_weights, cfg, state_dict, metadata, folder.show(WEIGHTS))
-        tmp_config.write_text(json.dumps(timm_config(cfg), indent=2) + "\n", encoding="utf-8")
+        tmp_config.write_text(doc, encoding="utf-8")
         tmp_card.write_text(text, encoding="utf-8")
     return [folder.show(WEIGHTS), folder.show(CONFIG), folder.show(CARD)]
 
@@ -179,11 +182,13 @@ def check_folder_config(doc: Any, where: object, added: tuple[str, ...] = ()) ->
     for key, value in pcfg.items():
         if key in added:
             continue
-        if key not in expected:
+        if key not in expected and key != "label_names":
             raise CmhsaError(
                 f"config.json's pretrained_cfg holds {_shown(key)}, which cmhsa never writes", where
             )
-        if key == "license":
+        if key == "label_names":
+            check_class_names(value, cfg.num_classes, where)
+        elif key == "license":
             if not isinstance(value, str) or len(value) > MAX_LICENSE:
                 raise CmhsaError("config.json's pretrained_cfg license is not a short text", where)
         elif _plain(value) != _plain(expected[key]):

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import math
 import os
 import sys
@@ -234,13 +235,16 @@ class Exported:
     timings: dict[str, float]
 
 
-def describe(proto: Any, cfg: Any) -> None:
-    """The file says how to prepare its input: ``metadata_props`` holds the preprocessing
-    (io/timm_folder.preprocessing: size, resize, crop, mean and std, channels), ``doc_string`` a
+def describe(proto: Any, cfg: Any, classes: tuple[str, ...] | None = None) -> None:
+    """The file says how to prepare its input and what its outputs are: ``metadata_props`` holds the
+    preprocessing (io/timm_folder.preprocessing: size, resize, crop, mean and std, channels) and,
+    where known, the class names (``classes``: a JSON list, output i the i-th), ``doc_string`` a
     sentence naming them; onnxruntime shows both (``session.get_modelmeta()``)."""
     import onnx
 
     props = preprocessing(cfg)
+    if classes is not None:
+        props["classes"] = json.dumps(list(classes), ensure_ascii=False)
     onnx.helper.set_model_props(proto, props)
     proto.doc_string = (
         f"cmhsa {cfg.kind} model, {cfg.num_classes} classes. Input pixel_values "
@@ -261,9 +265,11 @@ def export_and_check(
     seed: int = 0,
     path: Any = None,
     form: str = "fused",
+    classes: tuple[str, ...] | None = None,
 ) -> Exported:
     """Export ``model`` (as float32; its attention is swapped for the ``form``'s, in place) and
-    check the result against the model as it was. The options are checked once, by the operation
+    check the result against the model as it was; ``classes``: the outputs' names, recorded in the
+    file. The options are checked once, by the operation
     before any work (:func:`check_options`, called by ``api.export``)."""
     model = model.float().eval()
     refs = reference_outputs(model, seed)  # before the swap: the reference is the model as trained
@@ -281,7 +287,7 @@ def export_and_check(
         path=path,
     )
     check_s = time.perf_counter() - t
-    describe(proto, model.cfg)
+    describe(proto, model.cfg, classes)
     return Exported(
         data=proto.SerializeToString(),
         check=check,

@@ -11,6 +11,7 @@ import torch
 
 from ..errors import CmhsaError
 from ..io.checkpoint import Checkpoint, validate_tensors
+from ..labels import KEY, from_metadata
 from ..spec import DEFAULT_TOL
 from ..verify import relative_error
 from .layout import to_checkpoint
@@ -65,7 +66,10 @@ def import_onnx(path: str | Path, tol: float = DEFAULT_TOL, seed: int = 0) -> Ch
     structure = read_structure(model, path, seed)
     cfg, tensors, layout = to_checkpoint(structure, path)
     validate_tensors(cfg, tensors, path)
-    ckpt = Checkpoint(path, cfg, tensors, {}, "onnx")
+    props = {p.key: p.value for p in model.metadata_props}  # bounded by load_onnx
+    named = {KEY: props["classes"]} if "classes" in props else {}  # cmhsa export's record of the names
+    from_metadata(named, cfg.num_classes, path)
+    ckpt = Checkpoint(path, cfg, tensors, named, "onnx")
     # the batch the graph was traced at: its static batch, if it has one
     check = check_import(model, ckpt, path, tol, batch=structure.residual_shape[0], seed=seed + 1)
     ckpt.import_report = {
