@@ -124,6 +124,7 @@ BOUNDS: dict[str, Bound] = {
     "workers": Bound(0, 4 * CPUS),
     "threads": Bound(1, 4 * CPUS),
     "keep": Bound(0, 10**4),
+    "top_k": Bound(1, 1000),  # predict's classes per image (a table of 1000 columns is no longer read)
     "log_every": COUNT,
 }
 

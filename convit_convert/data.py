@@ -258,11 +258,17 @@ def load_image(path: str) -> Any:
         return im.convert("RGB")
 
 
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")  # torchvision's
+
+
+def is_image_name(name: str) -> bool:
+    """Whether a file's name is an image's (torchvision's IMG_EXTENSIONS)."""
+    return name.lower().endswith(IMAGE_SUFFIXES)
+
+
 def _image_file(path: str) -> bool:
     """An image folder's entry: an image's name, and a regular file (a FIFO would block a worker)."""
-    from torchvision.datasets.folder import IMG_EXTENSIONS
-
-    if not path.lower().endswith(IMG_EXTENSIONS):
+    if not is_image_name(path):
         return False
     try:
         st = os.stat(path)

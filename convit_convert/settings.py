@@ -82,6 +82,16 @@ class Verification(Checked):
     device: str = "auto"
 
 
+@dataclass(frozen=True)
+class PredictOptions(Checked):
+    """``cmhsa predict``: each image's ``top_k`` classes and probabilities, in batches of
+    ``batch_size``, preprocessed as ``cmhsa eval`` does (an ONNX file: as its metadata_props say)."""
+
+    top_k: int = 5
+    batch_size: int = 64
+    device: str = "auto"
+
+
 # `cmhsa verify`'s images: seed 0 is the conversion's own check (ConversionSpec.seed), so a
 # second check of the same files draws other images by default
 VERIFY_SEED = 1

@@ -42,6 +42,7 @@ def test_every_command_is_walked() -> None:
         "eval",
         "attention",
         "plot",
+        "predict",
     } <= names
 
 
@@ -191,3 +192,12 @@ def test_cmhsa_keeps_its_state_on_its_own_objects() -> None:
     callbacks = [i.callback for i in app.registered_commands]
     assert all(not any(k.startswith("_bounded") for k in vars(cb)) for cb in callbacks)
     assert set(callbacks) <= bounds.BOUNDED
+
+
+@pytest.mark.parametrize("path", [p for p, _ in COMMANDS], ids=lambda p: " ".join(p))
+def test_a_commands_summary_is_one_whole_sentence(path: tuple[str, ...]) -> None:
+    """`cmhsa --help` lists each command by its help's first paragraph: a line break there shows
+    as a sentence cut in the middle (heads, export and predict once did)."""
+    cmd = dict(COMMANDS)[path]
+    summary = (cmd.help or "").strip().split("\n\n")[0]
+    assert summary and "\n" not in summary and summary.endswith("."), summary

@@ -121,7 +121,16 @@ def test_the_python_pages_api_block_runs(tmp_path: Path) -> None:
     argv = [sys.executable, "-c", code]
     r = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stdout.split()[:2] == ["True", "16"] and (tmp_path / "runs" / "vit.safetensors").exists()
+    assert r.stdout.split()[:2] == ["True", "16"] and (tmp_path / "runs" / "vit_qk16.safetensors").exists()
+    assert not (tmp_path / "runs" / "vit.safetensors").exists()  # the quick start's model is not replaced
+
+
+def test_every_code_fence_is_closed() -> None:
+    """A fence opens and closes at the start of a line (docs/python.md once ran prose into a block)."""
+    for page in [README, *sorted((ROOT / "docs").glob("*.md"))]:
+        text = page.read_text(encoding="utf-8")
+        starts = [ln for ln in text.splitlines() if ln.startswith("```")]
+        assert text.count("```") == len(starts) and len(starts) % 2 == 0, page.name
 
 
 def test_the_readmes_test_command_is_what_ci_runs() -> None:

@@ -95,6 +95,7 @@ def required_args(path: list[str], folder: Path) -> list[str]:
         "inspect": [f],
         "export": [f, "-o", str(folder / "out.onnx")],
         "eval": [f],
+        "predict": [f, str(FIXTURE.parent / "digits" / "1.png")],
         "attention": [f, "-o", str(folder / "att")],
         "plot": [str(folder)],
         "train phase1": ["-o", str(folder / "run")],

@@ -23,6 +23,7 @@ from convit_convert.settings import (
     EvalOptions,
     Geometry,
     HeadsQuery,
+    PredictOptions,
     Verification,
 )
 from convit_convert.spec import ConversionSpec
@@ -53,6 +54,7 @@ LIBRARY: dict[str, tuple[Any, ...]] = {
     "heads": (HeadsQuery, CalibrationSource, ConversionSpec),
     "export": (ExportOptions,),
     "eval": (EvalOptions,),
+    "predict": (PredictOptions,),
     "attention": (AttentionOptions,),
     "plot": (),
     "train phase1": (TrainConfig,),
@@ -65,6 +67,7 @@ CLI_ONLY = {
     "heads": {"checkpoint", "kernel", "patch"},  # kernel, patch: hidden old spellings
     "export": {"output", "format", "report"},
     "eval": {"data"},  # required, no default: a missing --data is the CLI's one-line error
+    "predict": {"output"},
     "attention": {"output", "data"},
     "plot": {"output"},
     "train phase1": {"output", "out"},

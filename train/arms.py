@@ -7,7 +7,7 @@ from (``after``). An arm whose model file exists is done and skipped; one with a
 resumed; the others start once everything they depend on is done. Up to ``parallel`` arms run
 at once, each in its own process (``python -m convit_convert.train.arms ARM.json``) with
 ``threads`` torch CPU threads (default :data:`ARM_THREADS`, 1), the same whatever ``parallel`` is:
-torch's CPU results depend on the thread count (README, "When two runs are bit-identical"), so an
+torch's CPU results depend on the thread count (docs/training.md, "When two runs are bit-identical"), so an
 arm's numbers must not depend on how many arms ran beside it. With a ``time_budget``, no arm
 starts in the last ``margin`` seconds (30, or a quarter of a shorter budget) and every running arm
 gets SIGTERM then: it finishes its step, saves ``checkpoint-last.pt`` and exits, and the same

@@ -9,20 +9,29 @@ return typed reports with ``to_dict()`` (the CLI renders them). One module per o
   (``ExportReport``);
 - :mod:`.inspection`: ``inspect_file`` (``Inspection``);
 - :mod:`.on_data`: ``evaluate_checkpoint`` (``EvalReport``), ``attention_on_data``
-  (``AttentionReport``), ``calibration_from_data`` (``Calibration``): the ones that read a dataset.
+  (``AttentionReport``), ``calibration_from_data`` (``Calibration``): the ones that read a dataset;
+- :mod:`.predict`: ``predict_files`` (``PredictReport``): a model's top classes for image files.
 
 What each operation takes is a typed object with its defaults and ranges
 (:mod:`convit_convert.settings`: ``Geometry``, ``Verification``, ``CalibrationSource``,
-``EvalOptions``, ``AttentionOptions``; ``ConversionSpec``; ``ExportOptions``), re-exported here.
+``EvalOptions``, ``AttentionOptions``, ``PredictOptions``; ``ConversionSpec``; ``ExportOptions``),
+re-exported here.
 
 Bad input raises :class:`~convit_convert.errors.CmhsaError` before anything is written; a check
 that fails is a report with ``passed`` False. Importing this package imports torch, not the data
-stack: :mod:`.on_data` (torchvision, timm's transforms on use) is imported by name.
+stack: :mod:`.on_data` and :mod:`.predict` (torchvision, timm's transforms on use) are imported by name.
 """
 
 from __future__ import annotations
 
-from ..settings import AttentionOptions, CalibrationSource, EvalOptions, Geometry, Verification
+from ..settings import (
+    AttentionOptions,
+    CalibrationSource,
+    EvalOptions,
+    Geometry,
+    PredictOptions,
+    Verification,
+)
 from ..spec import ConversionSpec
 from .common import as_float32, load_checkpoint, resolve_device
 from .convert import (
@@ -50,6 +59,7 @@ __all__ = [
     "Geometry",
     "HeadsSweep",
     "Inspection",
+    "PredictOptions",
     "SweepRow",
     "Verification",
     "VerifyReport",

@@ -367,8 +367,9 @@ def heads(
     kernel: Annotated[int | None, alias_option("--kernel", "--kernel-size")] = None,
     patch: Annotated[int | None, alias_option("--patch", "--patch-size")] = None,
 ) -> None:
-    """How many heads an MHSA layer needs to express a KxK convolution, and why; with --checkpoint,
-    what fewer heads cost that checkpoint, measured."""
+    """How many heads an MHSA layer needs to express a KxK convolution, and why.
+
+    With --checkpoint: what fewer heads cost that checkpoint, measured."""
     from ..theory import head_count, same_padding
 
     kernel = use_alias(kernel_size, kernel, "--kernel", "--kernel-size")

@@ -95,7 +95,7 @@ def export_cmd(
         typer.Option(
             "--format",
             help="onnx (one file, checked in onnxruntime) or timm (timm's pretrained "
-            "folder: model.safetensors + config.json, for "
+            "folder: model.safetensors, config.json and the model card README.md, for "
             "timm.create_model('local-dir:DIR') and the Hugging Face Hub; checked by "
             "loading it with timm). The other options are ONNX's.",
         ),
@@ -107,7 +107,8 @@ def export_cmd(
         "tol"
     ],
     exporter: Annotated[
-        str, typer.Option(help="dynamo (torch.export, torch's default) or legacy (TorchScript).")
+        str,
+        typer.Option(help="dynamo (torch.export, the exporter torch recommends) or legacy (TorchScript)."),
     ] = OPTIONS["exporter"],
     form: Annotated[
         str,
@@ -120,8 +121,9 @@ def export_cmd(
     seed: Annotated[int, typer.Option(help="Seed of the check images.")] = OPTIONS["seed"],
     report: Annotated[Path | None, path_opt("Report path (default: OUTPUT + .report.json).")] = None,
 ) -> None:
-    """Export a checkpoint to one self-contained ONNX file and check it in onnxruntime (exit 1
-    outside --tol), or as timm's pretrained folder."""
+    """Export a checkpoint to one ONNX file checked in onnxruntime, or as timm's pretrained folder.
+
+    Exit 1 when the ONNX check is outside --tol."""
     if format not in ("onnx", "timm"):
         raise CmhsaError(f"`--format` must be onnx or timm, got {format!r}")
     if format == "timm":

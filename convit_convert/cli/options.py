@@ -38,12 +38,19 @@ def workers_option() -> Any:
     return typer.Option("--workers", help=WORKERS_HELP, show_default=False)
 
 
-def data_option(required_by: str) -> Any:
-    """--data with no default: a command that reads a dataset says which (``required_by``)."""
-    return typer.Option("--data", help=f"{DATA_HELP} Needed by {required_by}.", show_default=False)
+def data_option() -> Any:
+    """--data with no default, for a command that reads a dataset: marked required, as typer marks
+    a required option (the library's own error names it when it is missing)."""
+    return typer.Option("--data", help=f"{DATA_HELP} \\[required]", show_default=False)
 
 
-def data_dir_option(help: str = "Folder of the dataset.") -> Any:
+DATA_DIR_HELP = (
+    "Folder of the dataset: cifar10/cifar100 (torchvision's), imagefolder (train/ and val/), "
+    "fashion-mnist (default: Debian's /usr/share/datasets/fashion-mnist)."
+)
+
+
+def data_dir_option(help: str = DATA_DIR_HELP) -> Any:
     return typer.Option("--data-dir", help=help)
 
 

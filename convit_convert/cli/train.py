@@ -23,6 +23,7 @@ from ..settings import AMPS, AttentionOptions, EvalOptions
 from ..train.config import DEFAULT_RULES, TrainConfig
 from .common import EXIT_FAIL, console, print_titled, safe
 from .options import (
+    DATA_DIR_HELP,
     DATA_HELP,
     DEVICE_HELP,
     WORKERS_HELP,
@@ -55,7 +56,7 @@ class Flag(NamedTuple):
 
 FLAGS: list[Flag] = [
     Flag("data", str, "Data", DATA_HELP),
-    Flag("data_dir", str, "Data", "Folder of the dataset (cifar*, imagefolder)."),
+    Flag("data_dir", str, "Data", DATA_DIR_HELP),
     Flag(
         "download", bool, "Data", "Let torchvision download CIFAR into --data-dir (never without this flag)."
     ),
@@ -171,7 +172,7 @@ FLAGS: list[Flag] = [
         PHASE2,
         "hard: the exact construction (attention fixed by a saturated bias); "
         "gated: each head also gets content attention behind a gate that starts "
-        "at 0 (still exact; the default after Fashion-MNIST, EXPERIMENTS.md).",
+        "at 0 (still exact; chosen after the Fashion-MNIST experiments, EXPERIMENTS.md).",
         phases=("phase2",),
     ),
     Flag(
@@ -270,14 +271,15 @@ FLAGS: list[Flag] = [
         "Deterministic CUDA kernels: bit-identical re-runs and resumes on a GPU, "
         "somewhat slower; a resume in another environment (threads, CPU code "
         "path, versions) is refused. CPU runs repeat bit for bit at the same "
-        "threads and CPU code path (README: When two runs are bit-identical).",
+        "threads and CPU code path (docs/training.md: When two runs are bit-identical).",
     ),
     Flag("workers", int, RUN, WORKERS_HELP),
     Flag(
         "threads",
         int,
         RUN,
-        "torch CPU threads per process; CPU results depend on it (README: When two runs are bit-identical).",
+        "torch CPU threads per process; CPU results depend on it (docs/training.md: When two runs are "
+        "bit-identical). At most 4 per CPU of this machine: more only wait on each other.",
     ),
     Flag(
         "resume",
@@ -355,7 +357,7 @@ def _train_command(phase: str) -> Any:
         "output",
         inspect.Parameter.KEYWORD_ONLY,
         default=None,
-        annotation=Annotated[Optional[Path], output_option("Run folder to write (created).")],  # noqa: UP045
+        annotation=Annotated[Optional[Path], output_option("Run folder to write (created). \\[required]")],  # noqa: UP045
     )
     old_out = inspect.Parameter(
         "out",
@@ -411,7 +413,7 @@ def eval_command(
     checkpoint: Annotated[
         Path, typer.Argument(help="Model checkpoint (.safetensors, conv or attn).", show_default=False)
     ],
-    data: Annotated[Optional[str], data_option("eval")] = None,  # noqa: UP045
+    data: Annotated[Optional[str], data_option()] = None,  # noqa: UP045
     data_dir: Annotated[Optional[str], data_dir_option()] = EvalOptions.data_dir,  # noqa: UP045
     download: Annotated[bool, typer.Option(help="Let torchvision download CIFAR.")] = EvalOptions.download,
     batch_size: Annotated[int, typer.Option(help="Batch size.")] = EvalOptions.batch_size,
@@ -480,7 +482,7 @@ def attention_command(
         Path, typer.Argument(help="Attention checkpoint (.safetensors).", show_default=False)
     ],
     output: Annotated[Path, output_option("Folder for attention.json and attention.png (created).")],
-    data: Annotated[Optional[str], data_option("attention")] = None,  # noqa: UP045
+    data: Annotated[Optional[str], data_option()] = None,  # noqa: UP045
     data_dir: Annotated[Optional[str], data_dir_option()] = AttentionOptions.data_dir,  # noqa: UP045
     images: Annotated[int, typer.Option(help="Validation images to average over.")] = AttentionOptions.images,
     batch_size: Annotated[int, typer.Option(help="Batch size.")] = AttentionOptions.batch_size,

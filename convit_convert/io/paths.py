@@ -53,16 +53,21 @@ def require_regular(st: os.stat_result, path: object, what: str = "file", fix: s
         )
 
 
+def stat_input(path: Path, missing: str = "no such file") -> os.stat_result:
+    """The stat of an input path (a link followed), or CmhsaError: ``missing`` when it is absent."""
+    try:
+        return os.stat(path)
+    except FileNotFoundError:
+        raise CmhsaError(missing, path) from None
+    except OSError as e:
+        raise CmhsaError(f"cannot read ({e.strerror})", path) from None
+
+
 def check_input_file(path: Path, what: str = "file") -> os.stat_result:
     """An existing, non-empty regular file (a link to one is fine), or CmhsaError; its stat."""
     if not str(path):
         raise CmhsaError(f"the {what} path is empty")
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        raise CmhsaError("no such file", path) from None
-    except OSError as e:
-        raise CmhsaError(f"cannot read ({e.strerror})", path) from None
+    st = stat_input(path)
     require_regular(st, path, what)
     if st.st_size == 0:
         raise CmhsaError("file is empty", path)
