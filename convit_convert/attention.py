@@ -81,6 +81,14 @@ class RelPosAttention(nn.Module):
         self.register_buffer("rel_pos_index", relative_position_index(grid_size), persistent=False)
         self.record: list[torch.Tensor] | None = None  # convit_convert.analysis collects the weights here
 
+    def init_non_persistent_buffers(self) -> None:
+        """Rebuild ``rel_pos_index`` where it lives (timm's convention, timm/layers/pos_embed_rel.py):
+        a loader that builds the model without running this constructor's buffers (transformers'
+        TimmWrapper, on the meta device) calls it, since no file holds the index."""
+        device = self.rel_pos_bias.device
+        with torch.device("cpu" if device.type == "meta" else device):
+            self.rel_pos_index = relative_position_index(self.grid_size)
+
     def position_bias(self, table: torch.Tensor | None = None) -> torch.Tensor:
         """(heads, N, N): a relative position table (default ``rel_pos_bias``) gathered for every
         query/key pair. ``index_select``, not ``table[:, index]``: its backward (index_add) sums in

@@ -150,16 +150,27 @@ class ConvMixer(nn.Conv2d):
         self.patch_size = patch_size
         self.form = form
         device = torch.empty(0).device  # the device the model is being built on
+        for name, t in self._index_buffers().items():  # small index tensors, rebuilt with the model
+            self.register_buffer(name, t.to(device), persistent=False)
+
+    def _index_buffers(self) -> dict[str, torch.Tensor]:
+        """The token form's index tensors (on the CPU), from the conv's own sizes: no file holds them."""
+        c, k, p, d = self.in_channels, self.kernel_size[0], self.patch_size, self.dilation[0]
         with torch.device("cpu"):
-            plan = token_plan(channels, kernel_size, patch_size, dilation)
-            ey, ex = tap_selectors(plan.offsets, patch_size, kernel_size, dilation)
+            plan = token_plan(c, k, p, d)
+            ey, ex = tap_selectors(plan.offsets, p, k, d)
         self.offsets = plan.offsets
         self.centre = plan.centre
         self.reach = max(max(abs(dy), abs(dx)) for dy, dx in plan.offsets)
         buffers = {"ring": plan.ring, "columns": plan.columns, "select_y": ey, "select_x": ex}
-        buffers |= {f"strip_{r}": f for r, f in enumerate(plan.strips)}
-        for name, t in buffers.items():  # small index tensors, rebuilt with the model: not saved
-            self.register_buffer(name, t.to(device), persistent=False)
+        return buffers | {f"strip_{r}": f for r, f in enumerate(plan.strips)}
+
+    def init_non_persistent_buffers(self) -> None:
+        """Rebuild the index buffers where the weights live (timm's convention: transformers'
+        TimmWrapper, which builds the model without them, calls this)."""
+        device = self.weight.device
+        for name, t in self._index_buffers().items():
+            setattr(self, name, t.to("cpu" if device.type == "meta" else device))
 
     def form_on(self, device: torch.device) -> str:
         """The form this mixer computes in on ``device``."""

@@ -132,9 +132,19 @@ def init_weights(module: nn.Module) -> None:
             nn.init.zeros_(module.bias)
 
 
+# ITU-R 601-2 luma, as PIL's convert("L"): a grey model given RGB sees what cmhsa eval gives it
+LUMA = (0.299, 0.587, 0.114)
+
+
 def check_image_shape(x: torch.Tensor, expected: tuple[int, ...]) -> torch.Tensor:
-    """``x`` if it is (B, *expected), else a ValueError naming both shapes. A leaf for torch.fx,
-    which cannot compare a traced shape: the check stays in the traced graph, as one call."""
+    """``x`` if it is (B, *expected), else a ValueError naming both shapes. A grey model (one
+    channel) given three takes their luma (PIL's "L" weights; the weights sum to 1, so a channel-wise
+    normalisation commutes with it): transformers' image-classification pipeline makes every image
+    RGB; a grey image made RGB comes back exactly. A leaf for torch.fx, which cannot compare a
+    traced shape: the check stays in the traced graph, as one call."""
+    if expected[0] == 1 and x.ndim == 4 and x.shape[1] == 3 and tuple(x.shape[2:]) == expected[1:]:
+        w = torch.tensor(LUMA, dtype=x.dtype, device=x.device).view(1, 3, 1, 1)
+        return (x * w).sum(1, keepdim=True)
     if tuple(x.shape[1:]) != expected:
         raise ValueError(
             f"expected images of shape (B, {', '.join(map(str, expected))}), got {tuple(x.shape)}"

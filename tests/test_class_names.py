@@ -58,7 +58,7 @@ def test_the_names_travel_through_every_artefact(tmp_path: Path, digits_run: Pat
     # timm's folder: label_names as timm and the Hub read them, and the card
     assert invoke("export", vit, "--format", "timm", "-o", tmp_path / "timm").exit_code == 0
     cfg = json.loads((tmp_path / "timm" / "config.json").read_text())
-    assert cfg["pretrained_cfg"]["label_names"] == list(DIGITS)
+    assert cfg["label_names"] == list(DIGITS)  # where timm writes them, and transformers reads them
     model = timm.create_model(f"local-dir:{tmp_path / 'timm'}", pretrained=True)
     assert model.pretrained_cfg["label_names"] == list(DIGITS)
     assert (
@@ -154,7 +154,7 @@ def test_a_timm_folder_s_label_names_are_checked(tmp_path: Path, digits_run: Pat
         == 0
     )
     cfg = json.loads((tmp_path / "t" / "config.json").read_text())
-    cfg["pretrained_cfg"]["label_names"] = ["a"] * 10
+    cfg["label_names"] = ["a"] * 10
     (tmp_path / "t" / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CmhsaError, match="given twice"):
         timm.create_model(f"local-dir:{tmp_path / 't'}", pretrained=True)

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import invoke, one_error_line
+from conftest import FIXTURE, invoke, one_error_line
 
 
 def run(*args: str):
@@ -364,3 +364,15 @@ def test_output_to_a_file_is_not_wrapped(converted: tuple[Path, Path], tmp_path:
         cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL, env={**env, "COLUMNS": "80"}
     )
     assert max(len(ln) for ln in narrow.stdout.splitlines()) <= 80 and str(src) not in narrow.stdout
+
+
+def test_an_existing_output_is_replaced_and_said(tmp_path: Path) -> None:
+    """convert (and export, through the same print_written) replace the file they are told to
+    write, never silently: the line and the report say so."""
+    out = tmp_path / "vit.safetensors"
+    first = invoke("convert", FIXTURE, "-o", out)
+    assert first.exit_code == 0 and "replaced" not in first.output
+    assert json.loads(out.with_name("vit.report.json").read_text())["output"]["replaced"] is False
+    again = invoke("convert", FIXTURE, "-o", out)
+    assert again.exit_code == 0 and f"Wrote {out} (it replaced the file there) and" in again.output
+    assert json.loads(out.with_name("vit.report.json").read_text())["output"]["replaced"] is True

@@ -264,6 +264,7 @@ def convert_file(
     conv = convert_checkpoint(ckpt, spec, verify=verify, verification=verification, calibration=calibration)
     timings.update(conv.timings)
     output_facts = None
+    replaced = output.exists()  # said in the report and by the CLI: a file is never replaced silently
     # the model and its report together or neither: a failed write keeps both previous files
     with atomic_paths(*([output] if conv.passed else []), report_path) as tmps:
         if conv.passed:
@@ -271,7 +272,12 @@ def convert_file(
             meta = {"cmhsa.source_sha256": input_facts["sha256"], **to_metadata(ckpt.classes)}
             digest = write_checkpoint(tmps[0], conv.config, conv.tensors, meta, output)
             timings["write_s"] = time.perf_counter() - t
-            output_facts = {"path": str(output), "bytes": tmps[0].stat().st_size, "sha256": digest}
+            output_facts = {
+                "path": str(output),
+                "bytes": tmps[0].stat().st_size,
+                "sha256": digest,
+                "replaced": replaced,
+            }
         result = ConvertReport(conv, output, report_path, input_facts, output_facts, timings)
         tmps[-1].write_text(report_text(result.to_dict()), encoding="utf-8")
     return result

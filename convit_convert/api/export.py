@@ -104,6 +104,7 @@ def _export(
         classes=ckpt.classes,
     )
     facts = None
+    replaced = output.exists()  # said in the report and by the CLI: a file is never replaced silently
     with atomic_paths(*([output] if ex.check.passed else []), report_path) as tmps:  # both or neither
         if ex.check.passed:
             tmps[0].write_bytes(ex.data)
@@ -111,6 +112,7 @@ def _export(
                 "path": str(output),
                 "bytes": len(ex.data),
                 "sha256": hashlib.sha256(ex.data).hexdigest(),
+                "replaced": replaced,
             }
         out = ExportReport(ckpt, ex, output, report_path, facts, {**timings, **ex.timings})
         tmps[-1].write_text(report_text(out.to_dict()), encoding="utf-8")

@@ -133,8 +133,9 @@ def print_import(ckpt: Any) -> None:
     )
 
 
-def print_written(passed: bool, output: Any, report_path: Any, check: str) -> None:
+def print_written(passed: bool, output: Any, report_path: Any, check: str, replaced: bool = False) -> None:
     if passed:
-        console.print(f"Wrote {safe(str(output))} and {safe(str(report_path))}")
+        note = " (it replaced the file there)" if replaced else ""
+        console.print(f"Wrote {safe(str(output))}{note} and {safe(str(report_path))}")
     else:
         console.print(f"Not written: {safe(str(output))} ({check} failed); report: {safe(str(report_path))}")

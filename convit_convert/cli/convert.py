@@ -203,7 +203,9 @@ def print_conversion(r: Any, input: Path, approximate: bool) -> None:
         print_approximation(c.approximation)
     if c.verification is not None:
         print_verification(c.verification, "Verification: attention vs convolution")
-    print_written(r.passed, r.output, r.report_path, "verification")
+    print_written(
+        r.passed, r.output, r.report_path, "verification", bool((r.output_facts or {}).get("replaced"))
+    )
     if not r.passed and c.approximation is not None and c.verification is not None:
         console.print(
             "An approximate conversion is not exact: to write it, pass --tol "

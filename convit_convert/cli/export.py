@@ -49,7 +49,7 @@ def print_export(r: Any) -> None:
         f"{verdict[0]}: worst relative error {fmt(worst.rel)} (batch "
         f"{worst.batch}) {verdict[1]} tol {check.tol:g}"
     )
-    print_written(r.passed, r.output, r.report_path, "check")
+    print_written(r.passed, r.output, r.report_path, "check", bool((r.output_facts or {}).get("replaced")))
 
 
 def run_export(checkpoint: Path, output: Path, options: Any, report: Path | None) -> bool:

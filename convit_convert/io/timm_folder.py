@@ -80,18 +80,18 @@ def preprocessing(cfg: ViTConfig) -> dict[str, str]:
 
 
 def timm_config(cfg: ViTConfig, classes: tuple[str, ...] | None = None) -> dict[str, Any]:
-    """config.json's content for a model of ``cfg`` (``classes``: its outputs' names, as timm and
-    the Hub read them: ``pretrained_cfg.label_names``)."""
+    """config.json's content for a model of ``cfg`` (``classes``: its outputs' names, as timm's
+    ``push_to_hf_hub`` writes them, a top-level ``label_names``, which timm moves into
+    ``pretrained_cfg`` and transformers' TimmWrapper reads as ``id2label``)."""
     pcfg = {k: v for k, v in pretrained_cfg(cfg).items() if k != "file"}
-    if classes is not None:
-        pcfg["label_names"] = list(classes)
-    return {
+    doc: dict[str, Any] = {
         "architecture": ARCHITECTURES[cfg.kind],
         "num_classes": cfg.num_classes,
         "num_features": cfg.embed_dim,
-        "model_args": {CONFIG_ARG: cfg.to_dict()},
-        "pretrained_cfg": pcfg,
     }
+    if classes is not None:
+        doc["label_names"] = list(classes)
+    return {**doc, "model_args": {CONFIG_ARG: cfg.to_dict()}, "pretrained_cfg": pcfg}
 
 
 def write_timm_folder(
@@ -162,11 +162,12 @@ def check_folder_config(doc: Any, where: object, added: tuple[str, ...] = ()) ->
             where,
         )
     cfg = config_from_arg(args[CONFIG_ARG], kind, where)
-    unknown = sorted(
-        set(doc) - {"architecture", "num_classes", "num_features", "model_args", "pretrained_cfg"}
-    )
+    top = {"architecture", "num_classes", "num_features", "label_names", "model_args", "pretrained_cfg"}
+    unknown = sorted(set(doc) - top)
     if unknown:
         raise CmhsaError(f"config.json holds {_shown(unknown[0])}, which cmhsa never writes", where)
+    if "label_names" in doc:
+        check_class_names(doc["label_names"], cfg.num_classes, where)
     written = timm_config(cfg)
     for key in ("num_classes", "num_features"):
         if key in doc and _plain(doc[key]) != _plain(written[key]):
