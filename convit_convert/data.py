@@ -1,4 +1,5 @@
-"""Datasets and loaders: CIFAR-10/100, an image folder, scikit-learn's digits, synthetic images.
+"""Datasets and loaders: CIFAR-10/100, an image folder, scikit-learn's digits, Fashion-MNIST (IDX files),
+synthetic images.
 
 Every source yields (PIL image, label) and goes through timm's ``create_transform`` (DeiT's
 augmentation in training). Determinism: the loader's sampler yields ``(epoch, index)`` pairs and
@@ -471,6 +472,28 @@ def _build_data(
     return cifar(name, root, download)
 
 
+POSTERIZE_OPS = ("Posterize", "PosterizeIncreasing", "PosterizeOriginal")
+
+
+@contextlib.contextmanager
+def posterize_kept_for_pillow_13() -> Iterator[None]:
+    """timm's posterize ops as :func:`_posterize` while a transform is built: timm's AugmentOp reads
+    its function from ``auto_augment.NAME_TO_OP`` when it is made, so the transform keeps the fixed
+    op and timm's table is restored for everyone else in the process."""
+    from timm.data import auto_augment
+
+    saved = {name: auto_augment.NAME_TO_OP.get(name) for name in POSTERIZE_OPS}
+    auto_augment.NAME_TO_OP.update(dict.fromkeys(POSTERIZE_OPS, _posterize))
+    try:
+        yield
+    finally:
+        for name, op in saved.items():
+            if op is None:
+                auto_augment.NAME_TO_OP.pop(name, None)
+            else:
+                auto_augment.NAME_TO_OP[name] = op
+
+
 def _posterize(img: Any, bits_to_keep: int, **_: Any) -> Any:
     """timm's posterize, keeping 0 bits as Pillow < 13 did (a black image): Pillow 13 raises for 0,
     which rand-m9-mstd0.5-inc1 reaches whenever the magnitude noise lands on 10."""
@@ -534,29 +557,27 @@ def build_transform(
     """DeiT's augmentation (timm ``create_transform``, settings from ``recipe``, a TrainConfig's recipe) for
     training; resize + centre crop for eval (``recipe``'s interpolation and crop_pct when given).
     ``in_chans`` 1 normalises one grey channel (images are converted to grey by the loader)."""
-    from timm.data import auto_augment, create_transform
-
-    for name in ("Posterize", "PosterizeIncreasing", "PosterizeOriginal"):
-        auto_augment.NAME_TO_OP[name] = _posterize
+    from timm.data import create_transform
 
     image_mode(in_chans)
     mean, std = channel_stats(in_chans)
     args = recipe
     if training:
-        return create_transform(
-            input_size=(in_chans, *img_size),
-            is_training=True,
-            scale=tuple(args.scale),
-            hflip=args.hflip,
-            color_jitter=args.color_jitter,
-            auto_augment=None if args.aa in (None, "", "none") else args.aa,
-            interpolation=args.interpolation,
-            re_prob=args.reprob,
-            re_mode=args.remode,
-            re_count=1,
-            mean=mean,
-            std=std,
-        )
+        with posterize_kept_for_pillow_13():
+            return create_transform(
+                input_size=(in_chans, *img_size),
+                is_training=True,
+                scale=tuple(args.scale),
+                hflip=args.hflip,
+                color_jitter=args.color_jitter,
+                auto_augment=None if args.aa in (None, "", "none") else args.aa,
+                interpolation=args.interpolation,
+                re_prob=args.reprob,
+                re_mode=args.remode,
+                re_count=1,
+                mean=mean,
+                std=std,
+            )
     return create_transform(
         input_size=(in_chans, *img_size),
         is_training=False,

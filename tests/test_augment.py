@@ -351,3 +351,24 @@ def test_auto_loader_holds_what_fits_and_says_why_not(tmp_path) -> None:
     Image.fromarray(np.zeros((5, 5, 3), dtype=np.uint8)).save(tmp_path / "train" / "a" / "small.png")
     loader, why = choose_loader(TrainConfig.from_flags(), build_data("imagefolder", tmp_path, (16, 16)), 3)
     assert loader == "workers" and "not all one size" in why
+
+
+def test_the_posterize_fix_stays_in_cmhsa_s_transforms() -> None:
+    """build_transform gives its RandAugment ops data._posterize (0 bits: a black image, as Pillow < 13
+    did) without rewriting timm's table for the rest of the process."""
+    from types import SimpleNamespace
+
+    from timm.data import auto_augment
+
+    from convit_convert.data import _posterize, build_transform
+
+    before = dict(auto_augment.NAME_TO_OP)
+    recipe = SimpleNamespace(
+        scale=(0.08, 1.0), hflip=0.5, color_jitter=0.4, aa="rand-m9-mstd0.5-inc1", interpolation="bicubic"
+    )
+    recipe.reprob, recipe.remode = 0.25, "pixel"
+    tf = build_transform((32, 32), True, recipe, 3)
+    ops = [op for t in tf.transforms if hasattr(t, "ops") for op in t.ops]
+    assert any(op.name.startswith("Posterize") for op in ops)
+    assert all(op.aug_fn is _posterize for op in ops if op.name.startswith("Posterize"))
+    assert before == auto_augment.NAME_TO_OP

@@ -33,7 +33,7 @@ from .step import TrainStep
 
 @dataclass
 class Loop:
-    """What every epoch uses, built once by :func:`convit_convert.train.run.run`."""
+    """What every epoch uses, built once by :func:`convit_convert.train.run.build`."""
 
     cfg: TrainConfig
     ctx: Context

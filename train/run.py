@@ -447,14 +447,14 @@ def build(
     trains them; the config.json text the run writes."""
     device, dtype = ctx.device, amp_dtype(cfg.recipe.amp, ctx.device)
     seed_everything(cfg.seed + ctx.rank)
-    spec, pm = data_and_model(cfg, ctx, out, saved, reporter)
+    dataset, pm = data_and_model(cfg, ctx, out, saved, reporter)
     if cfg.recipe.freeze_attention:
         freeze_attention(pm.model)
     model = pm.model.to(device).train()
-    loader, why = choose_loader(cfg, spec, pm.config.in_chans)
+    loader, why = choose_loader(cfg, dataset, pm.config.in_chans)
     if why:
         reporter.log(f"loader workers: {why}")
-    loaders = build_loaders(cfg, spec, pm.config, ctx, loader)
+    loaders = build_loaders(cfg, dataset, pm.config, ctx, loader)
     steps_per_epoch = len(loaders[0].sampler) // cfg.recipe.batch_size
     fwd: nn.Module = model
     if ctx.distributed:
@@ -462,7 +462,7 @@ def build(
 
         fwd = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer, scheduler, mixup, criterion = build_recipe(
-        cfg, model, spec.num_classes, ctx.world, steps_per_epoch
+        cfg, model, dataset.num_classes, ctx.world, steps_per_epoch
     )
     ema = None
     if cfg.recipe.model_ema:
@@ -476,7 +476,7 @@ def build(
     if saved is not None:
         resume_state(state, saved, here, cfg, ctx, out, steps_per_epoch, reschedule, reporter)
     if ctx.is_main:
-        describe_run(cfg, ctx, pm, spec, dtype, steps_per_epoch, loader, reporter)
+        describe_run(cfg, ctx, pm, dataset, dtype, steps_per_epoch, loader, reporter)
     probe = next(iter(loaders[1]))[0][:64].to(device) if pm.config.kind == "attn" else None
     step = TrainStep(
         model,
@@ -499,9 +499,9 @@ def build(
             "progress shows (measured on 2 CPU cores, depth 1 at 16 px: about 70 s the first time, "
             "7 s once torch has cached the kernels; on CPU it pays back only over long runs)"
         )
-    doc = config_doc(cfg, ctx, pm, state, loader, spec.classes)
+    doc = config_doc(cfg, ctx, pm, state, loader, dataset.classes)
     loop = Loop(cfg, ctx, out, dtype, *loaders, steps_per_epoch, state, reporter, step, probe, doc)
-    loop.classes = spec.classes
+    loop.classes = dataset.classes
     return loop
 
 
@@ -526,9 +526,9 @@ def data_and_model(
                 holdout=cfg.data.holdout,
             )
 
-        spec = read(cfg.data.download) if ctx.is_main else None
+        dataset = read(cfg.data.download) if ctx.is_main else None
         barrier(ctx)  # rank 0 downloads (if asked); the others then read
-        return spec if spec is not None else read(False)
+        return dataset if dataset is not None else read(False)
 
     def model_for(num_classes: int) -> PhaseModel:
         if saved is None:
@@ -541,8 +541,8 @@ def data_and_model(
     if cfg.data.name == "synthetic":
         pm = model_for(cfg.data.num_classes)
         return load_data(pm.config.img_size), pm
-    spec = load_data(None)
-    return spec, model_for(spec.num_classes)
+    dataset = load_data(None)
+    return dataset, model_for(dataset.num_classes)
 
 
 def resume_state(
@@ -593,7 +593,7 @@ def describe_run(
     cfg: TrainConfig,
     ctx: Context,
     pm: PhaseModel,
-    spec: DataSpec,
+    dataset: DataSpec,
     dtype: torch.dtype | None,
     steps_per_epoch: int,
     loader: str,
@@ -604,14 +604,15 @@ def describe_run(
     kind, n_params = pm.config.kind, sum(p.numel() for p in pm.model.parameters())
     reporter.log(
         f"{cfg.phase}: {kind} model, {n_params / 1e6:.2f} M parameters, {pm.config.in_chans} input "
-        f"channel{'s' if pm.config.in_chans > 1 else ''}, {spec.num_classes} classes; "
-        f"{len(spec.train)} train / {len(spec.val)} val images; {ctx.world} process(es) on {ctx.device}, "
+        f"channel{'s' if pm.config.in_chans > 1 else ''}, {dataset.num_classes} classes; "
+        f"{len(dataset.train)} train / {len(dataset.val)} val images; "
+        f"{ctx.world} process(es) on {ctx.device}, "
         f"amp {str(dtype).removeprefix('torch.') if dtype else 'none'}; {steps_per_epoch} steps/epoch; "
         f"loader {loader}"
         + (f" ({cfg.runtime.workers} workers)" if loader == "workers" else "")
         + f", {cfg.runtime.threads} threads"
     )
-    if spec.in_chans == 1 and pm.config.in_chans == 3:
+    if dataset.in_chans == 1 and pm.config.in_chans == 3:
         reporter.log(
             f"note: the {cfg.data.name} images are grey: with 3 input channels the "
             "model sees each one three "
@@ -662,7 +663,7 @@ def export_trained(loop: Loop, result: RunResult, meta: dict[str, str], folder: 
             result.timm = export_timm_folder(ckpt, timm_folder)
 
 
-def choose_loader(cfg: TrainConfig, spec: DataSpec, in_chans: int) -> tuple[str, str]:
+def choose_loader(cfg: TrainConfig, dataset: DataSpec, in_chans: int) -> tuple[str, str]:
     """The loader ``cfg.data.loader`` resolves to, and why ``auto`` fell back to workers ('' if not).
     The one place that asks whether the data can be held: ``loader`` device is refused here when not."""
     if cfg.data.loader == "workers":
@@ -673,13 +674,15 @@ def choose_loader(cfg: TrainConfig, spec: DataSpec, in_chans: int) -> tuple[str,
         if cfg.data.loader == "device":
             raise
         return "workers", str(e).split(";")[0]
-    why = holdable(spec.train, in_chans) or holdable(spec.val, in_chans)
+    why = holdable(dataset.train, in_chans) or holdable(dataset.val, in_chans)
     if why and cfg.data.loader == "device":
         raise CmhsaError(f"cannot hold the data on the device: {why}; use `loader` workers")
     return ("workers", why) if why else ("device", "")
 
 
-def build_loaders(cfg: TrainConfig, spec: DataSpec, mcfg: ViTConfig, ctx: Context, loader: str) -> list[Any]:
+def build_loaders(
+    cfg: TrainConfig, dataset: DataSpec, mcfg: ViTConfig, ctx: Context, loader: str
+) -> list[Any]:
     """Training and validation loaders of ``loader`` kind for a model of ``mcfg``."""
     img, chans, device = mcfg.img_size, mcfg.in_chans, ctx.device
     image_mode(chans)  # RGB or grey: what both loaders convert every image to
@@ -697,19 +700,19 @@ def build_loaders(cfg: TrainConfig, spec: DataSpec, mcfg: ViTConfig, ctx: Contex
                 pin_memory=device.type == "cuda",
                 in_chans=chans,
             )
-            for split, training in ((spec.train, True), (spec.val, False))
+            for split, training in ((dataset.train, True), (dataset.val, False))
         ]
     mean, std = channel_stats(chans)
     sampler = epoch_sampler(
-        len(spec.train),
+        len(dataset.train),
         training=True,
         batch_size=cfg.recipe.batch_size,
         seed=cfg.seed,  # type: ignore[arg-type]
         rank=ctx.rank,
         world=ctx.world,
     )
-    x, y = hold(spec.train, chans, device)
-    vx, vy = hold(spec.val, chans, device)
+    x, y = hold(dataset.train, chans, device)
+    vx, vy = hold(dataset.val, chans, device)
     vx = eval_view(vx, img, cfg.recipe.crop_pct, cfg.recipe.interpolation)
     return [
         HeldLoader(x, y, sampler, augment_spec(cfg.recipe, img, mean, std), cfg.seed),

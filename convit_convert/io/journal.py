@@ -10,15 +10,18 @@ whose writer no longer runs is a commit a kill -9 (or a power cut) left *pending
 A downloaded or shared folder may hold a file of that name that cmhsa never wrote, so a journal is
 pending only if every one of these holds (else it is *foreign*: never acted on, said once):
 
-- its name is ``.cmhsa-commit.PID.json`` with PID a process number this platform can have, and
-  that process is not running;
-- it is a regular file (not a link, FIFO or device: opened with O_NOFOLLOW and O_NONBLOCK), owned
-  by this user, of at most MAX_JOURNAL_BYTES, JSON nested at most MAX_JOURNAL_DEPTH deep;
+- its name is ``.cmhsa-commit.PID.json`` with PID a process number this platform can have (0 <
+  PID < pid_max), and that process is not running;
+- it is a regular file of this user's with one name (not a link, FIFO, device or hard link: read
+  through the held folder with O_NOFOLLOW and O_NONBLOCK), of at most MAX_JOURNAL_BYTES, JSON
+  nested at most MAX_JOURNAL_DEPTH deep;
 - it holds 1 to MAX_PAIRS pairs of bare names (no separator, no ``..``, no NUL);
 - each temp is the name cmhsa's writer gives its target's temp file in process PID
-  (:func:`temp_stem`, the PID, mkstemp's 8 characters, ``.tmp``), and, where it is still there, a
-  regular file owned by this user; each target is absent or a regular file, and not itself a temp
+  (:func:`temp_stem`, the PID, 8 random characters, ``.tmp``); each temp and target is absent or a
+  regular file of this user's with one name (``folder.refusal``), and no target is itself a temp
   or journal name.
+
+The folder is read through ``io/folder.py``'s held :class:`Folder`, by bare name.
 """
 
 from __future__ import annotations
