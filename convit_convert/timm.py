@@ -39,13 +39,12 @@ from .errors import CmhsaError, article
 from .io.checkpoint import Checkpoint
 from .io.folder import Folder
 from .io.journal import check_settled
-from .io.paths import parse_json, read_text
 from .io.timm_folder import (
     CONFIG,
     CONFIG_ARG,
     WEIGHTS,
-    check_folder_config,
     config_from_arg,
+    folder_config,
     pretrained_cfg,
     write_timm_folder,
 )
@@ -234,18 +233,6 @@ def _features(
     features = FeatureGetterNet(model, out_indices, output_fmt=output_fmt)
     features.pretrained_cfg = features.default_cfg = pretrained_cfg_for_features(model.pretrained_cfg)
     return features
-
-
-def folder_config(path: Path) -> ViTConfig | None:
-    """The timm folder ``path``'s config.json read as untrusted input (bounded, a regular file)
-    and checked as cmhsa writes it (``io.timm_folder.check_folder_config``); None for a folder of
-    another architecture."""
-    where = Path(path) / CONFIG
-    doc = parse_json(read_text(where, MAX_CONFIG_BYTES, "timm config.json"), where, "config.json")
-    return check_folder_config(doc, where)
-
-
-MAX_CONFIG_BYTES = 2**20  # a cmhsa config.json is about 1 KB
 
 
 def _checked_first(load: Any, read: Any) -> Any:

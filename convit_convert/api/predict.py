@@ -24,8 +24,8 @@ from ..defaults import EVAL_CROP_PCT
 from ..deploy import for_inference
 from ..errors import CmhsaError
 from ..io.atomic import atomic_write_text
-from ..io.paths import parse_json, read_text, stat_input
-from ..io.timm_folder import CONFIG, WEIGHTS, check_folder_config
+from ..io.paths import stat_input
+from ..io.timm_folder import WEIGHTS, folder_config
 from ..labels import check_class_names, name_of
 from ..settings import PredictOptions
 from .common import load_checkpoint, pick_device
@@ -121,8 +121,7 @@ def predict_files(
     path = Path(model)
     files = image_files(images)
     if path.is_dir():
-        doc = parse_json(read_text(path / CONFIG, 2**20, "timm config.json"), path / CONFIG, "config.json")
-        if check_folder_config(doc, path / CONFIG) is None:
+        if folder_config(path) is None:
             raise CmhsaError("is a timm folder of another architecture than cmhsa's", path)
         ckpt = load_checkpoint(path / WEIGHTS)
         return _with_torch(ckpt, files, o, progress, str(path), "timm folder")

@@ -28,6 +28,7 @@ from .atomic import atomic_names
 from .checkpoint import write_checkpoint
 from .folder import Folder, make_folder
 from .model_card import CARD, model_card
+from .paths import parse_json, read_text
 
 WEIGHTS, CONFIG = "model.safetensors", "config.json"
 ARCHITECTURES = {"conv": "cmhsa_conv", "attn": "cmhsa_attn"}  # timm's registered names, by kind
@@ -200,6 +201,18 @@ def check_folder_config(doc: Any, where: object, added: tuple[str, ...] = ()) ->
                 where,
             )
     return cfg
+
+
+MAX_CONFIG_BYTES = 2**20  # a cmhsa config.json is about 1 KB
+
+
+def folder_config(path: Path) -> ViTConfig | None:
+    """The timm folder ``path``'s config.json read as untrusted input (bounded, a regular file)
+    and checked as cmhsa writes it (:func:`check_folder_config`); None for a folder of another
+    architecture. What timm's loaders (``convit_convert.timm``) and ``cmhsa predict`` both ask."""
+    where = Path(path) / CONFIG
+    doc = parse_json(read_text(where, MAX_CONFIG_BYTES, "timm config.json"), where, "config.json")
+    return check_folder_config(doc, where)
 
 
 def config_from_arg(value: Any, kind: str, where: object) -> ViTConfig:
