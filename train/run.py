@@ -15,7 +15,6 @@ import io
 import json
 import os
 import signal
-import stat
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -321,36 +320,17 @@ def run_files(phases: tuple[str, ...] = tuple(OUTPUT)) -> list[str]:
 def run_outputs(folder: Folder) -> list[str]:
     """What a run writes into its folder (any phase), as far as it is there: exact names, never a
     pattern a user's file could match."""
-    found = [n for n in run_files() if entry(folder, n) is not None]
+    found = [n for n in run_files() if folder.lstat_below(n) is not None]
     return found + [n for n in folder.names() if NUMBERED.fullmatch(n)]
-
-
-def entry(folder: Folder, name: str) -> os.stat_result | None:
-    """The stat of ``name`` (``timm/NAME``: inside the run's timm folder) in the held run folder."""
-    sub, _, leaf = name.rpartition("/")
-    if not sub:
-        return folder.lstat(name)
-    st = folder.lstat(sub)
-    if st is None or not stat.S_ISDIR(st.st_mode):
-        return st  # a file or link named `timm`: check_run_names refuses it
-    with folder.enter(sub) as inner:
-        return inner.lstat(leaf)
 
 
 def check_run_names(folder: Folder) -> None:
     """Every name a run writes, replaces or removes in its folder (its outputs, the numbered copies,
     the timm folder) is absent or what cmhsa writes there: a regular file of this user's with one
     name, ``timm`` a real folder. Anything else (a link, a folder where a file belongs, a hard link,
-    another user's file) is refused here, naming it, before anything is read, written or removed."""
-    if folder.exists(TIMM_FOLDER):
-        folder.enter(TIMM_FOLDER).close()  # a link, file or another user's folder: refused
-    for name in run_files() + [n for n in folder.names() if NUMBERED.fullmatch(n)]:
-        sub, _, leaf = name.rpartition("/")
-        if not sub:
-            folder.check_replaceable(name)
-        elif folder.exists(sub):
-            with folder.enter(sub) as inner:
-                inner.check_replaceable(leaf)
+    another user's file) is refused here (``Folder.check_all``), naming it, before anything is read,
+    written or removed."""
+    folder.check_all([*run_files(), *(n for n in folder.names() if NUMBERED.fullmatch(n))])
 
 
 def check_init_kept(folder: Folder, phase: str, init: str | None) -> None:
@@ -375,7 +355,7 @@ def is_init(folder: Folder, name: str, init: str | None) -> bool:
         source = os.stat(Path(init).expanduser())
     except OSError:
         return False
-    st = entry(folder, name)
+    st = folder.lstat_below(name)
     return st is not None and (st.st_dev, st.st_ino) == (source.st_dev, source.st_ino)
 
 

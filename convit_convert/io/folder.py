@@ -303,17 +303,33 @@ class Folder:
             return False
         return True
 
+    def check_all(self, names: Iterable[str]) -> None:
+        """Check each of cmhsa's names (bare, or ``SUB/NAME`` for a file in a subfolder) as
+        :meth:`remove_all` does before it removes anything: what cmhsa may replace or remove, its
+        subfolder a real one entered without following a link (an absent one holds nothing)."""
+        subs: dict[str, Folder | None] = {}
+        try:
+            self._check(list(names), subs)
+        finally:
+            _close(subs)
+
+    def lstat_below(self, name: str) -> os.stat_result | None:
+        """The entry's own stat, ``SUB/NAME`` entering SUB without following a link; None if absent."""
+        subs: dict[str, Folder | None] = {}
+        try:
+            folder, leaf = self._locate(name, subs)
+            return None if folder is None else folder.lstat(leaf)
+        finally:
+            _close(subs)
+
     def remove_all(self, names: Iterable[str]) -> list[str]:
         """Remove cmhsa's files ``names`` (bare, or ``SUB/NAME`` for a file in a subfolder), each
-        checked (:meth:`check_replaceable`, and a subfolder entered without following a link) before
-        the first is removed; an emptied subfolder goes too. The names removed."""
+        checked (:meth:`check_all`) before the first is removed; an emptied subfolder goes too. The
+        names removed."""
         names = list(dict.fromkeys(names))
         subs: dict[str, Folder | None] = {}
         try:
-            for name in names:
-                folder, leaf = self._locate(name, subs)
-                if folder is not None:
-                    folder.check_replaceable(leaf)
+            self._check(names, subs)
             removed = []
             for name in names:
                 folder, leaf = self._locate(name, subs)
@@ -330,9 +346,13 @@ class Folder:
                         os.rmdir(sub, dir_fd=self.fd)
             return removed
         finally:
-            for folder in subs.values():
-                if folder is not None:
-                    folder.close()
+            _close(subs)
+
+    def _check(self, names: list[str], subs: dict[str, Folder | None]) -> None:
+        for name in names:
+            folder, leaf = self._locate(name, subs)
+            if folder is not None:
+                folder.check_replaceable(leaf)
 
     def _locate(self, name: str, subs: dict[str, Folder | None]) -> tuple[Folder | None, str]:
         """The held folder and bare name ``name`` (``SUB/NAME``: one level down) lies in; None for
@@ -346,6 +366,12 @@ class Folder:
         if sub not in subs:
             subs[sub] = self.enter(sub) if self.exists(sub) else None
         return subs[sub], leaf
+
+
+def _close(subs: dict[str, Folder | None]) -> None:
+    for folder in subs.values():
+        if folder is not None:
+            folder.close()
 
 
 def missing_folders(path: Path) -> list[Path]:
