@@ -327,33 +327,15 @@ def scan_images(directory: Path, class_to_idx: dict[str, int]) -> list[tuple[str
     empty: list[str] = []
     count = folders = 0
     for name in sorted(class_to_idx):
-        seen: set[tuple[int, int]] = (
-            set()
-        )  # per class: a link to another class's folder reads it as torchvision does
+        seen: set[tuple[int, int]] = set()  # per class: a link to another class's folder reads it
         listed: list[tuple[str, list[str]]] = []
-        stack = [str(directory / name)]
-        while stack:
-            folder = stack.pop()
-            try:
-                st = os.stat(folder)
-                if (st.st_dev, st.st_ino) in seen:
-                    continue  # a loop, or a second link to a folder already scanned
-                seen.add((st.st_dev, st.st_ino))
-                folders += 1
-                if folders > MAX_FOLDERS:
-                    raise CmhsaError(
-                        f"holds more than {MAX_FOLDERS:,} folders; cmhsa scans at most that", directory
-                    )
-                with os.scandir(folder) as it:
-                    entries = sorted(it, key=lambda e: e.name)
-                files = []
-                for e in entries:
-                    if e.is_dir():  # follows a link, as torchvision does
-                        stack.append(e.path)
-                    elif _image_file(e.path):
-                        files.append(e.path)
-            except OSError as e:
-                raise CmhsaError(f"cannot read the image folder ({e.strerror})", folder) from None
+        for folder, entries in folders_once(directory / name, seen, "image folder"):
+            folders += 1
+            if folders > MAX_FOLDERS:
+                raise CmhsaError(
+                    f"holds more than {MAX_FOLDERS:,} folders; cmhsa scans at most that", directory
+                )
+            files = [e.path for e in entries if not e.is_dir() and _image_file(e.path)]
             listed.append((folder, files))
             count += len(files)
             if count > MAX_IMAGES:
@@ -366,6 +348,31 @@ def scan_images(directory: Path, class_to_idx: dict[str, int]) -> list[tuple[str
     if empty:  # torchvision's words
         raise FileNotFoundError(f"Found no valid file for the classes {', '.join(empty)}. ")
     return found
+
+
+def folders_once(
+    root: Path, seen: set[tuple[int, int]], what: str = "folder"
+) -> Iterator[tuple[str, list[os.DirEntry]]]:
+    """Each folder under ``root`` with its entries sorted by name, depth first in name order. Links
+    to folders are followed (as torchvision does), but each folder once, by device and inode
+    (remembered in ``seen``): two links that point at each other end, where
+    ``os.walk(followlinks=True)`` never does. An unreadable folder is a CmhsaError naming it, as
+    ``what``; callers bound how many they take."""
+    stack = [str(root)]
+    while stack:
+        folder = stack.pop()
+        try:
+            st = os.stat(folder)
+            if (st.st_dev, st.st_ino) in seen:
+                continue  # a loop, or a second link to a folder already walked
+            seen.add((st.st_dev, st.st_ino))
+            with os.scandir(folder) as it:
+                entries = sorted(it, key=lambda e: e.name)
+            subfolders = [e.path for e in reversed(entries) if e.is_dir()]  # follows a link
+        except OSError as e:
+            raise CmhsaError(f"cannot read the {what} ({e.strerror})", folder) from None
+        yield folder, entries
+        stack += subfolders
 
 
 GREY_MODES = ("1", "L", "LA", "I", "I;16", "F")  # PIL's modes of single-channel images

@@ -9,7 +9,6 @@ import csv
 import io
 import json
 import math
-import os
 import stat
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -19,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..data import build_transform, image_mode, is_image_name, open_image
+from ..data import build_transform, folders_once, image_mode, is_image_name, open_image
 from ..defaults import EVAL_CROP_PCT
 from ..deploy import for_inference
 from ..errors import CmhsaError
@@ -89,23 +88,10 @@ def image_files(inputs: Sequence[str | Path]) -> list[Path]:
 
 
 def _walk(root: Path, seen: set[tuple[int, int]]) -> Iterator[Path]:
-    stack = [root]
-    while stack:
-        folder = stack.pop()
-        try:
-            st = os.stat(folder)
-            if (st.st_dev, st.st_ino) in seen:
-                continue
-            seen.add((st.st_dev, st.st_ino))
-            if len(seen) > MAX_FOLDERS:
-                raise CmhsaError(f"holds more than {MAX_FOLDERS:,} folders; predict walks at most that", root)
-            with os.scandir(folder) as it:
-                entries = sorted(it, key=lambda e: e.name)
-        except OSError as e:
-            raise CmhsaError(f"cannot read the folder ({e.strerror})", folder) from None
-        files = [Path(e.path) for e in entries if not e.is_dir() and is_image_name(e.name)]
-        yield from files
-        stack += [Path(e.path) for e in reversed(entries) if e.is_dir()]
+    for count, (_, entries) in enumerate(folders_once(root, seen), 1):
+        if count > MAX_FOLDERS:
+            raise CmhsaError(f"holds more than {MAX_FOLDERS:,} folders; predict walks at most that", root)
+        yield from (Path(e.path) for e in entries if not e.is_dir() and is_image_name(e.name))
 
 
 def predict_files(
@@ -115,11 +101,22 @@ def predict_files(
     progress: Callable[[int], None] | None = None,
 ) -> PredictReport:
     """The ``options.top_k`` most probable classes of each image ``images`` name (files, or folders
-    of them); ``model`` a checkpoint, a timm folder (its model.safetensors, its config.json checked
-    as cmhsa writes it) or an ONNX file. ``progress(n)`` is told of each batch of n images done."""
+    of them: :func:`image_files`); ``model`` as :func:`predict_images` takes it."""
+    return predict_images(model, image_files(images), options, progress)
+
+
+def predict_images(
+    model: str | Path,
+    files: list[Path],
+    options: PredictOptions | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> PredictReport:
+    """The ``options.top_k`` most probable classes of each image file ``files`` (as
+    :func:`image_files` lists them); ``model`` a checkpoint, a timm folder (its model.safetensors,
+    its config.json checked as cmhsa writes it) or an ONNX file. ``progress(n)`` is told of each
+    batch of n images done."""
     o = options or PredictOptions()
     path = Path(model)
-    files = image_files(images)
     if path.is_dir():
         if folder_config(path) is None:
             raise CmhsaError("is a timm folder of another architecture than cmhsa's", path)
