@@ -10,7 +10,8 @@ return typed reports with ``to_dict()`` (the CLI renders them). One module per o
 - :mod:`.inspection`: ``inspect_file`` (``Inspection``);
 - :mod:`.on_data`: ``evaluate_checkpoint`` (``EvalReport``), ``attention_on_data``
   (``AttentionReport``), ``calibration_from_data`` (``Calibration``): the ones that read a dataset;
-- :mod:`.predict`: ``predict_files`` (``PredictReport``): a model's top classes for image files.
+- :mod:`.predict`: ``predict_files`` / ``predict_images`` (``PredictReport``): a model's top classes for
+  image files.
 
 What each operation takes is a typed object with its defaults and ranges
 (:mod:`convit_convert.settings`: ``Geometry``, ``Verification``, ``CalibrationSource``,

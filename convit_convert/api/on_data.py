@@ -196,8 +196,8 @@ def evaluate_checkpoint(path: str | Path, options: EvalOptions) -> EvalReport:
     c = ckpt.config.num_classes
     confusion = torch.zeros(c, c, dtype=torch.int64, device=dev)
     metrics = evaluate(model, loader, dev, dtype, confusion=confusion)
-    names = ckpt.classes or data_names  # the outputs are the model's: its names first
-    rows, pairs = per_class(confusion, names)
+    model_names = ckpt.classes  # the outputs are the model's: its names first
+    rows, pairs = per_class(confusion, model_names or data_names)
     return EvalReport(
         ckpt.kind,
         n,
@@ -207,8 +207,8 @@ def evaluate_checkpoint(path: str | Path, options: EvalOptions) -> EvalReport:
         form,
         rows,
         pairs,
-        "model" if ckpt.classes else "data" if data_names else "numbers",
-        bool(ckpt.classes and data_names and ckpt.classes != data_names),
+        "model" if model_names else "data" if data_names else "numbers",
+        bool(model_names and data_names and model_names != data_names),
     )
 
 

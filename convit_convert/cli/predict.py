@@ -49,17 +49,17 @@ def predict_command(
     Images are prepared as cmhsa eval prepares its own (the same top-1)."""
     from rich.progress import Progress
 
-    from ..api.predict import image_files, predict_files, write_predictions
+    from ..api.predict import image_files, predict_images, write_predictions
 
     options = PredictOptions(top_k, batch_size, device)
     if output is not None and output.suffix.lower() not in (".csv", ".json"):
         from ..errors import CmhsaError
 
         raise CmhsaError("the predictions' file must end in .csv or .json", output)
-    total = len(image_files(images))
-    with Progress(console=console, transient=True, disable=total < 2 * batch_size) as bar:
-        task = bar.add_task("predicting", total=total)
-        r = predict_files(model, images, options, lambda n: bar.advance(task, n))
+    files = image_files(images)  # listed once: the bar's total, then the predictions
+    with Progress(console=console, transient=True, disable=len(files) < 2 * batch_size) as bar:
+        task = bar.add_task("predicting", total=len(files))
+        r = predict_images(model, files, options, lambda n: bar.advance(task, n))
     print_predictions(r)
     if output is not None:
         write_predictions(r, output)
