@@ -84,6 +84,7 @@ def test_classes_are_named_and_written_as_csv_and_json(tmp_path: Path) -> None:
         (["empty_folder"], "no image files"),
         (["img.png", "-o", "out.txt"], "must end in .csv or .json"),
         (["img.png", "--top-k", "0"], "--top-k"),
+        (["img.png", "-o", "link.csv"], "symbolic link"),
     ],
 )
 def test_bad_input_is_one_line(tmp_path: Path, monkeypatch, args: list[str], fragment: str) -> None:
@@ -91,8 +92,12 @@ def test_bad_input_is_one_line(tmp_path: Path, monkeypatch, args: list[str], fra
     (tmp_path / "not_an_image.png").write_bytes(b"not a png")
     (tmp_path / "empty_folder").mkdir()
     (tmp_path / "img.png").write_bytes((FIXTURE.parent / "digits" / "1.png").read_bytes())
+    (tmp_path / "victim.csv").write_text("kept\n")
+    (tmp_path / "link.csv").symlink_to("victim.csv")
+    if "-o" in args:  # a bad output is refused before any image is read
+        monkeypatch.setattr("convit_convert.api.predict.predict_images", None)
     one_error_line(invoke("predict", FIXTURE, *args), 2, fragment)
-    assert not (tmp_path / "out.txt").exists()
+    assert not (tmp_path / "out.txt").exists() and (tmp_path / "victim.csv").read_text() == "kept\n"
 
 
 def test_an_image_s_name_is_shown_as_text(tmp_path: Path) -> None:

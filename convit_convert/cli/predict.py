@@ -52,10 +52,13 @@ def predict_command(
     from ..api.predict import image_files, predict_images, write_predictions
 
     options = PredictOptions(top_k, batch_size, device)
-    if output is not None and output.suffix.lower() not in (".csv", ".json"):
+    if output is not None:  # before the images are read: a bad output never costs the predictions
         from ..errors import CmhsaError
+        from ..io.atomic import check_writable
 
-        raise CmhsaError("the predictions' file must end in .csv or .json", output)
+        if output.suffix.lower() not in (".csv", ".json"):
+            raise CmhsaError("the predictions' file must end in .csv or .json", output)
+        check_writable(output)
     files = image_files(images)  # listed once: the bar's total, then the predictions
     with Progress(console=console, transient=True, disable=len(files) < 2 * batch_size) as bar:
         task = bar.add_task("predicting", total=len(files))
