@@ -31,11 +31,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .defaults import CONV_FORMS
 from .taps import kernel_taps, output_projection, project, tap_selectors
 from .theory import patch_offsets
 
 ConvFormName = Literal["auto", "pixels", "tokens"]
-CONV_FORMS: tuple[str, ...] = ("auto", "pixels", "tokens")
 AUTO_FORM = {"cuda": "tokens"}  # by device type; anything else: "pixels" (BENCHMARKS.md)
 
 

@@ -6,6 +6,7 @@ command's default or range differs from the library's.
 
 - :class:`Geometry`: how to read a bare conv-phase state dict (convert, inspect);
 - :class:`Verification`: how a numerical check runs (convert, verify);
+- :class:`VerifyOptions`: ``cmhsa verify``'s tolerance and seed;
 - :class:`CalibrationSource`: the images an approximate conversion fits on (convert, heads);
 - :class:`HeadsQuery`: ``cmhsa heads``'s kernel, patch, dilation and channels;
 - :class:`EvalOptions` and :class:`AttentionOptions`: ``cmhsa eval`` and ``cmhsa attention``.
@@ -14,15 +15,22 @@ command's default or range differs from the library's.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
+import types
+import typing
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal, Union
 
 from .bounds import check
 from .config import NORM_EPS
 from .defaults import DATASETS, EVAL_CROP_PCT
 from .errors import CmhsaError
 
+# The largest relative error a verification or an import check accepts. float32 rounding of the
+# paper's model (d = 768, 9 heads) measures 2e-7 to 5e-7 (BENCHMARKS.md, "Exactness of the converted
+# model"); an inexact construction (no sink at the border) is off by 1e-2 and more.
+DEFAULT_TOL = 1e-5
 DEVICE_NAME = re.compile(r"auto|cpu|cuda(?::(\d{1,4}))?")  # group 1: the GPU's index
 AMPS = ("auto", "bf16", "fp16", "none")
 DTYPES = ("float32", "float64")
@@ -34,21 +42,71 @@ def check_device_name(name: object) -> None:
         raise CmhsaError(f"`device` must be auto, cpu, cuda or cuda:N, got {name!r}")
 
 
+def fits(value: Any, hint: Any) -> bool:
+    """Whether ``value`` is of the type ``hint`` names, as a typed flag would give it: a bool is no
+    number, an int is a float, a tuple has its length."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (Union, types.UnionType):
+        return any(fits(value, a) for a in args)
+    if origin is Literal:
+        return value in args
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if origin is tuple:
+        return isinstance(value, tuple) and len(value) == len(args) and all(map(fits, value, args))
+    if origin is not None:
+        return isinstance(value, origin)
+    return not isinstance(hint, type) or isinstance(value, hint)
+
+
+TYPE_WORDS = {bool: "true or false", int: "an integer", float: "a number", str: "text"}
+
+
+def type_text(hint: Any) -> str:
+    """``hint`` in words, for a refusal: "an integer or none", "2 numbers"."""
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) in (Union, types.UnionType):
+        return " or ".join(type_text(a) for a in args)
+    if hint is type(None):
+        return "none"
+    if typing.get_origin(hint) is tuple:
+        return f"{len(args)} {'integers' if args[0] is int else 'numbers'}"
+    return TYPE_WORDS.get(hint, getattr(hint, "__name__", str(hint)))
+
+
+@functools.cache
+def field_types(cls: type) -> dict[str, Any]:
+    """The resolved annotations of a dataclass's fields (once per class)."""
+    return typing.get_type_hints(cls)
+
+
 @dataclass(frozen=True)
 class Checked:
-    """A frozen set of options, checked when made: each number against BOUNDS (by field name), each
-    name against ``CHOICES``; ``device`` fields against the device names."""
+    """A frozen set of options, checked when made, as the command line checks its flags: each
+    field's value of its annotated type, each number against BOUNDS (by field name), each name
+    against ``CHOICES``; ``device`` fields against the device names. ``FLAGS`` renames a field
+    where its flag is spelled otherwise (a refusal names the flag's parameter)."""
 
     CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {}
+    FLAGS: ClassVar[dict[str, str]] = {}
 
     def __post_init__(self) -> None:
+        hints = field_types(type(self))
         for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            check(f.name, value)
+            value, name = getattr(self, f.name), self.FLAGS.get(f.name, f.name)
+            if not fits(value, hints[f.name]):
+                raise CmhsaError(f"`{name}` must be {type_text(hints[f.name])}, got {value!r}")
+            check(name, value)
             allowed = self.CHOICES.get(f.name)
             optional = value is None and f.default is None  # a field whose default is "none given"
             if allowed is not None and not optional and value not in allowed:
-                raise CmhsaError(f"`{f.name}` must be one of {', '.join(allowed)}, got {value!r}")
+                raise CmhsaError(f"`{name}` must be one of {', '.join(allowed)}, got {value!r}")
         device = getattr(self, "device", None)
         if device is not None:
             check_device_name(device)
@@ -92,9 +150,14 @@ class PredictOptions(Checked):
     device: str = "auto"
 
 
-# `cmhsa verify`'s images: seed 0 is the conversion's own check (ConversionSpec.seed), so a
-# second check of the same files draws other images by default
-VERIFY_SEED = 1
+@dataclass(frozen=True)
+class VerifyOptions(Checked):
+    """``cmhsa verify``'s verdict: every relative error at most ``tol`` on random images drawn from
+    ``seed``. Seed 0 is the conversion's own check (ConversionSpec.seed), so a second check of the
+    same files draws other images by default."""
+
+    tol: float = DEFAULT_TOL
+    seed: int = 1
 
 
 @dataclass(frozen=True)

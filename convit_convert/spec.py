@@ -17,17 +17,12 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
-from .bounds import check
 from .config import PINNING, ViTConfig
-from .errors import CmhsaError
+from .settings import DEFAULT_TOL, Checked
 from .theory import patch_offsets
 
-# The largest relative error a verification or an import check accepts. float32 rounding of the
-# paper's model (d = 768, 9 heads) measures 2e-7 to 5e-7 (BENCHMARKS.md, "Exactness of the converted
-# model"); an inexact construction (no sink at the border) is off by 1e-2 and more.
-DEFAULT_TOL = 1e-5
 DEFAULT_MARGIN = 40.0  # the paper's M = 40 (Appendix A.1), as a margin between competing logits
 RULES = ("greedy", "corner")  # how an approximate conversion picks its offsets (approximate.py)
 
@@ -41,13 +36,15 @@ def pinning_logits(num_patches: int, sink: bool, margin: float = DEFAULT_MARGIN)
 
 
 @dataclass(frozen=True)
-class ConversionSpec:
+class ConversionSpec(Checked):
     """What the user chose for a conversion; every field's default is the paper's construction.
 
     ``heads``, ``qk_dim``, ``v_dim``: None means what Theorem 1 needs (|Δ| heads) and embed_dim.
     ``approximate``: with ``heads`` below |Δ|, keep the offsets ``rule`` picks and (``refit``)
     refit their W^O on calibration images; without it, too few heads are refused.
     """
+
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"pinning": PINNING, "rule": RULES}
 
     heads: int | None = None
     qk_dim: int | None = None
@@ -61,14 +58,6 @@ class ConversionSpec:
     approximate: bool = False
     rule: str = "greedy"
     refit: bool = True
-
-    def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):  # the numbers: the ranges the CLI's flags have (BOUNDS)
-            check(f.name, getattr(self, f.name))
-        if self.pinning not in PINNING:
-            raise CmhsaError(f"`pinning` must be hard or gated, got {self.pinning!r}")
-        if self.rule not in RULES:
-            raise CmhsaError(f"`rule` must be one of {', '.join(RULES)}, got {self.rule!r}")
 
     def replace(self, **changes: Any) -> ConversionSpec:
         """A copy with ``changes``, validated again."""

@@ -42,12 +42,12 @@ import torch
 
 from .config import ViTConfig
 from .construct import positional_attention
+from .defaults import IMPULSE_OFFSETS
 from .errors import CmhsaError
 from .model import VisionTransformer
 from .spec import DEFAULT_MARGIN, pinned_heads
 from .theory import patch_offsets
 
-IMPULSE_OFFSETS = ("conversion", "random")
 MIMETIC_SIGMA = 1.0  # width of the local decay the relative position bias starts as, in patches
 
 

@@ -4,8 +4,12 @@ convolutions with explicit padding, explicit loops, impulse responses."""
 from __future__ import annotations
 
 import gzip
+import hashlib
+import os
 import signal
+import stat
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -15,11 +19,19 @@ import torch
 import torch.nn.functional as F
 from typer.testing import CliRunner, Result
 
+if os.environ.get("PYTEST_XDIST_WORKER"):  # `pytest -n 2` (README, "Tests")
+    # xdist's workers get COLUMNS=80, which cmhsa's console honours: without it, as in one process,
+    # output to CliRunner's pipe is unwrapped (a long temporary path would break a line a test reads)
+    os.environ.pop("COLUMNS", None)
+    torch.set_num_threads(1)  # two workers on 2 cores: a thread each (two each: slower than one process)
+
 from convit_convert.cli import app
 from convit_convert.config import ViTConfig
 from convit_convert.model import VisionTransformer
+from convit_convert.train.config import TrainConfig
 
-FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "conv_digits.safetensors"
+ROOT = Path(__file__).resolve().parent.parent  # the repository
+FIXTURE = ROOT / "fixtures" / "conv_digits.safetensors"
 # The smallest training run the tests train (TrainConfig.from_flags' flags): seconds on a CPU
 TINY_RUN = dict(
     data="synthetic",
@@ -32,6 +44,15 @@ TINY_RUN = dict(
     lr_base_batch=32,
     log_every=1000,
 )
+
+
+def tiny_config(out: Path, *flag_sets: dict[str, Any], **flags: Any) -> TrainConfig:
+    """The TrainConfig of a tiny run into ``out``: TINY_RUN, then each of ``flag_sets`` (a test
+    file's own tiny flags), then ``flags``, each over the one before."""
+    merged: dict[str, Any] = {**TINY_RUN}
+    for more in (*flag_sets, flags):
+        merged.update(more)
+    return TrainConfig.from_flags(out=str(out), **merged)
 
 
 # Ctrl-C stops the suite --------------------------------------------------------------------------
@@ -59,14 +80,11 @@ def pytest_configure(config: pytest.Config) -> None:
     signal.signal(signal.SIGTERM, _interrupt)  # SIGINT: Python's KeyboardInterrupt already
     from convit_convert.train import run as train_run
 
-    handle = train_run.StopRequest._handle
-
-    def handle_in_the_suite(self: Any, signum: int, frame: Any) -> None:
-        handle(self, signum, frame)
+    def end_the_session(signum: int) -> None:  # after a run noted its stop
         if not _SIGNALS_ARE_THE_TEST[0]:
-            _interrupt(signum, frame)
+            _interrupt(signum, None)
 
-    train_run.StopRequest._handle = handle_in_the_suite
+    train_run.StopRequest.also = end_the_session
 
 
 @pytest.fixture(autouse=True)
@@ -85,6 +103,31 @@ def invoke(*args: Any, env: dict[str, str] | None = None, **kwargs: Any) -> Resu
         raise KeyboardInterrupt("the test session was interrupted")
     words = [str(w) for a in args for w in (a if isinstance(a, (list, tuple)) else (a,))]
     return CliRunner().invoke(app, words, env=env, **kwargs)
+
+
+def in_a_process(*argv: object, **run: Any) -> subprocess.CompletedProcess:
+    """``python ARGV...`` in a fresh interpreter, for what only a process of its own shows (its
+    streams' encoding, its start-up, its own signals): output captured as text, from the
+    repository's root, at most 300 s; ``run`` overrides any of these (subprocess.run's keywords)."""
+    options: dict[str, Any] = {"capture_output": True, "text": True, "cwd": ROOT, "timeout": 300, **run}
+    return subprocess.run([sys.executable, *map(str, argv)], **options)
+
+
+def leaf_commands() -> list[tuple[tuple[str, ...], Any]]:
+    """(path, click command) for every command that runs (``("train", "phase1")``), in the app's order."""
+    import typer.main
+
+    found: list[tuple[tuple[str, ...], Any]] = []
+
+    def walk(cmd: Any, path: tuple[str, ...]) -> None:
+        subs = getattr(cmd, "commands", None)
+        if not subs:
+            found.append((path, cmd))
+        for name, sub in (subs or {}).items():
+            walk(sub, (*path, name))
+
+    walk(typer.main.get_command(app), ())
+    return found
 
 
 def one_error_line(r: Result | subprocess.CompletedProcess[str], code: int, *fragments: str) -> str:
@@ -160,3 +203,112 @@ def write_idx(path: Path, array: np.ndarray) -> None:
     header = bytes([0, 0, 8, array.ndim]) + b"".join(int(d).to_bytes(4, "big") for d in array.shape)
     with gzip.open(path, "wb") as f:
         f.write(header + array.astype(np.uint8).tobytes())
+
+
+# What the test files of each mechanism share (test_bad_files, test_bad_flags, test_bad_runs,
+# test_outputs, test_journal, test_streams): a finished tiny run, a converted model, a folder's
+# contents as hashes. The session's fixtures are only ever copied, never changed.
+
+
+def snapshot(folder: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
+
+
+def check_outcome(r, inputs: Path, before: dict[str, str], allow_ok: bool = True) -> None:
+    """The contract: exit 1/2 with one error line and no traceback (or 0 for a still-valid input);
+    the inputs' folder exactly as it was."""
+    assert r.exit_code in ((0, 1, 2) if allow_ok else (1, 2)), (r.exit_code, r.output[-2000:])
+    assert "Traceback" not in r.output, r.output[-2000:]
+    if r.exit_code != 0:
+        one_error_line(r, r.exit_code)
+    assert snapshot(inputs) == before
+
+
+TINY_FLAGS = (
+    "--data synthetic --img-size 16 --patch-size 4 --depth 1 --kernel-size 3 "
+    "--batch-size 32 --workers 0 --epochs 1 --warmup-epochs 0 --device cpu"
+).split()
+
+
+def copy_run(run: Path, to: Path) -> Path:
+    to.mkdir()
+    for p in run.iterdir():
+        if p.is_file() and p.name != ".cmhsa.lock":
+            (to / p.name).write_bytes(p.read_bytes())
+    return to
+
+
+def special_files(folder: Path) -> dict[str, Path]:
+    """A FIFO, a symbolic link and (as root) a character device, each with a model file's name."""
+    made = {}
+    fifo = folder / "fifo.safetensors"
+    os.mkfifo(fifo)
+    made["FIFO"] = fifo
+    target = folder / "target.safetensors"
+    target.write_bytes(b"kept")
+    link = folder / "link.safetensors"
+    link.symlink_to(target)
+    made["symbolic link"] = link
+    if os.geteuid() == 0:  # a null device of our own: never /dev/null itself
+        dev = folder / "dev.safetensors"
+        os.mknod(dev, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+        made["device"] = dev
+    return made
+
+
+def leftovers(folder: Path) -> list[str]:
+    return sorted(
+        p.name
+        for p in folder.iterdir()
+        if p.name.endswith((".tmp", ".json", ".part")) and p.name.startswith(".")
+    )
+
+
+def tree(root: Path, skip: tuple[str, ...] = ()) -> dict[str, object]:
+    """Every entry under `root` (links and special files by kind, files by content hash), but the
+    relative paths in `skip` and anything under them."""
+    out: dict[str, object] = {}
+    for p in sorted(root.rglob("*")):
+        rel = str(p.relative_to(root))
+        if any(rel == s or rel.startswith(s + "/") for s in skip):
+            continue
+        st = os.lstat(p)
+        if stat.S_ISREG(st.st_mode):
+            out[rel] = (st.st_uid, hashlib.sha256(p.read_bytes()).hexdigest())
+        elif stat.S_ISLNK(st.st_mode):
+            out[rel] = ("link", os.readlink(p))
+        else:
+            out[rel] = stat.S_IFMT(st.st_mode)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A finished one-epoch phase-1 run (checkpoint-last.pt, metrics.csv, config.json, conv.safetensors)."""
+    out = tmp_path_factory.mktemp("tiny") / "run"
+    r = invoke("train", "phase1", *TINY_FLAGS, "-o", out)
+    assert r.exit_code == 0, r.output
+    return out
+
+
+@pytest.fixture(scope="session")
+def attn_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("attn") / "vit.safetensors"
+    assert invoke("convert", FIXTURE, "-o", out).exit_code == 0
+    return out
+
+
+@pytest.fixture(scope="session")
+def downloads(tmp_path_factory: pytest.TempPathFactory, tiny_run: Path) -> Path:
+    """What a researcher downloads: a conv checkpoint, its attention conversion, a timm folder and a
+    run folder, in one folder (copied per test)."""
+    root = tmp_path_factory.mktemp("downloads")
+    (root / "m.safetensors").write_bytes(FIXTURE.read_bytes())
+    assert invoke("convert", FIXTURE, "-o", root / "vit.safetensors").exit_code == 0
+    assert invoke("export", root / "vit.safetensors", "--format", "timm", "-o", root / "timm").exit_code == 0
+    copy_run(tiny_run, root / "run")
+    return root

@@ -22,21 +22,17 @@ SMALL = (
 )  # FIXTURE: 32 px, P = 4, K = 5: 9 offsets, 4 blocks
 
 
-def run(*args: object):
-    return invoke([str(a) for a in args])
-
-
 def test_refusals(tmp_path: Path) -> None:
     out = tmp_path / "v.safetensors"
-    r = run("convert", FIXTURE, "-o", out, "--heads", "0", "--approximate")
+    r = invoke("convert", FIXTURE, "-o", out, "--heads", "0", "--approximate")
     assert r.exit_code == 2 and "--heads must be 1 ≤ x ≤ 4096, got 0" in r.stderr and not out.exists()
-    r = run("convert", FIXTURE, "-o", out, "--heads", "4", "--approximate", "--rule", "random")
+    r = invoke("convert", FIXTURE, "-o", out, "--heads", "4", "--approximate", "--rule", "random")
     assert r.exit_code == 2 and "--rule must be one of greedy, corner" in r.stderr
-    r = run("convert", FIXTURE, "-o", out, "--heads", "4")  # without --approximate: the bound, as before
+    r = invoke("convert", FIXTURE, "-o", out, "--heads", "4")  # without --approximate: the bound, as before
     assert r.exit_code == 2 and "9 patch offsets" in r.stderr
-    r = run("convert", FIXTURE, "-o", out, "--heads", "4", "--approximate", "--calib", "mnist")
+    r = invoke("convert", FIXTURE, "-o", out, "--heads", "4", "--approximate", "--calib", "mnist")
     assert r.exit_code == 2 and "--calib must be one of" in r.stderr and not out.exists()
-    r = run("convert", FIXTURE, "-o", out, "--calib", "digits")
+    r = invoke("convert", FIXTURE, "-o", out, "--calib", "digits")
     assert r.exit_code == 2 and "add --approximate" in r.stderr
     assert not list(tmp_path.iterdir())
 
@@ -44,7 +40,7 @@ def test_refusals(tmp_path: Path) -> None:
 @pytest.mark.parametrize("heads", ["9", "12"])
 def test_enough_heads_is_the_exact_conversion(tmp_path: Path, heads: str) -> None:
     out = tmp_path / "v.safetensors"
-    r = run("convert", FIXTURE, "-o", out, "--heads", heads, "--approximate")
+    r = invoke("convert", FIXTURE, "-o", out, "--heads", heads, "--approximate")
     assert r.exit_code == 0, r.output
     assert "enough for this kernel, so the conversion is exact" in r.output
     rep = json.loads(out.with_name("v.report.json").read_text())
@@ -54,12 +50,12 @@ def test_enough_heads_is_the_exact_conversion(tmp_path: Path, heads: str) -> Non
 
 def test_approximate_fails_tol_loudly_then_writes_a_model_whose_report_holds(tmp_path: Path) -> None:
     out = tmp_path / "v.safetensors"
-    r = run("convert", FIXTURE, "-o", out, "--heads", "6", "--approximate", *SMALL)
+    r = invoke("convert", FIXTURE, "-o", out, "--heads", "6", "--approximate", *SMALL)
     assert r.exit_code == 1 and "FAIL" in r.output and not out.exists()
     rep = json.loads(out.with_name("v.report.json").read_text())  # the report is written either way
     assert rep["passed"] is False and rep["conversion"]["approximation"]["rule"] == "greedy"
 
-    r = run("convert", FIXTURE, "-o", out, "--heads", "6", "--approximate", "--tol", "100", *SMALL)
+    r = invoke("convert", FIXTURE, "-o", out, "--heads", "6", "--approximate", "--tol", "100", *SMALL)
     assert r.exit_code == 0, r.output
     rep = json.loads(out.with_name("v.report.json").read_text())
     a = rep["conversion"]["approximation"]
@@ -83,7 +79,7 @@ def test_approximate_fails_tol_loudly_then_writes_a_model_whose_report_holds(tmp
 
 def test_no_refit_is_plain_dropping_and_corner_drops_diagonals_first(tmp_path: Path) -> None:
     out = tmp_path / "v.safetensors"
-    r = run(
+    r = invoke(
         "convert",
         FIXTURE,
         "-o",
@@ -112,7 +108,7 @@ def test_refit_beats_corner_rule_on_calibration_set() -> None:
 
 def test_labelled_calibration_matches_cmhsa_eval(tmp_path: Path) -> None:
     out = tmp_path / "v.safetensors"
-    r = run(
+    r = invoke(
         "convert", FIXTURE, "-o", out, "--heads", "4", "--approximate", "--calib", "digits", "--tol", "10"
     )
     assert r.exit_code == 0, r.output
@@ -122,14 +118,14 @@ def test_labelled_calibration_matches_cmhsa_eval(tmp_path: Path) -> None:
     assert (round(h["attn_top1"], 2), round(h["conv_top1"], 2)) == (96.38, 98.33)
     assert round(h["logits_error"], 3) == 0.319
     for path, key in ((FIXTURE, "conv_top1"), (out, "attn_top1")):
-        e = run("eval", path, "--data", "digits", "--workers", "0", "--device", "cpu")
+        e = invoke("eval", path, "--data", "digits", "--workers", "0", "--device", "cpu")
         assert e.exit_code == 0, e.output
         top1 = float(next(line for line in e.output.splitlines() if line.startswith("│")).split("│")[2])
         assert abs(top1 - h[key]) <= 100 / 359 + 1e-6  # float32 eval against the report: one image at most
 
 
 def test_heads_checkpoint_sweep(tmp_path: Path) -> None:
-    r = run("heads", "--checkpoint", FIXTURE, *SMALL)
+    r = invoke("heads", "--checkpoint", FIXTURE, *SMALL)
     assert r.exit_code == 0, r.output
     rows = [line for line in r.output.splitlines() if line.startswith("│")]
     assert [int(line.split("│")[1]) for line in rows] == list(range(1, 10))
@@ -137,13 +133,13 @@ def test_heads_checkpoint_sweep(tmp_path: Path) -> None:
     assert last == [0.0, 0.0, 0.0, 0.0]  # N = 9: the exact conversion
     first = [float(c) for c in rows[0].split("│")[2:6]]
     assert all(v > 0.1 for v in first)
-    r = run("heads", "--checkpoint", FIXTURE, "--kernel", "3")
+    r = invoke("heads", "--checkpoint", FIXTURE, "--kernel", "3")
     assert r.exit_code == 2 and "K = 5" in r.stderr
-    r = run("heads")
+    r = invoke("heads")
     assert r.exit_code == 2 and "give --kernel-size and --patch-size, or --checkpoint" in r.stderr
     for bad, why in (
         (("--rule", "x"), "--rule must be one of"),
         (("--heldout-images", "0"), "--heldout-images must be 1 ≤ x ≤ 10000000, got 0"),
     ):
-        r = run("heads", "--checkpoint", FIXTURE, *bad)
+        r = invoke("heads", "--checkpoint", FIXTURE, *bad)
         assert r.exit_code == 2 and why in r.stderr and not r.stdout  # refused before anything is printed

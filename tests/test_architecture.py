@@ -11,13 +11,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from conftest import invoke
+from conftest import ROOT, invoke
 from convit_convert.api import load_checkpoint
 from convit_convert.config import ViTConfig
 from convit_convert.errors import CmhsaError
 from convit_convert.model import VisionTransformer
 
-ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = {"convit_convert": ROOT / "convit_convert", "convit_convert.train": ROOT / "train"}
 
 

@@ -12,10 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from conftest import ROOT
 from convit_convert.io.atomic import atomic_write, remove_stale_temps
 from convit_convert.io.folder import Folder
-
-ROOT = Path(__file__).resolve().parent.parent
 
 # a writer that creates its temp file, says so, then waits to be killed
 SLOW_WRITER = """

@@ -17,16 +17,12 @@ from safetensors.torch import load_file, save_file
 from conftest import FIXTURE, invoke, one_error_line
 
 
-def run(*args: str):
-    return invoke([str(a) for a in args])
-
-
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     from conftest import FIXTURE
 
     out = tmp_path_factory.mktemp("conv") / "vit.safetensors"
-    r = run("convert", FIXTURE, "-o", out)
+    r = invoke("convert", FIXTURE, "-o", out)
     assert r.exit_code == 0, r.output
     return FIXTURE, out
 
@@ -49,7 +45,7 @@ def test_convert_writes_model_and_report(converted: tuple[Path, Path]) -> None:
 
 def test_verify_pass_and_fail(converted: tuple[Path, Path], tmp_path: Path) -> None:
     src, out = converted
-    r = run("verify", src, out, "--dtype", "float64", "--tol", "1e-12", "--report", tmp_path / "r.json")
+    r = invoke("verify", src, out, "--dtype", "float64", "--tol", "1e-12", "--report", tmp_path / "r.json")
     assert r.exit_code == 0, r.output
     rep = json.loads((tmp_path / "r.json").read_text())
     assert rep["conv"]["sha256"] == sha(src) and rep["attn"]["sha256"] == sha(out)
@@ -62,14 +58,14 @@ def test_verify_pass_and_fail(converted: tuple[Path, Path], tmp_path: Path) -> N
     with safe_open(str(out), "pt") as f:
         meta = f.metadata()
     save_file(t, str(tmp_path / "bad.safetensors"), metadata=meta)
-    r = run("verify", src, tmp_path / "bad.safetensors")
+    r = invoke("verify", src, tmp_path / "bad.safetensors")
     assert r.exit_code == 1
     assert "FAIL" in r.output
 
 
 def test_no_sink_reports_border_apart(fixture_path: Path, tmp_path: Path) -> None:
     out = tmp_path / "paper.safetensors"
-    r = run("convert", fixture_path, "-o", out, "--no-sink")
+    r = invoke("convert", fixture_path, "-o", out, "--no-sink")
     assert r.exit_code == 0, r.output
     errs = json.loads((tmp_path / "paper.report.json").read_text())["verification"]["errors"]
     border = [e for e in errs if e["region"] == "border"]
@@ -81,12 +77,12 @@ def test_no_sink_reports_border_apart(fixture_path: Path, tmp_path: Path) -> Non
     assert "info" in r.output
     said = " ".join(r.output.split())
     assert "PASS (interior only:" in said and "not judged)" in said
-    assert run("verify", fixture_path, out).exit_code == 0  # judged on the interior only
+    assert invoke("verify", fixture_path, out).exit_code == 0  # judged on the interior only
 
 
 def test_convert_options(fixture_path: Path, tmp_path: Path) -> None:
     out = tmp_path / "v.safetensors"
-    r = run(
+    r = invoke(
         "convert",
         fixture_path,
         "-o",
@@ -99,19 +95,19 @@ def test_convert_options(fixture_path: Path, tmp_path: Path) -> None:
     rep = json.loads((tmp_path / "v.report.json").read_text())
     assert rep["verification"] is None
     assert rep["output"]["sha256"] == hashlib.sha256(out.read_bytes()).hexdigest()
-    assert run("verify", fixture_path, out, "--dtype", "float64", "--tol", "1e-12").exit_code == 0
+    assert invoke("verify", fixture_path, out, "--dtype", "float64", "--tol", "1e-12").exit_code == 0
 
 
 def test_inspect_and_heads(converted: tuple[Path, Path]) -> None:
     src, out = converted
-    r = run("inspect", out)
+    r = invoke("inspect", out)
     assert r.exit_code == 0, r.output
     assert "-1,-1" in r.output and "+1,+1" in r.output and sha(out) in r.output
-    r = run("inspect", src)
+    r = invoke("inspect", src)
     n_params = sum(t.numel() for t in load_file(str(src)).values())
     assert r.exit_code == 0 and "conv (phase 1: convolutional ViT)" in r.output, r.output
     assert f"{n_params:,}" in r.output
-    r = run("heads", "--kernel", "5", "--patch", "16")
+    r = invoke("heads", "--kernel", "5", "--patch", "16")
     assert r.exit_code == 0 and "Theorem 6" in r.output and "25" in r.output
 
 
@@ -224,10 +220,10 @@ def test_bad_input_files(kind: str, fixture_path: Path, tmp_path: Path) -> None:
     out_dir.mkdir()
     args = ["--img-size", "32", "--patch-size", "4"] if kind == "nonsquare" else []
     assert_bad_input(
-        run("convert", bad, "-o", out_dir / "vit.safetensors", *args), bad, EXPECT[kind], out_dir
+        invoke("convert", bad, "-o", out_dir / "vit.safetensors", *args), bad, EXPECT[kind], out_dir
     )
     if kind != "nonsquare":
-        assert_bad_input(run("inspect", bad), bad, EXPECT[kind], out_dir)
+        assert_bad_input(invoke("inspect", bad), bad, EXPECT[kind], out_dir)
 
 
 def test_bad_paths(fixture_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -235,33 +231,33 @@ def test_bad_paths(fixture_path: Path, tmp_path: Path, monkeypatch: pytest.Monke
     src_dir.mkdir()
     out = tmp_path / "vit.safetensors"
     assert_bad_input(
-        run("convert", tmp_path / "nope.safetensors", "-o", out),
+        invoke("convert", tmp_path / "nope.safetensors", "-o", out),
         tmp_path / "nope.safetensors",
         "no such file",
         tmp_path,
     )
-    assert_bad_input(run("convert", src_dir, "-o", out), src_dir, "directory", tmp_path)
+    assert_bad_input(invoke("convert", src_dir, "-o", out), src_dir, "directory", tmp_path)
     copy = src_dir / "in.safetensors"
     copy.write_bytes(fixture_path.read_bytes())
-    r = run("convert", copy, "-o", copy)
+    r = invoke("convert", copy, "-o", copy)
     assert r.exit_code == 2 and "is the input" in r.stderr
     assert sha(copy) == sha(fixture_path)
     nodir = tmp_path / "missing" / "vit.safetensors"
-    assert_bad_input(run("convert", copy, "-o", nodir), nodir, "does not exist", tmp_path)
+    assert_bad_input(invoke("convert", copy, "-o", nodir), nodir, "does not exist", tmp_path)
     # tests may run as root, whom chmod does not stop: pretend the folder is read-only
     monkeypatch.setattr(os, "access", lambda path, mode, **kw: not mode & os.W_OK)
-    assert_bad_input(run("convert", copy, "-o", out), out, "not writable", tmp_path)
+    assert_bad_input(invoke("convert", copy, "-o", out), out, "not writable", tmp_path)
 
 
 def test_too_few_heads_and_wrong_kinds(converted: tuple[Path, Path], tmp_path: Path) -> None:
     src, attn = converted
     out = tmp_path / "x.safetensors"
-    r = run("convert", src, "-o", out, "--heads", "8")
+    r = invoke("convert", src, "-o", out, "--heads", "8")
     assert r.exit_code == 2 and "Theorem 6" in r.stderr and "9 patch offsets" in r.stderr
     assert not out.exists()
-    r = run("convert", attn, "-o", out)
+    r = invoke("convert", attn, "-o", out)
     assert r.exit_code == 2 and "already" in r.stderr
-    r = run("verify", attn, src)
+    r = invoke("verify", attn, src)
     assert r.exit_code == 2 and "is an attn checkpoint; the first argument" in r.stderr
 
 
@@ -272,13 +268,13 @@ def test_convert_and_export_refuse_bad_tol_report_and_suffix(
     out = tmp_path / "v.safetensors"
     for tol in ("-1", "nan"):
         assert_bad_input(
-            run("convert", src, "-o", out, "--tol", tol),
+            invoke("convert", src, "-o", out, "--tol", tol),
             None,
             f"--tol must be 0 ≤ x ≤ 1000000, got {tol}",
             tmp_path,
         )
         assert_bad_input(
-            run("verify", src, attn, "--tol", tol),
+            invoke("verify", src, attn, "--tol", tol),
             None,
             f"--tol must be 0 ≤ x ≤ 1000000, got {tol}",
             tmp_path,
@@ -286,12 +282,15 @@ def test_convert_and_export_refuse_bad_tol_report_and_suffix(
     (tmp_path / "in").mkdir()
     copy = tmp_path / "in" / "conv.safetensors"
     shutil.copy(src, copy)
-    r = run("convert", copy, "-o", out, "--report", copy)
+    r = invoke("convert", copy, "-o", out, "--report", copy)
     assert_bad_input(r, copy, "report path is the input file", tmp_path)
     assert_bad_input(
-        run("convert", copy, "-o", tmp_path / "x.onnx"), tmp_path / "x.onnx", "suffix .safetensors", tmp_path
+        invoke("convert", copy, "-o", tmp_path / "x.onnx"),
+        tmp_path / "x.onnx",
+        "suffix .safetensors",
+        tmp_path,
     )
-    r = run("export", attn, "-o", tmp_path / "x.safetensors")
+    r = invoke("export", attn, "-o", tmp_path / "x.safetensors")
     assert_bad_input(r, tmp_path / "x.safetensors", "suffix .onnx", tmp_path)
 
 
@@ -304,14 +303,14 @@ def test_unsafe_pickle_input(tmp_path: Path) -> None:
 
     path = tmp_path / "evil.pth"
     path.write_bytes(pickle.dumps(Evil()))
-    r = run("convert", path, "-o", tmp_path / "v.safetensors", "--img-size", "32", "--patch-size", "4")
+    r = invoke("convert", path, "-o", tmp_path / "v.safetensors", "--img-size", "32", "--patch-size", "4")
     assert r.exit_code == 2 and "weights_only=True" in r.stderr
     assert "weights_only=False" not in r.stderr and "will likely succeed" not in r.stderr
     # a torch.save of something holding a non-tensor class: the message names the blocked global
     import argparse
 
     torch.save({"model": {"w": torch.zeros(1)}, "args": argparse.Namespace(lr=1)}, tmp_path / "args.pth")
-    r = run(
+    r = invoke(
         "convert",
         tmp_path / "args.pth",
         "-o",

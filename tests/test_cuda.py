@@ -21,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import TINY_RUN, conv_model, rel_err
+from conftest import TINY_RUN, conv_model, rel_err, tiny_config
 from convit_convert.construct import convert_state_dict
 from convit_convert.model import VisionTransformer
 from convit_convert.spec import ConversionSpec
@@ -36,10 +36,6 @@ pytestmark = [
 
 TINY = {**TINY_RUN, "depth": 2, "workers": 0, "warmup_epochs": 1, "device": "cuda"}
 PLAIN = dict(mixup=0.0, cutmix=0.0, smoothing=0.0, drop_path=0.0, aa="none", reprob=0.0)
-
-
-def tiny(tmp_path: Path, name: str, **kw) -> TrainConfig:
-    return TrainConfig.from_flags(out=str(tmp_path / name), **{**TINY, **kw})
 
 
 def converted(dtype: torch.dtype = torch.float32):
@@ -95,10 +91,14 @@ def test_low_precision_error_is_the_formats_not_the_conversions(dtype: torch.dty
 def test_amp_training_steps_both_phases(tmp_path: Path, amp: str) -> None:
     """Phase 1, then phase 2 from its exact conversion, on CUDA under AMP: finite losses, and every
     phase moves the weights it started from."""
-    p1 = run(tiny(tmp_path, "p1", epochs=1, amp=amp))
+    p1 = run(tiny_config(tmp_path / "p1", TINY, epochs=1, amp=amp))
     assert all(torch.isfinite(torch.tensor(r["train_loss"])) for r in p1.rows)
     conv = load_file(str(p1.out / "conv.safetensors"))
-    p2 = run(tiny(tmp_path, "p2", phase="phase2", epochs=1, amp=amp, init=str(p1.out / "conv.safetensors")))
+    p2 = run(
+        tiny_config(
+            tmp_path / "p2", TINY, phase="phase2", epochs=1, amp=amp, init=str(p1.out / "conv.safetensors")
+        )
+    )
     assert all(torch.isfinite(torch.tensor(r["train_loss"])) for r in p2.rows)
     vit = load_file(str(p2.out / "vit.safetensors"))
     assert all(torch.isfinite(t).all() for t in vit.values())
@@ -113,8 +113,8 @@ def test_compile_matches_eager(tmp_path: Path, phase: str) -> None:
     compiled RNG differs by design), float32, losses within 1e-3 relative (inductor reorders sums;
     measured differences are ~1e-6)."""
     kw = dict(phase=phase, epochs=1, amp="none", **PLAIN)
-    eager = run(tiny(tmp_path, "eager", **kw))
-    compiled = run(tiny(tmp_path, "compiled", compile=True, **kw))
+    eager = run(tiny_config(tmp_path / "eager", TINY, **kw))
+    compiled = run(tiny_config(tmp_path / "compiled", TINY, compile=True, **kw))
     for a, b in zip(eager.rows, compiled.rows, strict=True):
         assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-3)
         assert b["val_loss"] == pytest.approx(a["val_loss"], rel=1e-3)
@@ -125,10 +125,10 @@ def test_resume_on_cuda_is_bit_exact(tmp_path: Path, phase: str) -> None:
     """--deterministic, bf16, depth 2 with drop path, Mixup/CutMix, RandAugment, erasing and EMA
     (the full recipe): stopped mid epoch 2 and resumed equals straight through, bit for bit."""
     kw = dict(phase=phase, epochs=3, deterministic=True, model_ema=True, model_ema_decay=0.9, drop_path=0.1)
-    straight = run(tiny(tmp_path, "a", **kw))
-    first = run(tiny(tmp_path, "b", **kw), stop_after_steps=24)  # 16 steps/epoch
+    straight = run(tiny_config(tmp_path / "a", TINY, **kw))
+    first = run(tiny_config(tmp_path / "b", TINY, **kw), stop_after_steps=24)  # 16 steps/epoch
     assert first.stopped == "limit"
-    resumed = run(tiny(tmp_path, "b", resume=True, **kw))
+    resumed = run(tiny_config(tmp_path / "b", TINY, resume=True, **kw))
     name = "conv" if phase == "phase1" else "vit"
     for suffix in ("", "-ema"):
         a = load_file(str(straight.out / f"{name}{suffix}.safetensors"))

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from conftest import ROOT
+
 README = ROOT / "README.md"
 PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
 USER_PAGES = [p for p in PAGES if p.name != "ARCHITECTURE.md"]  # ARCHITECTURE.md: for maintainers

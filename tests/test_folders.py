@@ -18,12 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import invoke, one_error_line
+from conftest import ROOT, invoke, one_error_line
 from convit_convert import notices
 from convit_convert.io import journal
 from convit_convert.io.atomic import atomic_paths
 
-ROOT = Path(__file__).resolve().parent.parent
 TINY = (
     "--data synthetic --img-size 16 --patch-size 4 --depth 1 --kernel-size 3 "
     "--batch-size 32 --workers 0 --warmup-epochs 0 --device cpu"

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+from conftest import ROOT
+
 RECORDED = ROOT / "bench" / "results" / "h100-2026-11-23"
 sys.path.insert(0, str(ROOT / "bench"))
 import gpu_suite  # noqa: E402  (a script beside the benchmarks, not a package)

@@ -42,10 +42,6 @@ VARIANTS = {
 }
 
 
-def run(*args: object):
-    return invoke([str(a) for a in args])
-
-
 def rel(out: np.ndarray | torch.Tensor, ref: np.ndarray | torch.Tensor) -> float:
     out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
     return float(np.abs(out - ref).max() / np.abs(ref).max())
@@ -126,7 +122,7 @@ def test_round_trip_of_a_cmhsa_conv_model_is_bit_exact(tmp_path: Path, exporter:
     model = conv_model(dtype=torch.float32, img_size=(8, 12), in_chans=2, hidden_chans=3, kernel_size=4)
     src = tmp_path / "conv.safetensors"
     save_checkpoint(src, model.cfg, model.state_dict())
-    r = run("export", src, "-o", tmp_path / "conv.onnx", "--exporter", exporter)
+    r = invoke("export", src, "-o", tmp_path / "conv.onnx", "--exporter", exporter)
     assert r.exit_code == 0, r.output
     back = load_checkpoint(tmp_path / "conv.onnx")
     assert back.config == model.cfg
@@ -138,7 +134,7 @@ def test_round_trip_of_a_cmhsa_conv_model_is_bit_exact(tmp_path: Path, exporter:
 def test_cli_convert_verify_inspect_export_an_onnx_conv_model(exported, tmp_path: Path) -> None:
     their, path = exported("linear_even_k", "dynamo")
     vit = tmp_path / "vit.safetensors"
-    r = run("convert", path, "-o", vit)
+    r = invoke("convert", path, "-o", vit)
     assert r.exit_code == 0, r.output
     said = " ".join(r.output.split())  # rich wraps lines at the terminal width
     assert "by its graph" in said and "onnxruntime vs the rebuilt PyTorch model" in said
@@ -146,11 +142,11 @@ def test_cli_convert_verify_inspect_export_an_onnx_conv_model(exported, tmp_path
     assert report["input"]["read_as"] == "onnx"
     check = report["input"]["onnx_import"]["onnxruntime_check"]
     assert check["passed"] and check["providers"] == ["CPUExecutionProvider"]
-    assert run("verify", path, vit).exit_code == 0
-    r = run("inspect", path)
+    assert invoke("verify", path, vit).exit_code == 0
+    r = invoke("inspect", path)
     assert r.exit_code == 0 and re.search(r"read as\W+onnx\b", r.output), r.output
     # and out again: onnxruntime on cmhsa's attention export vs their PyTorch conv model
-    r = run("export", vit, "-o", tmp_path / "vit.onnx", "--exporter", "legacy")
+    r = invoke("export", vit, "-o", tmp_path / "vit.onnx", "--exporter", "legacy")
     assert r.exit_code == 0, r.output
     session = ort.InferenceSession(str(tmp_path / "vit.onnx"), providers=["CPUExecutionProvider"])
     assert session.get_providers() == ["CPUExecutionProvider"]
@@ -185,7 +181,7 @@ def test_gemm_forms_and_a_fixed_batch(tmp_path: Path) -> None:
 def test_phase2_starts_from_a_third_party_onnx_model(tmp_path: Path) -> None:
     their = TheirConvViT(img=(16, 16), depth=1, classes=10, mlp=192)
     path = export(their, tmp_path / "their.onnx", "legacy")
-    r = run(
+    r = invoke(
         "train",
         "phase2",
         "--init",
@@ -320,9 +316,9 @@ def test_bad_onnx_files(exported, kind: str, tmp_path: Path) -> None:
     for f in (folder, outside, out_dir):
         f.mkdir()
     bad = make_bad(kind, src, folder, outside)
-    assert_bad(run("convert", bad, "-o", out_dir / "vit.safetensors"), bad, BAD[kind], out_dir)
+    assert_bad(invoke("convert", bad, "-o", out_dir / "vit.safetensors"), bad, BAD[kind], out_dir)
     if kind in ("stride", "pads", "groups"):
-        assert "node '" in run("inspect", bad).stderr  # names the Conv node
+        assert "node '" in invoke("inspect", bad).stderr  # names the Conv node
 
 
 @pytest.mark.parametrize(
@@ -337,21 +333,21 @@ def test_graphs_that_are_not_conv_phase_vits(
     exported, tmp_path, variant, exporter, opset, extra, expect
 ) -> None:
     _, path = exported(variant, exporter, opset, **extra)
-    assert_bad(run("convert", path, "-o", tmp_path / "vit.safetensors"), path, expect, tmp_path)
+    assert_bad(invoke("convert", path, "-o", tmp_path / "vit.safetensors"), path, expect, tmp_path)
 
 
 def test_attention_onnx_is_refused(fixture_path: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     out.mkdir()
-    assert run("convert", fixture_path, "-o", tmp_path / "vit.safetensors").exit_code == 0
+    assert invoke("convert", fixture_path, "-o", tmp_path / "vit.safetensors").exit_code == 0
     assert (
-        run(
+        invoke(
             "export", tmp_path / "vit.safetensors", "-o", tmp_path / "vit.onnx", "--exporter", "legacy"
         ).exit_code
         == 0
     )
     assert_bad(
-        run("convert", tmp_path / "vit.onnx", "-o", out / "x.safetensors"),
+        invoke("convert", tmp_path / "vit.onnx", "-o", out / "x.safetensors"),
         tmp_path / "vit.onnx",
         "this is an attention model (its token mixers are Softmax attention, not Conv)",
         out,
@@ -360,7 +356,7 @@ def test_attention_onnx_is_refused(fixture_path: Path, tmp_path: Path) -> None:
         ["eval", tmp_path / "vit.onnx", "--data", "digits"],
         ["verify", FIXTURE, tmp_path / "vit.onnx"],
     ):
-        r = run(*args)  # the fix named is the same whatever the command: never "convert takes ..."
+        r = invoke(*args)  # the fix named is the same whatever the command: never "convert takes ..."
         assert r.exit_code == 2 and "the .safetensors this graph was exported from" in r.stderr, r.stderr
 
 
@@ -377,7 +373,10 @@ def test_import_that_disagrees_with_onnxruntime_is_refused(exported, tmp_path: P
     monkeypatch.setattr(oi, "to_checkpoint", off_by_a_little)
     _, path = exported("identity", "legacy")
     assert_bad(
-        run("convert", path, "-o", tmp_path / "v.safetensors"), path, "disagrees with onnxruntime", tmp_path
+        invoke("convert", path, "-o", tmp_path / "v.safetensors"),
+        path,
+        "disagrees with onnxruntime",
+        tmp_path,
     )
 
 
@@ -406,7 +405,9 @@ def test_export_attention(attn_checkpoints, tmp_path: Path, sink: bool, exporter
     """Both forms against the checkpoint's PyTorch model in onnxruntime; fused is the default."""
     src = attn_checkpoints[sink]
     out = tmp_path / "vit.onnx"
-    r = run("export", src, "-o", out, "--exporter", exporter, *(["--form", form] if form != "fused" else []))
+    r = invoke(
+        "export", src, "-o", out, "--exporter", exporter, *(["--form", form] if form != "fused" else [])
+    )
     assert r.exit_code == 0, r.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["vit.onnx", "vit.onnx.report.json"]  # one file
     report = json.loads((tmp_path / "vit.onnx.report.json").read_text())
@@ -454,7 +455,7 @@ def test_export_outside_tolerance_exits_1_and_writes_no_model(
 
     monkeypatch.setattr(oe, "prepare_for_export", broken)
     out = tmp_path / "vit.onnx"
-    r = run("export", attn_checkpoints[True], "-o", out, "--exporter", "legacy", "--form", "trained")
+    r = invoke("export", attn_checkpoints[True], "-o", out, "--exporter", "legacy", "--form", "trained")
     assert r.exit_code == 1 and "FAIL" in r.output
     assert not out.exists()
     report = json.loads((tmp_path / "vit.onnx.report.json").read_text())
@@ -467,7 +468,7 @@ def test_export_bad_input(attn_checkpoints, tmp_path: Path, capfd: pytest.Captur
     out = tmp_path / "out"
     out.mkdir()
     capfd.readouterr()
-    r = run("export", src, "-o", out / "v.onnx", "--exporter", "legacy", "--opset", "99")
+    r = invoke("export", src, "-o", out / "v.onnx", "--exporter", "legacy", "--opset", "99")
     one_error_line(r, 2, "failed: Unsupported onnx_opset_version: 99")
     assert capfd.readouterr() == ("", ""), "the exporter's own dump must not reach the terminal"
     for args, expect in (
@@ -476,13 +477,13 @@ def test_export_bad_input(attn_checkpoints, tmp_path: Path, capfd: pytest.Captur
         (["--form", "onnx"], "--form must be one of fused, trained, got 'onnx'"),
         (["--device", "tpu"], "--device"),
     ):
-        r = run("export", src, "-o", out / "v.onnx", *args)
+        r = invoke("export", src, "-o", out / "v.onnx", *args)
         one_error_line(r, 2, expect)
     if "CUDAExecutionProvider" not in ort.get_available_providers():
-        r = run("export", src, "-o", out / "v.onnx", "--device", "cuda")
+        r = invoke("export", src, "-o", out / "v.onnx", "--device", "cuda")
         assert r.exit_code == 2 and "CUDAExecutionProvider" in r.stderr
-    r = run("export", tmp_path / "missing.safetensors", "-o", out / "v.onnx")
+    r = invoke("export", tmp_path / "missing.safetensors", "-o", out / "v.onnx")
     assert r.exit_code == 2 and "no such file" in r.stderr
-    r = run("export", src, "-o", tmp_path / "nowhere" / "v.onnx")
+    r = invoke("export", src, "-o", tmp_path / "nowhere" / "v.onnx")
     assert r.exit_code == 2 and "does not exist" in r.stderr
     assert not list(out.iterdir())

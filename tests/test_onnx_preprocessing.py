@@ -6,12 +6,12 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from conftest import ROOT
 from convit_convert.api import export_file
 from convit_convert.api.on_data import evaluate_checkpoint
 from convit_convert.data import build_data
 from convit_convert.settings import EvalOptions
 
-ROOT = Path(__file__).resolve().parent.parent
 FIXTURE = ROOT / "fixtures" / "conv_digits.safetensors"
 
 

@@ -1,20 +1,20 @@
 """One declaration per option: every command's flags take their defaults and ranges from the
 library's typed objects (convit_convert.settings, ConversionSpec, ExportOptions, TrainConfig), so a
-CLI default or range that differs from the library's fails here, for every command."""
+CLI default or range that differs from the library's fails here, for every command; and what the
+command line refuses (a value its parser cannot read as the flag's type, a name that is not one of
+the choices) the library refuses when the object is made."""
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
 import math
-from pathlib import Path
 from typing import Any
 
 import pytest
-import typer.main
 
+from conftest import leaf_commands
 from convit_convert.bounds import BOUNDS
-from convit_convert.cli import app
 from convit_convert.errors import CmhsaError
 from convit_convert.onnx.options import ExportOptions
 from convit_convert.settings import (
@@ -25,31 +25,17 @@ from convit_convert.settings import (
     HeadsQuery,
     PredictOptions,
     Verification,
+    VerifyOptions,
 )
 from convit_convert.spec import ConversionSpec
 from convit_convert.train.config import TrainConfig
-
-
-def _verify_files(**kwargs: Any) -> Any:
-    from convit_convert.api import verify_files
-
-    missing = Path("/nonexistent")
-    return verify_files(missing / "conv.safetensors", missing / "attn.safetensors", **kwargs)
-
-
-def _verify_keywords() -> dict[str, Any]:
-    from convit_convert.api import verify_files
-
-    params = inspect.signature(verify_files).parameters
-    return {n: params[n].default for n in ("tol", "seed")}
-
 
 # Each command, and the library objects (or callables) its options are the fields (or keywords) of,
 # first match wins; options that are the CLI's own (paths, a switch between code paths, an old
 # spelling) are listed, so a new option must be declared in the library or named here.
 LIBRARY: dict[str, tuple[Any, ...]] = {
     "convert": (ConversionSpec, Verification, Geometry, CalibrationSource),
-    "verify": (Verification, _verify_files),
+    "verify": (Verification, VerifyOptions),
     "inspect": (Geometry,),
     "heads": (HeadsQuery, CalibrationSource, ConversionSpec),
     "export": (ExportOptions,),
@@ -77,30 +63,24 @@ REQUIRED = {"data": "digits"}  # what objects with a required field are made wit
 
 
 def commands() -> list[tuple[str, Any]]:
-    root = typer.main.get_command(app)
-    out = []
-    for name, cmd in root.commands.items():
-        subs = getattr(cmd, "commands", None)
-        out += [(f"{name} {s}", c) for s, c in subs.items()] if subs else [(name, cmd)]
-    return out
+    """(name, click command) of every command, named as LIBRARY names it."""
+    return [(" ".join(path), cmd) for path, cmd in leaf_commands()]
 
 
 def fields(source: Any) -> dict[str, Any]:
     """A library source's option names and defaults (``inspect.Parameter.empty``: required)."""
     if source is TrainConfig:
         return TrainConfig.from_flags().to_dict()
-    if dataclasses.is_dataclass(source):
-        return {
-            f.name: f.default if f.default is not dataclasses.MISSING else inspect.Parameter.empty
-            for f in dataclasses.fields(source)
-        }
-    return _verify_keywords()
+    return {
+        f.name: f.default if f.default is not dataclasses.MISSING else inspect.Parameter.empty
+        for f in dataclasses.fields(source)
+    }
 
 
 def make(source: Any, name: str, value: Any) -> None:
     """Hand ``value`` for option ``name`` to the library as a user of it would."""
     if source is TrainConfig:
-        TrainConfig.from_flags(phase="phase2", **{name: value}).check_ranges()
+        TrainConfig.from_flags(phase="phase2", **{name: value})
     elif dataclasses.is_dataclass(source):
         required = {
             f.name: REQUIRED[f.name]
@@ -160,7 +140,7 @@ def test_a_commands_ranges_are_the_librarys(command: str) -> None:
     for p in cmd.params:
         bound = BOUNDS.get(p.name or "")
         owner = next((s for s in LIBRARY[command] if p.name in fields(s)), None)
-        if bound is None or owner is None or p.param_type_name != "option":
+        if bound is None or owner is None or p.param_type_name != "option" or p.name in CLI_ONLY[command]:
             continue
         integer = "int" in repr(p.type_descriptor.annotation)  # the flag's Python type, as typer read it
         scalar = not (p.nargs != 1 or p.multiple)
@@ -180,3 +160,69 @@ def test_a_commands_ranges_are_the_librarys(command: str) -> None:
         probed += 1
     expected = {"inspect": 1, "plot": 0, "eval": 4, "attention": 3}.get(command, 2)
     assert probed >= expected, (command, probed)
+
+
+def wrong_values(command: Any, param: Any) -> list[tuple[str, Any]]:
+    """What the command line refuses for ``param``, as (the text typed, the Python value a library
+    user would pass for it): the command's own parser decides which texts it refuses."""
+    if param.is_flag:  # --sink / --no-sink take no value: a library user may still pass one
+        return [("no", "no"), ("1", 1)]
+    ctx, refused = command.context_class(command), []
+    for text, value in (("2.5", 2.5), ("x", "x"), ("True", True)):
+        try:
+            param.process_value(ctx, text if param.nargs == 1 else (text,) * param.nargs)
+        except Exception:  # the parser's refusal (BadParameter): the CLI's exit 2
+            refused.append((text, value if param.nargs == 1 else (value,) * param.nargs))
+    return refused
+
+
+def choices(owner: Any, name: str) -> tuple[str, ...]:
+    """The names an option of ``owner`` must be one of (its CHOICES, under the field it is)."""
+    if owner is TrainConfig:
+        owner, name = TrainConfig.owner(name)
+    return getattr(owner, "CHOICES", {}).get(name, ())
+
+
+@pytest.mark.parametrize("command", sorted(LIBRARY))
+def test_what_a_command_refuses_the_library_refuses_when_the_object_is_made(command: str) -> None:
+    """The refusal table: every value the command line refuses for an option (by its parser: a
+    number that is no integer, text for a number, a value for a switch; by the library: a name not
+    among the choices) is refused by the library object that owns the option, when it is made, in
+    one CmhsaError naming the option, never accepted to fail later."""
+    cmd = dict(commands())[command]
+    refused = 0
+    for p in cmd.params:
+        owner = next((s for s in LIBRARY[command] if p.name in fields(s)), None)
+        if owner is None or p.param_type_name != "option" or p.name in CLI_ONLY[command]:
+            continue
+        named = bool(choices(owner, p.name)) or p.name == "device"  # a name the library checks
+        table = wrong_values(cmd, p) + [("nope", "nope")] * named
+        for text, value in table:
+            with pytest.raises(CmhsaError) as e:
+                make(owner, p.name, value)
+            assert f"`{p.name}` must be" in e.value.message, (command, p.name, text, e.value.message)
+            refused += 1
+    assert refused >= {"plot": 0, "inspect": 3}.get(command, 4), (command, refused)
+
+
+@pytest.mark.parametrize(
+    "make_it",
+    [
+        lambda: TrainConfig.from_flags(epochs=-5),
+        lambda: TrainConfig.from_flags(lr=-1),
+        lambda: TrainConfig.from_flags(batch_size=0),
+        lambda: TrainConfig.from_flags(data="nope"),
+        lambda: TrainConfig.from_flags(loader="x"),
+        lambda: TrainConfig.from_flags(amp="x"),
+        lambda: ConversionSpec(margin="40"),  # type: ignore[arg-type]
+        lambda: ConversionSpec(heads=2.5),  # type: ignore[arg-type]
+        lambda: ConversionSpec(sink="no"),  # type: ignore[arg-type]
+        lambda: Verification(batch=True),
+        lambda: Verification(batch="4"),  # type: ignore[arg-type]
+    ],
+)
+def test_the_values_the_library_once_took_are_refused(make_it: Any) -> None:
+    """Each accepted before the objects checked themselves (issue 58); ConversionSpec(sink="no")
+    reached the conversion plan."""
+    with pytest.raises(CmhsaError, match="must be"):
+        make_it()

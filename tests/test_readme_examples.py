@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from conftest import ROOT
+
 _spec = importlib.util.spec_from_file_location("readme_examples", ROOT / "docs" / "examples.py")
 examples = importlib.util.module_from_spec(_spec)  # type: ignore[arg-type]
 sys.modules["readme_examples"] = examples  # its dataclass looks its module up there

@@ -22,12 +22,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import FIXTURE, invoke, one_error_line
+from conftest import FIXTURE, ROOT, in_a_process, invoke, one_error_line
 from convit_convert.errors import CmhsaError
 from convit_convert.train.config import TrainConfig
 from convit_convert.train.run import run
 
-ROOT = Path(__file__).resolve().parent.parent
 TINY = (
     "--data synthetic --img-size 16 --patch-size 4 --depth 1 --kernel-size 3 "
     "--batch-size 32 --workers 0 --epochs 1 --warmup-epochs 0 --device cpu"
@@ -317,14 +316,7 @@ def cli_under_a_file_size_limit(limit: int, *args: object) -> subprocess.Complet
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # else the kernel kills the writer
 
-    return subprocess.run(
-        [sys.executable, "-m", "convit_convert", *map(str, args)],
-        preexec_fn=limit_writes,
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=300,
-    )
+    return in_a_process("-m", "convit_convert", *args, preexec_fn=limit_writes)
 
 
 def test_a_real_write_failure_in_convert_keeps_the_old_model_and_report(tmp_path: Path) -> None:

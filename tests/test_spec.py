@@ -24,7 +24,7 @@ CFG = ViTConfig.build(img_size=16, patch_size=4, hidden_chans=2, depth=1, mlp_ra
         ({"heads": 0}, "`heads` must be 1 ≤ x ≤ 4096, got 0"),
         ({"qk_dim": -2}, "`qk_dim` must be 1 ≤ x ≤ 65536, got -2"),
         ({"v_dim": 0}, "`v_dim` must be 1 ≤ x ≤ 1048576, got 0"),
-        ({"pinning": "soft"}, "`pinning` must be hard or gated, got 'soft'"),
+        ({"pinning": "soft"}, "`pinning` must be one of hard, gated, got 'soft'"),
         ({"rule": "best"}, "`rule` must be one of greedy, corner, got 'best'"),
         ({"margin": 0.0}, "`margin` must be 0 < x ≤ 10000, got 0"),
         ({"margin": math.inf}, "`margin` must be 0 < x ≤ 10000, got inf"),

@@ -18,14 +18,13 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from conftest import ROOT
 from convit_convert.train import run as engine
 from convit_convert.train.config import TrainConfig
 from convit_convert.train.distributed import Context
 from convit_convert.train.progress import Progress
 from convit_convert.train.run import run
 from convit_convert.train.step import TrainStep, fusable
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def _bench() -> ModuleType:

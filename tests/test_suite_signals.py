@@ -12,12 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TINY_RUN
+from conftest import ROOT, TINY_RUN
 from convit_convert.train.config import TrainConfig
 from convit_convert.train.progress import Progress
 from convit_convert.train.run import run
 
-ROOT = Path(__file__).resolve().parent.parent
 PROBE = "CMHSA_SIGNAL_PROBE"  # the folder the probe's runs write to; unset: the probe is skipped
 
 

@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import load_file
 
 import convit_convert.data as cdata
-from conftest import TINY_RUN, invoke, one_error_line
+from conftest import TINY_RUN, invoke, one_error_line, tiny_config
 from convit_convert.cli.common import as_flags
 from convit_convert.data import EpochSampler, build_data, build_loader, build_transform
 from convit_convert.errors import CheckFailed, CmhsaError
@@ -36,10 +36,6 @@ from convit_convert.train.run import run
 
 TINY = {**TINY_RUN, "workers": 0, "warmup_epochs": 1}
 PLAIN = dict(mixup=0.0, cutmix=0.0, smoothing=0.0, drop_path=0.0, aa="none", reprob=0.0)
-
-
-def tiny(tmp_path: Path, name: str = "run", **kw) -> TrainConfig:
-    return TrainConfig.from_flags(out=str(tmp_path / name), **{**TINY, **kw})
 
 
 def metrics(run_dir: Path) -> list[dict[str, float]]:
@@ -173,7 +169,7 @@ def test_sampler_batches_do_not_depend_on_world_size() -> None:
 
 
 def test_augmentation_is_seeded_per_sample_not_per_worker(tmp_path: Path) -> None:
-    cfg = tiny(tmp_path)
+    cfg = tiny_config(tmp_path / "run", TINY)
     spec = build_data("synthetic", None, (16, 16))
     tf = build_transform((16, 16), True, cfg.recipe)  # DeiT's full augmentation
     batches = []
@@ -236,10 +232,10 @@ def test_resume_mid_epoch_equals_uninterrupted(tmp_path: Path, loader: str) -> N
     (full DeiT augmentation, Mixup/CutMix, EMA and drop path on: depth 2, since one block's drop
     rate is 0; every RNG has to be restored, and the loader must not draw from drop path's)."""
     kw = dict(epochs=4, depth=2, model_ema=True, model_ema_decay=0.9, drop_path=0.1, loader=loader)
-    straight = run(tiny(tmp_path, "a", **kw))
-    first = run(tiny(tmp_path, "b", **kw), stop_after_steps=24)  # 16 steps/epoch: mid epoch 2
+    straight = run(tiny_config(tmp_path / "a", TINY, **kw))
+    first = run(tiny_config(tmp_path / "b", TINY, **kw), stop_after_steps=24)  # 16 steps/epoch: mid epoch 2
     assert first.stopped == "limit" and len(first.rows) == 1
-    resumed = run(tiny(tmp_path, "b", resume=True, **kw))
+    resumed = run(tiny_config(tmp_path / "b", TINY, resume=True, **kw))
     assert resumed.stopped is None
 
     def strip(rows: list[dict]) -> list[dict]:  # all but the timings
@@ -260,8 +256,8 @@ def test_resume_mid_epoch_equals_uninterrupted(tmp_path: Path, loader: str) -> N
 def test_workers_do_not_change_the_result(tmp_path: Path) -> None:
     """0 vs 2 data-loading workers (persistent), full recipe with drop path: the same weights."""
     kw = dict(epochs=2, depth=2, drop_path=0.1, loader="workers")
-    a = run(tiny(tmp_path, "w0", workers=0, **kw))
-    b = run(tiny(tmp_path, "w2", workers=2, **kw))
+    a = run(tiny_config(tmp_path / "w0", TINY, workers=0, **kw))
+    b = run(tiny_config(tmp_path / "w2", TINY, workers=2, **kw))
     wa, wb = (load_file(str(r.out / "conv.safetensors")) for r in (a, b))
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
@@ -269,25 +265,25 @@ def test_workers_do_not_change_the_result(tmp_path: Path) -> None:
 def test_resume_extends_a_finished_run_with_a_rebuilt_schedule(tmp_path: Path) -> None:
     """--resume with a larger --epochs continues a finished run; the cosine schedule is rebuilt for
     the new total, so epochs 3-4 get the learning rates of a run planned for 4 epochs."""
-    planned = run(tiny(tmp_path, "planned", epochs=4, **PLAIN))
-    run(tiny(tmp_path, "grown", epochs=2, **PLAIN))
+    planned = run(tiny_config(tmp_path / "planned", TINY, epochs=4, **PLAIN))
+    run(tiny_config(tmp_path / "grown", TINY, epochs=2, **PLAIN))
     log = io.StringIO()
     grown = run(
-        tiny(tmp_path, "grown", epochs=4, resume=True, **PLAIN),
+        tiny_config(tmp_path / "grown", TINY, epochs=4, resume=True, **PLAIN),
         progress=Progress(lambda m: print(m, file=log)),
     )
     assert [r["epoch"] for r in grown.rows] == [1, 2, 3, 4]
     assert [r["lr"] for r in grown.rows[2:]] == pytest.approx([r["lr"] for r in planned.rows[2:]], rel=1e-12)
     assert "extending the run from 2 to 4 epochs" in log.getvalue(), log.getvalue()
     with pytest.raises(CmhsaError, match="already trained 4 epochs"):
-        run(tiny(tmp_path, "grown", epochs=3, resume=True, **PLAIN))
+        run(tiny_config(tmp_path / "grown", TINY, epochs=3, resume=True, **PLAIN))
 
 
 def test_resume_with_a_new_lr_uses_it_and_says_so(tmp_path: Path) -> None:
-    run(tiny(tmp_path, epochs=3, **PLAIN), stop_after_steps=20)
+    run(tiny_config(tmp_path / "run", TINY, epochs=3, **PLAIN), stop_after_steps=20)
     log = io.StringIO()
     res = run(
-        tiny(tmp_path, epochs=3, resume=True, **{**PLAIN, "lr": 1e-3}),
+        tiny_config(tmp_path / "run", TINY, epochs=3, resume=True, **{**PLAIN, "lr": 1e-3}),
         progress=Progress(lambda m: print(m, file=log)),
     )
     said = " ".join(log.getvalue().split())
@@ -305,7 +301,7 @@ def test_default_workers_follow_the_machine(tmp_path: Path, monkeypatch) -> None
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)))
     assert cdata.default_workers() == 4
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
-    cfg = tiny(tmp_path, epochs=1, **PLAIN).replace(workers=None)
+    cfg = tiny_config(tmp_path / "run", TINY, epochs=1, **PLAIN).replace(workers=None)
     run(cfg)
     assert (
         cfg.runtime.workers is None and cfg.runtime.threads is None
@@ -315,13 +311,13 @@ def test_default_workers_follow_the_machine(tmp_path: Path, monkeypatch) -> None
 
 
 def test_keep_and_existing_run_guard(tmp_path: Path) -> None:
-    run(tiny(tmp_path, epochs=3, keep=2, **PLAIN))
+    run(tiny_config(tmp_path / "run", TINY, epochs=3, keep=2, **PLAIN))
     names = sorted(p.name for p in (tmp_path / "run").glob("checkpoint-*.pt"))
     assert names == ["checkpoint-epoch0002.pt", "checkpoint-epoch0003.pt", "checkpoint-last.pt"]
     with pytest.raises(CmhsaError, match="pass `resume`"):
-        run(tiny(tmp_path, epochs=3, **PLAIN))
+        run(tiny_config(tmp_path / "run", TINY, epochs=3, **PLAIN))
     with pytest.raises(CmhsaError, match="no checkpoint to resume"):
-        run(tiny(tmp_path, "fresh", resume=True))
+        run(tiny_config(tmp_path / "fresh", TINY, resume=True))
 
 
 def hook_loss(monkeypatch, hook) -> None:
@@ -344,7 +340,7 @@ def hook_loss(monkeypatch, hook) -> None:
 def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path: Path, monkeypatch) -> None:
     hook_loss(monkeypatch, lambda n, loss: loss * math.nan if n == 20 else loss)  # epoch 2, step 4
     with pytest.raises(CheckFailed, match=r"non-finite loss .* epoch 2, step 4") as info:
-        run(tiny(tmp_path, epochs=3, **PLAIN))
+        run(tiny_config(tmp_path / "run", TINY, epochs=3, **PLAIN))
     assert str(tmp_path / "run" / "checkpoint-last.pt") in str(info.value)
     assert "`resume` and a lower `lr`" in str(info.value)  # advice that --resume now honours
     state = torch.load(tmp_path / "run" / "checkpoint-last.pt", weights_only=True)
@@ -355,7 +351,7 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path: Path, mo
 def test_non_finite_loss_in_the_first_epoch_names_no_checkpoint(tmp_path: Path, monkeypatch) -> None:
     hook_loss(monkeypatch, lambda n, loss: loss * math.nan if n == 3 else loss)
     with pytest.raises(CheckFailed, match="no checkpoint was saved yet") as info:
-        run(tiny(tmp_path, epochs=2, **PLAIN))
+        run(tiny_config(tmp_path / "run", TINY, epochs=2, **PLAIN))
     assert "checkpoint-last.pt" not in str(info.value)
     assert not (tmp_path / "run" / "checkpoint-last.pt").exists()
 
@@ -369,7 +365,7 @@ def test_sigterm_finishes_the_step_saves_and_stops(tmp_path: Path, monkeypatch) 
 
     hook_loss(monkeypatch, sigterm_at_3)
     before = signal.getsignal(signal.SIGTERM)
-    res = run(tiny(tmp_path, epochs=2, **PLAIN))
+    res = run(tiny_config(tmp_path / "run", TINY, epochs=2, **PLAIN))
     assert res.stopped == "SIGTERM"
     state = torch.load(tmp_path / "run" / "checkpoint-last.pt", weights_only=True)
     assert (state["epoch"], state["step"], state["global_step"]) == (0, 3, 3)
@@ -602,7 +598,7 @@ def test_one_image_size_the_models(tmp_path: Path, monkeypatch) -> None:
     resized by the transforms)."""
     import convit_convert.data as data
 
-    p1 = run(tiny(tmp_path, "p1", epochs=1, **PLAIN))
+    p1 = run(tiny_config(tmp_path / "p1", TINY, epochs=1, **PLAIN))
     made = []
     synthetic = data.synthetic
     monkeypatch.setattr(
@@ -624,7 +620,7 @@ def test_export_onnx_exports_the_trained_model_from_memory(tmp_path: Path) -> No
 
     from convit_convert.api import load_checkpoint
 
-    res = run(tiny(tmp_path, epochs=1, export_onnx=True, **PLAIN))
+    res = run(tiny_config(tmp_path / "run", TINY, epochs=1, export_onnx=True, **PLAIN))
     assert res.export is not None and res.export.passed
     onnx_path = res.model_path.with_suffix(".onnx")
     sess = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
@@ -648,7 +644,8 @@ def test_export_timm_writes_the_trained_model_as_a_timm_folder(tmp_path: Path) -
 
     lines = []
     res = run(
-        tiny(tmp_path, epochs=1, export_timm=True, crop_pct=1.0, **PLAIN), progress=Progress(lines.append)
+        tiny_config(tmp_path / "run", TINY, epochs=1, export_timm=True, crop_pct=1.0, **PLAIN),
+        progress=Progress(lines.append),
     )
     assert [ln for ln in lines if "exported preprocessing" in ln] == [
         "note: the exported preprocessing is cmhsa eval's (bicubic, crop 0.875), not this run's "
@@ -660,7 +657,7 @@ def test_export_timm_writes_the_trained_model_as_a_timm_folder(tmp_path: Path) -
     with torch.no_grad():
         # the same weights in the same model, both float32 on the CPU: equal, not close
         assert torch.equal(loaded(x), load_checkpoint(res.model_path).model(torch.float32).eval()(x))
-    run(tiny(tmp_path, epochs=1, seed=1, overwrite=True, **PLAIN))
+    run(tiny_config(tmp_path / "run", TINY, epochs=1, seed=1, overwrite=True, **PLAIN))
     assert not (res.out / "timm").exists()  # its files removed, and the folder they left empty
 
 

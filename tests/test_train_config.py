@@ -129,7 +129,7 @@ def test_pinning_default_follows_the_start(phase: str, init: str, pinning: str) 
 
 
 def test_a_bad_conversion_flag_is_one_line() -> None:
-    with pytest.raises(CmhsaError, match="`pinning` must be hard or gated, got 'soft'"):
+    with pytest.raises(CmhsaError, match="`pinning` must be one of hard, gated, got 'soft'"):
         TrainConfig.from_flags(pinning="soft")
     with pytest.raises(CmhsaError, match="`heads` must be 1 ≤ x ≤ 4096, got 0"):
         TrainConfig.from_flags(heads=0)

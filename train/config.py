@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import types
-import typing
 from dataclasses import dataclass, field
-from typing import Any, Literal, Union
+from typing import Any, ClassVar
 
-from ..bounds import check
-from ..defaults import EVAL_CROP_PCT, EVAL_INTERPOLATION
+from ..defaults import CONV_FORMS, DATASETS, EVAL_CROP_PCT, EVAL_INTERPOLATION, IMPULSE_OFFSETS
 from ..errors import CmhsaError
+from ..settings import AMPS, Checked
 from ..spec import ConversionSpec
 
 LOADERS = ("auto", "device", "workers")
@@ -78,8 +76,11 @@ DEFAULT_RULES = {
 
 
 @dataclass(frozen=True)
-class DataConfig:
+class DataConfig(Checked):
     """What the run trains and evaluates on."""
+
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"name": DATASETS, "loader": LOADERS}
+    FLAGS: ClassVar[dict[str, str]] = {"name": "data", "dir": "data_dir"}
 
     name: str = "cifar100"  # flag: data
     dir: str | None = None  # flag: data_dir
@@ -96,7 +97,7 @@ class DataConfig:
 
 
 @dataclass(frozen=True)
-class ModelFlags:
+class ModelFlags(Checked):
     """The model as the flags describe it (the paper's CMHSA-5); phase 2 from a checkpoint takes the
     checkpoint's, and these must agree with it where typed."""
 
@@ -112,10 +113,12 @@ class ModelFlags:
 
 
 @dataclass(frozen=True)
-class StartConfig:
+class StartConfig(Checked):
     """Where phase 2's weights come from: a conv checkpoint, an attn checkpoint, "random", or a start
     built without a checkpoint: "impulse" (the default: the best-measured start without a checkpoint,
     at the plateau and at 120 epochs, EXPERIMENTS.md "Which start?") or "mimetic"."""
+
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"impulse_offsets": IMPULSE_OFFSETS}
 
     init: str = "impulse"
     mimetic_alpha: float = 0.7  # init mimetic: W_Q,hᵀ W_K,h = α(Z + I); Trockman & Kolter's α₁ = β₁
@@ -124,8 +127,12 @@ class StartConfig:
 
 
 @dataclass(frozen=True)
-class RecipeConfig:
-    """Optimisation, augmentation and regularisation (DeiT / the paper)."""
+class RecipeConfig(Checked):
+    """Optimisation, augmentation and regularisation (DeiT / the paper). The names timm reads
+    (``opt``, ``sched``, ``aa``, ``remode``, ``interpolation``) are checked against timm's own
+    registries and parsers when a run starts (recipe.check_recipe), not here: no timm import."""
+
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"amp": AMPS}
 
     epochs: int = 200
     batch_size: int = 128  # per process
@@ -161,10 +168,17 @@ class RecipeConfig:
     model_ema_decay: float = 0.99996
     amp: str = "auto"  # auto = bf16 on CUDA, none on CPU
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.scale[0] > self.scale[1]:
+            raise CmhsaError(f"`scale` must be min <= max, got {self.scale[0]} {self.scale[1]}")
+
 
 @dataclass(frozen=True)
-class RuntimeConfig:
+class RuntimeConfig(Checked):
     """How the run executes, not what it computes: a resumed run may change any of these."""
+
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"conv_form": CONV_FORMS}
 
     out: str = "runs/run"
     device: str = "auto"
@@ -183,7 +197,7 @@ class RuntimeConfig:
 
 # The flat flags (config.json's keys, in its order) -> (group, field); None: a field of TrainConfig.
 # The conversion's flags are ConversionSpec's fields; its seed is the run's.
-_GROUPED = {
+GROUPS = {
     "data": DataConfig,
     "model": ModelFlags,
     "start": StartConfig,
@@ -226,11 +240,18 @@ def starts_from_checkpoint(phase: str, init: str) -> bool:
     return phase == "phase2" and init not in ("random", *INIT_STARTS)
 
 
+PHASES = ("phase1", "phase2")
+
+
 @dataclass(frozen=True)
-class TrainConfig:
+class TrainConfig(Checked):
     """One training run. Build it with :meth:`from_flags` (what the CLI, the experiments and the
     tests do): it resolves the defaults that depend on other flags (the pinning). Frozen: a run
-    resolves its own defaults into a copy (:meth:`replace`), never into the caller's config."""
+    resolves its own defaults into a copy (:meth:`replace`), never into the caller's config. Every
+    group is checked when made, as the CLI checks the flags (types, ranges, choices): a refusal is
+    one CmhsaError naming the flag."""
+
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"phase": PHASES, "preset": tuple(PRESETS)}
 
     phase: str = "phase1"  # "phase1" (ConvViT) or "phase2" (attention ViT)
     preset: str = "paper"  # the defaults of the flags not given (PRESETS), and of the learning rate
@@ -248,6 +269,7 @@ class TrainConfig:
     given: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.conversion.seed != self.seed:  # one seed: the run's
             object.__setattr__(self, "conversion", self.conversion.replace(seed=self.seed))
 
@@ -267,21 +289,24 @@ class TrainConfig:
             flags["warmup_epochs"] = (
                 int(epochs * WARMUP_FRACTION[preset]) if isinstance(epochs, int) else epochs
             )
-        groups: dict[str, dict[str, Any]] = {g: {} for g in (*_GROUPED, "conversion")}
+        groups: dict[str, dict[str, Any]] = {g: {} for g in (*GROUPS, "conversion")}
         top: dict[str, Any] = {}
         for name, value in flags.items():
             group, attr = FLAGS[name]
-            if name in ("opt_betas", "scale") and value is not None:
+            if name in ("opt_betas", "scale") and isinstance(value, list):  # as JSON saves a tuple
                 value = tuple(value)
-            if name == "given":
+            if name == "given" and isinstance(value, (list, tuple, set)):
                 value = frozenset(value)
             (top if group is None else groups[group])[attr] = value
-        made = {g: kind(**groups[g]) for g, kind in _GROUPED.items()}
+        made = {g: kind(**groups[g]) for g, kind in GROUPS.items()}
         phase, init = top.get("phase", "phase1"), made["start"].init
         if groups["conversion"].get("pinning") is None:  # gated where attention starts pinned and should move
             from_ckpt = starts_from_checkpoint(phase, init)
             groups["conversion"]["pinning"] = "gated" if from_ckpt or init == "impulse" else "hard"
-        conversion = ConversionSpec(seed=top.get("seed", 0), **groups["conversion"])
+        try:
+            conversion = ConversionSpec(seed=top.get("seed", 0), **groups["conversion"])
+        except CmhsaError as e:  # the spec's `tol` is the run's `verify_tol`
+            raise CmhsaError(e.message.replace("`tol`", "`verify_tol`")) from None
         return cls(**top, **made, conversion=conversion)
 
     def replace(self, **flags: Any) -> TrainConfig:
@@ -305,6 +330,12 @@ class TrainConfig:
             return self.recipe.lr
         scratch, after_checkpoint = PEAK_LR[self.preset]
         return after_checkpoint if self.from_checkpoint else scratch
+
+    @staticmethod
+    def owner(name: str) -> tuple[type, str]:
+        """The object that holds the flat flag ``name`` (a group, the spec, TrainConfig) and its field."""
+        group, attr = FLAGS[name]
+        return {None: TrainConfig, "conversion": ConversionSpec}.get(group) or GROUPS[group], attr  # type: ignore[return-value]
 
     def flag(self, name: str) -> Any:
         """The value of the flat flag ``name``."""
@@ -331,50 +362,9 @@ class TrainConfig:
             ]  # saved before presets: phase 2's default was 5e-5 from any start
         return cls.from_flags(**flags)
 
-    def check_values(self, path: object = None) -> None:
-        """Every flag's value of its field's type and within its range (bounds.BOUNDS), as the CLI
-        holds typed flags: for a config read back from a file (a resumed run's), which no parser saw."""
-        for name in FLAGS:
-            if name in ("given", "out"):
-                continue
-            group, attr = FLAGS[name]
-            owner = {None: TrainConfig, "conversion": ConversionSpec}.get(group) or _GROUPED[group]  # type: ignore[index]
-            value = self.flag(name)
-            if not _fits(value, typing.get_type_hints(owner)[attr]):
-                raise CmhsaError(f"config: `{name}` is {value!r}, not a value it can take", path)
-        self.check_ranges(path)
-
-    def check_ranges(self, path: object = None) -> None:
-        """Every flag's number within its range (bounds.BOUNDS: the table the CLI checks and shows)."""
-        for name in FLAGS:
-            if name not in ("given", "out"):
-                check(name, self.flag(name), path)
-
     def training_differences(self, other: TrainConfig) -> list[str]:
         """Flags ``other`` sets differently that would change what a resumed run computes (only
         those in ``other.given``, when it says which)."""
         a, b = self.to_dict(), other.to_dict()
         names = [k for k in a if k not in RUNTIME_FIELDS and a[k] != b[k]]
         return [k for k in names if k in other.given] if other.given else names
-
-
-def _fits(value: Any, hint: Any) -> bool:
-    """Whether ``value`` is of the type ``hint`` names (bool is no int; an int is a float)."""
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (Union, types.UnionType):
-        return any(_fits(value, a) for a in args)
-    if origin is Literal:
-        return value in args
-    if hint is type(None):
-        return value is None
-    if hint is bool:
-        return isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if hint is float:
-        return isinstance(value, int | float) and not isinstance(value, bool)
-    if origin is tuple:
-        return isinstance(value, tuple) and len(value) == len(args) and all(map(_fits, value, args))
-    if origin is not None:
-        return isinstance(value, origin)
-    return not isinstance(hint, type) or isinstance(value, hint)

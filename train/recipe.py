@@ -8,13 +8,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..conv_mixer import CONV_FORMS
 from ..data import build_transform
 from ..errors import CmhsaError
 from ..model import ATTENTION_PARAMS
 from ..starts import check_start
 from .augment import check_aa_numbers, check_supported
-from .config import INIT_STARTS, LOADERS, TrainConfig
+from .config import INIT_STARTS, TrainConfig
 from .step import fusable
 
 
@@ -26,18 +25,11 @@ def scaled_lrs(cfg: TrainConfig, world: int) -> tuple[float, float, float]:
 
 def check_recipe(cfg: TrainConfig) -> None:
     """Every recipe flag against what timm actually accepts (its optimizer registry, scheduler
-    factory and transform parsers) and the numbers against their ranges, before anything is read or
+    factory and transform parsers), before anything is read or
     created: bad input is one line (CmhsaError) naming the flag."""
     from timm.optim import get_optimizer_info, list_optimizers
 
-    r = cfg.recipe
-    cfg.check_ranges()  # every number against bounds.BOUNDS, the CLI's table
-    if r.scale[0] > r.scale[1]:
-        raise CmhsaError(f"`scale` must be min <= max, got {r.scale[0]} {r.scale[1]}")
-    if cfg.data.loader not in LOADERS:
-        raise CmhsaError(f"`loader` must be one of {', '.join(LOADERS)}, got {cfg.data.loader!r}")
-    if cfg.runtime.conv_form not in CONV_FORMS:
-        raise CmhsaError(f"`conv_form` must be one of {', '.join(CONV_FORMS)}, got {cfg.runtime.conv_form!r}")
+    r = cfg.recipe  # its types, ranges and fixed choices were checked when cfg was made
     check_aa_numbers(r.aa)
     if cfg.data.loader == "device":
         check_supported(r.aa, r.interpolation, r.remode)

@@ -16,10 +16,10 @@ import json
 import os
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
@@ -88,7 +88,11 @@ class RunResult:
 
 
 class StopRequest:
-    """SIGINT/SIGTERM set a flag the loop reads after each step; a second Ctrl-C aborts at once."""
+    """SIGINT/SIGTERM set a flag the loop reads after each step; a second Ctrl-C aborts at once.
+    ``also``, when set, is called after a signal is noted (a test session ends itself there on a
+    signal from outside, which a run would otherwise take as its own stop)."""
+
+    also: ClassVar[Callable[[int], None] | None] = None
 
     def __init__(self) -> None:
         self.signal: str | None = None
@@ -99,6 +103,8 @@ class StopRequest:
         if self.signal is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self.signal = signal.Signals(signum).name
+        if StopRequest.also is not None:
+            StopRequest.also(signum)
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[StopRequest]:
@@ -172,9 +178,8 @@ def resumed_config(cfg: TrainConfig, saved: dict[str, Any], out: Path, log: Any)
     try:
         # how this invocation runs (threads, workers, device, loader...) is this machine's choice:
         # only what defines the run is held to the saved one
-        old = TrainConfig.from_dict(saved["config"])
-        old = old.replace(**{name: cfg.flag(name) for name in RUNTIME_FIELDS})
-        old.check_values(out / LAST)
+        here = {name: cfg.flag(name) for name in RUNTIME_FIELDS}
+        old = TrainConfig.from_dict({**saved["config"], **here})  # checked as made, as the flags are
         check_recipe(old)
         ViTConfig.from_dict(saved["model_config"], saved["kind"], out / LAST)
     except (TypeError, ValueError) as e:

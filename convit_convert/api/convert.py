@@ -92,8 +92,9 @@ def convert_checkpoint(
     calibration: CalibrationSource | Calibration | None = None,
 ) -> Conversion:
     """Convert a conv checkpoint as ``spec`` says (default: the paper's construction) and, unless
-    ``verify`` is False, verify it against the conv model as ``verification`` says (default: 4
-    random float32 images, on the CPU): every relative error must be <= ``spec.tol``.
+    ``verify`` is False, verify it against the conv model as ``verification`` says (default:
+    ``Verification()``: 4 random float32 images, on CUDA when there is one): every relative
+    error must be <= ``spec.tol``.
 
     An approximate spec (``approximate`` with ``heads`` below what the kernel needs) keeps the
     ``heads`` offsets chosen by ``spec.rule`` and refits their W^O on ``calibration``'s images
@@ -106,7 +107,7 @@ def convert_checkpoint(
         raise CmhsaError(
             f"is {article(ckpt.kind)} checkpoint already; convert takes a conv-phase one", ckpt.path
         )
-    v = verification or Verification(device="cpu")
+    v = verification or Verification()
     batch, dtype, device = v.batch, resolve_dtype(v.dtype), resolve_device(v.device) if verify else "cpu"
     t = time.perf_counter()
     src = ckpt.config

@@ -8,14 +8,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..bounds import check
 from ..errors import CmhsaError, article
 from ..io.atomic import check_writable
 from ..io.checkpoint import Checkpoint
 from ..io.report import environment, file_facts, write_report
 from ..resources import check_fits
-from ..settings import VERIFY_SEED, Verification
-from ..spec import DEFAULT_TOL
+from ..settings import Verification, VerifyOptions
 from ..verify import VerifyResult, verify_models
 from .common import load_checkpoint, resolve_device, resolve_dtype, same_file
 
@@ -48,16 +46,14 @@ def verify_files(
     conv: Path,
     attn: Path,
     *,
-    tol: float = DEFAULT_TOL,
-    seed: int = VERIFY_SEED,
+    options: VerifyOptions | None = None,
     verification: Verification | None = None,
     report: Path | None = None,
 ) -> VerifyReport:
     """``cmhsa verify``: does the attn checkpoint compute what the conv checkpoint computes, within
-    ``tol`` on random images drawn from ``seed``, checked as ``verification`` says?"""
-    check("tol", tol)
-    check("seed", seed)
-    v = verification or Verification()
+    ``options.tol`` on random images drawn from ``options.seed``, checked as ``verification`` says?"""
+    o, v = options or VerifyOptions(), verification or Verification()
+    tol, seed = o.tol, o.seed
     verify_dtype, verify_device = resolve_dtype(v.dtype), resolve_device(v.device)
     batch = v.batch
     if report is not None:

@@ -12,8 +12,8 @@ from rich.table import Table
 
 from ..errors import CmhsaError
 from ..io.model_card import SHOWN_CLASSES
-from ..settings import VERIFY_SEED, CalibrationSource, Geometry, HeadsQuery, Verification
-from ..spec import DEFAULT_TOL, ConversionSpec
+from ..settings import CalibrationSource, Geometry, HeadsQuery, Verification, VerifyOptions
+from ..spec import ConversionSpec
 from .common import (
     EXIT_FAIL,
     console,
@@ -26,7 +26,20 @@ from .common import (
     print_written,
     safe,
 )
-from .options import alias_option, calibration_options, device_option, output_option, use_alias
+from .options import (
+    Heads,
+    Margin,
+    Pinning,
+    QkDim,
+    QkInitStd,
+    Sink,
+    Tol,
+    alias_option,
+    calibration_options,
+    device_option,
+    output_option,
+    use_alias,
+)
 
 if TYPE_CHECKING:
     from ..approximate import Approximation
@@ -34,9 +47,8 @@ if TYPE_CHECKING:
 app = typer.Typer()
 # the flags' defaults: the library's objects', each stated there once (tests/test_options.py)
 SPEC, GEOMETRY, VERIFICATION, CALIBRATION = ConversionSpec(), Geometry(), Verification(), CalibrationSource()
-HEADS = HeadsQuery()
+HEADS, VERIFY = HeadsQuery(), VerifyOptions()
 APPROXIMATE_CALIB, SWEEP_CALIB = calibration_options("--approximate"), calibration_options("--checkpoint")
-VERIFY_TOL = DEFAULT_TOL  # api.verify_files' keyword (torch: not imported to read it)
 
 
 @app.command()
@@ -50,55 +62,13 @@ def convert(
         ),
     ],
     output: Annotated[Path, output_option("Attention checkpoint to write (.safetensors).")],
-    heads: Annotated[
-        int | None,
-        typer.Option(
-            help="Attention heads (default: as many as the kernel needs); extra heads are "
-            "free, trainable heads with zero output weights."
-        ),
-    ] = None,
-    qk_dim: Annotated[
-        int | None,
-        typer.Option(
-            help="Per-head query/key width (default: embed_dim, the paper's). Exactness "
-            "does not depend on it."
-        ),
-    ] = None,
-    pinning: Annotated[
-        str,
-        typer.Option(
-            help="hard: the exact construction, attention fixed; gated: each head also "
-            "gets content attention behind a gate that starts at 0 (still exact)."
-        ),
-    ] = SPEC.pinning,
-    sink: Annotated[
-        bool,
-        typer.Option(
-            "--sink/--no-sink",
-            help="Give each head a sink so border patches are exact. --no-sink: the "
-            "paper's construction (inexact at the border).",
-        ),
-    ] = SPEC.sink,
-    qk_init_std: Annotated[
-        float,
-        typer.Option(
-            help="Std of a small random W_Q, W_K (0 = the paper's zeros); moves phase 2 "
-            "off the W_Q = W_K = 0 saddle and stays exact."
-        ),
-    ] = SPEC.qk_init_std,
-    margin: Annotated[
-        float,
-        typer.Option(
-            help="Logit margin: each pinned head attends to its patch to within e^-margin "
-            "(the paper's M = 40)."
-        ),
-    ] = SPEC.margin,
-    tol: Annotated[
-        float,
-        typer.Option(
-            help="Largest relative error verification accepts (and, for ONNX input, the import check)."
-        ),
-    ] = SPEC.tol,
+    heads: Heads = SPEC.heads,
+    qk_dim: QkDim = SPEC.qk_dim,
+    pinning: Pinning = SPEC.pinning,
+    sink: Sink = SPEC.sink,
+    qk_init_std: QkInitStd = SPEC.qk_init_std,
+    margin: Margin = SPEC.margin,
+    tol: Tol = SPEC.tol,
     verify: Annotated[
         bool, typer.Option("--verify/--no-verify", help="Check the result numerically before writing it.")
     ] = True,
@@ -256,12 +226,12 @@ def print_approximation(a: Approximation) -> None:
 def verify_cmd(
     conv: Annotated[Path, path_arg("Conv-phase checkpoint (.safetensors or .onnx).")],
     attn: Annotated[Path, path_arg("Attention checkpoint.")],
-    tol: Annotated[float, typer.Option(help="Largest relative error accepted.")] = VERIFY_TOL,
+    tol: Annotated[float, typer.Option(help="Largest relative error accepted.")] = VERIFY.tol,
     dtype: Annotated[str, typer.Option(help="float32 or float64.")] = VERIFICATION.dtype,
     batch: Annotated[int, typer.Option(help="Random images per check.")] = VERIFICATION.batch,
     seed: Annotated[
         int, typer.Option(help="Seed for the random images (convert checks on seed 0's: these are others).")
-    ] = VERIFY_SEED,
+    ] = VERIFY.seed,
     report: Annotated[Path | None, path_opt("Write a JSON report here.")] = None,
     device: Annotated[str, device_option()] = VERIFICATION.device,
 ) -> None:
@@ -270,7 +240,11 @@ def verify_cmd(
 
     with console.status(f"Verifying on {batch} random images ({dtype})..."):
         r = verify_files(
-            conv, attn, tol=tol, seed=seed, verification=Verification(dtype, batch, device), report=report
+            conv,
+            attn,
+            options=VerifyOptions(tol, seed),
+            verification=Verification(dtype, batch, device),
+            report=report,
         )
     print_import(r.conv)
     print_verification(r.result, f"{safe(str(attn))} vs {safe(str(conv))}")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 import weakref
-from typing import Any
+from typing import Annotated, Any, Optional
 
 import typer
 
@@ -23,6 +23,32 @@ WORKERS_HELP = (
 DATA_HELP = (
     "Dataset: " + ", ".join(f"{d} ({DATASET_NOTES[d]})" if d in DATASET_NOTES else d for d in DATASETS) + "."
 )
+
+
+# The conversion's choices (ConversionSpec's fields), each help text written once: `cmhsa convert`
+# declares them through the aliases below, `cmhsa train phase2` reads the same texts (its Flag rows)
+CONVERSION_HELP = {
+    "heads": "Attention heads (default: as many as the kernel's offsets, Theorem 1); extra heads are "
+    "free, trainable heads that start with zero output weights.",
+    "qk_dim": "Per-head query/key width (default: embed_dim, the paper's); exactness does not depend on it.",
+    "sink": "A sink per head, so border patches are exact; --no-sink: the paper's construction "
+    "(inexact at the border).",
+    "pinning": "hard: the exact construction, attention fixed by a saturated bias; gated: each head also "
+    "gets content attention behind a gate that starts at 0 (still exact).",
+    "qk_init_std": "Std of a small random W_Q, W_K at conversion (0: the paper's zeros, where their "
+    "gradients vanish); still exact.",
+    "margin": "Logit margin: each pinned head attends to its patch to within e^-margin (the paper's "
+    "M = 40); smaller is softer and less exact.",
+    "tol": "Largest relative error the conversion's verification accepts (and, for ONNX input, the "
+    "import check).",
+}
+Heads = Annotated[Optional[int], typer.Option(help=CONVERSION_HELP["heads"])]  # noqa: UP045
+QkDim = Annotated[Optional[int], typer.Option(help=CONVERSION_HELP["qk_dim"])]  # noqa: UP045
+Sink = Annotated[bool, typer.Option("--sink/--no-sink", help=CONVERSION_HELP["sink"])]
+Pinning = Annotated[str, typer.Option(help=CONVERSION_HELP["pinning"])]
+QkInitStd = Annotated[float, typer.Option(help=CONVERSION_HELP["qk_init_std"])]
+Margin = Annotated[float, typer.Option(help=CONVERSION_HELP["margin"])]
+Tol = Annotated[float, typer.Option(help=CONVERSION_HELP["tol"])]
 
 
 def output_option(help: str) -> Any:

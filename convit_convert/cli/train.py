@@ -20,9 +20,10 @@ import typer
 from ..errors import CmhsaError
 from ..io.folder import make_folder, remove_made
 from ..settings import AMPS, AttentionOptions, EvalOptions
-from ..train.config import DEFAULT_RULES, TrainConfig
+from ..train.config import DEFAULT_RULES, PEAK_LR, PRESETS, WARMUP_FRACTION, ModelFlags, TrainConfig
 from .common import EXIT_FAIL, console, print_titled, safe
 from .options import (
+    CONVERSION_HELP,
     DATA_DIR_HELP,
     DATA_HELP,
     DEVICE_HELP,
@@ -52,6 +53,23 @@ class Flag(NamedTuple):
     panel: str
     help: str
     phases: tuple[str, ...] = ("phase1", "phase2")
+
+
+def preset_help() -> str:
+    """--preset's help, written from the presets themselves (train/config.py's PRESETS)."""
+
+    def flags(values: dict[str, Any]) -> str:
+        shown = {k: " ".join(map(str, v)) if isinstance(v, tuple) else v for k, v in values.items()}
+        return ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in shown.items())
+
+    model = {k: getattr(ModelFlags, k) for k in PRESETS["cpu"] if hasattr(ModelFlags, k)}
+    scratch, from_checkpoint = PEAK_LR["cpu"]
+    return (
+        f"The value of every flag not given. paper: the paper's model and recipe ({flags(model)}, "
+        f"DeiT's augmentation). cpu: the EXPERIMENTS.md model and recipe, sized for a few CPU cores: "
+        f"{flags(PRESETS['cpu'])}, --warmup-epochs {WARMUP_FRACTION['cpu']:g} x --epochs, --lr "
+        f"{scratch:g} ({from_checkpoint:g} from a checkpoint)."
+    )
 
 
 FLAGS: list[Flag] = [
@@ -92,17 +110,7 @@ FLAGS: list[Flag] = [
         "when the data fits (2 GiB decoded, one image size) and the augmentation "
         "is one it runs.",
     ),
-    Flag(
-        "preset",
-        str,
-        MODEL,
-        "The value of every flag not given. paper: the paper's model and recipe "
-        "(224 px, P 16, d 768, 6 blocks, DeiT's augmentation). cpu: the "
-        "EXPERIMENTS.md model and recipe, sized for a few CPU cores: 28 px, P 4, "
-        "d 48, 2 blocks, K 5, batch 64 with --lr-base-batch 64, no RandAugment, "
-        "Mixup, CutMix or erasing, warm-up a tenth of --epochs, workers 0, "
-        "learning rate 2e-3 (2e-4 from a checkpoint).",
-    ),
+    Flag("preset", str, MODEL, preset_help()),
     Flag("img_size", int, MODEL, "Image size (the data is resized to it)."),
     Flag("in_chans", int, MODEL, "Image channels: 3 (RGB) or 1 (grayscale); every image is converted to it."),
     Flag("patch_size", int, MODEL, "Patch size P."),
@@ -150,31 +158,10 @@ FLAGS: list[Flag] = [
         "offset) or random (each head an offset drawn from the window).",
         phases=("phase2",),
     ),
-    Flag(
-        "heads",
-        int,
-        PHASE2,
-        "Attention heads (default: as many as the conversion needs); extra heads "
-        "are free, trainable heads that start with zero output weights.",
-        phases=("phase2",),
-    ),
-    Flag("qk_dim", int, PHASE2, "Per-head query/key width (default: embed_dim).", phases=("phase2",)),
-    Flag(
-        "sink",
-        bool,
-        PHASE2,
-        "Per-head sink (exact borders); --no-sink is the paper's construction.",
-        phases=("phase2",),
-    ),
-    Flag(
-        "pinning",
-        str,
-        PHASE2,
-        "hard: the exact construction (attention fixed by a saturated bias); "
-        "gated: each head also gets content attention behind a gate that starts "
-        "at 0 (still exact; chosen after the Fashion-MNIST experiments, EXPERIMENTS.md).",
-        phases=("phase2",),
-    ),
+    Flag("heads", int, PHASE2, CONVERSION_HELP["heads"], phases=("phase2",)),
+    Flag("qk_dim", int, PHASE2, CONVERSION_HELP["qk_dim"], phases=("phase2",)),
+    Flag("sink", bool, PHASE2, CONVERSION_HELP["sink"], phases=("phase2",)),
+    Flag("pinning", str, PHASE2, CONVERSION_HELP["pinning"], phases=("phase2",)),
     Flag(
         "freeze_attention",
         bool,
@@ -190,27 +177,9 @@ FLAGS: list[Flag] = [
         "Learning-rate multiplier for W_Q, W_K, the gates and the relative-position biases.",
         phases=("phase2",),
     ),
-    Flag(
-        "qk_init_std",
-        float,
-        PHASE2,
-        "Std of a random W_Q, W_K at conversion (0: the paper's zeros, where their gradients vanish).",
-        phases=("phase2",),
-    ),
-    Flag(
-        "margin",
-        float,
-        PHASE2,
-        "Pinning logit margin of the conversion (smaller: softer attention, less exact).",
-        phases=("phase2",),
-    ),
-    Flag(
-        "verify_tol",
-        float,
-        PHASE2,
-        "Largest relative error of the converted model before training starts.",
-        phases=("phase2",),
-    ),
+    Flag("qk_init_std", float, PHASE2, CONVERSION_HELP["qk_init_std"], phases=("phase2",)),
+    Flag("margin", float, PHASE2, CONVERSION_HELP["margin"], phases=("phase2",)),
+    Flag("verify_tol", float, PHASE2, CONVERSION_HELP["tol"], phases=("phase2",)),
     Flag("epochs", int, RECIPE, "Epochs."),
     Flag("batch_size", int, RECIPE, "Batch per process."),
     Flag(
