@@ -23,7 +23,8 @@ from convit_convert.train.progress import Progress
 
 
 def built_step(data: str, out: Path):
-    """The compiled TrainStep and one batch (its inputs, labels) of a 1-step run on ``data``."""
+    """The Loop of a 1-step run on ``data`` with --compile (its CompiledStep), and one batch (its
+    inputs, labels)."""
     captured = {}
     real = engine.train_one_epoch
 
@@ -75,13 +76,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for data in DATA:
             loop, (inputs, y) = built_step(data, Path(tmp) / data)
-            step, model = loop.step, loop.state.model
+            step, model, tally = loop.compiled, loop.state.model, loop.tally.values
             x = loop.train_loader.prepare(inputs)
-            eager = step._learn(x, y, step.tally)[2]
-            compiled = step.learn(inputs, y, step.tally)[2]
+            eager = step.images_learn(x, y, tally)[2]
+            compiled = step.learn(inputs, y, tally)[2]
             plain = torch.autograd.grad(step.criterion(torch.compile(model)(x), y), step.params)
             torch.set_num_threads(2)
-            threads = step._learn(x, y, step.tally)[2]
+            threads = step.images_learn(x, y, tally)[2]
             torch.set_num_threads(1)
             cols = (worst(eager, compiled), worst(eager, list(plain)), worst(eager, threads))
             print(f"| {data} | " + " | ".join(f"{c:.1e}" for c in cols) + " |")

@@ -716,7 +716,7 @@ def ignore_interrupts(worker_id: int) -> None:
     """A loader worker ignores SIGINT: Ctrl-C reaches the whole process group, and it is the main
     process's to act on (finish the step, save, stop), which then ends its workers itself. (SIGTERM
     keeps its default: the loader ends a worker that does not stop with it; a training run treats a
-    worker that a SIGTERM ended as part of that stop, train/epoch.py.)"""
+    worker that a SIGTERM ended as part of that stop, train/loop.py.)"""
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)

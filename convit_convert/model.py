@@ -10,9 +10,9 @@ the file format's (docs/FORMAT.md), e.g. ``blocks.0.conv.weight``, ``blocks.0.at
 
 Token layout: patches in row-major order; a patch is flattened channel-last, feature index
 (py·P + px)·C + c. The conv mixer lives in :mod:`convit_convert.conv_mixer`: by default it runs as
-Theorem 1's token products on CUDA (two tensor-core products per block, 2.2x faster at the paper's
-size) and as ``F.conv2d`` on the pixel view on the CPU (faster there), each measured in
-BENCHMARKS.md; ``conv_form`` picks one everywhere, for checking. The attention mixer lives in
+Theorem 1's token products on CUDA (two tensor-core products per block) and as ``F.conv2d`` on the
+pixel view on the CPU, each the faster there as BENCHMARKS.md measures ("Phase 1's two forms");
+``conv_form`` picks one everywhere, for checking. The attention mixer lives in
 :mod:`convit_convert.attention`; the forms swapped in for deployment (export, fused inference) in
 :mod:`convit_convert.deploy`.
 """

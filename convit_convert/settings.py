@@ -90,16 +90,16 @@ def field_types(cls: type) -> dict[str, Any]:
 class Checked:
     """A frozen set of options, checked when made, as the command line checks its flags: each
     field's value of its annotated type, each number against BOUNDS (by field name), each name
-    against ``CHOICES``; ``device`` fields against the device names. ``FLAGS`` renames a field
-    where its flag is spelled otherwise (a refusal names the flag's parameter)."""
+    against ``CHOICES``; ``device`` fields against the device names. ``FLAG_OF`` names a field's
+    flag where the two are spelled apart (a refusal names the flag's parameter)."""
 
     CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {}
-    FLAGS: ClassVar[dict[str, str]] = {}
+    FLAG_OF: ClassVar[dict[str, str]] = {}
 
     def __post_init__(self) -> None:
         hints = field_types(type(self))
         for f in dataclasses.fields(self):
-            value, name = getattr(self, f.name), self.FLAGS.get(f.name, f.name)
+            value, name = getattr(self, f.name), self.FLAG_OF.get(f.name, f.name)
             if not fits(value, hints[f.name]):
                 raise CmhsaError(f"`{name}` must be {type_text(hints[f.name])}, got {value!r}")
             check(name, value)

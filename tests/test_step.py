@@ -11,7 +11,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 
 import pytest
 import torch
@@ -22,9 +22,10 @@ from conftest import ROOT
 from convit_convert.train import run as engine
 from convit_convert.train.config import TrainConfig
 from convit_convert.train.distributed import Context
+from convit_convert.train.loop import train_one_step
 from convit_convert.train.progress import Progress
 from convit_convert.train.run import run
-from convit_convert.train.step import TrainStep, fusable
+from convit_convert.train.step import Tally, assign_gradients, fusable
 
 
 def _bench() -> ModuleType:
@@ -76,20 +77,34 @@ def test_training_reads_nothing_from_the_device_per_step(tmp_path: Path, phase: 
     assert reads[16] == reads[48]
 
 
-def tiny_step(opt: str, clip_grad: float | None = None) -> tuple[TrainStep, nn.Module]:
-    """A TrainStep on a small MLP with timm's ``opt``, fused where torch has the kernel (as recipe.py
-    builds it)."""
+def tiny_loop(model: nn.Module, opt: str, clip_grad: float | None = None) -> SimpleNamespace:
+    """What :func:`train_one_step` reads of a Loop, for ``model`` with timm's ``opt`` (fused where
+    torch has the kernel, as recipe.py builds it), eager, on the CPU, without EMA or schedule."""
     from timm.optim import create_optimizer_v2, get_optimizer_info
 
-    model = nn.Sequential(nn.Flatten(), nn.Linear(16, 8), nn.GELU(), nn.Linear(8, 3))
     fused = {"fused": True} if fusable(get_optimizer_info(opt).opt_class) else {}
-    optimizer = create_optimizer_v2(model, opt=opt, lr=0.1, weight_decay=0.05, **fused)
-    scaler = torch.amp.GradScaler("cpu", enabled=False)
     ctx = Context(0, 1, 0, torch.device("cpu"))
-    step = TrainStep(
-        model, model, nn.CrossEntropyLoss(), optimizer, scaler, clip_grad, None, ctx, None, None, False
+    state = SimpleNamespace(
+        model=model,
+        optimizer=create_optimizer_v2(model, opt=opt, lr=0.1, weight_decay=0.05, **fused),
+        scaler=torch.amp.GradScaler("cpu", enabled=False),
+        ema=None,
+        scheduler=SimpleNamespace(step_update=lambda num_updates: None),
+        global_step=0,
     )
-    return step, model
+    return SimpleNamespace(
+        cfg=SimpleNamespace(recipe=SimpleNamespace(clip_grad=clip_grad)),
+        ctx=ctx,
+        state=state,
+        forward=model,
+        criterion=nn.CrossEntropyLoss(),
+        dtype=None,
+        prepare=None,
+        mixup=None,
+        compiled=None,
+        tally=Tally(ctx),
+        params=list(model.parameters()),
+    )
 
 
 @pytest.mark.parametrize("opt", ["adamw", "sgd", "lamb"])
@@ -100,23 +115,25 @@ def test_a_non_finite_loss_changes_no_weight_or_optimizer_state(opt: str) -> Non
     names it as the third step and the sum as nan. The good step after it is skipped too (the
     flag holds until the read), and one after the read trains again."""
     torch.manual_seed(0)
-    step, model = tiny_step(opt, clip_grad=1.0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(16, 8), nn.GELU(), nn.Linear(8, 3))
+    loop = tiny_loop(model, opt, clip_grad=1.0)
+    optimizer = loop.state.optimizer
     x, y = torch.randn(4, 1, 4, 4), torch.tensor([0, 1, 2, 0])
     for _ in range(2):
-        step(x, y)
+        train_one_step(loop, x, y)
     weights = copy.deepcopy(model.state_dict())
-    state = copy.deepcopy(step.optimizer.state_dict())
-    step(torch.full_like(x, math.nan), y)
-    step(x, y)
+    state = copy.deepcopy(optimizer.state_dict())
+    train_one_step(loop, torch.full_like(x, math.nan), y)
+    train_one_step(loop, x, y)
     assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
-    after = step.optimizer.state_dict()["state"]
+    after = optimizer.state_dict()["state"]
     for i, entry in state["state"].items():
         for k, v in entry.items():
             assert torch.equal(torch.as_tensor(v), torch.as_tensor(after[i][k])), (i, k)
-    totals = step.read(4)
+    totals = loop.tally.read(4)
     assert totals.bad_step == 2 and math.isnan(totals.loss_sum)
-    step(x, y)
-    assert step.read(1).bad_step is None
+    train_one_step(loop, x, y)
+    assert loop.tally.read(1).bad_step is None
     assert not torch.equal(weights["1.weight"], model.state_dict()["1.weight"])
 
 
@@ -142,12 +159,12 @@ def test_compiled_step_is_one_graph(tmp_path: Path, monkeypatch, phase: str) -> 
     captured = capture_loop(monkeypatch)
     run(small(tmp_path, "run", phase, train_samples=32, compile=True, drop_path=0.1), progress=Progress(None))
     loop = captured["loop"]
-    step = loop.step
-    assert step.augment_inside and step.why_not_whole is None
+    step = loop.compiled
+    assert step is not None and step.augment_inside
     loop.train_loader.sampler.set_epoch(0)
     inputs, y = next(loop.train_loader.batches())
     with torch._dynamo.config.patch(trace_autograd_ops=True):  # as step.with_autograd_traced runs it
-        explained = torch._dynamo.explain(step._prepared_learn)(inputs, y, step.tally)
+        explained = torch._dynamo.explain(step.prepared_learn)(inputs, y, loop.tally.values)
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
 
 
@@ -250,26 +267,27 @@ def test_the_start_line_names_the_channels_and_grey_data_at_3_gets_a_note(
 
 
 def test_gradients_reach_the_fused_optimizer_in_the_parameters_layout() -> None:
-    # was (an H200, 2026-11-26): phase 1's token form made autograd.grad return conv.weight's
-    # gradient as a permuted view, and torch's fused AdamW refused the step ("params, grads,
-    # exp_avgs, and exp_avg_sqs must have same dtype, device, and layout"); backward() would have
-    # laid it out like the parameter
+    """Phase 1's token form makes autograd.grad return conv.weight's gradient as a permuted view
+    (found on an H200), which torch's fused AdamW refuses ("params, grads, exp_avgs, and
+    exp_avg_sqs must have same dtype, device, and layout"): the step's gradients (compiled and
+    eager alike) are assigned in the parameter's layout, as backward() lays them out."""
     from timm.optim import create_optimizer_v2
 
     from convit_convert.conv_mixer import ConvMixer
 
     mixer = ConvMixer(3, 5, 1, (2, 2), 4, "tokens")
     model = nn.Sequential(mixer, nn.Flatten(), nn.Linear(4 * 48, 3))
-    optimizer = create_optimizer_v2(model, opt="adamw", lr=0.1, fused=True)
-    scaler = torch.amp.GradScaler("cpu", enabled=False)
-    ctx = Context(0, 1, 0, torch.device("cpu"))
-    step = TrainStep(
-        model, model, nn.CrossEntropyLoss(), optimizer, scaler, None, None, ctx, None, None, False
-    )
     x, y = torch.randn(4, 4, 48), torch.tensor([0, 1, 2, 0])
-    raw = torch.autograd.grad(nn.CrossEntropyLoss()(model(x), y), [mixer.weight])[0]
-    assert raw.stride() != mixer.weight.stride()  # what autograd.grad gives: the case in question
+    raw = list(torch.autograd.grad(nn.CrossEntropyLoss()(model(x), y), list(model.parameters())))
+    assert raw[0].stride() != mixer.weight.stride()  # what autograd.grad gives: the case in question
+    assign_gradients(list(model.parameters()), raw)  # as the compiled step hands its gradients over
+    optimizer = create_optimizer_v2(model, opt="adamw", lr=0.1, fused=True)
     before = mixer.weight.detach().clone()
-    step(x, y)
+    optimizer.step()
     assert all(p.grad.stride() == p.stride() for p in model.parameters())
+    assert not torch.equal(before, mixer.weight)
+    optimizer.zero_grad(set_to_none=True)
+    loop = tiny_loop(model, "adamw")  # the eager step
+    before = mixer.weight.detach().clone()
+    train_one_step(loop, x, y)
     assert not torch.equal(before, mixer.weight)

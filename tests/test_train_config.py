@@ -8,11 +8,11 @@ import json
 import pytest
 
 from conftest import invoke
-from convit_convert.cli.train import FLAGS as CLI_FLAGS
+from convit_convert.cli.train import OPTION_ROWS as CLI_FLAGS
 from convit_convert.errors import CmhsaError
 from convit_convert.spec import ConversionSpec
 from convit_convert.train.config import (
-    FLAGS,
+    FLAG_FIELDS,
     DataConfig,
     ModelFlags,
     RecipeConfig,
@@ -83,7 +83,7 @@ def test_saved_flat_and_read_back_equal() -> None:
     """config.json keeps one key per flag; reading it gives the same config."""
     cfg = TrainConfig.from_flags(**FLAT)
     d = json.loads(cfg.to_json())
-    assert set(d) == set(FLAGS) and d["data"] == "digits" and d["verify_tol"] == 1e-4 and d["seed"] == 3
+    assert set(d) == set(FLAG_FIELDS) and d["data"] == "digits" and d["verify_tol"] == 1e-4 and d["seed"] == 3
     assert {k: d[k] for k in FLAT} == {**FLAT, "given": sorted(FLAT["given"])}
     assert TrainConfig.from_dict(d) == cfg
     assert TrainConfig.from_dict({**d, "a_flag_of_an_older_cmhsa": 1}) == cfg  # unknown keys ignored
@@ -93,8 +93,8 @@ def test_every_cli_flag_is_one_config_flag() -> None:
     """The CLI's table and the config's flags are the same set (``out``, the run folder, is the CLI's
     own option; ``phase`` its subcommand; ``given`` what was typed)."""
     cli = {row[0] for row in CLI_FLAGS}
-    assert cli == set(FLAGS) - {"phase", "out", "given"}
-    groups = [FLAGS[name] for name in FLAGS]
+    assert cli == set(FLAG_FIELDS) - {"phase", "out", "given"}
+    groups = [FLAG_FIELDS[name] for name in FLAG_FIELDS]
     assert len(set(groups)) == len(groups)  # no two flags share a field
 
 

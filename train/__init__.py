@@ -4,23 +4,26 @@
 - `run.py`: a run, built (data, model, recipe, resumed state), looped over epochs, its model written;
 - `phases.py`: the model each phase trains; `recipe.py`: timm's optimizer, scheduler, Mixup, loss;
 - `augment.py`: timm's training augmentation on the device; `held.py`: datasets held on the device;
-- `step.py`: one training step; `epoch.py`: the steps of an epoch and its read-outs;
+- `loop.py`: the training loop, from a batch to the optimizer's update, and each epoch's
+  evaluation; `step.py`: what its step leans on (the device-side tally and skip, the compiled form);
 - `state.py`: what a checkpoint holds; `distributed.py`: torchrun's processes, or one;
 - `progress.py`: a run's progress as events; `arms.py`: an experiment's runs in parallel;
 - `plot.py`: ``cmhsa plot``'s curves and ``cmhsa attention``'s heat maps.
 
 The data sources are :mod:`convit_convert.data`'s (evaluation: :mod:`convit_convert.api.on_data`).
 
-One step, in reading order (the loop nanoGPT's train.py holds, here in two files):
+One step, in reading order (the loop nanoGPT's train.py holds, here in one function):
 
-1. ``epoch.train_one_epoch``: a batch, ``loop.step(inputs, y)``, the EMA, the scheduler, and a
-   read-out of the loss every ``--log-every`` steps (the only time the host waits for the device);
-2. ``step.TrainStep.__call__``: the batch to the device and augmented there (the device loader's
-   ``prepare``: ``held.HeldLoader``, then ``augment.py``), Mixup/CutMix;
-3. ``step.TrainStep._learn``: forward under autocast, the loss, its gradients, the loss tally;
-4. ``step.TrainStep.update``: gradient clipping and the optimizer's step, skipped on the device
-   after a non-finite loss.
+1. ``loop.train_one_epoch``: a batch from the loader (``loop.until_stopped``), one step, and a
+   read-out every ``--log-every`` steps (``loop.read_out``: the only time the host waits for the
+   device), then the epoch's evaluation (``loop.evaluated``);
+2. ``loop.train_one_step``: the batch to the device and augmented there (the device loader's
+   ``prepare``: ``held.HeldLoader``, then ``augment.py``), Mixup/CutMix, forward under autocast,
+   the loss, ``step.Tally.add``, backward, clipping, ``step.update`` (the optimizer's step,
+   skipped on the device after a non-finite loss), zero_grad, the EMA and the scheduler;
+3. with ``--compile``, ``step.CompiledStep.__call__`` computes the middle (augmentation to
+   gradients) as one graph.
 
-``run.build`` makes those objects once: ``run.data_and_model``, ``recipe.build_recipe`` (timm's
-optimizer, scheduler, Mixup, loss), ``state.RunState`` (``run.resume_state`` when resuming),
-``step.TrainStep``."""
+``run.build`` makes those objects once, each passed by keyword into a ``loop.Loop``:
+``run.data_and_model``, ``recipe.build_recipe`` (timm's optimizer, scheduler, Mixup, loss),
+``state.RunState`` (``run.resume_state`` when resuming), ``step.CompiledStep``."""

@@ -80,7 +80,7 @@ class DataConfig(Checked):
     """What the run trains and evaluates on."""
 
     CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"name": DATASETS, "loader": LOADERS}
-    FLAGS: ClassVar[dict[str, str]] = {"name": "data", "dir": "data_dir"}
+    FLAG_OF: ClassVar[dict[str, str]] = {"name": "data", "dir": "data_dir"}
 
     name: str = "cifar100"  # flag: data
     dir: str | None = None  # flag: data_dir
@@ -206,7 +206,7 @@ GROUPS = {
 }
 _RENAMED = {"data": ("data", "name"), "data_dir": ("data", "dir"), "verify_tol": ("conversion", "tol")}
 _CONVERSION_FLAGS = ("heads", "qk_dim", "sink", "pinning", "qk_init_std", "margin", "verify_tol")
-FLAGS: dict[str, tuple[str | None, str]] = {
+FLAG_FIELDS: dict[str, tuple[str | None, str]] = {
     "phase": (None, "phase"),
     "preset": (None, "preset"),
     "out": ("runtime", "out"),
@@ -277,7 +277,7 @@ class TrainConfig(Checked):
     def from_flags(cls, **flags: Any) -> TrainConfig:
         """The config the flat ``flags`` (``cmhsa train``'s, by their Python names) describe; the
         rest take their defaults. An unknown flag is a TypeError, as for a dataclass."""
-        unknown = sorted(set(flags) - FLAGS.keys())
+        unknown = sorted(set(flags) - FLAG_FIELDS.keys())
         if unknown:
             raise TypeError(f"TrainConfig has no flag {', '.join(map(repr, unknown))}")
         preset = flags.get("preset", "paper")
@@ -292,7 +292,7 @@ class TrainConfig(Checked):
         groups: dict[str, dict[str, Any]] = {g: {} for g in (*GROUPS, "conversion")}
         top: dict[str, Any] = {}
         for name, value in flags.items():
-            group, attr = FLAGS[name]
+            group, attr = FLAG_FIELDS[name]
             if name in ("opt_betas", "scale") and isinstance(value, list):  # as JSON saves a tuple
                 value = tuple(value)
             if name == "given" and isinstance(value, (list, tuple, set)):
@@ -334,17 +334,17 @@ class TrainConfig(Checked):
     @staticmethod
     def owner(name: str) -> tuple[type, str]:
         """The object that holds the flat flag ``name`` (a group, the spec, TrainConfig) and its field."""
-        group, attr = FLAGS[name]
+        group, attr = FLAG_FIELDS[name]
         return {None: TrainConfig, "conversion": ConversionSpec}.get(group) or GROUPS[group], attr  # type: ignore[return-value]
 
     def flag(self, name: str) -> Any:
         """The value of the flat flag ``name``."""
-        group, attr = FLAGS[name]
+        group, attr = FLAG_FIELDS[name]
         return getattr(self if group is None else getattr(self, group), attr)
 
     def to_dict(self) -> dict[str, Any]:
         """Flat, one key per flag (config.json's format)."""
-        d = {name: self.flag(name) for name in FLAGS}
+        d = {name: self.flag(name) for name in FLAG_FIELDS}
         d["opt_betas"], d["scale"] = list(d["opt_betas"]), list(d["scale"])
         d["given"] = sorted(self.given)
         return d
@@ -355,7 +355,7 @@ class TrainConfig(Checked):
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
         """The config a :meth:`to_dict` (a config.json) describes; keys cmhsa no longer knows are ignored."""
-        flags = {k: v for k, v in d.items() if k in FLAGS}
+        flags = {k: v for k, v in d.items() if k in FLAG_FIELDS}
         if "preset" not in d and flags.get("phase") == "phase2" and flags.get("lr") is None:
             flags["lr"] = PEAK_LR["paper"][
                 1

@@ -53,8 +53,8 @@ from ..model import VisionTransformer
 from .augment import augment_spec, check_supported
 from .config import RUNTIME_FIELDS, TrainConfig
 from .distributed import Context, barrier, setup, teardown
-from .epoch import Loop, seed_everything, train_one_epoch
 from .held import HeldEvalLoader, HeldLoader, eval_view, hold, holdable
+from .loop import Loop, seed_everything, train_one_epoch
 from .phases import PhaseModel, build_phase_model, check_trainable, freeze_attention
 from .progress import EMA_METRICS, METRICS, Progress
 
@@ -67,7 +67,7 @@ from .recipe import (
     scaled_lrs,
 )
 from .state import LAST, NUMBERED, RunState, environment, environment_changes, plain_records, read_checkpoint
-from .step import TrainStep
+from .step import CompiledStep, whole_step_refusal
 
 OUTPUT = {"phase1": "conv.safetensors", "phase2": "vit.safetensors"}
 TIMM_FOLDER = "timm"  # `export_timm`'s folder in the run's
@@ -463,31 +463,42 @@ def build(
     if ctx.is_main:
         describe_run(cfg, ctx, pm, dataset, dtype, steps_per_epoch, loader, reporter)
     probe = next(iter(loaders[1]))[0][:64].to(device) if pm.config.kind == "attn" else None
-    step = TrainStep(
-        model,
-        fwd,
-        criterion,
-        optimizer,
-        scaler,
-        cfg.recipe.clip_grad,
-        dtype,
-        ctx,
-        getattr(loaders[0], "prepare", None),  # the device loader augments inside the step
-        mixup,
-        cfg.runtime.compile,
+    prepare = loaders[0].prepare if isinstance(loaders[0], HeldLoader) else None  # augments on the device
+    compiled = None
+    if cfg.runtime.compile:
+        why_not = whole_step_refusal(ctx, scaler.is_enabled())
+        if why_not is None:
+            compiled = CompiledStep(
+                model=fwd, criterion=criterion, dtype=dtype, ctx=ctx, prepare=prepare, mixup=mixup
+            )
+        else:
+            reporter.log(f"compile: the model's forward only, not the whole step ({why_not})")
+            fwd = torch.compile(fwd)
+        if ctx.is_main:
+            reporter.log(
+                "compile: torch.compile builds the step's kernels during the first steps, before any "
+                "progress shows (on a CPU about a minute the first time, seconds once torch has cached "
+                "them: BENCHMARKS.md, 'Compiling the step'; on CPU it pays back only over long runs)"
+            )
+    return Loop(
+        cfg=cfg,
+        ctx=ctx,
+        out=out,
+        state=state,
+        train_loader=loaders[0],
+        val_loader=loaders[1],
+        steps_per_epoch=steps_per_epoch,
+        reporter=reporter,
+        forward=fwd,
+        criterion=criterion,
+        dtype=dtype,
+        prepare=prepare,
+        mixup=mixup,
+        compiled=compiled,
+        probe=probe,
+        config_json=config_doc(cfg, ctx, pm, state, loader, dataset.classes),
+        classes=dataset.classes,
     )
-    if step.why_not_whole is not None:
-        reporter.log(f"compile: the model's forward only, not the whole step ({step.why_not_whole})")
-    if cfg.runtime.compile and ctx.is_main:
-        reporter.log(
-            "compile: torch.compile builds the step's kernels during the first steps, before any "
-            "progress shows (measured on 2 CPU cores, depth 1 at 16 px: about 70 s the first time, "
-            "7 s once torch has cached the kernels; on CPU it pays back only over long runs)"
-        )
-    doc = config_doc(cfg, ctx, pm, state, loader, dataset.classes)
-    loop = Loop(cfg, ctx, out, dtype, *loaders, steps_per_epoch, state, reporter, step, probe, doc)
-    loop.classes = dataset.classes
-    return loop
 
 
 def data_and_model(

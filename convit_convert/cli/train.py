@@ -2,7 +2,7 @@
 :mod:`convit_convert.train`.
 
 Imports typer only: torch, timm and torchvision load when a command runs, so ``cmhsa --help``
-stays fast. The training flags are one table (FLAGS) shared by both phases; each becomes a
+stays fast. The training flags are one table (OPTION_ROWS) shared by both phases; each becomes a
 ``--kebab-case`` option whose default is TrainConfig's; the typed flags become one TrainConfig
 (``TrainConfig.from_flags``). A flag left out stays "not given", which
 lets phase 2 take the architecture from its ``--init`` checkpoint and complain only about flags
@@ -72,7 +72,7 @@ def preset_help() -> str:
     )
 
 
-FLAGS: list[Flag] = [
+OPTION_ROWS: list[Flag] = [
     Flag("data", str, "Data", DATA_HELP),
     Flag("data_dir", str, "Data", DATA_DIR_HELP),
     Flag(
@@ -336,7 +336,7 @@ def _train_command(phase: str) -> Any:
     )
     params = [output, old_out] + [
         _option(name, typ, help_text, panel, defaults[name])
-        for name, typ, panel, help_text, phases in FLAGS
+        for name, typ, panel, help_text, phases in OPTION_ROWS
         if phase in phases
     ]
     command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]

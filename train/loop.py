@@ -1,0 +1,225 @@
+"""The training loop, read top to bottom: an epoch's steps from a batch to the optimizer's update,
+then the epoch's evaluation (the loop of nanoGPT's train.py, with DeiT's recipe).
+
+One step (:func:`train_one_step`): the batch to the device, augmented there by the device loader
+and mixed (Mixup/CutMix); forward under autocast, the loss; backward; gradient clipping; the
+optimizer's step; zero_grad; the EMA and the scheduler. Three things a first reading can skip, in
+:mod:`.step`: the loss is summed on the device (``Tally``), so the host never waits for the device
+within a stretch of steps; the update is skipped on the device after a non-finite loss
+(``update``); ``--compile`` runs the step's middle as one graph (``CompiledStep``), computing what
+the eager lines compute. ``backward`` is ``loss.backward()``, with fewer ops where DDP does not
+need backward()'s hooks.
+
+Every ``--log-every`` steps and at the epoch's end, one read-out (:func:`read_out`): the loss
+totals for the progress line, a non-finite loss (the run stops, naming its step) and a stop
+request (all-reduced under torchrun, so every rank stops at the same step).
+
+Each epoch seeds every global RNG from (seed, epoch, rank), so an epoch's randomness does not
+depend on how the process got there (a resumed epoch restores the RNGs saved mid-epoch instead).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..analysis import attention_stats
+from ..api.common import autocast
+from ..api.on_data import evaluate
+from ..data import sample_seed
+from ..errors import CheckFailed
+from .config import TrainConfig
+from .distributed import Context, all_reduce_sum
+from .progress import Progress
+from .state import LAST, RunState, set_rng_state
+from .step import CompiledStep, Tally, backward, update
+
+
+@dataclass(kw_only=True)
+class Loop:
+    """What every step and epoch uses, built once (by keyword) by :func:`.run.build`."""
+
+    cfg: TrainConfig
+    ctx: Context
+    out: Path
+    state: RunState  # the model, optimizer, scheduler, scaler, EMA, metrics and position of the run
+    train_loader: Any  # (inputs, labels) batches: images, or the device loader's HeldBatch
+    val_loader: Any
+    steps_per_epoch: int
+    reporter: Progress
+    forward: nn.Module  # the model as trained: DDP-wrapped, or compiled (its forward only)
+    criterion: nn.Module  # timm's loss (soft targets under Mixup)
+    dtype: torch.dtype | None  # autocast's, None for full precision (evaluation's too)
+    prepare: Any = None  # the device loader's augmentation (inputs -> images); None: images as given
+    mixup: Any = None  # timm's Mixup/CutMix
+    compiled: CompiledStep | None = None  # --compile: the step's middle as one graph
+    tally: Tally | None = None  # made by __post_init__
+    probe: torch.Tensor | None = None  # attn models: fixed val images for the per-epoch attention metrics
+    config_json: str = ""  # config.json's text, written with every checkpoint
+    classes: tuple[str, ...] | None = None  # the outputs' names, where the data names them (labels.py)
+
+    def __post_init__(self) -> None:
+        self.tally = Tally(self.ctx)
+        self.params = [p for p in self.state.model.parameters() if p.requires_grad]
+
+
+def train_one_step(loop: Loop, inputs: Any, labels: torch.Tensor) -> None:
+    """One optimizer step on a batch, with no read of a device value (for a fused optimizer)."""
+    st, device, tally = loop.state, loop.ctx.device, loop.tally
+    optimizer, scaler = st.optimizer, st.scaler
+    labels = labels.to(device, non_blocking=True)
+    if loop.compiled is not None:  # the same as the lines below, as one graph: gradients in p.grad
+        loop.compiled(inputs, labels, tally)
+    else:
+        images = loop.prepare(inputs) if loop.prepare is not None else inputs.to(device, non_blocking=True)
+        if loop.mixup is not None:
+            images, labels = loop.mixup(images, labels)
+        with autocast(device, loop.dtype):
+            loss = loop.criterion(loop.forward(images), labels)
+        tally.add(loss)  # on the device: the sum, and whether any loss since the last read-out was finite
+        backward(scaler.scale(loss), loop.params, loop.ctx)  # fp16 scales the loss; else it is as is
+    clip = loop.cfg.recipe.clip_grad
+    if clip is not None:
+        scaler.unscale_(optimizer)  # a no-op unless fp16's scaler is on
+        nn.utils.clip_grad_norm_(loop.params, clip, foreach=True)
+    update(optimizer, scaler, tally.skip)  # skipped on the device after a non-finite loss
+    optimizer.zero_grad(set_to_none=True)
+    st.global_step += 1
+    if st.ema is not None:
+        st.ema.update(st.model, step=st.global_step)
+    st.scheduler.step_update(num_updates=st.global_step)
+
+
+def train_one_epoch(loop: Loop, stop: Any, stop_after_steps: int | None = None) -> bool:
+    """Train the epoch ``loop.state`` is in, from its step on; evaluate and append the epoch's row
+    to ``state.metrics``. False if a stop request (or ``stop_after_steps``) ended it early, with
+    ``state.step`` the steps done. Nothing is read from the device between read-outs (every
+    ``log_every`` steps and the epoch's last): a stop request is acted on at the next one (at the
+    next step with one process)."""
+    cfg, ctx, st = loop.cfg, loop.ctx, loop.state
+    epoch, first = st.epoch, st.step
+    if first > 0 and st.rng is not None:
+        set_rng_state(st.rng)
+    else:
+        seed_everything(sample_seed(cfg.seed, epoch, 10_000 + ctx.rank))
+        st.partial = {"loss_sum": 0.0, "seconds": 0.0, "images": 0}
+    loop.train_loader.sampler.set_epoch(epoch, first)
+    loop.reporter.start_epoch(epoch, loop.steps_per_epoch, first)
+    lr = st.optimizer.param_groups[0]["lr"]
+    every = max(1, cfg.runtime.log_every)
+    t_last, since = time.perf_counter(), first
+    # the device loader's raw batches when the step augments them (loop.prepare), else the loader's own
+    batches = loop.train_loader.batches() if loop.prepare is not None else loop.train_loader
+    for step, (inputs, labels) in enumerate(until_stopped(batches, stop), start=first):
+        train_one_step(loop, inputs, labels)
+        st.step = step + 1
+        limit = stop_after_steps is not None and st.global_step >= stop_after_steps
+        signalled = ctx.world == 1 and stop.signal is not None  # one process: no rank to agree with
+        if st.step % every == 0 or st.step == loop.steps_per_epoch or limit or signalled:
+            stopping = read_out(loop, stop, since, t_last)
+            t_last, since = time.perf_counter(), st.step
+            if stopping or limit:
+                return False
+    if stop.signal is not None and st.step < loop.steps_per_epoch:  # the loader ended with the stop
+        if st.step > since:  # the steps since the last read-out, into the totals the checkpoint saves
+            read_out(loop, stop, since, t_last)
+        return False
+    st.scheduler.step(epoch + 1)
+    st.metrics.append(evaluated(loop, lr))
+    st.epoch, st.step, st.rng = epoch + 1, 0, None
+    return True
+
+
+def read_out(loop: Loop, stop: Any, since: int, t_last: float) -> bool:
+    """The device's totals for the steps ``since``..``state.step`` into ``state.partial`` and the
+    progress line (the one host read of a stretch of steps); a non-finite loss among them stops the
+    run. True if a stop was requested (on any rank)."""
+    st, ctx = loop.state, loop.ctx
+    steps = st.step - since
+    totals = loop.tally.read(steps)  # type: ignore[union-attr]
+    if totals.bad_step is not None:
+        raise CheckFailed(non_finite_message(totals.loss_sum, st.epoch, since + totals.bad_step, loop.out))
+    now = time.perf_counter()
+    images = steps * loop.cfg.recipe.batch_size * ctx.world
+    st.partial["loss_sum"] += totals.loss_sum
+    st.partial["seconds"] += now - t_last
+    st.partial["images"] += images
+    lr = float(st.optimizer.param_groups[0]["lr"])
+    loop.reporter.step(st.epoch, st.step - 1, totals.loss_sum / steps, lr, images / max(now - t_last, 1e-9))
+    if not ctx.distributed:
+        return stop.signal is not None
+    stopping = torch.tensor(float(stop.signal is not None), device=ctx.device)
+    return all_reduce_sum(stopping, ctx).item() > 0
+
+
+def evaluated(loop: Loop, lr: float) -> dict[str, Any]:
+    """The finished epoch's metrics.csv row: its training loss and speed, the validation split's
+    loss and top-1/top-5 (and the EMA's), and for attention models what the heads attend to."""
+    st, ctx = loop.state, loop.ctx
+
+    def reduce(sums: torch.Tensor) -> None:  # every rank's validation share summed
+        all_reduce_sum(sums, ctx)
+
+    row: dict[str, Any] = {
+        "epoch": st.epoch + 1,
+        "train_loss": st.partial["loss_sum"] / max(loop.steps_per_epoch, 1),
+        **evaluate(st.model, loop.val_loader, ctx.device, loop.dtype, reduce),
+        "lr": lr,
+        "epoch_seconds": st.partial["seconds"],
+        "images_per_s": st.partial["images"] / max(st.partial["seconds"], 1e-9),
+    }
+    if st.ema is not None:
+        em = evaluate(st.ema.module, loop.val_loader, ctx.device, loop.dtype, reduce)
+        row.update(ema_val_loss=em["val_loss"], ema_top1=em["top1"], ema_top5=em["top5"])
+    if loop.probe is not None:  # what the attention does: pinned share, distance, gate per block
+        row.update(attention_stats(st.model, [loop.probe]).block_means())
+    return row
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % (1 << 32))
+    torch.manual_seed(seed)
+
+
+def non_finite_message(loss: float, epoch: int, step: int, out: Path) -> str:
+    """What a user can do after a non-finite loss: the advice depends on whether a checkpoint exists."""
+    head = (
+        f"non-finite loss ({loss}) at epoch {epoch + 1}, step {step + 1}: "
+        "stopped before it reached the weights; "
+    )
+    last = out / LAST
+    if last.exists():
+        return head + (
+            f"the last good checkpoint is {last}: continue from it with `resume` and "
+            "a lower `lr` (the schedule "
+            "is rebuilt, so the run is no longer one uninterrupted run), or start a "
+            "new `out` with a lower `lr`, "
+            "`amp` none or `clip_grad`"
+        )
+    return head + "no checkpoint was saved yet: start again with a lower `lr`, `amp` none or `clip_grad`"
+
+
+def until_stopped(batches: Any, stop: Any) -> Iterator[Any]:
+    """``batches``; ends early, instead of raising, when the loader fails after a stop was
+    requested: a SIGTERM to the process group ends the loader's workers too, and their end is part
+    of that stop (the run saves its last finished step)."""
+    it = iter(batches)
+    while True:
+        try:
+            batch = next(it)
+        except StopIteration:
+            return
+        except Exception:  # "worker killed", or a batch half-received from it (ConnectionResetError)
+            if stop.signal is None:
+                raise
+            return
+        yield batch
