@@ -19,7 +19,7 @@ import torch
 
 from convit_convert.api import convert_checkpoint, heads_sweep, load_checkpoint
 from convit_convert.approximate import noise_calibration
-from convit_convert.spec import ConversionSpec
+from convit_convert.options.conversion import ConversionSpec
 
 FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "conv_digits.safetensors"
 

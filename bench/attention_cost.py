@@ -20,7 +20,7 @@ from convit_convert.analysis import attention_stats
 from convit_convert.config import ViTConfig
 from convit_convert.construct import convert_state_dict
 from convit_convert.model import VisionTransformer
-from convit_convert.spec import ConversionSpec
+from convit_convert.options.conversion import ConversionSpec
 
 
 def main() -> None:

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
+from convit_convert.options.training import TrainConfig
 from convit_convert.train import run as engine
-from convit_convert.train.config import TrainConfig
 from convit_convert.train.progress import Progress
 
 

@@ -35,7 +35,7 @@ from convit_convert.config import ViTConfig
 from convit_convert.construct import convert_state_dict
 from convit_convert.io.checkpoint import save_checkpoint
 from convit_convert.model import VisionTransformer
-from convit_convert.spec import ConversionSpec
+from convit_convert.options.conversion import ConversionSpec
 from convit_convert.verify import verify_models
 
 

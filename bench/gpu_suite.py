@@ -153,7 +153,7 @@ def exact_section() -> dict[str, Any]:
     from convit_convert.config import ViTConfig
     from convit_convert.construct import convert_state_dict
     from convit_convert.model import VisionTransformer
-    from convit_convert.spec import ConversionSpec
+    from convit_convert.options.conversion import ConversionSpec
     from convit_convert.verify import exact_matmul, relative_error, verify_models
 
     torch.manual_seed(0)
@@ -609,7 +609,7 @@ def step_section(
     the six init-comparison arms (seed 0, ``arm_epochs`` epochs, batch 256, all six at once).
     Targets: >= 60,000 images/s in phase 1 and >= 40,000 in phase 2 at batch 256; the six arms in
     <= 90 s."""
-    from convit_convert.train.config import TrainConfig
+    from convit_convert.options.training import TrainConfig
     from convit_convert.train.progress import Progress
     from convit_convert.train.run import run
 

@@ -30,7 +30,7 @@ from convit_convert.config import ViTConfig
 from convit_convert.construct import convert_state_dict
 from convit_convert.model import VisionTransformer
 from convit_convert.onnx.export import export_and_check
-from convit_convert.spec import ConversionSpec
+from convit_convert.options.conversion import ConversionSpec
 
 
 def mean_seconds(fn: Callable[[], object], iters: int, warmup: int = 3) -> float:

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from convit_convert.train.config import TrainConfig
+from convit_convert.options.training import TrainConfig
 from convit_convert.train.progress import Progress
 from convit_convert.train.run import run
 

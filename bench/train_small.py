@@ -35,7 +35,7 @@ from statistics import median
 
 import torch
 
-from convit_convert.train.config import TrainConfig
+from convit_convert.options.training import TrainConfig
 from convit_convert.train.run import run
 
 MODEL = dict(img_size=28, in_chans=1, patch_size=4, hidden_chans=3, depth=2, mlp_ratio=4.0, kernel_size=5)

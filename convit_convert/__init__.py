@@ -22,7 +22,7 @@ from .version import __version__
 
 _EXPORTS = {
     "config": "ViTConfig",
-    "spec": "ConversionSpec ConversionPlan",
+    "options.conversion": "ConversionSpec ConversionPlan",
     "errors": "CmhsaError CheckFailed",
     "model": "VisionTransformer",
     "construct": "convert_state_dict output_projection",

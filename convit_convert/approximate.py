@@ -42,8 +42,8 @@ import torch.nn.functional as F
 from .config import ViTConfig
 from .errors import CmhsaError
 from .model import VisionTransformer
-from .settings import CalibrationSource
-from .spec import RULES
+from .options.conversion import RULES
+from .options.operations import CalibrationSource
 from .taps import output_projection
 from .theory import patch_offsets
 

@@ -31,7 +31,7 @@ _SHARED_INT = (
 _ATTN_INT = ("num_heads", "qk_dim", "v_dim")
 PINNING = ("hard", "gated")  # how a converted head holds its offset (docs/FORMAT.md, version 2)
 OPTIONAL = {"attn": {"pinning": "hard"}}  # keys version 1 files lack, with the value they meant
-# the largest sizes a config may claim (the CLI's flags are bounded alike, in bounds.py);
+# the largest sizes a config may claim (the CLI's flags are bounded alike, in options/values.py);
 # num_patches bounds the (N, N) relative-position index every attention block holds
 LIMITS = {
     "img_size": 16384,

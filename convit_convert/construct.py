@@ -56,7 +56,7 @@ from torch import nn
 
 from .config import ViTConfig
 from .errors import CmhsaError
-from .spec import DEFAULT_MARGIN, ConversionPlan, Offset, pinned_heads, pinning_logits
+from .options.conversion import DEFAULT_MARGIN, ConversionPlan, Offset, pinned_heads, pinning_logits
 from .taps import output_projection
 from .theory import head_count
 

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .defaults import CONV_FORMS
+from .options.values import CONV_FORMS
 from .taps import kernel_taps, output_projection, project, tap_selectors
 from .theory import patch_offsets
 

@@ -21,11 +21,11 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 
-from .defaults import DATASETS, EVAL_CROP_PCT, EVAL_INTERPOLATION, MAX_DEFAULT_WORKERS
 from .errors import CmhsaError, first_line
 from .io.folder import make_folder, remove_made
 from .io.paths import open_regular, require_regular
 from .labels import DIGITS, FASHION_MNIST, recordable
+from .options.values import DATASETS, EVAL_CROP_PCT, EVAL_INTERPOLATION, MAX_DEFAULT_WORKERS
 from .resources import check_fits
 
 NEEDS_DIR = ("cifar10", "cifar100", "imagefolder")  # the datasets only `data_dir` can give

@@ -21,7 +21,7 @@ from torch import nn
 
 from .attention import RelPosAttention, aligned
 from .kernels import head_products
-from .spec import DEFAULT_TOL
+from .options.values import DEFAULT_TOL
 
 
 class ExportAttention(nn.Module):

@@ -42,10 +42,10 @@ import torch
 
 from .config import ViTConfig
 from .construct import positional_attention
-from .defaults import IMPULSE_OFFSETS
 from .errors import CmhsaError
 from .model import VisionTransformer
-from .spec import DEFAULT_MARGIN, pinned_heads
+from .options.conversion import DEFAULT_MARGIN, pinned_heads
+from .options.values import IMPULSE_OFFSETS
 from .theory import patch_offsets
 
 MIMETIC_SIGMA = 1.0  # width of the local decay the relative position bias starts as, in patches

@@ -22,8 +22,8 @@ import torch
 
 from .config import ViTConfig
 from .model import VisionTransformer
-from .settings import Verification
-from .spec import DEFAULT_TOL
+from .options.operations import Verification
+from .options.values import DEFAULT_TOL
 from .theory import patch_offsets
 
 

@@ -30,8 +30,8 @@ from pathlib import Path
 
 from arms_cli import add_arm_flags, run_or_exit
 
+from convit_convert.options.training import TrainConfig
 from convit_convert.train.arms import Arm
-from convit_convert.train.config import TrainConfig
 
 MODEL = dict(img_size=32, patch_size=4, hidden_chans=3, depth=2, mlp_ratio=4.0, kernel_size=5)
 

@@ -33,10 +33,10 @@ from pathlib import Path
 
 from arms_cli import add_arm_flags, run_or_exit
 
+from convit_convert.options.training import PEAK_LR, TrainConfig
 from convit_convert.train.arms import DONE, Arm, run_arms
-from convit_convert.train.config import PEAK_LR, TrainConfig
 
-# the model and recipe: `cmhsa train --preset cpu` (train/config.py PRESETS: 28 px, P 4, d 48, 2 blocks,
+# the model and recipe: `cmhsa train --preset cpu` (options/training.py PRESETS: 28 px, P 4, d 48, 2 blocks,
 # K 5; no RandAugment, Mixup/CutMix or random erasing, which need far more epochs), on grey images
 LR_SCRATCH, LR_PHASE2 = PEAK_LR["cpu"]  # the preset's: the paper's 10:1 between its phase peaks
 ATTN_LR_MULT = 10.0

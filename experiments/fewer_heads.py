@@ -34,8 +34,8 @@ from convit_convert.api import convert_checkpoint, load_checkpoint
 from convit_convert.api.on_data import calibration_from_data, evaluate_checkpoint
 from convit_convert.construct import pinned_offsets
 from convit_convert.io.checkpoint import save_checkpoint
-from convit_convert.settings import CalibrationSource, EvalOptions
-from convit_convert.spec import ConversionSpec
+from convit_convert.options.conversion import ConversionSpec
+from convit_convert.options.operations import CalibrationSource, EvalOptions
 from convit_convert.theory import offset_tap_share
 
 METHODS = {  # name -> (rule, refit)

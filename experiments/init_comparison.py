@@ -102,7 +102,7 @@ def final_eval(arm: Arm, args: argparse.Namespace) -> dict:
     if cache.is_file():
         return json.loads(cache.read_text())
     from convit_convert.api.on_data import attention_on_data, evaluate_checkpoint
-    from convit_convert.settings import AttentionOptions, EvalOptions
+    from convit_convert.options.operations import AttentionOptions, EvalOptions
 
     dev = "cpu" if args.device == "auto" else args.device
     r = evaluate_checkpoint(arm.model, EvalOptions("fashion-mnist", args.data_dir, device=dev, workers=0))

@@ -28,7 +28,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # `pytest -n 2` (README, "Tests")
 from convit_convert.cli import app
 from convit_convert.config import ViTConfig
 from convit_convert.model import VisionTransformer
-from convit_convert.train.config import TrainConfig
+from convit_convert.options.training import TrainConfig
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository
 FIXTURE = ROOT / "fixtures" / "conv_digits.safetensors"

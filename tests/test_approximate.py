@@ -14,7 +14,7 @@ from convit_convert.config import ViTConfig
 from convit_convert.construct import convert_state_dict
 from convit_convert.io.checkpoint import Checkpoint
 from convit_convert.model import VisionTransformer
-from convit_convert.spec import ConversionSpec
+from convit_convert.options.conversion import ConversionSpec
 from convit_convert.verify import verify_models
 
 CFG = ViTConfig.build(img_size=16, patch_size=4, depth=2, num_classes=5, kernel_size=5)

@@ -16,8 +16,8 @@ import pytest
 
 from conftest import TINY_RUN, write_idx
 from convit_convert.errors import CmhsaError
+from convit_convert.options.training import TrainConfig
 from convit_convert.train.arms import BLOCKED, DONE, FAILED, STOPPED, Arm, run_arms
-from convit_convert.train.config import TrainConfig
 
 TINY = {**TINY_RUN, "warmup_epochs": 0, "device": "cpu"}
 

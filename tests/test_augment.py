@@ -20,8 +20,8 @@ from scipy import stats
 
 from convit_convert.data import EpochSampler, build_transform, channel_stats
 from convit_convert.errors import CmhsaError
+from convit_convert.options.training import TrainConfig
 from convit_convert.train import augment as A
-from convit_convert.train.config import TrainConfig
 from convit_convert.train.held import HeldEvalLoader, HeldLoader, eval_view
 
 N = 20_000

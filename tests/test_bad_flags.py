@@ -1,5 +1,5 @@
 """Every flag and argument of every command at and past its edges (the numeric ones generated from
-bounds.py's declarations), an empty or unusable path, and a failed check's advice: one line on
+options/values.py's BOUNDS), an empty or unusable path, and a failed check's advice: one line on
 stderr naming the flag and the fix, exit 2 (1 for a failed check), no traceback, nothing written.
 """
 
@@ -21,7 +21,7 @@ from conftest import (
     one_error_line,
     snapshot,
 )
-from convit_convert.bounds import BOUNDS, num
+from convit_convert.options.values import BOUNDS, num
 
 # every numeric flag, out of range ----------------------------------------------------------------
 

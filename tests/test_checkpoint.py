@@ -14,7 +14,7 @@ from conftest import conv_model
 from convit_convert.api import load_checkpoint
 from convit_convert.errors import CmhsaError
 from convit_convert.io.checkpoint import save_checkpoint
-from convit_convert.settings import Geometry
+from convit_convert.options.operations import Geometry
 
 DOC_CONFIG = {  # exactly the keys docs/FORMAT.md requires of a conv checkpoint
     "img_size": [12, 8],
@@ -66,7 +66,7 @@ def test_file_written_by_another_tool_loads(tmp_path: Path) -> None:
 
 def test_roundtrip_attn(tmp_path: Path) -> None:
     from convit_convert.construct import convert_state_dict
-    from convit_convert.spec import ConversionSpec
+    from convit_convert.options.conversion import ConversionSpec
 
     conv = conv_model()
     plan = ConversionSpec(qk_dim=8).plan(conv.cfg)

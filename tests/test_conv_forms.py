@@ -23,7 +23,7 @@ from convit_convert.config import ViTConfig
 from convit_convert.conv_mixer import ConvMixer, patchify, token_form_bytes, token_plan, token_sizes
 from convit_convert.errors import CmhsaError
 from convit_convert.model import VisionTransformer
-from convit_convert.train.config import TrainConfig
+from convit_convert.options.training import TrainConfig
 from convit_convert.train.phases import check_trainable
 
 # (channels, K, P, dilation, grid): K < 2P (9 offsets), K >= 2P (25), even K, dilation > 1,

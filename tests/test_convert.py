@@ -17,7 +17,7 @@ from convit_convert.config import ViTConfig
 from convit_convert.construct import convert_block, convert_state_dict, output_projection
 from convit_convert.errors import CmhsaError
 from convit_convert.model import RelPosAttention, VisionTransformer
-from convit_convert.spec import ConversionSpec
+from convit_convert.options.conversion import ConversionSpec
 from convit_convert.theory import patch_offsets
 from convit_convert.verify import border_mask
 

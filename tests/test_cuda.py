@@ -24,8 +24,8 @@ from safetensors.torch import load_file
 from conftest import TINY_RUN, conv_model, rel_err, tiny_config
 from convit_convert.construct import convert_state_dict
 from convit_convert.model import VisionTransformer
-from convit_convert.spec import ConversionSpec
-from convit_convert.train.config import TrainConfig
+from convit_convert.options.conversion import ConversionSpec
+from convit_convert.options.training import TrainConfig
 from convit_convert.train.run import run
 from convit_convert.verify import verify_models
 

@@ -12,7 +12,7 @@ from convit_convert.config import ViTConfig
 from convit_convert.construct import convert_state_dict
 from convit_convert.deploy import FusedRelPosAttention, fuse_attention
 from convit_convert.model import VisionTransformer
-from convit_convert.spec import ConversionSpec
+from convit_convert.options.conversion import ConversionSpec
 
 
 @pytest.mark.parametrize("portable", [False, True])  # True: the form `cmhsa export` writes

@@ -29,7 +29,7 @@ from convit_convert.api import load_checkpoint
 from convit_convert.construct import convert_state_dict
 from convit_convert.io.checkpoint import save_checkpoint
 from convit_convert.model import VisionTransformer
-from convit_convert.spec import ConversionSpec
+from convit_convert.options.conversion import ConversionSpec
 from third_party_vit import TheirConvViT, export
 
 TOL = 1e-5

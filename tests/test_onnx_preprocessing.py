@@ -10,7 +10,7 @@ from conftest import ROOT
 from convit_convert.api import export_file
 from convit_convert.api.on_data import evaluate_checkpoint
 from convit_convert.data import build_data
-from convit_convert.settings import EvalOptions
+from convit_convert.options.operations import EvalOptions
 
 FIXTURE = ROOT / "fixtures" / "conv_digits.safetensors"
 

@@ -17,7 +17,7 @@ from convit_convert.api.on_data import evaluate, evaluate_checkpoint
 from convit_convert.approximate import noise_calibration
 from convit_convert.config import ViTConfig
 from convit_convert.model import VisionTransformer
-from convit_convert.settings import EvalOptions, Verification
+from convit_convert.options.operations import EvalOptions, Verification
 from convit_convert.theory import head_count
 
 

@@ -1,5 +1,5 @@
 """One declaration per option: every command's flags take their defaults and ranges from the
-library's typed objects (convit_convert.settings, ConversionSpec, ExportOptions, TrainConfig), so a
+library's typed objects (convit_convert.options: operations, conversion, training), so a
 CLI default or range that differs from the library's fails here, for every command; and what the
 command line refuses (a value its parser cannot read as the flag's type, a name that is not one of
 the choices) the library refuses when the object is made."""
@@ -14,21 +14,21 @@ from typing import Any
 import pytest
 
 from conftest import leaf_commands
-from convit_convert.bounds import BOUNDS
 from convit_convert.errors import CmhsaError
-from convit_convert.onnx.options import ExportOptions
-from convit_convert.settings import (
+from convit_convert.options.conversion import ConversionSpec
+from convit_convert.options.operations import (
     AttentionOptions,
     CalibrationSource,
     EvalOptions,
+    ExportOptions,
     Geometry,
     HeadsQuery,
     PredictOptions,
     Verification,
     VerifyOptions,
 )
-from convit_convert.spec import ConversionSpec
-from convit_convert.train.config import TrainConfig
+from convit_convert.options.training import TrainConfig
+from convit_convert.options.values import BOUNDS
 
 # Each command, and the library objects (or callables) its options are the fields (or keywords) of,
 # first match wins; options that are the CLI's own (paths, a switch between code paths, an old
@@ -132,7 +132,7 @@ def outside(lo: float, hi: float, lo_open: bool, hi_open: bool, integer: bool) -
 
 @pytest.mark.parametrize("command", sorted(LIBRARY))
 def test_a_commands_ranges_are_the_librarys(command: str) -> None:
-    """Every numeric option with a range (shown in --help and checked by the CLI, bounds.BOUNDS) is
+    """Every numeric option with a range (shown in --help and checked by the CLI, options.values.BOUNDS) is
     refused by the library just outside that range, and taken at its ends: the library holds each
     value to the range the CLI shows."""
     cmd = dict(commands())[command]

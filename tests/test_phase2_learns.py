@@ -22,8 +22,8 @@ from convit_convert.data import build_data
 from convit_convert.deploy import fuse_attention, prepare_for_export
 from convit_convert.io.checkpoint import save_checkpoint
 from convit_convert.model import VisionTransformer
-from convit_convert.spec import ConversionSpec
-from convit_convert.train.config import TrainConfig
+from convit_convert.options.conversion import ConversionSpec
+from convit_convert.options.training import TrainConfig
 from convit_convert.train.recipe import build_recipe
 from convit_convert.train.run import run
 from convit_convert.verify import verify_models

@@ -17,7 +17,7 @@ from convit_convert.api.predict import predict_files
 from convit_convert.data import build_data
 from convit_convert.io.checkpoint import save_checkpoint
 from convit_convert.labels import KEY
-from convit_convert.settings import EvalOptions, PredictOptions
+from convit_convert.options.operations import EvalOptions, PredictOptions
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 
 from conftest import FIXTURE, ROOT, in_a_process, invoke, one_error_line
 from convit_convert.errors import CmhsaError
-from convit_convert.train.config import TrainConfig
+from convit_convert.options.training import TrainConfig
 from convit_convert.train.run import run
 
 TINY = (

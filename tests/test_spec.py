@@ -12,8 +12,8 @@ from convit_convert.config import ViTConfig
 from convit_convert.construct import convert_state_dict, pinned_offsets
 from convit_convert.errors import CmhsaError
 from convit_convert.model import VisionTransformer
-from convit_convert.spec import ConversionSpec
-from convit_convert.train.config import TrainConfig
+from convit_convert.options.conversion import ConversionSpec
+from convit_convert.options.training import TrainConfig
 
 CFG = ViTConfig.build(img_size=16, patch_size=4, hidden_chans=2, depth=1, mlp_ratio=1.0, num_classes=3)
 

@@ -15,8 +15,8 @@ import torch
 from conftest import invoke, one_error_line
 from convit_convert.analysis import recording
 from convit_convert.io.checkpoint import save_checkpoint
+from convit_convert.options.training import TrainConfig
 from convit_convert.theory import patch_offsets
-from convit_convert.train.config import TrainConfig
 from convit_convert.train.phases import build_phase_model
 
 # P 4, 3 hidden channels: d = 48 (the EXPERIMENTS.md model's width), a 4×4 grid, K 3: 9 heads

@@ -19,8 +19,8 @@ from safetensors.torch import load_file
 from torch import nn
 
 from conftest import ROOT
+from convit_convert.options.training import TrainConfig
 from convit_convert.train import run as engine
-from convit_convert.train.config import TrainConfig
 from convit_convert.train.distributed import Context
 from convit_convert.train.loop import train_one_step
 from convit_convert.train.progress import Progress

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, TINY_RUN
-from convit_convert.train.config import TrainConfig
+from convit_convert.options.training import TrainConfig
 from convit_convert.train.progress import Progress
 from convit_convert.train.run import run
 

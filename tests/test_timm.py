@@ -15,7 +15,7 @@ from convit_convert.api import load_checkpoint
 from convit_convert.construct import convert_state_dict
 from convit_convert.errors import CmhsaError
 from convit_convert.io.checkpoint import save_checkpoint
-from convit_convert.spec import ConversionSpec
+from convit_convert.options.conversion import ConversionSpec
 
 FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "conv_digits.safetensors"
 

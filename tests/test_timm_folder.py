@@ -73,7 +73,7 @@ def test_the_folders_data_config_is_cmhsa_evals_transform(tmp_path: Path) -> Non
     `cmhsa eval` applies (convit_convert.data.build_transform, eval), on an RGB image of another size:
     the same tensor."""
     from convit_convert.data import build_transform
-    from convit_convert.train.config import TrainConfig
+    from convit_convert.options.training import TrainConfig
 
     small = conv_model(seed=3, dtype=torch.float32, patch_embed="linear", in_chans=3)
     write_timm_folder(tmp_path / "m", small.cfg, small.state_dict())

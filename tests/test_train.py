@@ -28,8 +28,8 @@ from conftest import TINY_RUN, invoke, one_error_line, tiny_config
 from convit_convert.cli.common import as_flags
 from convit_convert.data import EpochSampler, build_data, build_loader, build_transform
 from convit_convert.errors import CheckFailed, CmhsaError
+from convit_convert.options.training import TrainConfig
 from convit_convert.train import run as engine
-from convit_convert.train.config import TrainConfig
 from convit_convert.train.progress import Progress
 from convit_convert.train.recipe import build_recipe, scaled_lrs
 from convit_convert.train.run import run

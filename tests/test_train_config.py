@@ -10,8 +10,8 @@ import pytest
 from conftest import invoke
 from convit_convert.cli.train import OPTION_ROWS as CLI_FLAGS
 from convit_convert.errors import CmhsaError
-from convit_convert.spec import ConversionSpec
-from convit_convert.train.config import (
+from convit_convert.options.conversion import ConversionSpec
+from convit_convert.options.training import (
     FLAG_FIELDS,
     DataConfig,
     ModelFlags,
@@ -186,7 +186,7 @@ def test_readme_which_start_commands_are_the_experiments_runs(monkeypatch: pytes
     from pathlib import Path
 
     import convit_convert.cli.train as cli_train
-    from convit_convert.train.config import RUNTIME_FIELDS
+    from convit_convert.options.training import RUNTIME_FIELDS
 
     root = Path(__file__).resolve().parent.parent
     monkeypatch.syspath_prepend(str(root / "experiments"))

@@ -21,7 +21,7 @@ from convit_convert.attention import RelPosAttention
 from convit_convert.conv_mixer import ConvMixer
 from convit_convert.io.checkpoint import save_checkpoint
 from convit_convert.labels import KEY
-from convit_convert.settings import PredictOptions
+from convit_convert.options.operations import PredictOptions
 
 transformers = pytest.importorskip("transformers")  # the dev extra installs it
 DIGITS = sorted((FIXTURE.parent / "digits").glob("*.png"))

@@ -1,6 +1,6 @@
 """Two-phase training (the paper's Section 4), installed as ``convit_convert.train``:
 
-- `config.py`: ``TrainConfig``, built from the flat flags;
+- the flags: ``TrainConfig`` (:mod:`convit_convert.options.training`), built from the flat flags;
 - `run.py`: a run, built (data, model, recipe, resumed state), looped over epochs, its model written;
 - `phases.py`: the model each phase trains; `recipe.py`: timm's optimizer, scheduler, Mixup, loss;
 - `augment.py`: timm's training augmentation on the device; `held.py`: datasets held on the device;

@@ -28,10 +28,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..bounds import check
 from ..errors import CmhsaError
 from ..io.folder import make_folder
-from .config import TrainConfig
+from ..options.training import TrainConfig
+from ..options.values import check
 from .run import OUTPUT
 from .state import LAST
 

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import CmhsaError
-from .config import RecipeConfig
+from ..options.training import RecipeConfig
 
 RATIO = (3 / 4, 4 / 3)  # RandomResizedCrop's aspect-ratio range (timm's default)
 INTERPOLATIONS = ("bicubic", "bilinear", "nearest")

@@ -36,7 +36,7 @@ from ..api.common import autocast
 from ..api.on_data import evaluate
 from ..data import sample_seed
 from ..errors import CheckFailed
-from .config import TrainConfig
+from ..options.training import TrainConfig
 from .distributed import Context, all_reduce_sum
 from .progress import Progress
 from .state import LAST, RunState, set_rng_state

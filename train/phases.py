@@ -23,9 +23,9 @@ from ..data import image_mode
 from ..errors import CheckFailed, CmhsaError
 from ..io.report import sha256_file
 from ..model import ATTENTION_PARAMS, VisionTransformer
+from ..options.training import TrainConfig
 from ..resources import check_fits
 from ..starts import start_model
-from .config import TrainConfig
 
 
 @dataclass

@@ -18,8 +18,8 @@ from ..io.atomic import atomic_path, atomic_paths
 from ..io.journal import check_settled
 from ..io.paths import parse_json, read_text
 from ..notices import notice
+from ..options.training import starts_from_checkpoint
 from ..text import label_safe
-from .config import starts_from_checkpoint
 from .progress import EMA_METRICS, METRICS
 
 _ATTN_COLUMN = re.compile(r"^attn(\d{1,4})_(share|gate|dist_px)$")

@@ -11,9 +11,9 @@ from torch import nn
 from ..data import build_transform
 from ..errors import CmhsaError
 from ..model import ATTENTION_PARAMS
+from ..options.training import INIT_STARTS, TrainConfig
 from ..starts import check_start
 from .augment import check_aa_numbers, check_supported
-from .config import INIT_STARTS, TrainConfig
 from .step import fusable
 
 

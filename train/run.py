@@ -40,7 +40,6 @@ from ..data import (
     epoch_sampler,
     image_mode,
 )
-from ..defaults import DATASETS, EVAL_CROP_PCT, EVAL_INTERPOLATION
 from ..errors import CmhsaError
 from ..io.checkpoint import Checkpoint, save_checkpoint
 from ..io.folder import Folder, make_folder, remove_made
@@ -50,8 +49,9 @@ from ..io.paths import parse_json
 from ..io.timm_folder import CONFIG, WEIGHTS
 from ..labels import to_metadata
 from ..model import VisionTransformer
+from ..options.training import RUNTIME_FIELDS, TrainConfig
+from ..options.values import DATASETS, EVAL_CROP_PCT, EVAL_INTERPOLATION
 from .augment import augment_spec, check_supported
-from .config import RUNTIME_FIELDS, TrainConfig
 from .distributed import Context, barrier, setup, teardown
 from .held import HeldEvalLoader, HeldLoader, eval_view, hold, holdable
 from .loop import Loop, seed_everything, train_one_epoch

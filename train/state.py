@@ -24,7 +24,7 @@ from ..config import ViTConfig
 from ..errors import CmhsaError, first_line
 from ..io.atomic import atomic_names, recover
 from ..io.folder import Folder
-from .config import TrainConfig
+from ..options.training import TrainConfig
 
 LAST = "checkpoint-last.pt"
 # an end-of-epoch copy (`keep`): exactly the names numbered_name gives, never a user's look-alike

@@ -14,7 +14,7 @@ return typed reports with ``to_dict()`` (the CLI renders them). One module per o
   image files.
 
 What each operation takes is a typed object with its defaults and ranges
-(:mod:`convit_convert.settings`: ``Geometry``, ``Verification``, ``CalibrationSource``,
+(:mod:`convit_convert.options.operations`: ``Geometry``, ``Verification``, ``CalibrationSource``,
 ``EvalOptions``, ``AttentionOptions``, ``PredictOptions``; ``ConversionSpec``; ``ExportOptions``),
 re-exported here.
 
@@ -25,7 +25,8 @@ stack: :mod:`.on_data` and :mod:`.predict` (torchvision, timm's transforms on us
 
 from __future__ import annotations
 
-from ..settings import (
+from ..options.conversion import ConversionSpec
+from ..options.operations import (
     AttentionOptions,
     CalibrationSource,
     EvalOptions,
@@ -33,7 +34,6 @@ from ..settings import (
     PredictOptions,
     Verification,
 )
-from ..spec import ConversionSpec
 from .common import as_float32, load_checkpoint, resolve_device
 from .convert import (
     Conversion,

@@ -12,8 +12,9 @@ import torch
 from ..errors import CmhsaError
 from ..io.atomic import check_writable
 from ..io.checkpoint import Checkpoint, check_geometry, load_tensor_checkpoint
-from ..settings import DEVICE_NAME, Geometry, check_device_name
-from ..spec import DEFAULT_TOL
+from ..options.checked import check_device_name
+from ..options.operations import Geometry
+from ..options.values import DEFAULT_TOL, DEVICE_NAME
 
 AMP = {"bf16": torch.bfloat16, "fp16": torch.float16, "none": None}
 
@@ -50,7 +51,7 @@ def resolve_device(name: str) -> str:
 
 
 def resolve_dtype(name: str) -> torch.dtype:
-    """float32 or float64 (a :class:`~convit_convert.settings.Verification`'s ``dtype``)."""
+    """float32 or float64 (a :class:`~convit_convert.options.operations.Verification`'s ``dtype``)."""
     return getattr(torch, name)
 
 

@@ -32,9 +32,9 @@ from ..io.checkpoint import Checkpoint, write_checkpoint
 from ..io.report import default_report_path, environment, file_facts, report_text
 from ..labels import to_metadata
 from ..model import VisionTransformer
+from ..options.conversion import ConversionPlan, ConversionSpec, Offset
+from ..options.operations import CalibrationSource, Geometry, Verification
 from ..resources import check_fits
-from ..settings import CalibrationSource, Geometry, Verification
-from ..spec import ConversionPlan, ConversionSpec, Offset
 from ..verify import VerifyResult, verify_models
 from .common import check_outputs, load_checkpoint, resolve_device, resolve_dtype
 

@@ -11,7 +11,7 @@ from typing import Any
 from ..io.atomic import atomic_paths
 from ..io.checkpoint import Checkpoint
 from ..io.report import environment, file_facts, report_text
-from ..onnx.options import ExportOptions
+from ..options.operations import ExportOptions
 from .common import check_outputs, load_checkpoint
 
 

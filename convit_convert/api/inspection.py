@@ -9,7 +9,7 @@ from typing import Any
 from ..construct import pinned_offsets
 from ..io.checkpoint import Checkpoint
 from ..io.report import file_facts
-from ..settings import Geometry
+from ..options.operations import Geometry
 from ..theory import HeadCount, head_count
 from .common import load_checkpoint
 

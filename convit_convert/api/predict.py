@@ -19,14 +19,14 @@ import numpy as np
 import torch
 
 from ..data import build_transform, folders_once, image_mode, is_image_name, open_image
-from ..defaults import EVAL_CROP_PCT
 from ..deploy import for_inference
 from ..errors import CmhsaError
 from ..io.atomic import atomic_write_text
 from ..io.paths import stat_input
 from ..io.timm_folder import WEIGHTS, folder_config
 from ..labels import check_class_names, name_of
-from ..settings import PredictOptions
+from ..options.operations import PredictOptions
+from ..options.values import EVAL_CROP_PCT
 from .common import load_checkpoint, pick_device
 
 MAX_IMAGES = 10**6  # images one predict reads (a folder's walk stops there, with an error)

@@ -8,8 +8,8 @@ from typing import Any
 from ..approximate import Calibration, HeldOut, heldout_errors, problems
 from ..errors import CmhsaError, article
 from ..io.checkpoint import Checkpoint
-from ..settings import CalibrationSource, HeadsQuery
-from ..spec import ConversionSpec, Offset
+from ..options.conversion import ConversionSpec, Offset
+from ..options.operations import CalibrationSource, HeadsQuery
 from ..theory import HeadCount, head_count
 from .convert import approximation, as_float32_model, converted_model, make_calibration
 

@@ -12,8 +12,8 @@ from ..errors import CmhsaError, article
 from ..io.atomic import check_writable
 from ..io.checkpoint import Checkpoint
 from ..io.report import environment, file_facts, write_report
+from ..options.operations import Verification, VerifyOptions
 from ..resources import check_fits
-from ..settings import Verification, VerifyOptions
 from ..verify import VerifyResult, verify_models
 from .common import load_checkpoint, resolve_device, resolve_dtype, same_file
 

@@ -8,7 +8,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from ..bounds import BOUNDS, check
+from ..options.values import BOUNDS, check
 
 
 def bounded(fn: Callable[..., Any]) -> Callable[..., Any]:

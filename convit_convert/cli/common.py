@@ -11,8 +11,8 @@ from rich.console import Console, ConsoleDimensions
 from rich.markup import escape
 from rich.table import Table
 
-from ..bounds import check
 from ..errors import CmhsaError
+from ..options.values import check
 from ..text import terminal_safe
 
 EXIT_FAIL, EXIT_BAD_INPUT = 1, 2

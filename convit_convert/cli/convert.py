@@ -12,8 +12,8 @@ from rich.table import Table
 
 from ..errors import CmhsaError
 from ..io.model_card import SHOWN_CLASSES
-from ..settings import CalibrationSource, Geometry, HeadsQuery, Verification, VerifyOptions
-from ..spec import ConversionSpec
+from ..options.conversion import ConversionSpec
+from ..options.operations import CalibrationSource, Geometry, HeadsQuery, Verification, VerifyOptions
 from .common import (
     EXIT_FAIL,
     console,

@@ -10,7 +10,7 @@ import typer
 from rich.table import Table
 
 from ..errors import CmhsaError
-from ..onnx.options import ExportOptions
+from ..options.operations import ExportOptions
 from .common import EXIT_FAIL, console, fmt, path_arg, path_opt, print_import, print_written, safe
 from .options import device_option, output_option
 

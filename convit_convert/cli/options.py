@@ -1,7 +1,7 @@
 """The options several commands share, declared once (one spelling, one default, one help text per
 concept, as huggingface_hub's CLI shares its option aliases), the old spellings kept as hidden
 aliases, and :func:`plain_help`, which makes every command's ``--help`` show each default once,
-no type metavars, every numeric option's range (bounds.BOUNDS), and arguments named as the README
+no type metavars, every numeric option's range (options.values.BOUNDS), and arguments named as the README
 names them (``INPUT``, not ``{input}``)."""
 
 from __future__ import annotations
@@ -12,9 +12,8 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from ..bounds import BOUNDS
-from ..defaults import DATASET_NOTES, DATASETS, MAX_DEFAULT_WORKERS
 from ..errors import CmhsaError
+from ..options.values import BOUNDS, DATASET_NOTES, DATASETS, MAX_DEFAULT_WORKERS
 
 DEVICE_HELP = "Where to run: auto (CUDA when there is one), cpu, cuda or cuda:N."
 WORKERS_HELP = (

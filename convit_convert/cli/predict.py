@@ -8,7 +8,7 @@ from typing import Annotated, Any, Optional
 import typer
 from rich.table import Table
 
-from ..settings import PredictOptions
+from ..options.operations import PredictOptions
 from .common import console, path_opt, safe
 from .options import device_option
 

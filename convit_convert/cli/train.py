@@ -19,8 +19,9 @@ import typer
 
 from ..errors import CmhsaError
 from ..io.folder import make_folder, remove_made
-from ..settings import AMPS, AttentionOptions, EvalOptions
-from ..train.config import DEFAULT_RULES, PEAK_LR, PRESETS, WARMUP_FRACTION, ModelFlags, TrainConfig
+from ..options.operations import AttentionOptions, EvalOptions
+from ..options.training import DEFAULT_RULES, PEAK_LR, PRESETS, WARMUP_FRACTION, ModelFlags, TrainConfig
+from ..options.values import AMPS
 from .common import EXIT_FAIL, console, print_titled, safe
 from .options import (
     CONVERSION_HELP,
@@ -46,7 +47,7 @@ RUN = "Running"
 
 class Flag(NamedTuple):
     """One option of `cmhsa train phase1/phase2`: its TrainConfig field (the default comes from
-    there; the range from bounds.BOUNDS), type, --help panel and text, and the phases that take it."""
+    there; the range from options.values.BOUNDS), type, --help panel and text, and the phases that take it."""
 
     name: str
     type: Any
@@ -56,7 +57,7 @@ class Flag(NamedTuple):
 
 
 def preset_help() -> str:
-    """--preset's help, written from the presets themselves (train/config.py's PRESETS)."""
+    """--preset's help, written from the presets themselves (options/training.py's PRESETS)."""
 
     def flags(values: dict[str, Any]) -> str:
         shown = {k: " ".join(map(str, v)) if isinstance(v, tuple) else v for k, v in values.items()}

@@ -20,7 +20,7 @@ from ..config import KINDS, ViTConfig
 from ..errors import CmhsaError, article
 from ..labels import from_metadata
 from ..model import VisionTransformer
-from ..settings import Geometry
+from ..options.operations import Geometry
 from ..version import __version__
 from .atomic import atomic_path
 from .journal import check_settled

@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from ..config import ViTConfig
-from ..defaults import EVAL_CROP_PCT, EVAL_INTERPOLATION
 from ..errors import CmhsaError
 from ..labels import check_class_names, from_metadata
+from ..options.values import EVAL_CROP_PCT, EVAL_INTERPOLATION
 from .atomic import atomic_names
 from .checkpoint import write_checkpoint
 from .folder import Folder, make_folder

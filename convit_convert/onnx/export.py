@@ -47,9 +47,6 @@ from ..verify import relative_error
 from .load import ort_session
 
 INPUT_NAME, OUTPUT_NAME, BATCH_AXIS = "pixel_values", "logits", "batch_size"
-EXPORTERS = ("dynamo", "legacy")
-FORMS = ("fused", "trained")
-MIN_OPSET = 17  # LayerNormalization
 CHECK_BATCHES = (1, 3)
 _PROTOBUF_LIMIT = 2**31 - 1
 
@@ -74,15 +71,6 @@ def _silenced() -> Iterator[None]:
             for fd, copy in saved:
                 os.dup2(copy, fd)
                 os.close(copy)
-
-
-def check_options(exporter: str, opset: int | None, form: str = "fused") -> None:
-    if form not in FORMS:
-        raise CmhsaError(f"`form` must be one of {', '.join(FORMS)}, got {form!r}")
-    if exporter not in EXPORTERS:
-        raise CmhsaError(f"`exporter` must be one of {', '.join(EXPORTERS)}, got {exporter!r}")
-    if opset is not None and opset < MIN_OPSET:
-        raise CmhsaError(f"`opset` {opset}: cmhsa models need opset >= {MIN_OPSET} (LayerNormalization)")
 
 
 def export_model(model: VisionTransformer, *, exporter: str = "dynamo", opset: int | None = None) -> Any:
@@ -269,8 +257,8 @@ def export_and_check(
 ) -> Exported:
     """Export ``model`` (as float32; its attention is swapped for the ``form``'s, in place) and
     check the result against the model as it was; ``classes``: the outputs' names, recorded in the
-    file. The options are checked once, by the operation
-    before any work (:func:`check_options`, called by ``api.export``)."""
+    file. The options were checked when made (``options.operations.ExportOptions``), before any
+    work."""
     model = model.float().eval()
     refs = reference_outputs(model, seed)  # before the swap: the reference is the model as trained
     t = time.perf_counter()

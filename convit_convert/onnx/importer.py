@@ -12,7 +12,7 @@ import torch
 from ..errors import CmhsaError
 from ..io.checkpoint import Checkpoint, validate_tensors
 from ..labels import KEY, from_metadata
-from ..spec import DEFAULT_TOL
+from ..options.values import DEFAULT_TOL
 from ..verify import relative_error
 from .layout import to_checkpoint
 from .load import load_onnx, ort_session, run_session

@@ -19,9 +19,10 @@ import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from .config import PINNING, ViTConfig
-from .settings import DEFAULT_TOL, Checked
-from .theory import patch_offsets
+from ..config import PINNING, ViTConfig
+from ..theory import patch_offsets
+from .checked import Checked
+from .values import DEFAULT_TOL
 
 DEFAULT_MARGIN = 40.0  # the paper's M = 40 (Appendix A.1), as a margin between competing logits
 RULES = ("greedy", "corner")  # how an approximate conversion picks its offsets (approximate.py)

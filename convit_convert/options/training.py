@@ -15,10 +15,10 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from ..defaults import CONV_FORMS, DATASETS, EVAL_CROP_PCT, EVAL_INTERPOLATION, IMPULSE_OFFSETS
 from ..errors import CmhsaError
-from ..settings import AMPS, Checked
-from ..spec import ConversionSpec
+from .checked import Checked
+from .conversion import ConversionSpec
+from .values import AMPS, CONV_FORMS, DATASETS, EVAL_CROP_PCT, EVAL_INTERPOLATION, IMPULSE_OFFSETS
 
 LOADERS = ("auto", "device", "workers")
 INIT_STARTS = ("mimetic", "impulse")  # phase-2 starts built without a checkpoint (convit_convert/starts.py)

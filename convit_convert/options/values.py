@@ -1,6 +1,7 @@
-"""Every number a user can give, bounded in one table (BOUNDS, by parameter name): a flag of any
-command, and the same value read back from a file (a resumed run's config and counters) are held
-to the same range. NaN and infinities are never in range.
+"""What each value a user gives may be, written once (no torch): the range of every number
+(:data:`BOUNDS`, by parameter name: a flag of any command and the same value read back from a file
+are held to one table; NaN and infinities are never in range), and the names and defaults several
+layers read (the datasets, the evaluation transform, phase 1's forms, the devices, the tolerance).
 
 Sizes are bounded generously (far above the paper's models) but finitely, by the same limits as a
 model file's config (``config.LIMITS``); what the sizes imply together (memory) is checked by the
@@ -12,11 +13,31 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from dataclasses import dataclass
 from typing import Any
 
-from .config import LIMITS
-from .errors import CmhsaError
+from ..config import LIMITS
+from ..errors import CmhsaError
+
+DATASETS = ("cifar100", "cifar10", "imagefolder", "digits", "fashion-mnist", "synthetic")
+DATASET_NOTES = {  # what --help says beside a dataset's name
+    "imagefolder": "DIR/train, DIR/val",
+    "digits": "scikit-learn's",
+    "fashion-mnist": "Debian's dataset-fashion-mnist",
+}
+MAX_DEFAULT_WORKERS = 4  # data.default_workers: at most this many, and never more than the CPUs
+EVAL_INTERPOLATION = "bicubic"  # the resize of `cmhsa eval`, of training's evaluation, of the exports
+EVAL_CROP_PCT = 0.875  # timm's default crop: a 224 px crop of a 256 px resize
+CONV_FORMS = ("auto", "pixels", "tokens")  # how phase 1's convolution computes (conv_mixer.py)
+IMPULSE_OFFSETS = ("conversion", "random")  # --init impulse: the offsets its heads are pinned to (starts.py)
+# The largest relative error a verification or an import check accepts. float32 rounding of the
+# paper's model (d = 768, 9 heads) measures 2e-7 to 5e-7 (BENCHMARKS.md, "Exactness of the converted
+# model"); an inexact construction (no sink at the border) is off by 1e-2 and more.
+DEFAULT_TOL = 1e-5
+DEVICE_NAME = re.compile(r"auto|cpu|cuda(?::(\d{1,4}))?")  # group 1: the GPU's index
+AMPS = ("auto", "bf16", "fp16", "none")
+DTYPES = ("float32", "float64")
 
 CPUS = os.cpu_count() or 1
 
