@@ -34,6 +34,8 @@ from .options import (
     QkInitStd,
     Sink,
     Tol,
+    VerifyBatch,
+    VerifyDtype,
     alias_option,
     calibration_options,
     device_option,
@@ -81,8 +83,8 @@ def convert(
     norm_eps: Annotated[
         float, typer.Option(help="Bare state dicts only: LayerNorm eps.")
     ] = GEOMETRY.norm_eps,
-    dtype: Annotated[str, typer.Option(help="Verification dtype: float32 or float64.")] = VERIFICATION.dtype,
-    batch: Annotated[int, typer.Option(help="Verification batch size.")] = VERIFICATION.batch,
+    dtype: VerifyDtype = VERIFICATION.dtype,
+    batch: VerifyBatch = VERIFICATION.batch,
     seed: Annotated[
         int, typer.Option(help="Seed for the verification images and any random W_Q, W_K.")
     ] = SPEC.seed,
@@ -227,8 +229,8 @@ def verify_cmd(
     conv: Annotated[Path, path_arg("Conv-phase checkpoint (.safetensors or .onnx).")],
     attn: Annotated[Path, path_arg("Attention checkpoint.")],
     tol: Annotated[float, typer.Option(help="Largest relative error accepted.")] = VERIFY.tol,
-    dtype: Annotated[str, typer.Option(help="float32 or float64.")] = VERIFICATION.dtype,
-    batch: Annotated[int, typer.Option(help="Random images per check.")] = VERIFICATION.batch,
+    dtype: VerifyDtype = VERIFICATION.dtype,
+    batch: VerifyBatch = VERIFICATION.batch,
     seed: Annotated[
         int, typer.Option(help="Seed for the random images (convert checks on seed 0's: these are others).")
     ] = VERIFY.seed,

@@ -48,6 +48,9 @@ Pinning = Annotated[str, typer.Option(help=CONVERSION_HELP["pinning"])]
 QkInitStd = Annotated[float, typer.Option(help=CONVERSION_HELP["qk_init_std"])]
 Margin = Annotated[float, typer.Option(help=CONVERSION_HELP["margin"])]
 Tol = Annotated[float, typer.Option(help=CONVERSION_HELP["tol"])]
+# A numerical check's (Verification's fields), for convert's and verify's checks alike
+VerifyDtype = Annotated[str, typer.Option(help="The check's dtype: float32 or float64.")]
+VerifyBatch = Annotated[int, typer.Option(help="Random images per check.")]
 
 
 def output_option(help: str) -> Any:
