@@ -23,7 +23,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -61,10 +61,11 @@ class Loop:
     prepare: Any = None  # the device loader's augmentation (inputs -> images); None: images as given
     mixup: Any = None  # timm's Mixup/CutMix
     compiled: CompiledStep | None = None  # --compile: the step's middle as one graph
-    tally: Tally | None = None  # made by __post_init__
     probe: torch.Tensor | None = None  # attn models: fixed val images for the per-epoch attention metrics
     config_json: str = ""  # config.json's text, written with every checkpoint
     classes: tuple[str, ...] | None = None  # the outputs' names, where the data names them (labels.py)
+    tally: Tally = field(init=False)  # the losses since the last read-out, on the device
+    params: list[torch.Tensor] = field(init=False)  # what the optimizer updates
 
     def __post_init__(self) -> None:
         self.tally = Tally(self.ctx)
@@ -144,7 +145,7 @@ def read_out(loop: Loop, stop: Any, since: int, t_last: float) -> bool:
     run. True if a stop was requested (on any rank)."""
     st, ctx = loop.state, loop.ctx
     steps = st.step - since
-    totals = loop.tally.read(steps)  # type: ignore[union-attr]
+    totals = loop.tally.read(steps)
     if totals.bad_step is not None:
         raise CheckFailed(non_finite_message(totals.loss_sum, st.epoch, since + totals.bad_step, loop.out))
     now = time.perf_counter()

@@ -174,7 +174,10 @@ class CompiledStep:
         if self.augment_inside:
             values, skip, grads = self.learn(inputs, labels, tally.values)
         else:
-            images = self.prepare(inputs) if self.prepare is not None else inputs.to(self.ctx.device)
+            device = self.ctx.device
+            images = (
+                self.prepare(inputs) if self.prepare is not None else inputs.to(device, non_blocking=True)
+            )
             if self.mixup is not None:
                 images, labels = self.mixup(images, labels)
             values, skip, grads = self.learn(images, labels, tally.values)
