@@ -226,3 +226,13 @@ def test_the_values_the_library_once_took_are_refused(make_it: Any) -> None:
     reached the conversion plan."""
     with pytest.raises(CmhsaError, match="must be"):
         make_it()
+
+
+@pytest.mark.parametrize("value", [True, "4", (1, "x"), [2.0, None]])
+def test_a_range_check_refuses_what_is_no_number(value: Any) -> None:
+    """options.values.check, which the CLI and every option object call: a bool or text is no
+    number, so never "in range" (it once skipped both)."""
+    from convit_convert.options.values import check
+
+    with pytest.raises(CmhsaError, match="`batch` must be a number"):
+        check("batch", value)

@@ -1,20 +1,43 @@
-"""The CLI's side of the bounds (convit_convert/bounds.py holds the table): every command's
+"""The CLI's side of the bounds (convit_convert/options/values.py holds the table): every command's
 numeric options checked before it runs, so a violation is one line naming the flag (exit 2)."""
 
 from __future__ import annotations
 
 import functools
 import inspect
+import types
+import typing
 from collections.abc import Callable
-from typing import Any
+from typing import Annotated, Any, Union
 
 from ..options.values import BOUNDS, check
 
 
+def numeric(hint: Any) -> bool:
+    """Whether a parameter annotated ``hint`` holds numbers: int or float, optional, in a tuple."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is Annotated:
+        return numeric(args[0])
+    if origin in (Union, types.UnionType):
+        rest = [a for a in args if a is not type(None)]
+        return bool(rest) and all(map(numeric, rest))
+    if origin is tuple:
+        return all(numeric(a) for a in args if a is not Ellipsis)
+    return hint in (int, float)
+
+
 def bounded(fn: Callable[..., Any]) -> Callable[..., Any]:
     """`fn` (a command) with its numeric options checked against BOUNDS before it runs (their
-    ranges are added to ``--help`` by options.plain_help, on the built command)."""
-    names = [n for n in inspect.signature(fn).parameters if n in BOUNDS]
+    ranges are added to ``--help`` by options.plain_help, on the built command). A parameter of
+    the same name that is text (convert's "HxW") or paths (predict's images) is the command's to
+    parse: its numbers are checked there."""
+    hints = typing.get_type_hints(fn, include_extras=True)
+    params = inspect.signature(fn).parameters
+    names = [
+        n
+        for n, p in params.items()
+        if n in BOUNDS and numeric(hints.get(n) if isinstance(p.annotation, str) else p.annotation)
+    ]
 
     @functools.wraps(fn)
     def command(*args: Any, **kwargs: Any) -> Any:

@@ -151,11 +151,14 @@ BOUNDS: dict[str, Bound] = {
 
 
 def check(name: str, value: Any, path: object = None) -> None:
-    """Raise CmhsaError naming the parameter (`name`, which the CLI prints as its flag) unless every
-    number in `value` is in BOUNDS[name]."""
+    """Raise CmhsaError naming the parameter (`name`, which the CLI prints as its flag) unless
+    `value` (a number, or a tuple or list of them; None: not given) is in BOUNDS[name]. A bool or
+    anything else that is no number is refused too: the range is of numbers."""
     bound = BOUNDS.get(name)
-    if bound is None or value is None or isinstance(value, bool):
+    if bound is None or value is None:
         return
     for x in value if isinstance(value, (tuple, list)) else (value,):
-        if isinstance(x, (int, float)) and not bound.holds(x):
+        if isinstance(x, bool) or not isinstance(x, (int, float)):
+            raise CmhsaError(f"`{name}` must be a number, got {x!r}", path)
+        if not bound.holds(x):
             raise CmhsaError(f"`{name}` must be {bound.text()}, got {num(x)}", path)
