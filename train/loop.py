@@ -85,7 +85,7 @@ def train_one_step(loop: Loop, inputs: Any, labels: torch.Tensor) -> None:
             images, labels = loop.mixup(images, labels)
         with autocast(device, loop.dtype):
             loss = loop.criterion(loop.forward(images), labels)
-        tally.add(loss)  # on the device: the sum, and whether any loss since the last read-out was finite
+        tally.add(loss)  # on the device: the sum, and whether every loss since the last read-out was finite
         backward(scaler.scale(loss), loop.params, loop.ctx)  # fp16 scales the loss; else it is as is
     clip = loop.cfg.recipe.clip_grad
     if clip is not None:
