@@ -27,6 +27,8 @@ from .common import (
     safe,
 )
 from .options import (
+    BareImgSize,
+    BarePatchSize,
     Heads,
     Margin,
     Pinning,
@@ -75,8 +77,8 @@ def convert(
         bool, typer.Option("--verify/--no-verify", help="Check the result numerically before writing it.")
     ] = True,
     report: Annotated[Path | None, path_opt("Report path (default: OUTPUT's stem + .report.json).")] = None,
-    img_size: Annotated[str | None, typer.Option(help="Bare state dicts only: image size, H or HxW.")] = None,
-    patch_size: Annotated[int | None, typer.Option(help="Bare state dicts only: patch size P.")] = None,
+    img_size: BareImgSize = None,
+    patch_size: BarePatchSize = None,
     dilation: Annotated[
         int, typer.Option(help="Bare state dicts only: the convolutions' dilation.")
     ] = GEOMETRY.dilation,
@@ -263,10 +265,8 @@ def inspect(
             "--patch-size."
         ),
     ],
-    img_size: Annotated[str | None, typer.Option(help="Bare state dicts only: image size, H or HxW.")] = None,
-    patch_size: Annotated[
-        int | None, typer.Option(help="Bare state dicts only: patch size P.")
-    ] = GEOMETRY.patch_size,
+    img_size: BareImgSize = None,
+    patch_size: BarePatchSize = GEOMETRY.patch_size,
 ) -> None:
     """Kind, config, size and hash of a checkpoint; for attention, each head's pinned offset."""
     from ..api import inspect_file

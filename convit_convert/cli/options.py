@@ -48,6 +48,12 @@ Pinning = Annotated[str, typer.Option(help=CONVERSION_HELP["pinning"])]
 QkInitStd = Annotated[float, typer.Option(help=CONVERSION_HELP["qk_init_std"])]
 Margin = Annotated[float, typer.Option(help=CONVERSION_HELP["margin"])]
 Tol = Annotated[float, typer.Option(help=CONVERSION_HELP["tol"])]
+# How a bare state dict is read (Geometry's fields): convert and inspect
+BareImgSize = Annotated[Optional[str], typer.Option(help="Bare state dicts only: image size, H or HxW.")]  # noqa: UP045
+BarePatchSize = Annotated[Optional[int], typer.Option(help="Bare state dicts only: patch size P.")]  # noqa: UP045
+# A pass over a dataset (EvalOptions' and AttentionOptions' fields): eval and attention
+BatchSize = Annotated[int, typer.Option(help="Batch size.")]
+SyntheticSeed = Annotated[int, typer.Option(help="Seed of --data synthetic.")]
 # A numerical check's (Verification's fields), for convert's and verify's checks alike
 VerifyDtype = Annotated[str, typer.Option(help="The check's dtype: float32 or float64.")]
 VerifyBatch = Annotated[int, typer.Option(help="Random images per check.")]

@@ -29,6 +29,8 @@ from .options import (
     DATA_HELP,
     DEVICE_HELP,
     WORKERS_HELP,
+    BatchSize,
+    SyntheticSeed,
     alias_option,
     data_dir_option,
     data_option,
@@ -386,12 +388,12 @@ def eval_command(
     data: Annotated[Optional[str], data_option()] = None,  # noqa: UP045
     data_dir: Annotated[Optional[str], data_dir_option()] = EvalOptions.data_dir,  # noqa: UP045
     download: Annotated[bool, typer.Option(help="Let torchvision download CIFAR.")] = EvalOptions.download,
-    batch_size: Annotated[int, typer.Option(help="Batch size.")] = EvalOptions.batch_size,
+    batch_size: BatchSize = EvalOptions.batch_size,
     device: Annotated[str, device_option()] = EvalOptions.device,
     amp: Annotated[str, typer.Option(help=f"{', '.join(AMPS[:-1])} or {AMPS[-1]}.")] = EvalOptions.amp,
     workers: Annotated[Optional[int], workers_option()] = EvalOptions.workers,  # noqa: UP045
     crop_pct: Annotated[float, typer.Option(help="Eval centre-crop fraction.")] = EvalOptions.crop_pct,
-    seed: Annotated[int, typer.Option(help="Seed of --data synthetic.")] = EvalOptions.seed,
+    seed: SyntheticSeed = EvalOptions.seed,
 ) -> None:
     """Top-1 / top-5 accuracy and loss of a checkpoint on a dataset's validation split."""
     from rich.table import Table
@@ -455,9 +457,9 @@ def attention_command(
     data: Annotated[Optional[str], data_option()] = None,  # noqa: UP045
     data_dir: Annotated[Optional[str], data_dir_option()] = AttentionOptions.data_dir,  # noqa: UP045
     images: Annotated[int, typer.Option(help="Validation images to average over.")] = AttentionOptions.images,
-    batch_size: Annotated[int, typer.Option(help="Batch size.")] = AttentionOptions.batch_size,
+    batch_size: BatchSize = AttentionOptions.batch_size,
     device: Annotated[str, device_option()] = AttentionOptions.device,
-    seed: Annotated[int, typer.Option(help="Seed of --data synthetic.")] = AttentionOptions.seed,
+    seed: SyntheticSeed = AttentionOptions.seed,
 ) -> None:
     """What each head attends to on real images: pinned share, attention distance, entropy, gate."""
     import json
