@@ -24,6 +24,7 @@ from conftest import (
     TINY_FLAGS,
     check_outcome,
     copy_run,
+    in_a_process,
     invoke,
     leftovers,
     one_error_line,
@@ -138,13 +139,7 @@ main()
 
 def cmhsa_signalled_at_rename(args: list[object], at: int, sig: int) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "KILL_AT": str(at), "KILL_SIG": str(int(sig))}
-    return subprocess.run(
-        [sys.executable, "-c", AT_RENAME, *map(str, args)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
+    return in_a_process("-c", AT_RENAME, *args, env=env, timeout=600)
 
 
 def pair_is_one_write(model: Path, report: Path) -> bool:
@@ -356,13 +351,7 @@ def test_overwrite_cut_short_after_the_first_checkpoint_is_finished_by_resume(
     args = ["train", "phase1", *TINY_FLAGS, "--epochs", "2", "--seed", "3", "--overwrite", "-o", run]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "KILL_NAME": "model.safetensors"}
     env["KILL_SIG"] = str(int(signal.SIGKILL))  # killed at the timm folder's first removal
-    r = subprocess.run(
-        [sys.executable, "-c", AT_UNLINK, *map(str, args)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
+    r = in_a_process("-c", AT_UNLINK, *args, env=env, timeout=600)
     assert r.returncode == -signal.SIGKILL, r.stderr[-2000:]
     assert json.loads((run / "config.json").read_text())["seed"] == 3  # the new run's first checkpoint
     assert old_files_left(run)  # killed mid-removal

@@ -61,13 +61,7 @@ def test_library_warnings_reach_the_terminal_only_with_debug() -> None:
         "main()\n"
     )
     for debug in ([], ["--debug"]):
-        p = subprocess.run(
-            [sys.executable, "-c", program, *debug, "inspect", str(FIXTURE)],
-            capture_output=True,
-            text=True,
-            cwd=ROOT,
-            timeout=240,
-        )
+        p = in_a_process("-c", program, *debug, "inspect", FIXTURE, timeout=240)
         assert p.returncode == 0, p.stderr[-2000:]
         assert ("a library's warning" in p.stderr) == bool(debug), p.stderr[-2000:]
         assert ("No CUDA runtime is found" in p.stderr) == bool(debug), p.stderr[-2000:]

@@ -64,6 +64,16 @@ def _sci(x: float) -> str:
     return f"{float(mantissa):g}e{int(exponent)}"
 
 
+# The flat flags spelled apart from their group's field: flag -> (group, field). A group's refusal
+# names the flag (DataConfig.FLAG_OF; the conversion's in from_flags), so both read this one table.
+_RENAMED = {"data": ("data", "name"), "data_dir": ("data", "dir"), "verify_tol": ("conversion", "tol")}
+
+
+def flags_of(group: str) -> dict[str, str]:
+    """The fields of ``group`` whose flag has another name: field -> flag."""
+    return {attr: flag for flag, (g, attr) in _RENAMED.items() if g == group}
+
+
 # The flags whose default is a rule, not a value: the rule in words, beside the code that applies it
 # (from_flags, peak_lr, attn_lr_scale, data.default_threads); --help shows these
 DEFAULT_RULES = {
@@ -80,7 +90,7 @@ class DataConfig(Checked):
     """What the run trains and evaluates on."""
 
     CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"name": DATASETS, "loader": LOADERS}
-    FLAG_OF: ClassVar[dict[str, str]] = {"name": "data", "dir": "data_dir"}
+    FLAG_OF: ClassVar[dict[str, str]] = flags_of("data")
 
     name: str = "cifar100"  # flag: data
     dir: str | None = None  # flag: data_dir
@@ -204,7 +214,6 @@ GROUPS = {
     "recipe": RecipeConfig,
     "runtime": RuntimeConfig,
 }
-_RENAMED = {"data": ("data", "name"), "data_dir": ("data", "dir"), "verify_tol": ("conversion", "tol")}
 _CONVERSION_FLAGS = ("heads", "qk_dim", "sink", "pinning", "qk_init_std", "margin", "verify_tol")
 FLAG_FIELDS: dict[str, tuple[str | None, str]] = {
     "phase": (None, "phase"),
@@ -305,8 +314,11 @@ class TrainConfig(Checked):
             groups["conversion"]["pinning"] = "gated" if from_ckpt or init == "impulse" else "hard"
         try:
             conversion = ConversionSpec(seed=top.get("seed", 0), **groups["conversion"])
-        except CmhsaError as e:  # the spec's `tol` is the run's `verify_tol`
-            raise CmhsaError(e.message.replace("`tol`", "`verify_tol`")) from None
+        except CmhsaError as e:  # ConversionSpec names its fields (convert's flags): the run's are these
+            message = e.message
+            for attr, flag in flags_of("conversion").items():
+                message = message.replace(f"`{attr}`", f"`{flag}`")
+            raise CmhsaError(message) from None
         return cls(**top, **made, conversion=conversion)
 
     def replace(self, **flags: Any) -> TrainConfig:
