@@ -76,12 +76,21 @@ class DropPath(nn.Module):
         super().__init__()
         self.drop_prob = drop_prob
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def draw(self, batch: int, ndim: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The per-sample mask (batch, 1, ...) of 0/1 that :meth:`forward` multiplies by, drawn
+        from the global RNG as forward draws it."""
+        return torch.empty((batch,) + (1,) * (ndim - 1), dtype=dtype, device=device).bernoulli_(
+            1.0 - self.drop_prob
+        )
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``mask``: one drawn beforehand (:meth:`draw`), where the caller draws each sample's
+        masks from its own stream (stacked seeds); None: drawn here."""
         if self.drop_prob == 0.0 or not self.training:
             return x
-        keep = 1.0 - self.drop_prob
-        mask = x.new_empty((x.shape[0],) + (1,) * (x.ndim - 1)).bernoulli_(keep)
-        return x * mask / keep
+        if mask is None:
+            mask = self.draw(x.shape[0], x.ndim, x.dtype, x.device)
+        return x * mask / (1.0 - self.drop_prob)
 
 
 class Block(nn.Module):
@@ -118,10 +127,14 @@ class Block(nn.Module):
         if isinstance(self.mixer, RelPosAttention):
             setattr(self, self.mixer_name, FusedRelPosAttention(self.mixer.eval(), portable))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, N, dim) -> (B, N, dim)."""
-        x = x + self.drop_path(self.mixer(self.norm1(x)))
-        return x + self.drop_path(self.mlp(self.norm2(x)))
+    def forward(
+        self, x: torch.Tensor, masks: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """(B, N, dim) -> (B, N, dim); ``masks``: the two branches' drop-path masks, drawn
+        beforehand (:meth:`VisionTransformer.drop_masks`), or None to draw them here."""
+        m1, m2 = (None, None) if masks is None else masks
+        x = x + self.drop_path(self.mixer(self.norm1(x)), m1)
+        return x + self.drop_path(self.mlp(self.norm2(x)), m2)
 
 
 def init_weights(module: nn.Module) -> None:
@@ -233,15 +246,33 @@ class VisionTransformer(nn.Module):
             cfg.embed_dim, cfg.grid_size, cfg.num_heads, cfg.qk_dim, cfg.v_dim, bool(cfg.sink), gated, form
         )
 
-    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, in_chans, H, W) images -> (B, N, embed_dim) normalised tokens."""
+    def forward_features(self, x: torch.Tensor, drop_masks: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """(B, in_chans, H, W) images -> (B, N, embed_dim) normalised tokens. ``drop_masks``:
+        :meth:`drop_masks`'s, drawn beforehand; None: each block draws its own."""
         x = self.patch_embed(check_image_shape(x, (self.cfg.in_chans, *self.cfg.img_size)))
-        for block in self.blocks:
+        for i, block in enumerate(self.blocks):
+            masks = None if drop_masks is None else (drop_masks[2 * i], drop_masks[2 * i + 1])
             if self.grad_checkpointing and torch.is_grad_enabled():
-                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+                x = torch.utils.checkpoint.checkpoint(block, x, masks, use_reentrant=False)
             else:
-                x = block(x)
+                x = block(x, masks)
         return self.norm(x)
+
+    def drop_masks(self, batch: int, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+        """Every drop-path mask one training forward of a ``batch`` draws, drawn now from the global
+        RNG in the order forward draws them (each block's mixer branch, then its MLP branch), each
+        (batch, 1, 1) of ``dtype`` (the branches' output dtype: autocast's, else the weights');
+        the same masks forward would have drawn from the same RNG state. [] when none is drawn
+        (no drop path, or eval mode)."""
+        drawn = [b.drop_path for b in self.blocks if b.drop_path.drop_prob > 0.0 and b.drop_path.training]
+        if not drawn:
+            return []
+        ones = torch.ones((batch, 1, 1), dtype=dtype, device=device)  # a block without: no draw
+        return [
+            dp.draw(batch, 3, dtype, device) if dp in drawn else ones
+            for dp in (b.drop_path for b in self.blocks)
+            for _ in range(2)
+        ]
 
     def forward_intermediates(
         self,

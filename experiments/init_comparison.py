@@ -58,11 +58,9 @@ def arms_for(args: argparse.Namespace) -> list[Arm]:
     return [arm for seed in args.seeds for arm in seed_arms(args, seed)]
 
 
-def seed_arms(args: argparse.Namespace, seed: int) -> list[Arm]:
-    """One seed's runs; the phase-1 half first, as four runs wait for it."""
-    e, half, d = args.epochs, args.epochs // 2, args.out / f"seed{seed}"
-    common = dict(
-        seed=seed,
+def run_flags(args: argparse.Namespace) -> dict:
+    """The flags every run of the comparison shares, from the script's."""
+    return dict(
         train_samples=args.train_samples,
         val_samples=args.val_samples,
         batch_size=args.batch_size,
@@ -71,6 +69,12 @@ def seed_arms(args: argparse.Namespace, seed: int) -> list[Arm]:
         device=args.device,
         loader=args.loader,
     )
+
+
+def seed_arms(args: argparse.Namespace, seed: int) -> list[Arm]:
+    """One seed's runs; the phase-1 half first, as four runs wait for it."""
+    e, half, d = args.epochs, args.epochs // 2, args.out / f"seed{seed}"
+    common = dict(seed=seed, **run_flags(args))
     arms = []
 
     def add(name: str, epochs: int, warm: bool = True, after: tuple[str, ...] = (), **kw) -> None:

@@ -56,8 +56,10 @@ CLI_ONLY = {
     "predict": {"output"},
     "attention": {"output", "data"},
     "plot": {"output"},
-    "train phase1": {"output", "out"},
-    "train phase2": {"output", "out"},
+    # seeds: comma-separated text, parsed to RuntimeConfig.seeds' tuple (cli/train.seed_list; the
+    # library's range of each seed: tests/test_stacked.py)
+    "train phase1": {"output", "out", "seeds"},
+    "train phase2": {"output", "out", "seeds"},
 }
 REQUIRED = {"data": "digits"}  # what objects with a required field are made with here
 

@@ -2,6 +2,7 @@
 
 - the flags: ``TrainConfig`` (:mod:`convit_convert.options.training`), built from the flat flags;
 - `run.py`: a run, built (data, model, recipe, resumed state), looped over epochs, its model written;
+- `stacked.py`: ``--seeds``, several seeds of one run in one process, their steps batched;
 - `phases.py`: the model each phase trains; `recipe.py`: timm's optimizer, scheduler, Mixup, loss;
 - `augment.py`: timm's training augmentation on the device; `held.py`: datasets held on the device;
 - `loop.py`: the training loop, from a batch to the optimizer's update, and each epoch's

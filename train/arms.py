@@ -52,13 +52,30 @@ class Arm:
         return Path(self.config.runtime.out)
 
     @property
+    def folders(self) -> list[Path]:
+        """The arm's run folders: ``out``, or with ``seeds`` (stacked) each seed's in it."""
+        from .stacked import seed_folder
+
+        seeds = self.config.runtime.seeds
+        return [seed_folder(self.out, s) for s in seeds] if seeds else [self.out]
+
+    @property
     def model(self) -> Path:
-        return self.out / OUTPUT[self.config.phase]
+        """The trained model (the first seed's, for a stacked arm: :attr:`models`)."""
+        return self.models[0]
+
+    @property
+    def models(self) -> list[Path]:
+        return [f / OUTPUT[self.config.phase] for f in self.folders]
+
+    def done(self) -> bool:
+        return all(m.is_file() for m in self.models)
 
     def rows(self) -> list[dict[str, float]]:
-        """metrics.csv's rows as numbers, one per finished epoch ([] before the first)."""
+        """metrics.csv's rows as numbers, one per finished epoch ([] before the first); the first
+        seed's for a stacked arm."""
         try:
-            with open(self.out / "metrics.csv", newline="") as f:
+            with open(self.folders[0] / "metrics.csv", newline="") as f:
                 return [{k: float(v) for k, v in r.items() if v} for r in csv.DictReader(f)]
         except OSError:
             return []
@@ -134,7 +151,7 @@ def run_arms(
         raise CmhsaError(f"`time_budget` must be a positive number of seconds, got {time_budget}")
     by_name = {a.name: a for a in arms}
     for a in arms:
-        a.status = DONE if a.model.is_file() else WAITING
+        a.status = DONE if a.done() else WAITING
     check("threads", threads)  # the range `cmhsa train --threads` takes
     start = time.monotonic()
     deadline = None if time_budget is None else start + time_budget
@@ -150,7 +167,7 @@ def run_arms(
             running.remove(r)
             r.log.close()  # type: ignore[attr-defined]
             r.arm.seconds = time.monotonic() - r.started
-            if code == 0 and r.arm.model.is_file():
+            if code == 0 and r.arm.done():
                 r.arm.status = DONE
             elif code in (
                 128 + signal.SIGTERM,
@@ -186,7 +203,7 @@ def run_arms(
 def _launch(arm: Arm, threads: int) -> _Running:
     make_folder(arm.out, "run folder")
     # without a checkpoint it is a fresh start: whatever an earlier attempt left is the arm's own
-    started = (arm.out / LAST).is_file()
+    started = any((f / LAST).is_file() for f in arm.folders)
     cfg = arm.config.replace(resume=started, overwrite=not started, threads=threads)
     spec = arm.out / "arm.json"
     spec.write_text(cfg.to_json())
@@ -214,14 +231,16 @@ def _child(spec: Path) -> int:
     """One arm: run its config, add this process's CPU seconds to cpu_seconds.txt; the exit code
     says how it ended (0 done, 128 + signal when stopped, 1 failed)."""
     from .run import run
+    from .stacked import run_seeds
 
     cfg = TrainConfig.from_dict(json.loads(spec.read_text()))
     t = time.process_time()
     try:
-        result = run(cfg)
+        results = run_seeds(cfg) if cfg.runtime.seeds else [run(cfg)]
     except CmhsaError as e:
         print(f"error: {e}", flush=True)
         return 1
+    result = next((r for r in results if r.stopped), results[0])
     cpu_file = Path(cfg.runtime.out) / "cpu_seconds.txt"
     before = float(cpu_file.read_text()) if cpu_file.is_file() else 0.0
     cpu_file.write_text(f"{before + time.process_time() - t:.1f}\n")

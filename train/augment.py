@@ -591,8 +591,8 @@ def resized_crop(x: torch.Tensor, box: torch.Tensor, flip: torch.Tensor, size: t
 
 @made_once
 def _levels(values: tuple[float, ...], device: str) -> torch.Tensor:
-    """(1, C, 1, 1) per-channel constants × 255 (made once, not per batch)."""
-    return torch.tensor(values, device=device).view(1, -1, 1, 1) * 255
+    """(1, C, 1, 1) float32 per-channel constants × 255 (made once, not per batch)."""
+    return torch.tensor(values, dtype=torch.float32, device=device).view(1, -1, 1, 1) * 255
 
 
 def normalise(x: torch.Tensor, mean: tuple[float, ...], std: tuple[float, ...]) -> torch.Tensor:

@@ -74,8 +74,7 @@ class Loop:
 
 def train_one_step(loop: Loop, inputs: Any, labels: torch.Tensor) -> None:
     """One optimizer step on a batch, with no read of a device value (for a fused optimizer)."""
-    st, device, tally = loop.state, loop.ctx.device, loop.tally
-    optimizer, scaler = st.optimizer, st.scaler
+    device, tally, scaler = loop.ctx.device, loop.tally, loop.state.scaler
     labels = labels.to(device, non_blocking=True)
     if loop.compiled is not None:  # the same as the lines below, as one graph: gradients in p.grad
         loop.compiled(inputs, labels, tally)
@@ -87,11 +86,17 @@ def train_one_step(loop: Loop, inputs: Any, labels: torch.Tensor) -> None:
             loss = loop.criterion(loop.forward(images), labels)
         tally.add(loss)  # on the device: the sum, and whether every loss since the last read-out was finite
         backward(scaler.scale(loss), loop.params, loop.ctx)  # fp16 scales the loss; else it is as is
+    finish_step(loop)
+
+
+def finish_step(loop: Loop) -> None:
+    """The step after the gradients: clip, update, zero_grad, the EMA and the scheduler."""
+    st, optimizer, scaler = loop.state, loop.state.optimizer, loop.state.scaler
     clip = loop.cfg.recipe.clip_grad
     if clip is not None:
         scaler.unscale_(optimizer)  # a no-op unless fp16's scaler is on
         nn.utils.clip_grad_norm_(loop.params, clip, foreach=True)
-    update(optimizer, scaler, tally.skip)  # skipped on the device after a non-finite loss
+    update(optimizer, scaler, loop.tally.skip)  # skipped on the device after a non-finite loss
     optimizer.zero_grad(set_to_none=True)
     st.global_step += 1
     if st.ema is not None:
@@ -106,15 +111,8 @@ def train_one_epoch(loop: Loop, stop: Any, stop_after_steps: int | None = None) 
     ``log_every`` steps and the epoch's last): a stop request is acted on at the next one (at the
     next step with one process)."""
     cfg, ctx, st = loop.cfg, loop.ctx, loop.state
-    epoch, first = st.epoch, st.step
-    if first > 0 and st.rng is not None:
-        set_rng_state(st.rng)
-    else:
-        seed_everything(sample_seed(cfg.seed, epoch, 10_000 + ctx.rank))
-        st.partial = {"loss_sum": 0.0, "seconds": 0.0, "images": 0}
-    loop.train_loader.sampler.set_epoch(epoch, first)
-    loop.reporter.start_epoch(epoch, loop.steps_per_epoch, first)
-    lr = st.optimizer.param_groups[0]["lr"]
+    first, lr = st.step, begin_epoch(loop)
+    loop.reporter.start_epoch(st.epoch, loop.steps_per_epoch, first)
     every = max(1, cfg.runtime.log_every)
     t_last, since = time.perf_counter(), first
     # the device loader's raw batches when the step augments them (loop.prepare), else the loader's own
@@ -133,10 +131,29 @@ def train_one_epoch(loop: Loop, stop: Any, stop_after_steps: int | None = None) 
         if st.step > since:  # the steps since the last read-out, into the totals the checkpoint saves
             read_out(loop, stop, since, t_last)
         return False
-    st.scheduler.step(epoch + 1)
-    st.metrics.append(evaluated(loop, lr))
-    st.epoch, st.step, st.rng = epoch + 1, 0, None
+    end_epoch(loop, lr)
     return True
+
+
+def begin_epoch(loop: Loop) -> float:
+    """The epoch's global RNGs (seeded from (seed, epoch, rank); a resumed epoch's as saved) and
+    its sampler's order from the step the run is at; returns the epoch's learning rate."""
+    cfg, st = loop.cfg, loop.state
+    if st.step > 0 and st.rng is not None:
+        set_rng_state(st.rng)
+    else:
+        seed_everything(sample_seed(cfg.seed, st.epoch, 10_000 + loop.ctx.rank))
+        st.partial = {"loss_sum": 0.0, "seconds": 0.0, "images": 0}
+    loop.train_loader.sampler.set_epoch(st.epoch, st.step)
+    return st.optimizer.param_groups[0]["lr"]
+
+
+def end_epoch(loop: Loop, lr: float) -> None:
+    """The scheduler's epoch step, the epoch's metrics row (evaluation), the counters at the next epoch."""
+    st = loop.state
+    st.scheduler.step(st.epoch + 1)
+    st.metrics.append(evaluated(loop, lr))
+    st.epoch, st.step, st.rng = st.epoch + 1, 0, None
 
 
 def read_out(loop: Loop, stop: Any, since: int, t_last: float) -> bool:
@@ -162,8 +179,9 @@ def read_out(loop: Loop, stop: Any, since: int, t_last: float) -> bool:
 
 
 def evaluated(loop: Loop, lr: float) -> dict[str, Any]:
-    """The finished epoch's metrics.csv row: its training loss and speed, the validation split's
-    loss and top-1/top-5 (and the EMA's), and for attention models what the heads attend to."""
+    """The finished epoch's metrics.csv row: its training loss and speed; at an evaluated epoch
+    (every `eval_every` and the last) the validation split's loss and top-1/top-5 (and the EMA's),
+    and for attention models what the heads attend to."""
     st, ctx = loop.state, loop.ctx
 
     def reduce(sums: torch.Tensor) -> None:  # every rank's validation share summed
@@ -172,11 +190,14 @@ def evaluated(loop: Loop, lr: float) -> dict[str, Any]:
     row: dict[str, Any] = {
         "epoch": st.epoch + 1,
         "train_loss": st.partial["loss_sum"] / max(loop.steps_per_epoch, 1),
-        **evaluate(st.model, loop.val_loader, ctx.device, loop.dtype, reduce),
         "lr": lr,
         "epoch_seconds": st.partial["seconds"],
         "images_per_s": st.partial["images"] / max(st.partial["seconds"], 1e-9),
     }
+    every, epochs = loop.cfg.runtime.eval_every, loop.cfg.recipe.epochs
+    if (st.epoch + 1) % every != 0 and st.epoch + 1 != epochs:  # `eval_every`: not this epoch
+        return row
+    row.update(evaluate(st.model, loop.val_loader, ctx.device, loop.dtype, reduce))
     if st.ema is not None:
         em = evaluate(st.ema.module, loop.val_loader, ctx.device, loop.dtype, reduce)
         row.update(ema_val_loss=em["val_loss"], ema_top1=em["top1"], ema_top5=em["top5"])

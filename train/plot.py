@@ -49,7 +49,12 @@ def read_metrics(run: Path) -> list[dict[str, float]]:
         raise CmhsaError(f"metrics.csv holds {bad!r}, not a metric (finite, within ±{LARGEST:g})", path)
     if not parsed:
         raise CmhsaError("metrics.csv has no epochs yet", path)
-    missing = [c for c in COLUMNS if any(c not in r for r in parsed)]
+    # `eval_every` leaves the validation columns of the epochs between evaluations empty
+    missing = [
+        c
+        for c in COLUMNS
+        if any(c not in r for r in parsed) and (c == "epoch" or all(c not in r for r in parsed))
+    ]
     if missing:
         raise CmhsaError(
             f"metrics.csv lacks the column(s) {', '.join(missing)} (not written by cmhsa train?)", path
@@ -220,11 +225,16 @@ def curves_figure(runs: list[Path]) -> tuple[Any, list[str]]:
         for at in marks[run]:
             for ax in axes:
                 ax.axvline(shift + at, color=colour, linestyle="-.", linewidth=1, alpha=0.7)
-        ax_loss.plot(epochs, [r["val_loss"] for r in rows], color=colour, label=name, **dot)
+        evaluated = [(e, r) for e, r in zip(epochs, rows, strict=True) if "top1" in r]  # `eval_every`
+        ax_loss.plot(
+            [e for e, _ in evaluated], [r["val_loss"] for _, r in evaluated], color=colour, label=name, **dot
+        )
         if all("train_loss" in r for r in rows):
             train = [r["train_loss"] for r in rows]
             ax_loss.plot(epochs, train, "--", color=colour, label=f"{name} (train)", **dot)
-        ax_acc.plot(epochs, [r["top1"] for r in rows], color=colour, label=name, **dot)
+        ax_acc.plot(
+            [e for e, _ in evaluated], [r["top1"] for _, r in evaluated], color=colour, label=name, **dot
+        )
         if all("lr" in r and r["lr"] > 0 for r in rows):
             ax_lr.plot(epochs, [r["lr"] for r in rows], color=colour, label=name, **dot)
         for key in attn:

@@ -40,8 +40,9 @@ class Progress:
                 f"{step_info(loss, lr, img_per_s)}"
             )
 
-    def end_epoch(self, row: dict[str, Any]) -> None:
-        self.log(epoch_line(row, self.epochs))
+    def end_epoch(self, row: dict[str, Any], label: str = "") -> None:
+        """``label``: whose epoch (a stacked run's seed), said before the line."""
+        self.log(epoch_line(row, self.epochs, label))
 
     def close(self) -> None:
         pass
@@ -51,9 +52,9 @@ def step_info(loss: float, lr: float, img_per_s: float) -> str:
     return f"loss {loss:.4f}  lr {lr:.2e}  {img_per_s:.1f} img/s"
 
 
-def epoch_line(row: dict[str, Any], epochs: int) -> str:
-    """One finished epoch: losses, accuracies, time and speed."""
-    parts = [f"epoch {row['epoch']}/{epochs}"]
+def epoch_line(row: dict[str, Any], epochs: int, label: str = "") -> str:
+    """One finished epoch: losses, accuracies, time and speed (after ``label``, when given)."""
+    parts = [(f"{label}: " if label else "") + f"epoch {row['epoch']}/{epochs}"]
     parts += [f"{k} {row[k]:.4g}" for k in ("train_loss", "val_loss", "top1", "top5") if k in row]
     if "ema_top1" in row:
         parts.append(f"ema_top1 {row['ema_top1']:.4g}")

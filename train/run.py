@@ -4,7 +4,7 @@
 
 After every epoch: ``metrics.csv`` and ``checkpoint-last.pt`` (:mod:`.state`). Ctrl-C / SIGTERM
 finish the current step, save and stop; a non-finite loss stops before it reaches the weights and
-keeps the last good checkpoint. The epoch itself is :mod:`.epoch`.
+keeps the last good checkpoint. The epoch itself is :mod:`.loop`; several seeds at once, :mod:`.stacked`.
 """
 
 from __future__ import annotations
@@ -122,8 +122,9 @@ class StopRequest:
 
 def metrics_text(rows: list[dict[str, Any]]) -> str:
     """metrics.csv: one row per finished epoch."""
-    cols = list(METRICS) + [c for c in EMA_METRICS if rows and c in rows[0]]
-    cols += [c for c in (rows[0] if rows else {}) if c.startswith("attn")]
+    keys = {k: None for r in rows for k in r}  # every row's, in order (`eval_every`: some rows lack them)
+    cols = list(METRICS) + [c for c in EMA_METRICS if c in keys]
+    cols += [c for c in keys if c.startswith("attn")]
     buf = io.StringIO()
     w = csv.DictWriter(buf, fieldnames=cols, extrasaction="ignore", lineterminator="\n")
     w.writeheader()
@@ -238,6 +239,21 @@ def unmeant_choices(cfg: TrainConfig) -> list[str]:
 def _run(
     cfg: TrainConfig, ctx: Context, progress: Progress | None, stop_after_steps: int | None
 ) -> RunResult:
+    cfg = resolved_config(cfg)
+    torch.set_num_threads(cfg.runtime.threads)
+    reporter = (progress or Progress()) if ctx.is_main else Progress(None)  # one per run: open() sets it up
+    wrote: list[Path] = []  # what this run has saved into `out` (train() adds to it)
+    try:
+        with run_folder(cfg, ctx, wrote) as folder:
+            loop, replaces = prepared(cfg, ctx, folder, reporter)
+            return train(loop, stop_after_steps, replaces, wrote, folder)
+    finally:
+        reporter.close()
+
+
+def resolved_config(cfg: TrainConfig) -> TrainConfig:
+    """``cfg`` checked as a run starts (the data it names, its folder, its recipe), with this
+    machine's defaults for the workers and threads resolved in a copy."""
     if cfg.given and "data" not in cfg.given and cfg.data.dir is None and cfg.data.name in NEEDS_DIR:
         raise CmhsaError(  # the default dataset needs a folder: say so, not "--data cifar100 needs ..."
             f"`data` not given: the default, {cfg.data.name}, needs `data_dir`; name a dataset with `data` "
@@ -247,19 +263,24 @@ def _run(
         raise CmhsaError("`out` is empty: give the run folder")
     out = Path(cfg.runtime.out).expanduser()
     check_recipe(cfg)
-    cfg = cfg.replace(  # this run's defaults, resolved in its own copy
-        workers=default_workers() if cfg.runtime.workers is None else cfg.runtime.workers,
-        threads=default_threads() if cfg.runtime.threads is None else cfg.runtime.threads,
-    )
-    torch.set_num_threads(cfg.runtime.threads)
     try:
         if out.exists() and not out.is_dir():
             raise CmhsaError("`out` names an existing file; give a folder for the run", out)
     except OSError as e:
         raise CmhsaError(f"cannot check the run folder ({e.strerror})", out) from None
-    reporter = (progress or Progress()) if ctx.is_main else Progress(None)  # one per run: open() sets it up
+    return cfg.replace(  # this run's defaults, resolved in its own copy
+        workers=default_workers() if cfg.runtime.workers is None else cfg.runtime.workers,
+        threads=default_threads() if cfg.runtime.threads is None else cfg.runtime.threads,
+    )
+
+
+@contextlib.contextmanager
+def run_folder(cfg: TrainConfig, ctx: Context, wrote: list[Path]) -> Iterator[Folder]:
+    """The run folder, made if missing, held open and locked (one process at a time writes a run
+    folder: a second one is refused) while the run is in it. If the run fails before it saved
+    anything (``wrote`` empty), the folder is left as it was: no folder it made, no lock."""
+    out = Path(cfg.runtime.out).expanduser()
     created: list[Path] = []
-    wrote: list[Path] = []  # what this run has saved into `out` (train() adds to it)
     folder, had_lock = None, True
     try:
         if ctx.is_main:
@@ -269,9 +290,8 @@ def _run(
         barrier(ctx)
         folder = Folder.open(out)  # held for the whole run: every file below it is touched by name
         had_lock = folder.exists(LOCK_NAME)
-        lock = locked_folder(folder) if ctx.is_main else contextlib.nullcontext()
-        with lock:  # one process at a time writes a run folder (a second one is refused)
-            return _locked_run(cfg, ctx, folder, reporter, stop_after_steps, wrote)
+        with locked_folder(folder) if ctx.is_main else contextlib.nullcontext():
+            yield folder
     except BaseException:
         if ctx.is_main and not wrote:
             # it wrote nothing: leave the folder as it was, and no folder it made
@@ -284,17 +304,11 @@ def _run(
     finally:
         if folder is not None:
             folder.close()
-        reporter.close()
 
 
-def _locked_run(
-    cfg: TrainConfig,
-    ctx: Context,
-    folder: Folder,
-    reporter: Progress,
-    stop_after_steps: int | None,
-    wrote: list[Path],
-) -> RunResult:
+def prepared(cfg: TrainConfig, ctx: Context, folder: Folder, reporter: Progress) -> tuple[Loop, list[str]]:
+    """The run in its locked ``folder``, built (resumed from its checkpoint with `resume`), and
+    the previous run's files it replaces (`overwrite`)."""
     saved, reschedule, replaces = None, False, []
     out = folder.path
     init = cfg.start.init if cfg.from_checkpoint else None
@@ -309,8 +323,7 @@ def _locked_run(
     reporter.open(cfg.recipe.epochs, cfg.runtime.log_every)
     for line in [] if saved else unmeant_choices(cfg):
         reporter.log(line)
-    loop = build(cfg, ctx, out, saved, reschedule, reporter)
-    return train(loop, stop_after_steps, replaces, wrote, folder)
+    return build(cfg, ctx, out, saved, reschedule, reporter), replaces
 
 
 def run_files(phases: tuple[str, ...] = tuple(OUTPUT)) -> list[str]:
@@ -738,6 +751,81 @@ def worker_deaths_at_fetch() -> Iterator[None]:
         signal_handling._SIGCHLD_handler_set = before
 
 
+class RunFiles:
+    """What a run writes into its held folder: after each epoch (and at a stop) the checkpoint with
+    metrics.csv and config.json, all or none; at the end the trained model (and its exports).
+    ``replaces``: a previous run's files (`overwrite`), removed once the first save has committed;
+    ``wrote`` gets each file saved."""
+
+    def __init__(self, loop: Loop, folder: Folder, replaces: list[str] | None, wrote: list[Path]) -> None:
+        self.loop, self.folder, self.wrote = loop, folder, wrote
+        self.result = RunResult(loop.out, loop.state.metrics)
+        # the previous run's files the first save does not replace (timm/config.json is not config.json)
+        kept = (LAST, "metrics.csv", "config.json", PENDING_REMOVAL)
+        self.pending = [n for n in replaces or [] if n not in kept]
+
+    def save(self) -> None:
+        loop, st, ctx = self.loop, self.loop.state, self.loop.ctx
+        if ctx.is_main:  # checkpoint, metrics and config land together or not at all (state.save)
+            also = {"metrics.csv": metrics_text(st.metrics), "config.json": loop.config_json}
+            if (
+                self.pending
+            ):  # what is still to remove lands with them: `resume` finishes an interrupted removal
+                also[PENDING_REMOVAL] = json.dumps(self.pending) + "\n"
+
+            def committed() -> None:
+                self.wrote.append(loop.out / LAST)
+                if self.pending:
+                    remove_replaced(self.folder, self.pending)
+                    self.pending.clear()
+
+            st.save(self.folder, loop.cfg.runtime.keep, also, committed)
+        barrier(ctx)
+
+    def stopped(self, how: str) -> RunResult:
+        """The run stopped early (a signal, or the step limit): saved where it is, to resume."""
+        st = self.loop.state
+        self.result.stopped = how
+        self.save()
+        self.loop.reporter.log(
+            f"stopped ({how}) at epoch {st.epoch + 1}, step {st.step}; saved "
+            f"{self.loop.out / LAST}; continue with the same command and `resume`"
+        )
+        return self.result
+
+    def finished(self) -> RunResult:
+        """The trained model (and its EMA) as safetensors, and the exports asked for."""
+        loop, result = self.loop, self.result
+        cfg, ctx, st = loop.cfg, loop.ctx, loop.state
+        if ctx.is_main:
+            result.model_path = loop.out / OUTPUT[cfg.phase]
+            last = st.metrics[-1] if st.metrics else {}
+            figures = {k: last[k] for k in ("epoch", "top1", "top5", "val_loss") if k in last}
+            meta = {
+                "cmhsa.trained": f"{cfg.phase} {cfg.data.name}, {cfg.recipe.epochs} epochs",
+                "cmhsa.init": json.dumps(st.init),
+                "cmhsa.result": json.dumps({"data": cfg.data.name, **figures}),  # the model card's figures
+                **to_metadata(loop.classes),
+            }
+            save_checkpoint(result.model_path, st.model_config, st.model.state_dict(), meta)
+            if st.ema is not None:
+                ema_path = result.model_path.with_name(result.model_path.stem + "-ema.safetensors")
+                save_checkpoint(ema_path, st.model_config, st.ema.module.state_dict(), meta)
+            loop.reporter.log(f"wrote {result.model_path}, metrics.csv, config.json")
+            if isinstance(
+                loop.val_loader, HeldEvalLoader
+            ):  # measured: digits demo, 84.40 here, 84.68 in eval
+                loop.reporter.log(
+                    "note: this run's top-1 is on validation images the device loader resized with torch; "
+                    "`cmhsa eval` resizes them with PIL, as timm does, so its top-1 can differ by an image "
+                    "or two (the loss agrees to about 4 digits); `loader` workers measures as eval does"
+                )
+            if cfg.runtime.export_onnx or cfg.runtime.export_timm:
+                export_trained(loop, result, meta, self.folder)
+        barrier(ctx)
+        return result
+
+
 def train(
     loop: Loop,
     stop_after_steps: int | None = None,
@@ -745,68 +833,17 @@ def train(
     wrote: list[Path] | None = None,
     folder: Folder | None = None,
 ) -> RunResult:
-    """Epochs until ``cfg.recipe.epochs``, saving after each; then the trained model as safetensors.
-    ``replaces``: a previous run's files (`overwrite`), removed once the first save has committed;
-    ``wrote`` gets each file saved."""
-    wrote = [] if wrote is None else wrote
-    cfg, ctx, st, out = loop.cfg, loop.ctx, loop.state, loop.out
+    """Epochs until ``cfg.recipe.epochs``, saving after each; then the trained model as safetensors
+    (:class:`RunFiles`)."""
     if folder is None:
-        with Folder.open(out) as held:
+        with Folder.open(loop.out) as held:
             return train(loop, stop_after_steps, replaces, wrote, held)
-    result = RunResult(out, st.metrics)
-    # the previous run's files the first save does not replace (timm/config.json is not config.json)
-    pending = [n for n in replaces or [] if n not in (LAST, "metrics.csv", "config.json", PENDING_REMOVAL)]
-
-    def save() -> None:
-        if ctx.is_main:  # checkpoint, metrics and config land together or not at all (state.save)
-            also = {"metrics.csv": metrics_text(st.metrics), "config.json": loop.config_json}
-            if pending:  # what is still to remove lands with them: `resume` finishes an interrupted removal
-                also[PENDING_REMOVAL] = json.dumps(pending) + "\n"
-
-            def committed() -> None:
-                wrote.append(out / LAST)
-                if pending:
-                    remove_replaced(folder, pending)
-                    pending.clear()
-
-            st.save(folder, cfg.runtime.keep, also, committed)
-        barrier(ctx)
-
+    st, files = loop.state, RunFiles(loop, folder, replaces, [] if wrote is None else wrote)
     stop = StopRequest()
     with stop.installed(), worker_deaths_at_fetch():
-        while st.epoch < cfg.recipe.epochs:
+        while st.epoch < loop.cfg.recipe.epochs:
             if not train_one_epoch(loop, stop, stop_after_steps):
-                result.stopped = stop.signal or "limit"
-                save()
-                loop.reporter.log(
-                    f"stopped ({result.stopped}) at epoch {st.epoch + 1}, step {st.step}; saved "
-                    f"{out / LAST}; continue with the same command and `resume`"
-                )
-                return result
+                return files.stopped(stop.signal or "limit")
             loop.reporter.end_epoch(st.metrics[-1])
-            save()
-    if ctx.is_main:
-        result.model_path = out / OUTPUT[cfg.phase]
-        last = st.metrics[-1] if st.metrics else {}
-        figures = {k: last[k] for k in ("epoch", "top1", "top5", "val_loss") if k in last}
-        meta = {
-            "cmhsa.trained": f"{cfg.phase} {cfg.data.name}, {cfg.recipe.epochs} epochs",
-            "cmhsa.init": json.dumps(st.init),
-            "cmhsa.result": json.dumps({"data": cfg.data.name, **figures}),  # the model card's figures
-            **to_metadata(loop.classes),
-        }
-        save_checkpoint(result.model_path, st.model_config, st.model.state_dict(), meta)
-        if st.ema is not None:
-            ema_path = result.model_path.with_name(result.model_path.stem + "-ema.safetensors")
-            save_checkpoint(ema_path, st.model_config, st.ema.module.state_dict(), meta)
-        loop.reporter.log(f"wrote {result.model_path}, metrics.csv, config.json")
-        if isinstance(loop.val_loader, HeldEvalLoader):  # measured: digits demo, 84.40 here, 84.68 in eval
-            loop.reporter.log(
-                "note: this run's top-1 is on validation images the device loader resized with torch; "
-                "`cmhsa eval` resizes them with PIL, as timm does, so its top-1 can differ by an image "
-                "or two (the loss agrees to about 4 digits); `loader` workers measures as eval does"
-            )
-        if cfg.runtime.export_onnx or cfg.runtime.export_timm:
-            export_trained(loop, result, meta, folder)
-    barrier(ctx)
-    return result
+            files.save()
+    return files.finished()

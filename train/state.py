@@ -36,12 +36,36 @@ def numbered_name(epoch: int) -> str:
     return f"checkpoint-epoch{epoch:04d}.pt"
 
 
+def own_storage(obj: Any) -> Any:
+    """``obj`` (a state dict) with every tensor that is a view of a larger one copied: torch.save
+    writes a view's whole storage (a stacked run's weights are slices of every seed's)."""
+    if torch.is_tensor(obj):
+        whole = obj.untyped_storage().nbytes() == obj.numel() * obj.element_size()
+        return obj if whole else obj.clone()
+    if isinstance(obj, dict):
+        return {k: own_storage(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [own_storage(v) for v in obj]
+    return obj
+
+
+def saved_numpy_state(state: tuple) -> tuple:
+    """numpy's RNG state (``np.random.get_state()``) as a checkpoint keeps it: the keys as a tensor."""
+    name, keys, pos, has_gauss, gauss = state
+    return (name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss)
+
+
+def numpy_state(saved: tuple) -> tuple:
+    """:func:`saved_numpy_state`'s inverse, for ``np.random.set_state``."""
+    name, keys, pos, has_gauss, gauss = saved
+    return (name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss)
+
+
 def rng_state() -> dict[str, Any]:
     """Every global RNG the training loop uses, as tensors and plain values (loadable with weights_only)."""
-    name, keys, pos, has_gauss, gauss = np.random.get_state()
     state = {
         "python": random.getstate(),
-        "numpy": (name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss),
+        "numpy": saved_numpy_state(np.random.get_state()),
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -51,8 +75,7 @@ def rng_state() -> dict[str, Any]:
 
 def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
-    name, keys, pos, has_gauss, gauss = state["numpy"]
-    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    np.random.set_state(numpy_state(state["numpy"]))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -298,7 +321,7 @@ class RunState:
         objects = ("model", "optimizer", "scheduler", "scaler")  # saved through their state_dict()
         counters = ("init", "epoch", "step", "global_step", "metrics", "partial")
         return {
-            **{name: getattr(self, name).state_dict() for name in objects},
+            **{name: own_storage(getattr(self, name).state_dict()) for name in objects},
             **{name: getattr(self, name) for name in counters},
             "ema": None if self.ema is None else self.ema.state_dict(),
             "model_config": self.model_config.to_dict(),

@@ -47,10 +47,10 @@ class RichProgress(Progress):
             return super().step(epoch, step, loss, lr, img_per_s)
         self.bars.update(self.step_task, completed=step + 1, info=step_info(loss, lr, img_per_s))
 
-    def end_epoch(self, row: dict[str, Any]) -> None:
+    def end_epoch(self, row: dict[str, Any], label: str = "") -> None:
         if self.bars is not None:
             self.bars.update(self.epoch_task, completed=row["epoch"])
-        self.console.print(epoch_line(row, self.epochs), soft_wrap=True)
+        self.console.print(epoch_line(row, self.epochs, label), soft_wrap=True)
 
     def close(self) -> None:
         if self.bars is not None:

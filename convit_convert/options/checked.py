@@ -37,6 +37,8 @@ def fits(value: Any, hint: Any) -> bool:
         return isinstance(value, int) and not isinstance(value, bool)
     if hint is float:
         return isinstance(value, int | float) and not isinstance(value, bool)
+    if origin is tuple and args[-1:] == (Ellipsis,):  # tuple[int, ...]: any length
+        return isinstance(value, tuple) and all(fits(v, args[0]) for v in value)
     if origin is tuple:
         return isinstance(value, tuple) and len(value) == len(args) and all(map(fits, value, args))
     if origin is not None:
@@ -54,6 +56,8 @@ def type_text(hint: Any) -> str:
         return " or ".join(type_text(a) for a in args)
     if hint is type(None):
         return "none"
+    if typing.get_origin(hint) is tuple and args[-1:] == (Ellipsis,):
+        return "integers" if args[0] is int else "numbers"
     if typing.get_origin(hint) is tuple:
         return f"{len(args)} {'integers' if args[0] is int else 'numbers'}"
     return TYPE_WORDS.get(hint, getattr(hint, "__name__", str(hint)))

@@ -82,6 +82,7 @@ DEFAULT_RULES = {
     "threads": "the CPUs this process may use",
     "pinning": "gated from a conv-phase --init and impulse, hard from random and mimetic",
     "attn_lr_mult": f"{CHECKPOINT_ATTN_LR_MULT:g} from a checkpoint, 1 otherwise",
+    "seeds": "none: one run, of --seed",
 }
 
 
@@ -201,8 +202,12 @@ class RuntimeConfig(Checked):
     overwrite: bool = False  # start anew in a folder holding another run's outputs (replacing them)
     keep: int = 0
     log_every: int = 50
+    eval_every: int = 1  # epochs between evaluations (the last epoch is always evaluated)
     export_onnx: bool = False
     export_timm: bool = False  # timm's pretrained folder, out/timm/
+    # several seeds of this run trained as one stacked model, each in out/seed{N} (train/stacked.py);
+    # in a seed's own config.json, the seeds it was trained beside
+    seeds: tuple[int, ...] = ()
 
 
 # The flat flags (config.json's keys, in its order) -> (group, field); None: a field of TrainConfig.
@@ -302,7 +307,7 @@ class TrainConfig(Checked):
         top: dict[str, Any] = {}
         for name, value in flags.items():
             group, attr = FLAG_FIELDS[name]
-            if name in ("opt_betas", "scale") and isinstance(value, list):  # as JSON saves a tuple
+            if name in ("opt_betas", "scale", "seeds") and isinstance(value, list):  # as JSON saves a tuple
                 value = tuple(value)
             if name == "given" and isinstance(value, (list, tuple, set)):
                 value = frozenset(value)

@@ -142,11 +142,13 @@ BOUNDS: dict[str, Bound] = {
     "attn_lr_mult": Bound(0, 1e4, lo_open=True),
     # running
     "seed": SEED,
+    "seeds": SEED,  # each of them
     "workers": Bound(0, 4 * CPUS),
     "threads": Bound(1, 4 * CPUS),
     "keep": Bound(0, 10**4),
     "top_k": Bound(1, 1000),  # predict's classes per image (a table of 1000 columns is no longer read)
     "log_every": COUNT,
+    "eval_every": COUNT,
 }
 
 

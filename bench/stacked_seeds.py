@@ -1,0 +1,119 @@
+"""Images/s of S seeds trained as one stacked model in one process (``--seeds``) against S separate
+processes sharing the device, for phase 1 and phase 2 (issue 57's measurement).
+
+    python bench/stacked_seeds.py --device cuda --compile --data-dir DIR [--stacks 1 3 6] [--separate 3]
+
+Each measurement is a `cmhsa train` of EXPERIMENTS.md's Fashion-MNIST model (``--preset cpu``,
+28 px, P 4, d 48, depth 2; batch 256) on ``--train-samples`` images for ``--epochs`` epochs; the
+figure is the images/s of every epoch after the first (which holds the compilation), summed over
+the seeds (each seed's metrics.csv row counts its own images). Prints one row per measurement and
+writes them to ``--out`` as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+MODEL = ["--preset", "cpu", "--data", "fashion-mnist", "--in-chans", "1", "--batch-size", "256"]
+PHASE_FLAGS = {"phase1": [], "phase2": ["--init", "impulse"]}
+
+
+def steady(folder: Path) -> float:
+    """Images/s of a run's epochs after its first (mean), from its metrics.csv."""
+    with open(folder / "metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    return statistics.mean(float(r["images_per_s"]) for r in rows[1:])
+
+
+def command(args: argparse.Namespace, phase: str, out: Path, seed_flags: list[str]) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "convit_convert",
+        "train",
+        phase,
+        *MODEL,
+        *PHASE_FLAGS[phase],
+        *(["--data-dir", args.data_dir] if args.data_dir else []),
+        "--train-samples",
+        str(args.train_samples),
+        "--val-samples",
+        "1000",
+        "--epochs",
+        str(args.epochs),
+        "--eval-every",
+        str(args.epochs),
+        "--device",
+        args.device,
+        *(["--compile"] if args.compile else []),
+        *seed_flags,
+        "-o",
+        str(out),
+    ]
+
+
+def measure(args: argparse.Namespace, phase: str, stacked: int, separate: int, tmp: Path) -> dict:
+    """One row: ``stacked`` seeds in one process, or ``separate`` processes of one seed each."""
+    t0 = time.perf_counter()
+    if stacked:
+        out = tmp / f"{phase}-stack{stacked}"
+        seeds = ",".join(map(str, range(stacked)))
+        subprocess.run(command(args, phase, out, ["--seeds", seeds]), check=True, capture_output=True)
+        per_seed = [steady(out / f"seed{s}") for s in range(stacked)]
+    else:
+        outs = [tmp / f"{phase}-sep{separate}-{s}" for s in range(separate)]
+        procs = [
+            subprocess.Popen(command(args, phase, o, ["--seed", str(s)]), stdout=subprocess.DEVNULL)
+            for s, o in enumerate(outs)
+        ]
+        if any(p.wait() != 0 for p in procs):
+            raise SystemExit(f"{phase}: a separate process failed")
+        per_seed = [steady(o) for o in outs]
+    return {
+        "phase": phase,
+        "form": f"{stacked} seeds stacked, one process"
+        if stacked
+        else f"{separate} processes, one seed each",
+        "images_per_s": sum(per_seed),
+        "per_seed": per_seed,
+        "wall_s": time.perf_counter() - t0,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--data-dir", default=None)
+    ap.add_argument("--phases", nargs="+", default=["phase1", "phase2"])
+    ap.add_argument("--stacks", type=int, nargs="+", default=[1, 3, 6])
+    ap.add_argument("--separate", type=int, nargs="*", default=[3])
+    ap.add_argument("--train-samples", type=int, default=30720)
+    ap.add_argument("--epochs", type=int, default=3)
+    ap.add_argument("--out", type=Path, default=Path("bench/results/stacked_seeds.json"))
+    args = ap.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for phase in args.phases:
+            plan = [(s, 0) for s in args.stacks] + [(0, n) for n in args.separate]
+            for stacked, separate in plan:
+                row = measure(args, phase, stacked, separate, Path(tmp))
+                rows.append(row)
+                print(
+                    f"{phase}  {row['form']:36s} {row['images_per_s']:10.0f} img/s  ({row['wall_s']:.0f} s)",
+                    flush=True,
+                )
+                args.out.parent.mkdir(parents=True, exist_ok=True)
+                args.out.write_text(json.dumps(rows, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

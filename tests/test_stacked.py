@@ -1,0 +1,252 @@
+"""`--seeds`: several seeds of one run trained as one stacked model (train/stacked.py), against the
+separate `--seed N` runs it stands for.
+
+The reference is the separate runs themselves (train/run.py's own step, one model, no vmap): each
+seed's losses, weights, optimizer moments and saved RNG states must be theirs. In float64 the only
+difference is the batched kernels' rounding, so 1e-10 is a wide bound (measured: 4e-15 on the
+weights after 16 steps); a lost or misordered draw (a drop-path mask, a Mixup lambda, a batch)
+moves the weights by 1e-3 or more at once.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from conftest import invoke, one_error_line
+from convit_convert.errors import CheckFailed, CmhsaError
+from convit_convert.options.training import TrainConfig
+from convit_convert.train import held
+from convit_convert.train.progress import Progress
+from convit_convert.train.run import run
+from convit_convert.train.stacked import run_seeds, seed_configs
+
+QUIET = Progress(None)
+# the experiments' recipe (--preset cpu) with Mixup and CutMix on and drop path in the second block:
+# every draw a step makes from the global RNGs
+TINY = dict(
+    preset="cpu",
+    data="synthetic",
+    img_size=16,
+    patch_size=4,
+    depth=2,
+    kernel_size=3,
+    batch_size=32,
+    workers=0,
+    epochs=2,
+    warmup_epochs=0,
+    device="cpu",
+    drop_path=0.1,
+    mixup=0.8,
+    cutmix=1.0,
+    threads=1,
+    amp="none",
+    train_samples=256,
+    val_samples=64,
+)
+
+
+@pytest.fixture
+def float64(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Models built in float64, and the device loader's images handed over in it."""
+    prepare, batches = held.HeldLoader.prepare, held.HeldEvalLoader.__iter__
+    monkeypatch.setattr(held.HeldLoader, "prepare", lambda self, b: prepare(self, b).double())
+    monkeypatch.setattr(
+        held.HeldEvalLoader, "__iter__", lambda self: ((x.double(), y) for x, y in batches(self))
+    )
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
+
+
+def config(out: Path, **flags: Any) -> TrainConfig:
+    return TrainConfig.from_flags(out=str(out), **{**TINY, **flags})
+
+
+def saved(folder: Path) -> dict[str, Any]:
+    return torch.load(folder / "checkpoint-last.pt", weights_only=False)
+
+
+def largest_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+
+
+def moments(state: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The optimizer's per-parameter tensors (AdamW's moments), by parameter index and name."""
+    return {f"{i}.{k}": v for i, s in state["optimizer"]["state"].items() for k, v in s.items()}
+
+
+# what each seed gets is its own run's --------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        dict(phase="phase1"),
+        dict(phase="phase1", conv_form="tokens"),
+        dict(phase="phase2", init="impulse", clip_grad=0.05),
+    ],
+    ids=["phase1-pixels", "phase1-tokens", "phase2-impulse-clipped"],
+)
+def test_each_seed_is_its_separate_run_in_float64(tmp_path: Path, float64: None, flags: dict) -> None:
+    for s in (0, 1):
+        run(config(tmp_path / f"alone{s}", seed=s, **flags), progress=QUIET)
+    run_seeds(config(tmp_path / "stack", seeds=(0, 1), **flags), progress=QUIET)
+    for s in (0, 1):
+        a, b = saved(tmp_path / f"alone{s}"), saved(tmp_path / "stack" / f"seed{s}")
+        assert a["model"]["head.weight"].dtype == torch.float64
+        assert largest_difference(a["model"], b["model"]) < 1e-10
+        assert largest_difference(moments(a), moments(b)) < 1e-10
+        for ra, rb in zip(a["metrics"], b["metrics"], strict=True):
+            for key in ("train_loss", "val_loss", "top1"):
+                assert abs(ra[key] - rb[key]) < 1e-10, (s, key)
+        assert (a["epoch"], a["step"], a["global_step"]) == (b["epoch"], b["step"], b["global_step"])
+        # the seeds' streams are not each other's: the two seeds' weights differ
+    other = saved(tmp_path / "stack" / "seed1")["model"]["head.weight"]
+    assert not torch.allclose(saved(tmp_path / "stack" / "seed0")["model"]["head.weight"], other)
+
+
+def test_a_seeds_folder_reads_as_its_separate_runs_but_for_the_seeds_note(tmp_path: Path) -> None:
+    run(config(tmp_path / "alone1", seed=1, epochs=1), progress=QUIET)
+    run_seeds(config(tmp_path / "stack", seeds=(0, 1), epochs=1), progress=QUIET)
+    alone, stacked = tmp_path / "alone1", tmp_path / "stack" / "seed1"
+    assert sorted(p.name for p in alone.iterdir()) == sorted(p.name for p in stacked.iterdir())
+    # its files hold its own weights alone: a slice of the stack saved whole would be twice the size
+    assert (alone / "conv.safetensors").stat().st_size == (stacked / "conv.safetensors").stat().st_size
+    sizes = [(f / "checkpoint-last.pt").stat().st_size for f in (alone, stacked)]
+    assert abs(sizes[0] - sizes[1]) < 0.02 * sizes[0], sizes
+    a, b = (json.loads((f / "config.json").read_text()) for f in (alone, stacked))
+    differ = {k for k in a if a[k] != b[k]}  # where each ran may differ in the thread's CPU path
+    assert {"out", "seeds"} <= differ <= {"out", "seeds", "environments"}
+    assert b["seeds"] == [0, 1] and a["seeds"] == []
+    assert a["seed"] == b["seed"] == 1
+    # its checkpoint: the same RNG states as the separate run saved, every one of them
+    ra, rb = saved(alone)["rng"], saved(stacked)["rng"]
+    assert ra["python"] == rb["python"] and torch.equal(ra["torch"], rb["torch"])
+    assert all(
+        torch.equal(x, y) if torch.is_tensor(x) else x == y
+        for x, y in zip(ra["numpy"], rb["numpy"], strict=True)
+    )
+
+
+def test_a_stacked_resume_is_bit_for_bit(tmp_path: Path) -> None:
+    """Stopped mid-epoch 2 (8 steps/epoch) and resumed: every seed's rows and weights, exactly."""
+    flags = dict(seeds=(0, 1, 2), epochs=3, model_ema=True, model_ema_decay=0.9)
+    straight = run_seeds(config(tmp_path / "a", **flags), progress=QUIET)
+    first = run_seeds(config(tmp_path / "b", **flags), progress=QUIET, stop_after_steps=12)
+    assert [r.stopped for r in first] == ["limit"] * 3 and all(len(r.rows) == 1 for r in first)
+    assert saved(tmp_path / "b" / "seed2")["step"] == 4
+    resumed = run_seeds(config(tmp_path / "b", resume=True, **flags), progress=QUIET)
+
+    def strip(rows: list[dict]) -> list[dict]:  # all but the timings
+        return [{k: v for k, v in r.items() if k not in ("epoch_seconds", "images_per_s")} for r in rows]
+
+    for s, (x, y) in enumerate(zip(straight, resumed, strict=True)):
+        assert strip(x.rows) == strip(y.rows)
+        a, b = saved(tmp_path / "a" / f"seed{s}"), saved(tmp_path / "b" / f"seed{s}")
+        assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+        assert all(torch.equal(a["ema"][k], b["ema"][k]) for k in a["ema"])
+
+
+def test_seed_n_of_a_template_init_starts_from_seed_ns_checkpoint(tmp_path: Path) -> None:
+    run_seeds(config(tmp_path / "p1", seeds=(3, 4), epochs=1), progress=QUIET)
+    init = str(tmp_path / "p1" / "seed{seed}" / "conv.safetensors")
+    configs = seed_configs(config(tmp_path / "p2", phase="phase2", init=init, seeds=(3, 4), epochs=1))
+    assert [c.start.init for c in configs] == [
+        str(tmp_path / "p1" / f"seed{s}" / "conv.safetensors") for s in (3, 4)
+    ]
+    run_seeds(config(tmp_path / "p2", phase="phase2", init=init, seeds=(3, 4), epochs=1), progress=QUIET)
+    for s in (3, 4):
+        doc = json.loads((tmp_path / "p2" / f"seed{s}" / "config.json").read_text())
+        assert doc["init"] == str(tmp_path / "p1" / f"seed{s}" / "conv.safetensors")
+
+
+# what cannot be stacked is refused, in one line ----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [
+        (["--seeds", "0,0"], "--seeds names a seed twice: 0 0"),
+        (["--seeds", "0,x"], "--seeds must be integers separated by commas"),
+        (["--seeds", "0,-1"], "--seeds must be integers separated by commas"),
+        (["--seed", "1", "--seeds", "0,1"], "give --seed (one run) or --seeds (several, stacked), not both"),
+        (["--seeds", "0,1", "--loader", "workers"], "use --loader device"),
+        (["--seeds", "0,1", "--opt", "lamb"], "--opt lamb: one optimizer steps the stacked weights"),
+    ],
+)
+def test_what_cannot_be_stacked_is_refused(tmp_path: Path, flags: list[str], words: str) -> None:
+    tiny = [
+        "--data",
+        "synthetic",
+        "--img-size",
+        "16",
+        "--patch-size",
+        "4",
+        "--depth",
+        "1",
+        "--kernel-size",
+        "3",
+    ]
+    r = invoke("train", "phase1", *tiny, "--epochs", "1", "--device", "cpu", *flags, "-o", tmp_path / "run")
+    one_error_line(r, 2, words)
+    assert not (tmp_path / "run").exists() or not any((tmp_path / "run").rglob("*.pt"))
+
+
+@pytest.mark.parametrize(
+    ("seeds", "words"),
+    [
+        ((0, 2**32), "`seeds` must be 0 ≤ x ≤ 4294967295, got 4294967296"),
+        ((0, 1.5), "`seeds` must be integers"),
+    ],
+)
+def test_the_library_holds_seeds_to_the_seed_range(tmp_path: Path, seeds: tuple, words: str) -> None:
+    with pytest.raises(CmhsaError, match=words):
+        config(tmp_path, seeds=seeds)
+
+
+def test_seeds_at_different_points_are_refused_naming_both(tmp_path: Path) -> None:
+    run_seeds(config(tmp_path / "s", seeds=(0, 1), epochs=2), progress=QUIET, stop_after_steps=4)
+    run(config(tmp_path / "s" / "seed1", seed=1, epochs=2, resume=True), progress=QUIET, stop_after_steps=6)
+    with pytest.raises(CmhsaError, match=r"seed1 is at epoch 1, step 6 and .*seed0 at epoch 1, step 4"):
+        run_seeds(config(tmp_path / "s", seeds=(0, 1), epochs=2, resume=True), progress=QUIET)
+
+
+# --eval-every -----------------------------------------------------------------------------------
+
+
+def test_eval_every_leaves_the_epochs_between_unevaluated(tmp_path: Path) -> None:
+    r = run(config(tmp_path / "run", phase="phase2", init="impulse", epochs=3, eval_every=2), progress=QUIET)
+    assert ["top1" in row for row in r.rows] == [False, True, True]  # the 2nd, and the last
+    lines = (tmp_path / "run" / "metrics.csv").read_text().splitlines()
+    header = lines[0].split(",")
+    first = dict(zip(header, lines[1].split(","), strict=True))
+    assert first["top1"] == first["val_loss"] == "" and first["train_loss"] != ""
+    assert any(h.startswith("attn") for h in header)  # the attention columns, from the evaluated rows
+    assert invoke("plot", tmp_path / "run", "-o", tmp_path / "curves.png").exit_code == 0
+
+
+def test_a_non_finite_loss_in_a_seed_stops_every_seed_naming_its_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Seed 1's images turn to nan in epoch 2: the run stops there, naming seed 1's folder, and
+    every seed keeps its first epoch's checkpoint (nothing of epoch 2 reaches a file)."""
+    prepare = held.HeldLoader.prepare
+
+    def poisoned(self: held.HeldLoader, batch: Any) -> torch.Tensor:
+        bad = self.seed == 1 and self.sampler.epoch == 1
+        return prepare(self, batch) * (float("nan") if bad else 1.0)
+
+    monkeypatch.setattr(held.HeldLoader, "prepare", poisoned)
+    with pytest.raises(CheckFailed, match=r"non-finite loss \(nan\) at epoch 2, step 1: .*seed1"):
+        run_seeds(config(tmp_path / "s", seeds=(0, 1), epochs=2, log_every=1), progress=QUIET)
+    assert [saved(tmp_path / "s" / f"seed{s}")["epoch"] for s in (0, 1)] == [1, 1]

@@ -1,0 +1,478 @@
+"""Several seeds of one run trained together in one process, as one stacked model (``--seeds``).
+
+    run_seeds(TrainConfig.from_flags(..., seeds=(0, 1, 2), out="runs/p1"))  # runs/p1/seed0, seed1, seed2
+
+Small models leave a GPU idle: S processes time-slice it, while one process whose every kernel
+carries S seeds could fill it. Each seed is built exactly as its own ``cmhsa train --seed N --out
+OUT/seedN`` run builds it (:func:`.run.build`: data subset and order, initialisation, optimizer,
+schedule, EMA, loader, run folder, checkpoints, exports). Then every parameter becomes one leaf
+tensor with the seeds on a leading axis, each seed's parameters its slices
+(:func:`stacked_weights`), and the step is shared: the S forwards, losses and backwards run as one
+batched computation (``torch.func.vmap`` of the model's ``functional_call``; one graph under
+``--compile``), each seed's gradients are clipped to its own norm (:func:`clipped_per_seed`), and one
+optimizer steps the stacked weights (its step is elementwise: each seed's own step). What each
+seed gets is its own run's:
+
+- its batches and their augmentation: its loader's, drawn from generators seeded by its seed;
+- its drop-path masks and Mixup/CutMix draws: from its own global-RNG state, swapped in around
+  its draws (:meth:`Stack.step_stream`); the masks are drawn before the batched forward, in the
+  order a forward draws them (``VisionTransformer.drop_masks``);
+- its learning rate (its own scheduler's), EMA, counters, metrics, checkpoints (its slice of the
+  weights and of the optimizer's moments, :meth:`Stack.share_moments`) and saved RNG states.
+
+What is guaranteed: in eager mode every seed computes what its own run computes, up to the
+rounding of the batched kernels (float64: agreement to 1e-10, tests/test_stacked.py; float32: the
+last bits), and a stacked resume is bit for bit. Two differences, both stated: under
+``--compile`` a separate run draws its drop-path masks inside its graph from inductor's
+generator, a stacked one outside it from the seed's stream (different samples of the same
+distribution); and a non-finite loss in any seed skips that step for all of them, then stops the
+run at the next read-out, every seed at its last good checkpoint (a separate run's neighbours
+would have gone on). Refused, one line each: several processes, fp16's GradScaler (one loss scale
+per run), the workers loader (its processes draw from the global RNGs), an optimizer whose step
+is not elementwise (lamb, lars: per-tensor norms would mix the seeds), and seeds whose runs
+differ in anything but the seed (another architecture, epoch or step).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import inspect
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.func import functional_call, vmap
+
+from ..api.common import autocast
+from ..errors import CmhsaError
+from ..model import VisionTransformer
+from ..options.training import TrainConfig
+from .distributed import Context, setup, teardown
+from .loop import Loop, begin_epoch, end_epoch, read_out, until_stopped
+from .progress import Progress
+from .run import (
+    RunFiles,
+    RunResult,
+    StopRequest,
+    deterministic_kernels,
+    prepared,
+    resolved_config,
+    run_folder,
+)
+from .state import numpy_state, rng_state, saved_numpy_state, set_rng_state
+from .step import FUSED, assign_gradients, tallied, update, with_autograd_traced
+
+MAX_SEEDS = 64  # one process's stack: beyond this the batched kernels gain nothing and memory grows
+
+
+def seed_folder(out: str | Path, seed: int) -> Path:
+    """Seed ``seed``'s run folder in a stacked run's ``out``."""
+    return Path(out) / f"seed{seed}"
+
+
+def seed_configs(cfg: TrainConfig) -> list[TrainConfig]:
+    """One config per seed of ``cfg.runtime.seeds``: the run with that seed, in its own folder
+    (:func:`seed_folder`); ``{seed}`` in a checkpoint `init` stands for the seed (each seed's phase 2
+    from its own phase-1 model). Each keeps ``seeds``: config.json's note of the seeds beside it."""
+    seeds = cfg.runtime.seeds
+    if not seeds:
+        raise CmhsaError("`seeds` is empty: name the seeds to train together")
+    if len(set(seeds)) != len(seeds):
+        raise CmhsaError(f"`seeds` names a seed twice: {' '.join(map(str, seeds))}")
+    if len(seeds) > MAX_SEEDS:
+        raise CmhsaError(f"`seeds`: at most {MAX_SEEDS} in one process, got {len(seeds)}")
+    if cfg.given and "seed" in cfg.given:
+        raise CmhsaError("give `seed` (one run) or `seeds` (several, stacked), not both")
+    init = cfg.start.init
+    return [
+        cfg.replace(seed=s, out=str(seed_folder(cfg.runtime.out, s)), init=init.replace("{seed}", str(s)))
+        for s in seeds
+    ]
+
+
+def run_seeds(
+    cfg: TrainConfig, *, progress: Progress | None = None, stop_after_steps: int | None = None
+) -> list[RunResult]:
+    """Train the seeds ``cfg.runtime.seeds`` of the run ``cfg`` describes, stacked (module
+    docstring); one result per seed, in their order. ``stop_after_steps``: as :func:`.run.run`."""
+    configs = seed_configs(cfg)
+    ctx, threads = setup(cfg.runtime.device), torch.get_num_threads()
+    try:
+        if ctx.distributed:
+            raise CmhsaError("`seeds` trains the seeds in one process: run it without torchrun")
+        with deterministic_kernels(cfg.runtime.deterministic):
+            return _run_seeds([resolved_config(c) for c in configs], ctx, progress, stop_after_steps)
+    finally:
+        torch.set_num_threads(threads)
+        teardown(ctx)
+
+
+def _run_seeds(
+    configs: list[TrainConfig], ctx: Context, progress: Progress | None, stop_after_steps: int | None
+) -> list[RunResult]:
+    torch.set_num_threads(configs[0].runtime.threads)  # type: ignore[arg-type]
+    reporter = progress or Progress()
+    wrote: list[list[Path]] = [[] for _ in configs]
+    try:
+        with contextlib.ExitStack() as held:  # every seed's folder held and locked for the whole run
+            folders = [held.enter_context(run_folder(c, ctx, w)) for c, w in zip(configs, wrote, strict=True)]
+            built = [
+                prepared(c, ctx, f, SeedProgress(reporter, c.seed, lead=i == 0))
+                for i, (c, f) in enumerate(zip(configs, folders, strict=True))
+            ]
+            stack = Stack([loop for loop, _ in built])
+            files = [
+                RunFiles(loop, f, replaces, w)
+                for (loop, replaces), f, w in zip(built, folders, wrote, strict=True)
+            ]
+            reporter.log(
+                f"{len(configs)} seeds stacked in one process ({', '.join(str(c.seed) for c in configs)}): "
+                "the progress bar is the first seed's, and its images/s each seed's"
+            )
+            return train_stacked(stack, files, stop_after_steps)
+    finally:
+        reporter.close()
+
+
+class SeedProgress(Progress):
+    """One seed's events into the stacked run's reporter: its lines labelled with the seed; the
+    progress bar (epoch and step events) the lead seed's alone."""
+
+    def __init__(self, inner: Progress, seed: int, lead: bool) -> None:
+        super().__init__(inner.write)
+        self.inner, self.label, self.lead = inner, f"seed {seed}", lead
+
+    def open(self, epochs: int, log_every: int) -> None:
+        super().open(epochs, log_every)
+        if self.lead:
+            self.inner.open(epochs, log_every)
+
+    def log(self, message: str) -> None:
+        self.inner.log(f"{self.label}: {message}")
+
+    def start_epoch(self, epoch: int, steps: int, done: int = 0) -> None:
+        if self.lead:
+            self.inner.start_epoch(epoch, steps, done)
+
+    def step(self, epoch: int, step: int, loss: float, lr: float, img_per_s: float) -> None:
+        if self.lead:
+            self.inner.step(epoch, step, loss, lr, img_per_s)
+
+    def end_epoch(self, row: dict[str, Any]) -> None:
+        self.inner.end_epoch(row, label=self.label)
+
+
+def stack_refusal(loops: list[Loop]) -> str | None:
+    """Why ``loops`` (one per seed) cannot train as one stacked model; None when they can."""
+    lead = loops[0]
+    if lead.prepare is None:
+        return "the workers loader draws in its own processes; use `loader` device (or auto)"
+    if type(lead.state.optimizer) not in FUSED:
+        return (
+            f"`opt` {lead.cfg.recipe.opt}: one optimizer steps the stacked weights, so its step must be "
+            "elementwise; use adamw, adam, sgd or momentum"
+        )
+    if lead.state.scaler.is_enabled():
+        return "fp16's GradScaler keeps one loss scale per run; use `amp` bf16 or none"
+    for loop in loops[1:]:
+        a, b = lead.state, loop.state
+        if b.model_config != a.model_config:
+            return f"{loop.out} holds another architecture than {lead.out}"
+        if (b.epoch, b.step, b.global_step) != (a.epoch, a.step, a.global_step):
+            return (
+                f"{loop.out} is at epoch {b.epoch + 1}, step {b.step} and {lead.out} at epoch {a.epoch + 1}, "
+                f"step {a.step}; resume each alone to the same point first"
+            )
+        if loop.steps_per_epoch != lead.steps_per_epoch:
+            return (
+                f"{loop.out} has {loop.steps_per_epoch} steps per epoch and {lead.out} {lead.steps_per_epoch}"
+            )
+    return None
+
+
+def stacked_weights(loops: list[Loop], params: list[list[torch.Tensor]]) -> tuple[list[torch.Tensor], Any]:
+    """One leaf tensor per parameter holding every seed's on a leading axis, each seed's
+    parameters made its slices (its model, EMA and checkpoints read them as they are); and one
+    optimizer over them: the lead seed's class, parameter groups and settings (every seed's are the
+    same), with each seed's moments when resumed. The optimizer's step is elementwise, so it is
+    every seed's own step at once."""
+    with torch.no_grad():
+        weights = [
+            torch.stack([ps[k].detach() for ps in params]).requires_grad_(p.requires_grad)
+            for k, p in enumerate(params[0])
+        ]
+    for s, ps in enumerate(params):
+        for k, p in enumerate(ps):
+            p.data = weights[k][s]
+    own = loops[0].state.optimizer
+    index = {id(p): k for k, p in enumerate(params[0])}
+    groups = [
+        {
+            **{k: v for k, v in g.items() if k != "params"},
+            "params": [weights[index[id(p)]] for p in g["params"]],
+        }
+        for g in own.param_groups
+    ]
+    # the groups carry every setting; of the defaults, what the constructor takes (not its derived keys)
+    takes = inspect.signature(type(own)).parameters
+    optimizer = type(own)(groups, **{k: v for k, v in own.defaults.items() if k in takes})
+    for k, w in enumerate(weights):
+        states = [loop.state.optimizer.state.get(ps[k]) for loop, ps in zip(loops, params, strict=True)]
+        if all(states):  # resumed: each seed's moments on the leading axis; the step count is shared
+            optimizer.state[w] = {
+                key: torch.stack([st[key] for st in states]) if v.shape == params[0][k].shape else v.clone()
+                for key, v in states[0].items()
+            }
+    return weights, optimizer
+
+
+def clipped_per_seed(grads: list[torch.Tensor | None], max_norm: float) -> list[torch.Tensor | None]:
+    """``clip_grad_norm_`` for each seed of the stacked gradients ``grads`` (seeds on the leading
+    axis; None: unused): each seed's scaled by max_norm / (its total norm + 1e-6) where that is
+    below 1. Pure, so the compiled step holds it."""
+    present = [g for g in grads if g is not None]
+    seeds = present[0].shape[0]
+    norms = torch.stack([g.reshape(seeds, -1).norm(dim=1) for g in present], dim=1)  # (S, tensors)
+    scale = (max_norm / (norms.norm(dim=1) + 1e-6)).clamp(max=1.0)
+    return [None if g is None else g * scale.view(-1, *[1] * (g.dim() - 1)).to(g.dtype) for g in grads]
+
+
+class Stack:
+    """The seeds' loops and their step as one batched computation (module docstring): each seed's
+    global-RNG state, swapped in around its draws; the stacked forward, loss and backward, compiled
+    into one graph under ``--compile``."""
+
+    def __init__(self, loops: list[Loop]) -> None:
+        why = stack_refusal(loops)
+        if why is not None:
+            raise CmhsaError(f"`seeds`: cannot train these seeds as one stack: {why}")
+        lead = loops[0]
+        self.loops, self.ctx, self.dtype = loops, lead.ctx, lead.dtype
+        self.rngs = [rng_state() for _ in loops]  # each seed's, set as its epoch begins
+        device = self.ctx.device
+        self.index = (device.index or 0) if device.type == "cuda" else 0
+        self.generator = (
+            (torch.cuda.default_generators[self.index], "cuda")
+            if device.type == "cuda"
+            else (torch.default_generator, "torch")
+        )
+        model = lead.state.model
+        # the model's structure for functional_call, weightless: each call is given every seed's weights
+        self.structure = MaskedForward(copy.deepcopy(model).to("meta").train())
+        self.names = [f"model.{n}" for n, _ in model.named_parameters()]
+        self.trainable = [p.requires_grad for p in model.parameters()]
+        # index tables, the same for every seed (no state); every name of one shared by several
+        # blocks, as the weightless copy holds one per block
+        self.buffers = {f"model.{n}": b for n, b in model.named_buffers(remove_duplicate=False)}
+        self.params = [list(loop.state.model.parameters()) for loop in loops]
+        self.weights, self.optimizer = stacked_weights(loops, self.params)
+        self.draws = lead.mixup is not None or any(b.drop_path.drop_prob > 0 for b in model.blocks)
+        self.mixup, self.criterion, self.clip = lead.mixup, lead.criterion, lead.cfg.recipe.clip_grad
+        self.mask_dtype = self.dtype or next(model.parameters()).dtype  # the branches' output dtype
+        self.graphs = lead.cfg.runtime.compile and self.ctx.device.type == "cuda"
+        self.augment_inside = self.mixup is None  # else Mixup's numpy draws come between
+        self.learn: Any = self.stacked_learn
+        if lead.cfg.runtime.compile:
+            mode = "reduce-overhead" if self.graphs else None  # CUDA graphs on CUDA
+            self.learn = with_autograd_traced(torch.compile(self.stacked_learn, mode=mode))
+
+    @contextlib.contextmanager
+    def stream(self, i: int) -> Iterator[None]:
+        """Seed ``i``'s global RNGs (python, numpy, torch's) in place while it draws, kept after."""
+        set_rng_state(self.rngs[i])
+        try:
+            yield
+        finally:
+            self.rngs[i] = rng_state()
+
+    @contextlib.contextmanager
+    def step_stream(self, i: int) -> Iterator[None]:
+        """:meth:`stream` for a step's draws alone, at a step's cost: the generator of the device
+        (drop-path masks) and numpy's (Mixup), the only global RNGs a step draws from."""
+        gen, key = self.generator
+        state = self.rngs[i]
+        gen.set_state(state[key][self.index] if key == "cuda" else state[key])
+        numpy = self.mixup is not None
+        if numpy:
+            np_state = np.random.get_state()
+            np.random.set_state(numpy_state(state["numpy"]))
+        try:
+            yield
+        finally:
+            if key == "cuda":
+                state["cuda"] = [
+                    *state["cuda"][: self.index],
+                    gen.get_state(),
+                    *state["cuda"][self.index + 1 :],
+                ]
+            else:
+                state["torch"] = gen.get_state()
+            if numpy:
+                state["numpy"] = saved_numpy_state(np.random.get_state())
+                np.random.set_state(np_state)
+
+    def step(self, batches: tuple[tuple[Any, torch.Tensor], ...]) -> None:
+        """One optimizer step of every seed, on its batch (``batches[i]``: seed i's inputs, labels)."""
+        device, loops = self.ctx.device, self.loops
+        inputs = [x for x, _ in batches]
+        labels = [y.to(device, non_blocking=True) for _, y in batches]
+        masks: list[list[torch.Tensor]] = []
+        for i, loop in enumerate(loops):
+            with self.step_stream(i) if self.draws else contextlib.nullcontext():
+                if not self.augment_inside:
+                    inputs[i], labels[i] = loop.mixup(loop.prepare(inputs[i]), labels[i])  # type: ignore[misc]
+                masks.append(loop.state.model.drop_masks(len(labels[i]), self.mask_dtype, device))
+        stacked_masks = [torch.stack(m) for m in zip(*masks, strict=True)]  # (S, B, 1, 1) each
+        if self.graphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        tallies = [loop.tally.values for loop in loops]
+        values, skips, grads = self.learn(inputs, labels, stacked_masks, tallies, self.weights)
+        for loop, v, skip in zip(loops, values, skips, strict=True):
+            # the sum is the next call's input: not the graph's memory, which that replay overwrites
+            loop.tally.values, loop.tally.skip = (v.clone() if self.graphs else v), skip
+        assign_gradients([w for w in self.weights if w.requires_grad], grads)
+        self.update(torch.stack(skips).amax())
+
+    def update(self, skip: torch.Tensor) -> None:
+        """:func:`.loop.finish_step` for every seed at once (the gradients come clipped, each seed's
+        to its own norm): one optimizer step over the stacked weights (each seed's learning rate is its own
+        scheduler's, the same for all), then each seed's counters, EMA and scheduler. The step is
+        skipped for every seed after a non-finite loss in any (the run stops at the next read-out)."""
+        lead = self.loops[0]
+        for group, own in zip(self.optimizer.param_groups, lead.state.optimizer.param_groups, strict=True):
+            group["lr"] = own["lr"]
+        update(self.optimizer, lead.state.scaler, skip)  # the scaler is off (fp16 is refused)
+        self.optimizer.zero_grad(set_to_none=True)
+        for loop in self.loops:
+            st = loop.state
+            st.global_step += 1
+            if st.ema is not None:
+                st.ema.update(st.model, step=st.global_step)
+            st.scheduler.step_update(num_updates=st.global_step)
+
+    def share_moments(self) -> None:
+        """Each seed's optimizer holds its slice of the stacked optimizer's state (moments, step
+        count), as its own run's optimizer would: what its checkpoint saves."""
+        for s, loop in enumerate(self.loops):
+            own = loop.state.optimizer
+            for p, w in zip(self.params[s], self.weights, strict=True):
+                if w in self.optimizer.state:
+                    own.state[p] = {
+                        k: v[s] if torch.is_tensor(v) and v.shape == w.shape else v
+                        for k, v in self.optimizer.state[w].items()
+                    }
+
+    def stacked_learn(
+        self,
+        inputs: list[Any],
+        labels: list[torch.Tensor],
+        masks: list[torch.Tensor],
+        tallies: list[torch.Tensor],
+        weights: list[torch.Tensor],
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor | None]]:
+        """Every seed's augmentation (unless Mixup came first), forward under autocast, loss and
+        gradients, as one batched computation over the stacked ``weights``: (each seed's tally with
+        its loss added, its skip flag, the gradients of the trainable stacked weights)."""
+        if self.augment_inside:
+            inputs = [loop.prepare(x) for loop, x in zip(self.loops, inputs, strict=True)]  # type: ignore[misc]
+        named = dict(zip(self.names, weights, strict=True))
+        losses = vmap(self.loss, randomness="error")(named, torch.stack(inputs), torch.stack(labels), masks)
+        out = [tallied(t, losses[i], self.ctx) for i, t in enumerate(tallies)]
+        learned = [w for w in weights if w.requires_grad]
+        grads = list(torch.autograd.grad(losses.sum(), learned, allow_unused=True))  # slice i: loss i's
+        if self.clip is not None:  # each seed's to its own norm
+            grads = clipped_per_seed(grads, self.clip)
+        return [v for v, _ in out], [s for _, s in out], grads
+
+    def loss(
+        self,
+        weights: dict[str, torch.Tensor],
+        images: torch.Tensor,
+        labels: torch.Tensor,
+        masks: list[torch.Tensor],
+    ) -> torch.Tensor:
+        """One seed's loss (vmap's view: no seed axis): the model with ``weights`` on ``images``."""
+        with autocast(self.ctx.device, self.dtype):
+            logits = functional_call(self.structure, (weights, self.buffers), (images, masks))
+            return self.criterion(logits, labels)
+
+
+class MaskedForward(nn.Module):
+    """``model``'s forward with its drop-path masks given (functional_call calls a forward)."""
+
+    def __init__(self, model: VisionTransformer) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, images: torch.Tensor, masks: list[torch.Tensor]) -> torch.Tensor:
+        """(B, C, H, W) images and :meth:`VisionTransformer.drop_masks`'s masks ([]: none) -> logits."""
+        return self.model.forward_head(self.model.forward_features(images, masks or None))
+
+
+def stacked_epoch(stack: Stack, stop: Any, stop_after_steps: int | None = None) -> bool:
+    """:func:`.loop.train_one_epoch` for every seed at once: each seed's epoch begins under its own
+    RNGs, steps go in lockstep, read-outs read every seed's tally (a non-finite loss in one stops
+    all), and each seed's epoch ends with its own evaluation. False if stopped early."""
+    loops, lead = stack.loops, stack.loops[0]
+    lrs = []
+    for i, loop in enumerate(loops):
+        with stack.stream(i):
+            lrs.append(begin_epoch(loop))
+    st = lead.state
+    first = st.step
+    lead.reporter.start_epoch(st.epoch, lead.steps_per_epoch, first)
+    every = max(1, lead.cfg.runtime.log_every)
+    t_last, since = time.perf_counter(), first
+
+    def read_all() -> None:
+        for loop in loops:
+            read_out(loop, stop, since, t_last)
+
+    batches = zip(*(loop.train_loader.batches() for loop in loops), strict=True)
+    for step, batch in enumerate(until_stopped(batches, stop), start=first):
+        stack.step(batch)
+        for loop in loops:
+            loop.state.step = step + 1
+        limit = stop_after_steps is not None and st.global_step >= stop_after_steps
+        if st.step % every == 0 or st.step == lead.steps_per_epoch or limit or stop.signal is not None:
+            read_all()
+            t_last, since = time.perf_counter(), st.step
+            if stop.signal is not None or limit:
+                return False
+    if stop.signal is not None and st.step < lead.steps_per_epoch:  # the loader ended with the stop
+        if st.step > since:
+            read_all()
+        return False
+    for i, loop in enumerate(loops):
+        with stack.stream(i):
+            end_epoch(loop, lrs[i])
+    return True
+
+
+def train_stacked(
+    stack: Stack, files: list[RunFiles], stop_after_steps: int | None = None
+) -> list[RunResult]:
+    """:func:`.run.train` for the stack: epochs until the run's last, every seed saved after each
+    (under its own RNGs, which its checkpoint keeps); then every seed's trained model."""
+    lead = stack.loops[0]
+    stop = StopRequest()
+    with stop.installed():
+        while lead.state.epoch < lead.cfg.recipe.epochs:
+            if not stacked_epoch(stack, stop, stop_after_steps):
+                stack.share_moments()
+                results = []
+                for i, f in enumerate(files):
+                    with stack.stream(i):
+                        results.append(f.stopped(stop.signal or "limit"))
+                return results
+            stack.share_moments()
+            for i, (loop, f) in enumerate(zip(stack.loops, files, strict=True)):
+                loop.reporter.end_epoch(loop.state.metrics[-1])
+                with stack.stream(i):
+                    f.save()
+    return [f.finished() for f in files]
