@@ -176,6 +176,42 @@ def test_init_comparison_runs_every_start_and_writes_table_curves_and_raw_result
     assert (out / "curves.png").read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.slow
+def test_plateau_stacked_runs_each_arms_seeds_as_one_process_in_budgeted_calls(tmp_path: Path) -> None:
+    """experiments/plateau_stacked.py (issue 57's command) on tiny IDX files: a call too short for
+    it stops its stacked arms (each seed saved) and exits 3; the next call resumes and finishes
+    every arm, each seed in its own folder; the report has every setting, seed by seed."""
+    data = tiny_fashion_mnist(tmp_path)
+    script = Path(__file__).resolve().parent.parent / "experiments" / "plateau_stacked.py"
+    out = tmp_path / "out"
+    cmd = [
+        sys.executable,
+        str(script),
+        "--data-dir",
+        str(data),
+        *"--epochs 4 --seeds 0 1 --train-samples 128 --val-samples 32 --eval-every 2 --batch-size 32".split(),
+        *"--device cpu --figure2 --parallel 2 --out".split(),
+        str(out),
+    ]
+    first = subprocess.run([*cmd, "--time-budget", "10"], capture_output=True, text=True, timeout=300)
+    assert first.returncode == 3, first.stdout[-2000:] + first.stderr[-2000:]
+    second = subprocess.run(
+        [*cmd, "--plot", str(tmp_path / "curves.png")], capture_output=True, text=True, timeout=600
+    )
+    assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-2000:]
+    for setting in ("phase 1 only", "two-phase, gated pinning", "phase 2 only, random init, no warm-up"):
+        assert f"| {setting} | " in second.stdout, second.stdout
+    assert "| two-phase, hard pinning | 2 / 2 of 2 |" in second.stdout
+    for arm, epochs in (("p1", 4), ("half-p1", 2), ("gated", 2), ("random-nowarm", 4)):
+        for seed in (0, 1):
+            rows = list(csv.DictReader((out / arm / f"seed{seed}" / "metrics.csv").read_text().splitlines()))
+            assert [r["epoch"] for r in rows] == [str(e) for e in range(1, epochs + 1)], (arm, seed)
+            assert [bool(r["top1"]) for r in rows] == [e % 2 == 0 for e in range(1, epochs + 1)]
+    gated = json.loads((out / "gated" / "seed1" / "config.json").read_text())
+    assert gated["init"] == str(out / "half-p1" / "seed1" / "conv.safetensors") and gated["seeds"] == [0, 1]
+    assert (tmp_path / "curves-zoom.png").read_bytes()[:4] == b"\x89PNG"
+
+
 def test_plateau_gain_compares_means_of_epochs_a_fifth_apart(monkeypatch: pytest.MonkeyPatch) -> None:
     """init_comparison's plateau test, against hand-computed means: the last 5 epochs against the 5
     that end a fifth earlier; one epoch's jitter, which decided the single-epoch test, averages out."""

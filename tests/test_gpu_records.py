@@ -31,6 +31,46 @@ def test_the_60k_table_in_experiments_md_is_the_raw_runs(tmp_path: Path) -> None
     assert png.stat().st_size > 10_000
 
 
+PLATEAU = ROOT / "experiments" / "results" / "plateau_e200_n60000_h100"
+
+
+def plateau_report(tmp_path: Path) -> dict[str, tuple[str, str]]:
+    """experiments/plateau_stacked.py --report on a copy of the H100 plateau runs' raw files (it
+    writes results.json beside them): setting -> (top-1 per seed, mean ± half-range), for the
+    settings that ran."""
+    import shutil
+
+    raw = shutil.copytree(PLATEAU, tmp_path / "plateau")
+    r = subprocess.run(
+        [sys.executable, "experiments/plateau_stacked.py", "--report", "--figure2", "--out", str(raw)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = [ln.split("|")[1:5] for ln in r.stdout.splitlines() if ln.startswith("| ") and "---" not in ln]
+    return {name.strip(): (seeds.strip(), mean.strip()) for name, _, seeds, mean in rows[1:] if mean.strip()}
+
+
+@pytest.mark.slow
+def test_the_plateau_table_in_experiments_md_is_the_raw_runs(tmp_path: Path) -> None:
+    """Every setting of the H100 plateau run: its per-seed top-1 and its mean ± half-range, as the
+    report recomputes them from the raw metrics.csv files, stand in EXPERIMENTS.md's table."""
+    rows = plateau_report(tmp_path)
+    assert set(rows) == {
+        "phase 1 only",
+        "phase-1 half alone (E/2)",
+        "two-phase, gated pinning",
+        "two-phase, hard pinning",
+        "two-phase, gated, no warm-up in phase 2",
+    }
+    doc = (ROOT / "EXPERIMENTS.md").read_text(encoding="utf-8").replace("**", "")
+    section = doc.split("### At a plateau on all 60,000 images", 1)[1].split("\n### ", 1)[0]
+    for name, (seeds, mean) in rows.items():
+        assert f"| {seeds} | {mean} |" in section, (name, seeds, mean)
+
+
 def _raw_rows(md: str) -> dict[str, str]:
     """A results .md table's setting -> its "top-1 %" cell."""
     rows = [ln.split("|")[1:3] for ln in md.splitlines() if ln.startswith("| ") and "---" not in ln]
@@ -38,10 +78,10 @@ def _raw_rows(md: str) -> dict[str, str]:
 
 
 @pytest.mark.slow
-def test_readmes_start_table_is_the_three_experiments_raw_results(tmp_path: Path) -> None:
-    """README's "Which start should I use?" table, cell for cell, is the raw results of the three
-    scales: the 1k depth-2 and depth-6 runs' result files and the 60k report's output ("–": not
-    run). Rows are matched by the setting each experiment names."""
+def test_readmes_start_table_is_the_experiments_raw_results(tmp_path: Path) -> None:
+    """README's "Which start should I use?" table, cell for cell, is the raw results of the four
+    scales: the 1k depth-2 and depth-6 runs' result files, the 60k 40-epoch report's output and the
+    plateau report's ("–": not run). Rows are matched by the setting each experiment names."""
     results = ROOT / "experiments" / "results"
     d2 = _raw_rows((results / "init_comparison_cpu_e200_n1000.md").read_text(encoding="utf-8"))
     d6_md = (results / "tuned_comparison_d6.md").read_text(encoding="utf-8")
@@ -56,25 +96,24 @@ def test_readmes_start_table_is_the_three_experiments_raw_results(tmp_path: Path
     assert r.returncode == 0, r.stderr[-2000:]
     gpu = {k: v for k, v in (ln.split("|")[1:4:2] for ln in r.stdout.splitlines() if ln.startswith("| "))}
     gpu = {k.strip(): v.strip().replace("**", "") for k, v in gpu.items()}
-    settings = {  # README's row -> the experiments' names of it (depth 2, depth 6, 60k)
-        "phase 1 only": ("phase 1 only", "phase 1 only", "phase 1 only"),
+    plateau = {k: mean for k, (_, mean) in plateau_report(tmp_path).items()}
+    settings = {  # README's row -> the experiments' names of it (depth 2, depth 6, 60k, 60k at 200)
+        "phase 1 only": ("phase 1 only",) * 4,
         "--init impulse": (
             "phase 2 only, impulse init (conversion's offsets)",
             "phase 2 only, impulse init",
             "phase 2 only, impulse init",
+            None,
         ),
-        "--init mimetic": ("phase 2 only, mimetic init", None, None),
-        "gated": ("two-phase, gated pinning", "two-phase, gated pinning", "two-phase, gated pinning"),
+        "--init mimetic": ("phase 2 only, mimetic init", None, None, None),
+        "gated": ("two-phase, gated pinning",) * 4,
         "hard pinning": (
             "two-phase, hard pinning",
             "two-phase, hard pinning (the paper's)",
             "two-phase, hard pinning",
+            "two-phase, hard pinning",
         ),
-        "--init random": (
-            "phase 2 only, random init",
-            "phase 2 only, random init",
-            "phase 2 only, random init",
-        ),
+        "--init random": ("phase 2 only, random init",) * 3 + (None,),
     }
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     section = readme.split("## Which start?", 1)[1].split("\n## ", 1)[0]
@@ -85,5 +124,5 @@ def test_readmes_start_table_is_the_three_experiments_raw_results(tmp_path: Path
     for line in table:
         start, *cells = (c.strip() for c in line.strip("|").split("|"))
         names = next(v for k, v in settings.items() if k in start)
-        want = [raw[n] if n else "–" for raw, n in zip((d2, d6, gpu), names, strict=True)]
+        want = [raw[n] if n else "–" for raw, n in zip((d2, d6, gpu, plateau), names, strict=True)]
         assert cells == want, (start, cells, want)

@@ -250,3 +250,17 @@ def test_a_non_finite_loss_in_a_seed_stops_every_seed_naming_its_folder(
     with pytest.raises(CheckFailed, match=r"non-finite loss \(nan\) at epoch 2, step 1: .*seed1"):
         run_seeds(config(tmp_path / "s", seeds=(0, 1), epochs=2, log_every=1), progress=QUIET)
     assert [saved(tmp_path / "s" / f"seed{s}")["epoch"] for s in (0, 1)] == [1, 1]
+
+
+def test_seeds_of_different_architectures_are_refused_naming_both(tmp_path: Path) -> None:
+    """`{seed}` in --init naming phase-1 models of two depths: phase 2 cannot stack them."""
+    run(config(tmp_path / "p1" / "seed0", seed=0, epochs=1), progress=QUIET)
+    run(config(tmp_path / "p1" / "seed1", seed=1, epochs=1, depth=1), progress=QUIET)
+    init = str(tmp_path / "p1" / "seed{seed}" / "conv.safetensors")
+    flags = {k: v for k, v in TINY.items() if k not in ("img_size", "patch_size", "depth", "kernel_size")}
+    cfg = TrainConfig.from_flags(
+        out=str(tmp_path / "p2"), phase="phase2", init=init, seeds=(0, 1), given=frozenset(flags), **flags
+    )
+    with pytest.raises(CmhsaError, match=r"seed1 holds another architecture than .*seed0"):
+        run_seeds(cfg, progress=QUIET)
+    assert not (tmp_path / "p2").exists()  # nothing written, no folder left
