@@ -264,3 +264,13 @@ def test_seeds_of_different_architectures_are_refused_naming_both(tmp_path: Path
     with pytest.raises(CmhsaError, match=r"seed1 holds another architecture than .*seed0"):
         run_seeds(cfg, progress=QUIET)
     assert not (tmp_path / "p2").exists()  # nothing written, no folder left
+
+
+def test_plot_of_a_stacked_runs_folder_names_its_seeds_folders(tmp_path: Path) -> None:
+    run_seeds(config(tmp_path / "s", seeds=(0, 1), epochs=1), progress=QUIET)
+    r = invoke("plot", tmp_path / "s", "-o", tmp_path / "c.png")
+    one_error_line(r, 2, "holds a --seeds run's folders (seed0, seed1); plot those")
+    assert (
+        invoke("plot", tmp_path / "s" / "seed0", tmp_path / "s" / "seed1", "-o", tmp_path / "c.png").exit_code
+        == 0
+    )

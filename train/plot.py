@@ -31,11 +31,32 @@ def _column(name: str | None) -> bool:
     return name is not None and (name in METRICS + EMA_METRICS or _ATTN_COLUMN.match(name) is not None)
 
 
+SEED_FOLDER = re.compile(r"seed[0-9]{1,10}")  # train/stacked.py's seed_folder names
+
+
+def seed_folders(run: Path, look: int = 1000) -> list[str]:
+    """The names of up to 3 seed folders of a stacked run (``--seeds``) among the first ``look``
+    entries of ``run`` (any folder: bounded, and only names of that exact form are returned)."""
+    found: list[str] = []
+    with contextlib.suppress(OSError), os.scandir(run) as entries:
+        for i, entry in enumerate(entries):
+            if i >= look or len(found) == 3:
+                break
+            if SEED_FOLDER.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False):
+                found.append(entry.name)
+    return sorted(found)
+
+
 def read_metrics(run: Path) -> list[dict[str, float]]:
     """metrics.csv of a run folder: its known columns as numbers (others are ignored), every value
     finite and within ±LARGEST; CmhsaError otherwise."""
     path = run / "metrics.csv"
     if not os.path.lexists(path):
+        seeds = seed_folders(run)
+        if seeds:
+            raise CmhsaError(
+                f"has no metrics.csv: it holds a `seeds` run's folders ({', '.join(seeds)}); plot those", run
+            )
         raise CmhsaError("has no metrics.csv (not a training run folder?)", run)
     check_settled(path)
     text = read_text(path, what="metrics.csv")
