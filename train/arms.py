@@ -33,6 +33,7 @@ from ..io.folder import make_folder
 from ..options.training import TrainConfig
 from ..options.values import check
 from .run import OUTPUT
+from .stacked import seed_folder
 from .state import LAST
 
 DONE, STOPPED, FAILED, WAITING, BLOCKED = "done", "stopped", "failed", "waiting", "blocked"
@@ -54,8 +55,6 @@ class Arm:
     @property
     def folders(self) -> list[Path]:
         """The arm's run folders: ``out``, or with ``seeds`` (stacked) each seed's in it."""
-        from .stacked import seed_folder
-
         seeds = self.config.runtime.seeds
         return [seed_folder(self.out, s) for s in seeds] if seeds else [self.out]
 

@@ -74,7 +74,8 @@ class Loop:
 
 def train_one_step(loop: Loop, inputs: Any, labels: torch.Tensor) -> None:
     """One optimizer step on a batch, with no read of a device value (for a fused optimizer)."""
-    device, tally, scaler = loop.ctx.device, loop.tally, loop.state.scaler
+    st, device, tally = loop.state, loop.ctx.device, loop.tally
+    optimizer, scaler = st.optimizer, st.scaler
     labels = labels.to(device, non_blocking=True)
     if loop.compiled is not None:  # the same as the lines below, as one graph: gradients in p.grad
         loop.compiled(inputs, labels, tally)
@@ -86,17 +87,11 @@ def train_one_step(loop: Loop, inputs: Any, labels: torch.Tensor) -> None:
             loss = loop.criterion(loop.forward(images), labels)
         tally.add(loss)  # on the device: the sum, and whether every loss since the last read-out was finite
         backward(scaler.scale(loss), loop.params, loop.ctx)  # fp16 scales the loss; else it is as is
-    finish_step(loop)
-
-
-def finish_step(loop: Loop) -> None:
-    """The step after the gradients: clip, update, zero_grad, the EMA and the scheduler."""
-    st, optimizer, scaler = loop.state, loop.state.optimizer, loop.state.scaler
     clip = loop.cfg.recipe.clip_grad
     if clip is not None:
         scaler.unscale_(optimizer)  # a no-op unless fp16's scaler is on
         nn.utils.clip_grad_norm_(loop.params, clip, foreach=True)
-    update(optimizer, scaler, loop.tally.skip)  # skipped on the device after a non-finite loss
+    update(optimizer, scaler, tally.skip)  # skipped on the device after a non-finite loss
     optimizer.zero_grad(set_to_none=True)
     st.global_step += 1
     if st.ema is not None:

@@ -339,10 +339,11 @@ class Stack:
         self.update(torch.stack(skips).amax())
 
     def update(self, skip: torch.Tensor) -> None:
-        """:func:`.loop.finish_step` for every seed at once (the gradients come clipped, each seed's
-        to its own norm): one optimizer step over the stacked weights (each seed's learning rate is its own
-        scheduler's, the same for all), then each seed's counters, EMA and scheduler. The step is
-        skipped for every seed after a non-finite loss in any (the run stops at the next read-out)."""
+        """The end of :func:`.loop.train_one_step` for every seed at once (the gradients come
+        clipped, each seed's to its own norm): one optimizer step over the stacked weights (each
+        seed's learning rate is its own scheduler's, the same for all), then each seed's counters,
+        EMA and scheduler. The step is skipped for every seed after a non-finite loss in any (the
+        run stops at the next read-out)."""
         lead = self.loops[0]
         for group, own in zip(self.optimizer.param_groups, lead.state.optimizer.param_groups, strict=True):
             group["lr"] = own["lr"]
