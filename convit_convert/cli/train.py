@@ -222,9 +222,9 @@ OPTION_ROWS: list[Flag] = [
         str,
         RUN,
         "Several seeds of this run, comma-separated (0,1,2), trained together in one process as one "
-        "stacked model (a GPU's throughput for small models), each in -o/--output/seedN as its own "
-        "--seed N run would be; {seed} in a checkpoint --init stands for each seed "
-        "(docs/training.md: Several seeds in one process).",
+        "stacked model (every kernel carries all the seeds; whether that is faster: BENCHMARKS.md), "
+        "each in -o/--output/seedN as its own --seed N run would be; {seed} in a checkpoint --init "
+        "stands for each seed (docs/training.md: Several seeds in one process).",
     ),
     Flag("device", str, RUN, DEVICE_HELP),
     Flag("amp", str, RUN, "auto (bf16 on CUDA, none on CPU), bf16, fp16 or none."),
