@@ -23,7 +23,6 @@ at the conversion, its lowest in the first 30 phase-2 epochs, and at the end.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import statistics
 from pathlib import Path
@@ -32,7 +31,7 @@ from arms_cli import add_arm_flags, run_or_exit
 from fashion_mnist import ATTN_LR_MULT, LR_PHASE2, LR_SCRATCH, config
 from init_comparison import run_flags
 
-from convit_convert.train.arms import Arm
+from convit_convert.train.arms import Arm, metrics_rows
 
 SETTINGS = [  # (setting, the arms it is made of: a phase-1 half first for two-phase)
     ("phase 1 only", ("p1",)),
@@ -76,15 +75,6 @@ def arms_for(args: argparse.Namespace) -> list[Arm]:
     return arms
 
 
-def rows_of(folder: Path) -> list[dict[str, float]]:
-    """A run folder's metrics.csv as numbers ([] if none)."""
-    try:
-        with open(folder / "metrics.csv", newline="") as f:
-            return [{k: float(v) for k, v in r.items() if v} for r in csv.DictReader(f)]
-    except OSError:
-        return []
-
-
 def report(args: argparse.Namespace) -> dict:
     """Per setting and seed: epochs reached, top-1 at the last evaluated epoch; for two-phase, the
     phase-2 dip. Printed as markdown, returned for results.json."""
@@ -99,9 +89,11 @@ def report(args: argparse.Namespace) -> dict:
         arm = arms[names[-1]]
         per_seed = []
         for folder in arm.folders:
-            rows = rows_of(folder)
+            rows = metrics_rows(folder)
             evald = [r for r in rows if "top1" in r]
-            first = rows_of(arms["half-p1"].folders[arm.folders.index(folder)]) if len(names) == 2 else []
+            first = (
+                metrics_rows(arms["half-p1"].folders[arm.folders.index(folder)]) if len(names) == 2 else []
+            )
             per_seed.append(
                 {
                     "epochs": len(rows),
@@ -131,13 +123,13 @@ def curves(args: argparse.Namespace) -> list[tuple[str, list[tuple[list[float], 
     out = []
     for setting, names in SETTINGS:
         last = arms.get(names[-1])
-        if last is None or any(len(rows_of(f)) < last.config.recipe.epochs for f in last.folders):
+        if last is None or any(len(metrics_rows(f)) < last.config.recipe.epochs for f in last.folders):
             continue  # not run, or not finished
         per_seed = []
         for i in range(len(args.seeds)):
             xs, ys, shift = [], [], 0.0
             for name in names:
-                rows = [r for r in rows_of(arms[name].folders[i]) if "top1" in r]
+                rows = [r for r in metrics_rows(arms[name].folders[i]) if "top1" in r]
                 xs += [shift + r["epoch"] for r in rows]
                 ys += [r["top1"] for r in rows]
                 shift = xs[-1]

@@ -71,13 +71,8 @@ class Arm:
         return all(m.is_file() for m in self.models)
 
     def rows(self) -> list[dict[str, float]]:
-        """metrics.csv's rows as numbers, one per finished epoch ([] before the first); the first
-        seed's for a stacked arm."""
-        try:
-            with open(self.folders[0] / "metrics.csv", newline="") as f:
-                return [{k: float(v) for k, v in r.items() if v} for r in csv.DictReader(f)]
-        except OSError:
-            return []
+        """metrics.csv's rows (:func:`metrics_rows`); the first seed's for a stacked arm."""
+        return metrics_rows(self.folders[0])
 
     def cpu_seconds(self) -> float:
         """CPU seconds of every process that trained this arm (cpu_seconds.txt)."""
@@ -99,6 +94,16 @@ class Arm:
         """One line for a report: seconds since the start, status, name, epochs, why it failed."""
         note = f"  ({self.note})" if self.note else ""
         return f"{elapsed:6.0f} s  {self.status:8s} {self.name}  epochs {self.progress()}{note}"
+
+
+def metrics_rows(folder: Path) -> list[dict[str, float]]:
+    """A run folder's metrics.csv rows as numbers, one per finished epoch, its empty cells left out
+    ([] before the first)."""
+    try:
+        with open(folder / "metrics.csv", newline="") as f:
+            return [{k: float(v) for k, v in r.items() if v} for r in csv.DictReader(f)]
+    except OSError:
+        return []
 
 
 def unfinished(arms: list[Arm]) -> str | None:

@@ -265,7 +265,6 @@ class Stack:
         # the model's structure for functional_call, weightless: each call is given every seed's weights
         self.structure = MaskedForward(copy.deepcopy(model).to("meta").train())
         self.names = [f"model.{n}" for n, _ in model.named_parameters()]
-        self.trainable = [p.requires_grad for p in model.parameters()]
         # index tables, the same for every seed (no state); every name of one shared by several
         # blocks, as the weightless copy holds one per block
         self.buffers = {f"model.{n}": b for n, b in model.named_buffers(remove_duplicate=False)}
@@ -305,11 +304,7 @@ class Stack:
             yield
         finally:
             if key == "cuda":
-                state["cuda"] = [
-                    *state["cuda"][: self.index],
-                    gen.get_state(),
-                    *state["cuda"][self.index + 1 :],
-                ]
+                state["cuda"][self.index] = gen.get_state()  # rng_state()'s own list, one per GPU
             else:
                 state["torch"] = gen.get_state()
             if numpy:

@@ -383,35 +383,25 @@ def _run_training(cfg: TrainConfig) -> None:
     """Bad input exits 2 and a run that cannot go on exits 1 (cli/boundary.py renders both)."""
     from .progress import RichProgress
 
-    if cfg.runtime.seeds:
+    if cfg.runtime.seeds:  # several seeds stacked in one process: a result per seed
         from ..train.stacked import run_seeds
 
         results = run_seeds(cfg, progress=RichProgress(console))
-        stopped = next((r.stopped for r in results if r.stopped in ("SIGINT", "SIGTERM")), None)
-        if stopped is not None:
-            import signal
+    else:
+        from ..train.run import run
 
-            raise typer.Exit(128 + int(getattr(signal, stopped)))
-        _print_exports(results)
-        return
-    from ..train.run import run
-
-    result = run(cfg, progress=RichProgress(console))
-    if result.stopped in ("SIGINT", "SIGTERM"):
+        results = [run(cfg, progress=RichProgress(console))]
+    stopped = next((r.stopped for r in results if r.stopped in ("SIGINT", "SIGTERM")), None)
+    if stopped is not None:
         import signal
 
-        raise typer.Exit(128 + int(getattr(signal, result.stopped)))
-    _print_exports([result])
-
-
-def _print_exports(results: list[Any]) -> None:
-    """The exports' reports (--export-onnx, --export-timm: rank 0 of a finished run); exit 1 if one failed."""
+        raise typer.Exit(128 + int(getattr(signal, stopped)))
     from .export import print_export, print_timm_folder
 
     for result in results:
-        if result.export is not None:
+        if result.export is not None:  # --export-onnx, on rank 0 of a finished run
             print_export(result.export)
-        if result.timm is not None:
+        if result.timm is not None:  # --export-timm, likewise
             print_timm_folder(result.timm)
     if any(r is not None and not r.passed for res in results for r in (res.export, res.timm)):
         raise typer.Exit(EXIT_FAIL)
