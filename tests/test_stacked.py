@@ -274,3 +274,36 @@ def test_plot_of_a_stacked_runs_folder_names_its_seeds_folders(tmp_path: Path) -
         invoke("plot", tmp_path / "s" / "seed0", tmp_path / "s" / "seed1", "-o", tmp_path / "c.png").exit_code
         == 0
     )
+
+
+@pytest.mark.parametrize("planted", ["link", "file"])
+def test_a_seed_folder_name_taken_by_a_link_or_file_is_refused_untouched(
+    tmp_path: Path, planted: str
+) -> None:
+    """`out/seed0` is cmhsa's name in the user's folder: a link there (to a folder someone else
+    chose) or a file is refused before anything is written, and left as it was."""
+    out, elsewhere = tmp_path / "out", tmp_path / "elsewhere"
+    out.mkdir()
+    elsewhere.mkdir()
+    if planted == "link":
+        (out / "seed0").symlink_to(elsewhere)
+    else:
+        (out / "seed0").write_text("not a folder")
+    tiny = [
+        "--data",
+        "synthetic",
+        "--img-size",
+        "16",
+        "--patch-size",
+        "4",
+        "--depth",
+        "1",
+        "--kernel-size",
+        "3",
+    ]
+    r = invoke("train", "phase1", *tiny, "--epochs", "1", "--device", "cpu", "--seeds", "0,1", "-o", out)
+    one_error_line(r, 2, "seed0", "symbolic link" if planted == "link" else "names an existing file")
+    assert list(elsewhere.iterdir()) == [] and sorted(p.name for p in out.iterdir()) == ["seed0"]
+    assert (
+        (out / "seed0").is_symlink() if planted == "link" else (out / "seed0").read_text() == "not a folder"
+    )

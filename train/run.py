@@ -275,20 +275,32 @@ def resolved_config(cfg: TrainConfig) -> TrainConfig:
 
 
 @contextlib.contextmanager
-def run_folder(cfg: TrainConfig, ctx: Context, wrote: list[Path]) -> Iterator[Folder]:
+def run_folder(
+    cfg: TrainConfig, ctx: Context, wrote: list[Path], parent: Folder | None = None
+) -> Iterator[Folder]:
     """The run folder, made if missing, held open and locked (one process at a time writes a run
     folder: a second one is refused) while the run is in it. If the run fails before it saved
-    anything (``wrote`` empty), the folder is left as it was: no folder it made, no lock."""
+    anything (``wrote`` empty), the folder is left as it was: no folder it made, no lock.
+    ``parent``: the held folder the run folder's name is cmhsa's choice in (a `seeds` run's seed
+    folder), entered by that name, never through a link and only if it is this user's folder;
+    without it, the path the user gave (links in it followed: it is the user's)."""
     out = Path(cfg.runtime.out).expanduser()
     created: list[Path] = []
     folder, had_lock = None, True
     try:
-        if ctx.is_main:
-            created = make_folder(out, "run folder")
+        if parent is not None:
+            made = parent.lstat(out.name) is None
+            folder = parent.enter(out.name, create=True)
+            created = [out] if made else []
             if not os.access(out, os.W_OK | os.X_OK):
                 raise CmhsaError("the run folder is not writable", out)
-        barrier(ctx)
-        folder = Folder.open(out)  # held for the whole run: every file below it is touched by name
+        else:
+            if ctx.is_main:
+                created = make_folder(out, "run folder")
+                if not os.access(out, os.W_OK | os.X_OK):
+                    raise CmhsaError("the run folder is not writable", out)
+            barrier(ctx)
+            folder = Folder.open(out)  # held for the whole run: every file below it is touched by name
         had_lock = folder.exists(LOCK_NAME)
         with locked_folder(folder) if ctx.is_main else contextlib.nullcontext():
             yield folder

@@ -50,6 +50,7 @@ from torch.func import functional_call, vmap
 
 from ..api.common import autocast
 from ..errors import CmhsaError
+from ..io.folder import Folder, make_folder, remove_made
 from ..model import VisionTransformer
 from ..options.training import TrainConfig
 from .distributed import Context, setup, teardown
@@ -118,9 +119,15 @@ def _run_seeds(
     torch.set_num_threads(configs[0].runtime.threads)  # type: ignore[arg-type]
     reporter = progress or Progress()
     wrote: list[list[Path]] = [[] for _ in configs]
+    out = Path(configs[0].runtime.out).expanduser().parent  # the folder the user gave
+    made = make_folder(out, "run folder")
     try:
-        with contextlib.ExitStack() as held:  # every seed's folder held and locked for the whole run
-            folders = [held.enter_context(run_folder(c, ctx, w)) for c, w in zip(configs, wrote, strict=True)]
+        # every seed's folder entered by its name in the user's (never through a link, only this
+        # user's folder), held and locked for the whole run
+        with Folder.open(out) as parent, contextlib.ExitStack() as held:
+            folders = [
+                held.enter_context(run_folder(c, ctx, w, parent)) for c, w in zip(configs, wrote, strict=True)
+            ]
             built = [
                 prepared(c, ctx, f, SeedProgress(reporter, c.seed, lead=i == 0))
                 for i, (c, f) in enumerate(zip(configs, folders, strict=True))
@@ -135,6 +142,10 @@ def _run_seeds(
                 "the progress bar is the first seed's, and its images/s each seed's"
             )
             return train_stacked(stack, files, stop_after_steps)
+    except BaseException:
+        if not any(wrote):  # nothing saved: no folder of the user's path made either
+            remove_made(made)
+        raise
     finally:
         reporter.close()
 
