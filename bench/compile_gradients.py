@@ -78,11 +78,11 @@ def main() -> None:
             loop, (inputs, y) = built_step(data, Path(tmp) / data)
             step, model, tally = loop.compiled, loop.state.model, loop.tally.values
             x = loop.train_loader.prepare(inputs)
-            eager = step.images_learn(x, y, tally)[2]
-            compiled = step.learn(inputs, y, tally)[2]
+            eager = step.images_learn(x, y, tally, [])[2]
+            compiled = step.learn(inputs, y, tally, [])[2]
             plain = torch.autograd.grad(step.criterion(torch.compile(model)(x), y), step.params)
             torch.set_num_threads(2)
-            threads = step.images_learn(x, y, tally)[2]
+            threads = step.images_learn(x, y, tally, [])[2]
             torch.set_num_threads(1)
             cols = (worst(eager, compiled), worst(eager, list(plain)), worst(eager, threads))
             print(f"| {data} | " + " | ".join(f"{c:.1e}" for c in cols) + " |")

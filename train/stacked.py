@@ -20,17 +20,16 @@ seed gets is its own run's:
 - its learning rate (its own scheduler's), EMA, counters, metrics, checkpoints (its slice of the
   weights and of the optimizer's moments, :meth:`Stack.share_moments`) and saved RNG states.
 
-What is guaranteed: in eager mode every seed computes what its own run computes, up to the
-rounding of the batched kernels (float64: agreement to 1e-10, tests/test_stacked.py; float32: the
-last bits), and a stacked resume is bit for bit. Two differences, both stated: under
-``--compile`` a separate run draws its drop-path masks inside its graph from inductor's
-generator, a stacked one outside it from the seed's stream (different samples of the same
-distribution); and a non-finite loss in any seed skips that step for all of them, then stops the
-run at the next read-out, every seed at its last good checkpoint (a separate run's neighbours
-would have gone on). Refused, one line each: several processes, fp16's GradScaler (one loss scale
-per run), the workers loader (its processes draw from the global RNGs), an optimizer whose step
-is not elementwise (lamb, lars: per-tensor norms would mix the seeds), and seeds whose runs
-differ in anything but the seed (another architecture, epoch or step).
+What is guaranteed: every seed computes what its own run computes, eager or under ``--compile``
+(whose separate runs also draw their drop-path masks outside the graph, :class:`.step.CompiledStep`),
+up to the rounding of the batched kernels (float64: agreement to 1e-10, tests/test_stacked.py;
+float32: the last bits), and a stacked resume is bit for bit. One difference, by design: a
+non-finite loss in any seed skips that step for all of them, then stops the run at the next
+read-out, every seed at its last good checkpoint (a separate run's neighbours would have gone on).
+Refused, one line each: several processes, fp16's GradScaler (one loss scale per run), the workers
+loader (its processes draw from the global RNGs), an optimizer whose step is not elementwise (lamb,
+lars: per-tensor norms would mix the seeds), and seeds whose runs differ in anything but the seed
+(another architecture, epoch or step).
 """
 
 from __future__ import annotations

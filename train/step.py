@@ -14,11 +14,14 @@ loop can skip: the step computes the same without them, only slower or with a ho
 - :class:`CompiledStep`: ``--compile``'s form of the step's middle (augmentation, forward, loss,
   gradients, the tally) as one ``torch.compile``'d function with no graph break (dynamo traces the
   backward pass with ``trace_autograd_ops``), with CUDA graphs on CUDA (mode "reduce-overhead").
-  It is functional, as CUDA graphs want: tensors in, (tally, flag, gradients) out. The update
-  stays outside: the fused kernel is one launch, and torch declines to trace it; so the learning
-  rate never enters a graph and a new epoch's rate cannot recompile one. Mixup's numpy draws split
-  it in two (augmentation, then the rest); several processes (DDP's gradient hooks) and fp16's
-  GradScaler compile the model's forward only (:func:`whole_step_refusal`).
+  It is functional, as CUDA graphs want: tensors in, (tally, flag, gradients) out. Its drop-path
+  masks are drawn just before it, from the global RNG in the order the eager forward draws them
+  (``VisionTransformer.drop_masks``), and go in as inputs: drawn inside, they would come from
+  inductor's own generator, other masks than the eager step's (and a stacked seed's, ``--seeds``).
+  The update stays outside: the fused kernel is one launch, and torch declines to trace it; so the
+  learning rate never enters a graph and a new epoch's rate cannot recompile one. Mixup's numpy
+  draws split it in two (augmentation, then the rest); several processes (DDP's gradient hooks) and
+  fp16's GradScaler compile the model's forward only (:func:`whole_step_refusal`).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import torch
 from torch import nn
 
 from ..api.common import autocast
+from ..model import VisionTransformer
 from .distributed import Context, all_reduce_sum
 
 FUSED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)  # kernels that take found_inf
@@ -148,7 +152,7 @@ class CompiledStep:
     def __init__(
         self,
         *,
-        model: nn.Module,
+        model: VisionTransformer,
         criterion: nn.Module,
         dtype: torch.dtype | None,
         ctx: Context,
@@ -158,6 +162,7 @@ class CompiledStep:
         self.model, self.criterion, self.dtype, self.ctx = model, criterion, dtype, ctx
         self.prepare, self.mixup = prepare, mixup
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self.mask_dtype = dtype or self.params[0].dtype  # the branches' output dtype, as forward's
         self.graphs = ctx.device.type == "cuda"  # CUDA graphs: outputs in memory the next replay reuses
         mode = "reduce-overhead" if self.graphs else None
         self.augment_inside = mixup is None and prepare is not None  # one graph from the raw inputs
@@ -169,29 +174,36 @@ class CompiledStep:
                 self.prepare = torch.compile(prepare, mode=mode)
 
     def __call__(self, inputs: Any, labels: torch.Tensor, tally: Tally) -> None:
+        device = self.ctx.device
         if self.graphs:
             torch.compiler.cudagraph_mark_step_begin()
-        if self.augment_inside:
-            values, skip, grads = self.learn(inputs, labels, tally.values)
+        if self.augment_inside:  # the augmentation draws from its own generators, not the global RNG
+            masks = self.model.drop_masks(len(labels), self.mask_dtype, device)
+            values, skip, grads = self.learn(inputs, labels, tally.values, masks)
         else:
-            device = self.ctx.device
             images = (
                 self.prepare(inputs) if self.prepare is not None else inputs.to(device, non_blocking=True)
             )
             if self.mixup is not None:
                 images, labels = self.mixup(images, labels)
-            values, skip, grads = self.learn(images, labels, tally.values)
+            masks = self.model.drop_masks(len(labels), self.mask_dtype, device)  # after Mixup's, as eager
+            values, skip, grads = self.learn(images, labels, tally.values, masks)
         # the sum is the next call's input: not the graph's memory, which that replay overwrites
         tally.values, tally.skip = (values.clone() if self.graphs else values), skip
         assign_gradients(self.params, grads)
 
-    def prepared_learn(self, inputs: Any, labels: torch.Tensor, tally: torch.Tensor) -> Learned:
-        return self.images_learn(self.prepare(inputs), labels, tally)  # type: ignore[misc]
+    def prepared_learn(
+        self, inputs: Any, labels: torch.Tensor, tally: torch.Tensor, masks: list[torch.Tensor]
+    ) -> Learned:
+        return self.images_learn(self.prepare(inputs), labels, tally, masks)  # type: ignore[misc]
 
-    def images_learn(self, images: torch.Tensor, labels: torch.Tensor, tally: torch.Tensor) -> Learned:
-        """Forward, loss and gradients: (the tally with this step added, the skip flag, the
-        parameters' gradients)."""
+    def images_learn(
+        self, images: torch.Tensor, labels: torch.Tensor, tally: torch.Tensor, masks: list[torch.Tensor]
+    ) -> Learned:
+        """Forward with the drop-path ``masks`` ([]: none), loss and gradients: (the tally with this
+        step added, the skip flag, the parameters' gradients)."""
         with autocast(self.ctx.device, self.dtype):
-            loss = self.criterion(self.model(images), labels)
+            logits = self.model.forward_head(self.model.forward_features(images, masks or None))
+            loss = self.criterion(logits, labels)
         tally, skip = tallied(tally, loss, self.ctx)
         return tally, skip, list(torch.autograd.grad(loss, self.params, allow_unused=True))
