@@ -21,7 +21,8 @@ loop can skip: the step computes the same without them, only slower or with a ho
   The update stays outside: the fused kernel is one launch, and torch declines to trace it; so the
   learning rate never enters a graph and a new epoch's rate cannot recompile one. Mixup's numpy
   draws split it in two (augmentation, then the rest); several processes (DDP's gradient hooks) and
-  fp16's GradScaler compile the model's forward only (:func:`whole_step_refusal`).
+  fp16's GradScaler compile the model's forward only (:func:`whole_step_refusal`), whose graph
+  draws its own masks.
 """
 
 from __future__ import annotations
