@@ -118,20 +118,19 @@ def tiny_fashion_mnist(tmp_path: Path) -> Path:
     return data
 
 
+def experiment_command(name: str, data: Path, flags: str, out: Path) -> list[str]:
+    """experiments/``name`` on the IDX files in ``data`` with ``flags``, writing into ``out``."""
+    script = Path(__file__).resolve().parent.parent / "experiments" / name
+    return [sys.executable, str(script), "--data-dir", str(data), *flags.split(), "--out", str(out)]
+
+
 @pytest.mark.slow
 def test_fashion_mnist_experiment_in_budgeted_calls(tmp_path: Path) -> None:
     """experiments/fashion_mnist.py on tiny IDX files: a call whose budget is too short stops its
     arms and exits 3, the next call finishes the table from where it stopped."""
     data = tiny_fashion_mnist(tmp_path)
-    script = Path(__file__).resolve().parent.parent / "experiments" / "fashion_mnist.py"
-    cmd = [
-        sys.executable,
-        str(script),
-        "--data-dir",
-        str(data),
-        *"--epochs 2 --seeds 0 --warmup 0 --train-samples 128 --device cpu --parallel 2 --out".split(),
-        str(tmp_path / "out"),
-    ]
+    flags = "--epochs 2 --seeds 0 --warmup 0 --train-samples 128 --device cpu --parallel 2"
+    cmd = experiment_command("fashion_mnist.py", data, flags, tmp_path / "out")
     first = subprocess.run([*cmd, "--time-budget", "8"], capture_output=True, text=True, timeout=120)
     assert first.returncode == 3, first.stdout[-2000:] + first.stderr[-2000:]
     assert "run the same command again" in first.stdout
@@ -146,16 +145,9 @@ def test_init_comparison_runs_every_start_and_writes_table_curves_and_raw_result
     """experiments/init_comparison.py on tiny IDX files, 2 epochs: every setting in the table, each
     final model evaluated on the whole (64-image) validation split, the curves and raw results written."""
     data = tiny_fashion_mnist(tmp_path)
-    script = Path(__file__).resolve().parent.parent / "experiments" / "init_comparison.py"
     out = tmp_path / "out"
-    cmd = [
-        sys.executable,
-        str(script),
-        "--data-dir",
-        str(data),
-        *"--epochs 2 --seeds 0 --train-samples 128 --val-samples 32 --device cpu --parallel 2 --out".split(),
-        str(out),
-    ]
+    flags = "--epochs 2 --seeds 0 --train-samples 128 --val-samples 32 --device cpu --parallel 2"
+    cmd = experiment_command("init_comparison.py", data, flags, out)
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     for setting in (
@@ -182,17 +174,9 @@ def test_plateau_stacked_runs_each_arms_seeds_as_one_process_in_budgeted_calls(t
     it stops its stacked arms (each seed saved) and exits 3; the next call resumes and finishes
     every arm, each seed in its own folder; the report has every setting, seed by seed."""
     data = tiny_fashion_mnist(tmp_path)
-    script = Path(__file__).resolve().parent.parent / "experiments" / "plateau_stacked.py"
     out = tmp_path / "out"
-    cmd = [
-        sys.executable,
-        str(script),
-        "--data-dir",
-        str(data),
-        *"--epochs 4 --seeds 0 1 --train-samples 128 --val-samples 32 --eval-every 2 --batch-size 32".split(),
-        *"--device cpu --figure2 --parallel 2 --out".split(),
-        str(out),
-    ]
+    flags = "--epochs 4 --seeds 0 1 --train-samples 128 --val-samples 32 --eval-every 2 --batch-size 32"
+    cmd = experiment_command("plateau_stacked.py", data, flags + " --device cpu --figure2 --parallel 2", out)
     first = subprocess.run([*cmd, "--time-budget", "10"], capture_output=True, text=True, timeout=300)
     assert first.returncode == 3, first.stdout[-2000:] + first.stderr[-2000:]
     second = subprocess.run(

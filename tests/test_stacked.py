@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from conftest import invoke, one_error_line
+from conftest import TINY_FLAGS, invoke, one_error_line
 from convit_convert.errors import CheckFailed, CmhsaError
 from convit_convert.options.training import TrainConfig
 from convit_convert.train import held
@@ -202,19 +202,7 @@ def test_seed_n_of_a_template_init_starts_from_seed_ns_checkpoint(tmp_path: Path
     ],
 )
 def test_what_cannot_be_stacked_is_refused(tmp_path: Path, flags: list[str], words: str) -> None:
-    tiny = [
-        "--data",
-        "synthetic",
-        "--img-size",
-        "16",
-        "--patch-size",
-        "4",
-        "--depth",
-        "1",
-        "--kernel-size",
-        "3",
-    ]
-    r = invoke("train", "phase1", *tiny, "--epochs", "1", "--device", "cpu", *flags, "-o", tmp_path / "run")
+    r = invoke("train", "phase1", *TINY_FLAGS, *flags, "-o", tmp_path / "run")
     one_error_line(r, 2, words)
     assert not (tmp_path / "run").exists() or not any((tmp_path / "run").rglob("*.pt"))
 
@@ -306,19 +294,7 @@ def test_a_seed_folder_name_taken_by_a_link_or_file_is_refused_untouched(
         (out / "seed0").symlink_to(elsewhere)
     else:
         (out / "seed0").write_text("not a folder")
-    tiny = [
-        "--data",
-        "synthetic",
-        "--img-size",
-        "16",
-        "--patch-size",
-        "4",
-        "--depth",
-        "1",
-        "--kernel-size",
-        "3",
-    ]
-    r = invoke("train", "phase1", *tiny, "--epochs", "1", "--device", "cpu", "--seeds", "0,1", "-o", out)
+    r = invoke("train", "phase1", *TINY_FLAGS, "--seeds", "0,1", "-o", out)
     one_error_line(r, 2, "seed0", "symbolic link" if planted == "link" else "names an existing file")
     assert list(elsewhere.iterdir()) == [] and sorted(p.name for p in out.iterdir()) == ["seed0"]
     assert (
