@@ -30,10 +30,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from convit_convert.api import load_checkpoint
+from convit_convert.api import load_checkpoint, save_checkpoint
 from convit_convert.config import ViTConfig
 from convit_convert.construct import convert_state_dict
-from convit_convert.io.checkpoint import save_checkpoint
 from convit_convert.model import VisionTransformer
 from convit_convert.options.conversion import ConversionSpec
 from convit_convert.verify import verify_models

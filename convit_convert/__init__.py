@@ -28,8 +28,8 @@ _EXPORTS = {
     "construct": "convert_state_dict output_projection",
     "verify": "verify_models",
     "theory": "head_count",
-    "io.checkpoint": "Checkpoint save_checkpoint",
-    "api": "load_checkpoint convert_checkpoint convert_file verify_files export_file",
+    "io.checkpoint": "Checkpoint",
+    "api": "load_checkpoint save_checkpoint convert_checkpoint convert_file verify_files export_file",
 }
 _LAZY = {name: module for module, names in _EXPORTS.items() for name in names.split()}
 __all__ = ["__version__", *_LAZY]

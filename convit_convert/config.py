@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -12,6 +11,7 @@ from typing import Any, Literal
 from .errors import CmhsaError
 from .io.paths import parse_json
 from .resources import check_fits
+from .text import json_text
 
 NORM_EPS = 1e-6  # LayerNorm eps of every model cmhsa builds (timm's ViTs use the same)
 
@@ -240,7 +240,7 @@ class ViTConfig:
         return {k: d[k] for k in (*REQUIRED[self.kind], *OPTIONAL.get(self.kind, {}))}
 
     def to_json(self) -> str:
-        return json.dumps(self.to_dict(), sort_keys=True)
+        return json_text(self.to_dict(), indent=None, sort_keys=True)
 
     @classmethod
     def from_dict(cls, d: Any, kind: str, path: object = None) -> ViTConfig:

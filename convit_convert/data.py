@@ -10,6 +10,8 @@ the number of workers, the number of processes, or where a run was stopped and r
 from __future__ import annotations
 
 import contextlib
+import functools
+import math
 import os
 import random
 from collections.abc import Iterator, Sequence
@@ -23,6 +25,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 
 from .errors import CmhsaError, first_line
 from .io.folder import make_folder, remove_made
+from .io.images import open_image, read_image
 from .io.paths import open_regular, require_regular
 from .labels import DIGITS, FASHION_MNIST, recordable
 from .options.values import DATASETS, EVAL_CROP_PCT, EVAL_INTERPOLATION, MAX_DEFAULT_WORKERS
@@ -211,52 +214,14 @@ def cifar(name: str, root: Path, download: bool) -> DataSpec:
             f"{cls.base_folder}) in `data_dir` and run without `download`",
             root,
         ) from None
-    return DataSpec(train, val, len(train.classes), classes=recordable(train.classes, len(train.classes)))
+    n = len(train.classes)
+    return DataSpec(train, val, n, classes=recordable(train.classes, n, root))
 
 
-MAX_IMAGE_BYTES = 256 * 2**20  # one image file
-
-
-class UnreadableImage(CmhsaError):
-    """An image that cannot be decoded. Raised in a loader worker, it reaches the main process
-    re-made from the worker's formatted traceback; this keeps only the original one-line message."""
-
-    def __init__(self, message: str, path: str | Path | None = None) -> None:
-        if "Original Traceback" in message:  # torch's ExceptionWrapper.reraise
-            last = message.strip().splitlines()[-1]
-            message, path = last.split(": ", 1)[1] if ": " in last else last, None
-        super().__init__(message, path)
-
-
-@contextlib.contextmanager
-def open_image(path: str | Path) -> Iterator[Any]:
-    """A PIL image of the regular file ``path``, decoded lazily within the block; an undecodable,
-    empty, truncated or oversized file (PIL's decompression-bomb limit, as an error) is
-    UnreadableImage, whatever part of the block PIL fails in."""
-    import warnings
-
-    from PIL import Image, UnidentifiedImageError
-
-    path = Path(path)
-    with open_regular(path, MAX_IMAGE_BYTES, "image") as f, warnings.catch_warnings():
-        warnings.simplefilter("error", Image.DecompressionBombWarning)
-        try:
-            with Image.open(f) as im:
-                yield im
-        except UnidentifiedImageError:
-            raise UnreadableImage("not an image PIL can read (unknown format, or empty)", path) from None
-        except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
-            raise UnreadableImage(f"cannot decode the image ({first_line(e, 150)})", path) from None
-        except (OSError, ValueError, SyntaxError, EOFError) as e:  # truncated or corrupt data
-            raise UnreadableImage(
-                f"cannot decode the image ({type(e).__name__}: {first_line(e, 150)})", path
-            ) from None
-
-
-def load_image(path: str) -> Any:
-    """An image folder's loader (torchvision's default, with every failure one line): RGB."""
-    with open_image(path) as im:
-        return im.convert("RGB")
+def load_image(path: str, resize_to: int | None = None) -> Any:
+    """An image folder's loader (torchvision's default, through the one image reader): RGB;
+    ``resize_to``: the shorter side the evaluation transform resizes to, checked before decoding."""
+    return read_image(path, "RGB", resize_to)
 
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")  # torchvision's
@@ -279,9 +244,10 @@ def _image_file(path: str) -> bool:
     return True
 
 
-def image_folder(root: Path, val_only: bool = False) -> DataSpec:
+def image_folder(root: Path, val_only: bool = False, resize_to: int | None = None) -> DataSpec:
     """``root``'s train/ and val/ class folders; with ``val_only`` (evaluation), val/ alone (the
-    train split then empty)."""
+    train split then empty). ``resize_to``: the shorter side evaluation resizes an image to (each
+    image's resized size is checked before it is decoded)."""
     from torchvision.datasets import ImageFolder
 
     splits = ("val",) if val_only else ("train", "val")
@@ -295,20 +261,26 @@ def image_folder(root: Path, val_only: bool = False) -> DataSpec:
             return scan_images(Path(directory), class_to_idx)
 
     try:
-        found = [Scanned(str(root / s), loader=load_image, is_valid_file=_image_file) for s in splits]
+        loader = functools.partial(load_image, resize_to=resize_to)
+        found = [Scanned(str(root / s), loader=loader, is_valid_file=_image_file) for s in splits]
     except (FileNotFoundError, RuntimeError) as e:
         raise CmhsaError(f"not a usable image folder ({first_line(e, 200)})", root) from None
     val = found[-1]
     if val_only:
         n = len(val.classes)
         return DataSpec(
-            Subset(val, []), val, n, in_chans=sampled_channels(val), classes=recordable(val.classes, n)
+            Subset(val, []),
+            val,
+            n,
+            in_chans=sampled_channels(val),
+            classes=recordable(val.classes, n, root / "val"),
         )
     train = found[0]
     if train.classes != val.classes:
         raise CmhsaError("train/ and val/ have different class folders", root)
     n = len(train.classes)
-    return DataSpec(train, val, n, in_chans=sampled_channels(train), classes=recordable(train.classes, n))
+    classes = recordable(train.classes, n, root / "train")
+    return DataSpec(train, val, n, in_chans=sampled_channels(train), classes=classes)
 
 
 # an image folder's scan is bounded: ImageNet-21k has 14 M images in 22 k folders
@@ -406,6 +378,7 @@ def build_data(
     val_samples: int | None = None,
     holdout: int | None = None,
     val_only: bool = False,
+    crop_pct: float = EVAL_CROP_PCT,
 ) -> DataSpec:
     """The named dataset's train and val splits, untransformed (``img_size``: the size synthetic
     images are made at; the other sources have their own); with ``train_samples``, a fixed
@@ -413,8 +386,11 @@ def build_data(
     many validation images (the same for every seed, so runs are compared on the same images); with
     ``holdout``, ``val`` is that many training images outside the subset instead (the next ones of
     the same seeded permutation), so tuning never sees the validation split. ``val_only``
-    (evaluation): an image folder needs only val/. Bad folders and counts raise CmhsaError."""
-    spec = _build_data(name, data_dir, img_size, download, num_classes, seed, val_only)
+    (evaluation): an image folder needs only val/; ``crop_pct`` (with ``img_size``): how much
+    evaluation resizes an image before its centre crop, so that each image's resized size is checked
+    before it is decoded. Bad folders and counts raise CmhsaError."""
+    resize_to = None if img_size is None else math.floor(max(img_size) / crop_pct)
+    spec = _build_data(name, data_dir, img_size, download, num_classes, seed, val_only, resize_to)
     if holdout is not None:
         if train_samples is None or val_samples is not None:
             raise CmhsaError(
@@ -453,6 +429,7 @@ def _build_data(
     num_classes: int,
     seed: int,
     val_only: bool = False,
+    resize_to: int | None = None,
 ) -> DataSpec:
     if name not in DATASETS:
         raise CmhsaError(f"`data` must be one of {', '.join(DATASETS)}, got {name!r}")
@@ -475,7 +452,7 @@ def _build_data(
     if not root.is_dir() and not (download and name.startswith("cifar")):
         raise CmhsaError("data folder does not exist", root)
     if name == "imagefolder":
-        return image_folder(root, val_only)
+        return image_folder(root, val_only, resize_to)
     return cifar(name, root, download)
 
 

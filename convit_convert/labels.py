@@ -2,15 +2,19 @@
 carried by every file that holds the model (a checkpoint's ``cmhsa.classes`` metadata, a run's
 config.json, an ONNX file's ``metadata_props``, a timm folder's ``pretrained_cfg.label_names``, the
 model card). A name may come from anyone's folder, so names are checked where they enter: one
-string each, at most MAX_NAME_CHARS, no two alike, one per class, at most MAX_NAMES_BYTES together
-as JSON. Shown through ``text.py`` like any foreign string. No torch."""
+string each, at most MAX_NAME_CHARS, valid text a file can hold (:func:`check_name`: NFC, no
+control, format, surrogate, private-use, unassigned or invisible character, no space but U+0020
+and none at either end), no two alike, one per class, at most MAX_NAMES_BYTES together as JSON.
+Shown through ``text.py`` like any foreign string. No torch."""
 
 from __future__ import annotations
 
-import json
+import unicodedata
 from collections.abc import Mapping, Sequence
 
 from .errors import CmhsaError
+from .io.paths import parse_json
+from .text import json_text
 
 KEY = "cmhsa.classes"  # the checkpoint metadata key; an ONNX file's metadata_props says "classes"
 MAX_NAME_CHARS = 256  # a folder name is at most 255 bytes on the file systems cmhsa runs on
@@ -31,29 +35,84 @@ FASHION_MNIST = (
 )
 
 
+# Unicode categories no class name holds: controls, format characters (zero-width and bidi marks
+# among them), surrogates (text no encoder writes), private use, unassigned, line and paragraph
+# separators
+REFUSED_CATEGORIES = {
+    "Cc": "a control character",
+    "Cf": "a format character (invisible: zero-width or bidi)",
+    "Cs": "a lone surrogate (not text any file can hold)",
+    "Co": "a private-use character",
+    "Cn": "an unassigned character",
+    "Zl": "a line separator",
+    "Zp": "a paragraph separator",
+}
+# invisible characters of other categories (Unicode's Default_Ignorable_Code_Point beyond Cf):
+# the combining grapheme joiner, Hangul fillers, Khmer inherent vowels, variation selectors
+INVISIBLE = {0x034F, 0x115F, 0x1160, 0x17B4, 0x17B5, 0x3164, 0xFFA0}
+INVISIBLE_RANGES = ((0x180B, 0x180F), (0xFE00, 0xFE0F), (0xE0100, 0xE01EF))
+
+
+def _refused(ch: str) -> str | None:
+    """Why the character ``ch`` may not be in a class name (None: it may)."""
+    code = ord(ch)
+    category = unicodedata.category(ch)
+    if category in REFUSED_CATEGORIES:
+        return REFUSED_CATEGORIES[category]
+    if category == "Zs" and ch != " ":
+        return "a space other than U+0020"
+    if code in INVISIBLE or any(lo <= code <= hi for lo, hi in INVISIBLE_RANGES):
+        return "an invisible character"
+    return None
+
+
+def check_name(name: object, index: int, where: object = None) -> str:
+    """Class ``index``'s name ``name`` as text a person can read and every file can hold: a string
+    of 1 to MAX_NAME_CHARS characters in Unicode's NFC form, with no character :func:`_refused`
+    and no space at either end (``one`` and ``one\\u200b`` would be two classes that read alike);
+    else a one-line CmhsaError naming ``where`` and the index."""
+    if not isinstance(name, str) or not name or len(name) > MAX_NAME_CHARS:
+        raise CmhsaError(f"class name {index} is not a string of 1 to {MAX_NAME_CHARS} characters", where)
+    for ch in name:
+        why = _refused(ch)
+        if why is not None:
+            raise CmhsaError(f"class name {index} holds U+{ord(ch):04X}, {why}; rename the class", where)
+    if name != name.strip(" "):
+        raise CmhsaError(f"class name {index} begins or ends with a space; rename the class", where)
+    if unicodedata.normalize("NFC", name) != name:
+        raise CmhsaError(
+            f"class name {index} is not in Unicode's NFC form (a decomposed accent, as some file systems "
+            "store names); rename the class",
+            where,
+        )
+    return name
+
+
 def check_class_names(names: object, num_classes: int, where: object = None) -> tuple[str, ...]:
-    """``names`` as a tuple of ``num_classes`` distinct strings of at most MAX_NAME_CHARS, at most
+    """``names`` as a tuple of ``num_classes`` distinct names (:func:`check_name` each), at most
     MAX_NAMES_BYTES as JSON; a one-line CmhsaError naming ``where`` otherwise."""
     if not isinstance(names, Sequence) or isinstance(names, str | bytes):
         raise CmhsaError(f"class names are {type(names).__name__}, not a list of strings", where)
     if len(names) != num_classes:
         raise CmhsaError(f"{len(names):,} class names for a model of {num_classes:,} classes", where)
     for i, name in enumerate(names):
-        if not isinstance(name, str) or not name or len(name) > MAX_NAME_CHARS:
-            raise CmhsaError(f"class name {i} is not a string of 1 to {MAX_NAME_CHARS} characters", where)
+        check_name(name, i, where)
     if len(set(names)) != len(names):
-        first = next(n for i, n in enumerate(names) if n in names[:i])
-        raise CmhsaError(f"class name {first[:60]!r} is given twice", where)
-    if len(json.dumps(list(names))) > MAX_NAMES_BYTES:
+        first = next(i for i, n in enumerate(names) if n in names[:i])
+        raise CmhsaError(f"class name {names[first][:60]!r} is given twice (class {first})", where)
+    if len(json_text(list(names), indent=None)) > MAX_NAMES_BYTES:
         raise CmhsaError(f"class names are more than {MAX_NAMES_BYTES:,} bytes together", where)
     return tuple(names)
 
 
-def recordable(names: Sequence[str] | None, num_classes: int) -> tuple[str, ...] | None:
-    """A dataset's class names if they can be carried (:func:`check_class_names`), else None: a
-    dataset whose names cannot be recorded still trains, its outputs then numbered."""
+def recordable(names: Sequence[str] | None, num_classes: int, where: object = None) -> tuple[str, ...] | None:
+    """A dataset's class names (its class folders', ``where``) if they can be carried, else None: a
+    dataset of more names than a file's metadata holds still trains, its outputs then numbered. A
+    name that is not valid text (:func:`check_name`) is refused, naming the class."""
     if names is None:
         return None
+    for i, name in enumerate(names):
+        check_name(name, i, where)
     try:
         return check_class_names(list(names), num_classes)
     except CmhsaError:
@@ -67,16 +126,13 @@ def from_metadata(
     text = metadata.get(KEY)
     if text is None:
         return None
-    try:
-        names = json.loads(text)
-    except (ValueError, RecursionError):
-        raise CmhsaError(f"metadata {KEY} is not a JSON list", where) from None
+    names = parse_json(text, where, f"metadata {KEY}")
     return check_class_names(names, num_classes, where)
 
 
 def to_metadata(names: Sequence[str] | None) -> dict[str, str]:
     """``{KEY: JSON}`` for a file's metadata, or {} when the names are not known."""
-    return {} if names is None else {KEY: json.dumps(list(names), ensure_ascii=False)}
+    return {} if names is None else {KEY: json_text(list(names), indent=None)}
 
 
 def name_of(names: Sequence[str] | None, index: int) -> str:

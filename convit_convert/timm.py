@@ -37,7 +37,7 @@ from .api import load_checkpoint
 from .config import ViTConfig
 from .errors import CmhsaError, article
 from .io.checkpoint import Checkpoint
-from .io.folder import Folder
+from .io.folder import Folder, make_folder, remove_made
 from .io.journal import check_settled
 from .io.timm_folder import (
     CONFIG,
@@ -333,16 +333,28 @@ def export_timm_folder(
     as timm's folder ``folder`` (io/timm_folder.py), then load it with timm as a timm user would and
     compare logits on 4 random images (float32, CPU): they must be equal, the same weights in the
     same model."""
+    if not isinstance(folder, Folder):  # a path the user gave: made if missing, held while written
+        path = Path(folder)
+        if path.exists() and not path.is_dir():
+            raise CmhsaError("is a file; a timm folder is a directory", path)
+        made = make_folder(path)
+        try:
+            with Folder.open(path) as held:
+                return export_timm_folder(checkpoint, held, seed)
+        except BaseException:
+            remove_made(made)
+            raise
     import timm
 
     ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else load_checkpoint(checkpoint)
     model = ckpt.model(torch.float32)
     meta = {k: ckpt.metadata[k] for k in CARD_KEYS if k in ckpt.metadata}  # what the model card tells
     written = write_timm_folder(folder, ckpt.config, model.state_dict(), meta)
-    where = written[0].parent
-    loaded = timm.create_model(f"local-dir:{where}", pretrained=True).eval()
+    # timm reads the folder back through the one held (a link put in its place cannot answer)
+    held_path = folder.writer_path(WEIGHTS).parent
+    loaded = timm.create_model(f"local-dir:{held_path}", pretrained=True).eval()
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(4, ckpt.config.in_chans, *ckpt.config.img_size, generator=g)
     with torch.inference_mode():
         diff = (loaded(x) - model(x)).abs().max().item()
-    return TimmFolderReport(ckpt, where, written, diff)
+    return TimmFolderReport(ckpt, folder.path, written, diff)

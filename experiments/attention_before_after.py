@@ -18,9 +18,8 @@ from pathlib import Path
 
 import torch
 
-from convit_convert.api import convert_checkpoint, load_checkpoint
+from convit_convert.api import convert_checkpoint, load_checkpoint, save_checkpoint
 from convit_convert.api.on_data import attention_on_data
-from convit_convert.io.checkpoint import save_checkpoint
 from convit_convert.options.conversion import ConversionSpec
 from convit_convert.options.operations import AttentionOptions
 

@@ -30,10 +30,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fashion_mnist import LR_PHASE2, LR_SCRATCH, train
 
-from convit_convert.api import convert_checkpoint, load_checkpoint
+from convit_convert.api import convert_checkpoint, load_checkpoint, save_checkpoint
 from convit_convert.api.on_data import calibration_from_data, evaluate_checkpoint
 from convit_convert.construct import pinned_offsets
-from convit_convert.io.checkpoint import save_checkpoint
 from convit_convert.options.conversion import ConversionSpec
 from convit_convert.options.operations import CalibrationSource, EvalOptions
 from convit_convert.theory import offset_tap_share

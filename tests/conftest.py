@@ -312,3 +312,13 @@ def downloads(tmp_path_factory: pytest.TempPathFactory, tiny_run: Path) -> Path:
     assert invoke("export", root / "vit.safetensors", "--format", "timm", "-o", root / "timm").exit_code == 0
     copy_run(tiny_run, root / "run")
     return root
+
+
+def atomic_write(path: str | Path, write: Any) -> None:
+    """The tests' one-file writer, as a command writes: ``path``'s folder held (io/outputs.py),
+    ``write(tmp)`` into a temp file there, then the rename (io/atomic.py)."""
+    from convit_convert.io.atomic import atomic_names
+    from convit_convert.io.outputs import held_outputs
+
+    with held_outputs(path) as (target,), atomic_names(target) as (tmp,):
+        write(tmp)

@@ -190,7 +190,7 @@ def test_pinned_heads_are_counted_from_the_conversion(tmp_path: Path) -> None:
     direction: the file pins 3 heads, and convert says so (it used to print "9 pinned")."""
     cfg = ViTConfig.build(img_size=(4, 8), patch_size=4, depth=2, num_classes=3, kernel_size=5)
     conv = tmp_path / "conv.safetensors"
-    from convit_convert.io.checkpoint import save_checkpoint
+    from convit_convert.api import save_checkpoint
 
     save_checkpoint(conv, cfg, VisionTransformer(cfg).state_dict())
     out = tmp_path / "vit.safetensors"

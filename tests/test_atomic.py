@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT
-from convit_convert.io.atomic import atomic_write, remove_stale_temps
+from conftest import ROOT, atomic_write
+from convit_convert.io.atomic import remove_stale_temps
 from convit_convert.io.folder import Folder
 
 # a writer that creates its temp file, says so, then waits to be killed
@@ -21,7 +21,7 @@ SLOW_WRITER = """
 import sys, time
 from pathlib import Path
 from convit_convert.cli.boundary import exit_on_sigterm
-from convit_convert.io.atomic import atomic_write
+from conftest import atomic_write
 if sys.argv[2] == "handler":
     exit_on_sigterm()
 def write(tmp):
@@ -33,7 +33,7 @@ atomic_write(Path(sys.argv[1]), write)
 
 
 def start_writer(target: Path, mode: str) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
     proc = subprocess.Popen(
         [sys.executable, "-c", SLOW_WRITER, str(target), mode], stdout=subprocess.PIPE, text=True, env=env
     )

@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 
 from conftest import (
     FIXTURE,
+    ROOT,
     check_outcome,
     in_a_process,
     invoke,
@@ -31,6 +32,7 @@ from conftest import (
     snapshot,
     special_files,
 )
+from convit_convert.errors import CmhsaError
 
 SETTINGS = settings(
     max_examples=40,
@@ -742,3 +744,170 @@ def test_onnx_metadata_props_are_bounded(tmp_path: Path, conv_onnx: Path) -> Non
     entry.key, entry.value = "note", "x" * (2 * 2**20)
     onnx.save(model, tmp_path / "meta.onnx")
     one_error_line(invoke("inspect", tmp_path / "meta.onnx"), 2, "metadata_props entry 'note'")
+
+
+# foreign values, each through its one reader --------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("size", "words"),
+    [
+        ((1, 1_000_000), "one side more than 100 times the other"),  # was: predict took 4 GB
+        ((1, 80_000_000), "one side more than 100 times the other"),  # was: OverflowError, exit 3
+        ((10_000, 10_000), "exceeds limit of 89478485 pixels"),
+    ],
+)
+def test_an_image_is_sized_from_its_header_before_it_is_decoded(
+    tmp_path: Path, conv_onnx: Path, size: tuple[int, int], words: str
+) -> None:
+    from PIL import Image
+
+    image = tmp_path / "strip.png"
+    Image.new("1", size).save(image)  # a few KB: bilevel, one colour
+    for model in (FIXTURE, conv_onnx):
+        one_error_line(invoke("predict", model, image), 2, str(image), words)
+
+
+def test_a_resize_to_the_model_s_input_is_sized_before_it_is_allocated() -> None:
+    from convit_convert.io.images import UnreadableImage, check_size
+
+    check_size(100, 9_000, "ok.png", resize_to=36)  # 36 x 3,240 pixels
+    with pytest.raises(UnreadableImage, match="would be 134,218,240 pixels"):
+        check_size(100, 8_192, "wide.png", resize_to=1_280)  # 1,280 x 104,858
+
+
+def test_an_image_of_a_format_no_classifier_takes_is_never_decoded(tmp_path: Path) -> None:
+    """An EPS file named .png: PIL would run Ghostscript (`gs` from PATH) to decode it.
+    Failed on 81f8851: the fake `gs` below ran."""
+    bin_dir, ran = tmp_path / "bin", tmp_path / "gs-ran"
+    bin_dir.mkdir()
+    (bin_dir / "gs").write_text(f"#!/bin/sh\necho ran > {ran}\nexit 1\n")
+    (bin_dir / "gs").chmod(0o755)
+    image = tmp_path / "eps.png"
+    image.write_text("%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 8 8\nshowpage\n")
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    r = in_a_process("-m", "convit_convert", "predict", FIXTURE, image, env=env)
+    one_error_line(r, 2, str(image), "not an image of a format cmhsa reads")
+    assert not ran.exists()
+
+
+def test_a_sixteen_bit_image_is_scaled_not_clipped(tmp_path: Path) -> None:
+    """A 16-bit grey PNG of value 32,896 is the 8-bit image of 128 (32,896 / 257), not white.
+    Failed on 81f8851: PIL's conversion clipped it to 255."""
+    import numpy as np
+    from PIL import Image
+
+    from convit_convert.api.predict import predict_files
+    from convit_convert.io.images import read_image
+
+    Image.fromarray(np.full((32, 32), 32_896, dtype=np.uint16)).save(tmp_path / "deep.png")
+    Image.new("L", (32, 32), 128).save(tmp_path / "flat.png")
+    assert np.asarray(read_image(tmp_path / "deep.png", "L")).tolist() == [[128] * 32] * 32
+    deep, flat = (predict_files(FIXTURE, [tmp_path / n]).predictions[0].top for n in ("deep.png", "flat.png"))
+    assert deep == flat
+
+
+def with_props(src: Path, dst: Path, **props: str) -> Path:
+    """``src`` (an ONNX file cmhsa exported) with some metadata_props replaced."""
+    import onnx
+
+    model = onnx.load(src)
+    kept = [(p.key, p.value) for p in model.metadata_props if p.key not in props]
+    del model.metadata_props[:]
+    for key, value in [*kept, *props.items()]:
+        entry = model.metadata_props.add()
+        entry.key, entry.value = key, value
+    onnx.save(model, dst)
+    return dst
+
+
+@pytest.mark.parametrize(
+    ("props", "words"),
+    [
+        ({"classes": "zero,one"}, "metadata_props' classes is not valid JSON"),  # was: exit 3
+        ({"classes": "[" + "9" * 5000 + "]"}, "metadata_props' classes is not valid JSON"),  # was: exit 3
+        ({"classes": "[" * 5000 + "]" * 5000}, "metadata_props' classes nests deeper than 64 levels"),
+        ({"classes": json.dumps(["bad\udcff", *map(str, range(1, 10))])}, "class name 0 holds U+DCFF"),
+        ({"classes": json.dumps(["one\u200b", *map(str, range(1, 10))])}, "class name 0 holds U+200B"),
+        # was: an 8x8 image resized to 2.5 GB
+        ({"input_size": "[1, 4096, 4096]", "resize_shorter_to": "40960"}, "is not the graph's input 1x32x32"),
+        ({"std": "[1e-45]"}, "preprocessing is not one cmhsa export writes"),  # was: nan% with exit 0
+        ({"mean": "[NaN]"}, "preprocessing is not one cmhsa export writes"),
+        ({"resize_shorter_to": "321"}, "preprocessing is not one cmhsa export writes"),
+    ],
+)
+def test_onnx_metadata_is_read_as_untrusted_input_by_predict(
+    tmp_path: Path, conv_onnx: Path, props: dict[str, str], words: str
+) -> None:
+    from PIL import Image
+
+    Image.new("L", (8, 8), 90).save(tmp_path / "pic.png")
+    model = with_props(conv_onnx, tmp_path / "forged.onnx", **props)
+    one_error_line(invoke("predict", model, tmp_path / "pic.png"), 2, str(model), words)
+
+
+def test_outputs_that_are_not_numbers_are_an_error_not_nan(tmp_path: Path, conv_onnx: Path) -> None:
+    import numpy as np
+    import onnx
+    from onnx import numpy_helper
+    from PIL import Image
+
+    model = onnx.load(conv_onnx)
+    head = max(model.graph.initializer, key=lambda t: int(np.prod(t.dims)))  # the largest weight
+    head.CopyFrom(numpy_helper.from_array(np.full(tuple(head.dims), 3e38, dtype=np.float32), head.name))
+    onnx.save(model, tmp_path / "overflow.onnx")
+    Image.new("L", (8, 8), 90).save(tmp_path / "pic.png")
+    r = invoke("predict", tmp_path / "overflow.onnx", tmp_path / "pic.png")
+    one_error_line(r, 2, "outputs for", "pic.png", "are not finite")
+    assert "nan" not in r.stdout
+
+
+def test_json_from_a_file_is_read_by_one_bounded_parser(tmp_path: Path) -> None:
+    """A checkpoint's cmhsa.result nested 5,000 deep: one line where it is read.
+    Failed on 81f8851: `export --format timm` ended in RecursionError (exit 3), an empty folder left."""
+    from safetensors import safe_open
+
+    from convit_convert.api import load_checkpoint, save_checkpoint
+    from convit_convert.io.paths import parse_json
+
+    ckpt = load_checkpoint(FIXTURE)
+    path = tmp_path / "deep.safetensors"
+    save_checkpoint(path, ckpt.config, ckpt.tensors, {"cmhsa.result": "[" * 5000 + "]" * 5000})
+    for args in (("inspect", path), ("export", path, "--format", "timm", "-o", tmp_path / "timm")):
+        one_error_line(invoke(*args), 2, str(path), "metadata cmhsa.result nests deeper than 64 levels")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["deep.safetensors"]
+    with safe_open(str(FIXTURE), "pt") as f:
+        assert parse_json(f.metadata()["cmhsa.config"])["depth"] == ckpt.config.depth
+    for text, words in [("1" * 1001, "integer of 1,001 digits"), ('{"a": ' * 65 + "0" + "}" * 65, "deeper")]:
+        with pytest.raises(CmhsaError, match=words):
+            parse_json(text, "x.json")
+
+
+def test_a_timm_folder_whose_label_names_are_not_its_weights_is_refused(tmp_path: Path) -> None:
+    """One source of the names: config.json's label_names (what timm and transformers' pipeline
+    show) must be those model.safetensors records (what predict shows).
+    Failed on 81f8851: accepted; predict showed one set of names and timm the other."""
+    import timm
+
+    import convit_convert.timm  # noqa: F401  (registers cmhsa's architectures)
+    from convit_convert.api import load_checkpoint, save_checkpoint
+    from convit_convert.labels import KEY
+
+    ckpt = load_checkpoint(FIXTURE)
+    named = tmp_path / "named.safetensors"
+    save_checkpoint(named, ckpt.config, ckpt.tensors, {KEY: json.dumps([f"d{i}" for i in range(10)])})
+    assert invoke("export", named, "--format", "timm", "-o", tmp_path / "t").exit_code == 0
+    config = tmp_path / "t" / "config.json"
+    doc = json.loads(config.read_text())
+    for label_names in ([f"d{i}" for i in range(9)] + ["cat"], None):
+        edited = (
+            {**doc, "label_names": label_names}
+            if label_names
+            else {k: v for k, v in doc.items() if k != "label_names"}
+        )
+        config.write_text(json.dumps(edited))
+        (tmp_path / "pic.png").write_bytes((ROOT / "fixtures" / "digits" / "0.png").read_bytes())
+        r = invoke("predict", tmp_path / "t", tmp_path / "pic.png")
+        one_error_line(r, 2, str(config), "are not the class names model.safetensors records")
+        with pytest.raises(CmhsaError, match=r"are not the class names model\.safetensors records"):
+            timm.create_model(f"local-dir:{tmp_path / 't'}", pretrained=True)

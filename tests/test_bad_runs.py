@@ -153,3 +153,24 @@ def test_a_pending_removal_list_is_checked_before_anything_is_removed(tmp_path: 
             "overwrite-pending.json",
         )
         assert tree(tmp_path) == before
+
+
+def test_a_stacked_resume_checks_each_seed_folder_as_its_own_resume_would(tmp_path: Path) -> None:
+    """`--seeds 0,1,2 --resume` on a folder whose seed2 holds a copy of seed 0's run is refused,
+    naming seed2, as `--seed 2 --resume` on that folder alone is; nothing is trained or written.
+    Failed on 81f8851: accepted, and seed 2 continued seed 0's run (its metrics equal to seed 0's)."""
+    import shutil
+
+    out = tmp_path / "s"
+    r = invoke("train", "phase1", *TINY_FLAGS, "--seeds", "0,1,2", "-o", out)
+    assert r.exit_code == 0, r.output
+    shutil.rmtree(out / "seed2")
+    shutil.copytree(out / "seed0", out / "seed2")
+    before = snapshot(out / "seed2")
+    extend = [*TINY_FLAGS, "--epochs", "2", "--resume"]
+    alone = invoke("train", "phase1", *extend, "--seed", "2", "-o", out / "seed2")
+    one_error_line(alone, 2, "--seed", "differs from the run's 0")
+    stacked = invoke("train", "phase1", *extend, "--seeds", "0,1,2", "-o", out)
+    one_error_line(stacked, 2, str(out / "seed2"), "--seed", "differs from the run's 0")
+    assert snapshot(out / "seed2") == before
+    assert all(len((out / f"seed{s}" / "metrics.csv").read_text().splitlines()) == 2 for s in range(3))

@@ -11,9 +11,8 @@ import torch
 from safetensors.torch import save_file
 
 from conftest import conv_model
-from convit_convert.api import load_checkpoint
+from convit_convert.api import load_checkpoint, save_checkpoint
 from convit_convert.errors import CmhsaError
-from convit_convert.io.checkpoint import save_checkpoint
 from convit_convert.options.operations import Geometry
 
 DOC_CONFIG = {  # exactly the keys docs/FORMAT.md requires of a conv checkpoint

@@ -18,10 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, invoke, one_error_line
+from conftest import ROOT, atomic_write, invoke, one_error_line
 from convit_convert import notices
 from convit_convert.io import journal
-from convit_convert.io.atomic import atomic_paths
 
 TINY = (
     "--data synthetic --img-size 16 --patch-size 4 --depth 1 --kernel-size 3 "
@@ -246,8 +245,7 @@ def test_a_rolled_forward_commit_is_said_naming_each_file_it_replaced(tmp_path: 
     said: list[str] = []
     notices.set_sink(said.append)
     try:
-        with atomic_paths(tmp_path / "other.txt") as (tmp,):
-            tmp.write_text("x")
+        atomic_write(tmp_path / "other.txt", lambda tmp: tmp.write_text("x"))
     finally:
         notices.set_sink(None)
     assert (tmp_path / "notes.txt").read_text() == "replaced\n"
@@ -340,3 +338,226 @@ def test_an_image_folder_with_link_loops_is_scanned_once_and_counted(tmp_path: P
     assert r.exit_code == 0, r.output
     # per class: its 3 images and, through `root`, the other class's 3, each folder once
     assert "12 train / 12 val images" in r.output
+
+
+# 7. every output through the folder the command holds ---------------------------------------------
+
+
+def test_a_seed_folder_swapped_for_a_link_mid_run_is_never_written_through(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A `--seeds` run holds each seed's folder from the start: one swapped for a link while it
+    trains still gets its model, EMA and exports, and the link's target gets nothing.
+    Failed on 81f8851: seed1's conv.safetensors, conv-ema, conv.onnx and its report were written
+    into the link's target (RunFiles.finished saved by path), exit 0."""
+    from convit_convert.train.run import RunFiles
+
+    out, elsewhere = tmp_path / "out", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    finished = RunFiles.finished
+
+    def swapped_first(self: RunFiles) -> object:
+        if self.folder.path.name == "seed1" and not (out / "moved").exists():
+            os.rename(out / "seed1", out / "moved")  # what the run holds, under another name
+            (out / "seed1").symlink_to(elsewhere)
+        return finished(self)
+
+    monkeypatch.setattr(RunFiles, "finished", swapped_first)
+    flags = ["--seeds", "0,1", "--model-ema", "--export-onnx", "--export-timm", "-o", out]
+    r = invoke("train", "phase1", *TINY, "--epochs", "1", *flags)
+    assert r.exit_code == 0, r.output
+    assert list(elsewhere.iterdir()) == []
+    held = out / "moved"
+    for name in ("conv.safetensors", "conv-ema.safetensors", "conv.onnx", "conv.onnx.report.json"):
+        assert (held / name).is_file() and (out / "seed0" / name).is_file(), name
+    assert (held / "timm" / "model.safetensors").is_file()
+
+
+# the mechanism: a path becomes a held folder only where a command begins, and every write goes to a
+# temp file atomic_names gave
+
+# where a path the user gave is opened as a folder (Folder.open, held_outputs, make_folder): each
+# command's entry point, and the readers that only look
+DOORS = {"open", "held_outputs", "make_folder"}
+ENTRY_POINTS = {
+    "convit_convert/api/common.py": {"save_checkpoint"},
+    "convit_convert/api/convert.py": {"convert_file"},
+    "convit_convert/api/export.py": {"export_file"},
+    "convit_convert/api/verify.py": {"verify_files"},
+    "convit_convert/timm.py": {"export_timm_folder"},
+    "convit_convert/data.py": {"cifar"},  # torchvision's --download into the folder the user named
+    "convit_convert/io/journal.py": {"scan"},  # reads a folder's journals, writes nothing
+    "train/run.py": {"run_folder"},
+    "train/stacked.py": {"_run_seeds"},
+    "train/plot.py": {"plot_runs", "plot_attention"},
+    "train/arms.py": {"_launch", "_child"},  # the experiments' runner: an arm's folder
+}
+# modules that are doors themselves: the folder module, the door, and the CLI (every command begins there)
+DOOR_MODULES = ("convit_convert/io/folder.py", "convit_convert/io/outputs.py", "convit_convert/cli/")
+
+
+def functions(tree: ast.AST) -> list[ast.FunctionDef | ast.AsyncFunctionDef]:
+    return [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)]
+
+
+def doors_opened(source: str) -> dict[str, list[str]]:
+    """Per function, the calls in it that open a path as a folder (the innermost function's)."""
+    found: dict[str, list[str]] = {}
+    tree = ast.parse(source)
+    owner = {}
+    for fn in functions(tree):
+        for node in ast.walk(fn):
+            owner[node] = fn.name  # ast.walk goes outer first: the innermost function wins
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        f = node.func
+        name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None
+        is_folder_open = (
+            isinstance(f, ast.Attribute) and f.attr == "open" and getattr(f.value, "id", "") == "Folder"
+        )
+        if is_folder_open or (name in DOORS - {"open"}):
+            found.setdefault(owner.get(node, "<module>"), []).append(f"{name} (line {node.lineno})")
+    return found
+
+
+WRITE_METHODS = {"write_text", "write_bytes"}  # the object is the path
+WRITE_PATH_ARG = {"savefig": 0, "save": 1}  # fig.savefig(path), torch.save(obj, path)
+
+
+def unheld_writes(source: str) -> list[str]:
+    """Writes whose path is not a temp file ``atomic_names`` gave (a name bound by ``with
+    atomic_names(...) as ...`` in the function, or a parameter named ``tmp``): ``open`` for writing,
+    ``Path.write_text`` / ``write_bytes``, ``savefig``, ``torch.save``, and any ``os.open``."""
+    found = []
+    for fn in functions(ast.parse(source)):
+        held = {a.arg for a in fn.args.args if a.arg == "tmp"}
+        for node in ast.walk(fn):
+            if isinstance(node, ast.With | ast.AsyncWith):
+                for item in node.items:
+                    call = item.context_expr
+                    if isinstance(call, ast.Call) and getattr(call.func, "id", None) == "atomic_names":
+                        held |= {n.id for n in ast.walk(item.optional_vars) if isinstance(n, ast.Name)}
+        for node in ast.walk(fn):
+            if not isinstance(node, ast.Call):
+                continue
+            f, path = node.func, None
+            if isinstance(f, ast.Name) and f.id == "open":
+                mode = node.args[1] if len(node.args) > 1 else None
+                if isinstance(mode, ast.Constant) and set(str(mode.value)) & set("wax+"):
+                    path = node.args[0]
+            elif isinstance(f, ast.Attribute) and f.attr in WRITE_METHODS:
+                path = f.value
+            elif isinstance(f, ast.Attribute) and f.attr in WRITE_PATH_ARG:
+                at = WRITE_PATH_ARG[f.attr]
+                if f.attr == "save" and getattr(f.value, "id", "") != "torch":
+                    continue
+                path = node.args[at] if len(node.args) > at else None
+            elif isinstance(f, ast.Attribute) and f.attr == "open" and getattr(f.value, "id", "") == "os":
+                flags = ast.unparse(node.args[1]) if len(node.args) > 1 else ""
+                if any(w in flags for w in ("O_WRONLY", "O_RDWR", "O_CREAT", "O_APPEND")):
+                    found.append(f"os.open (line {node.lineno})")
+                continue
+            if path is None:
+                continue
+            root = path.value if isinstance(path, ast.Subscript) else path
+            if not (isinstance(root, ast.Name) and root.id in held):
+                found.append(f"{fn.name}: {ast.unparse(f)} (line {node.lineno})")
+    return found
+
+
+def package_sources() -> dict[str, str]:
+    files = [*(ROOT / "convit_convert").rglob("*.py"), *(ROOT / "train").rglob("*.py")]
+    return {p.relative_to(ROOT).as_posix(): p.read_text() for p in sorted(files)}
+
+
+def test_only_a_command_s_entry_point_opens_an_output_by_path() -> None:
+    """The rule that makes the link swap above hold for every command to come: below the entry
+    point (a CLI command, a public function given a path, a run's folder), writers take a held folder
+    and a bare name, never a path."""
+    offenders = {}
+    for rel, source in package_sources().items():
+        if rel.startswith(DOOR_MODULES):
+            continue
+        extra = {
+            fn: calls for fn, calls in doors_opened(source).items() if fn not in ENTRY_POINTS.get(rel, ())
+        }
+        if extra:
+            offenders[rel] = extra
+    assert offenders == {}
+    for rel, names in ENTRY_POINTS.items():  # each entry point named still opens one (no stale name)
+        assert names <= doors_opened(package_sources()[rel]).keys(), rel
+
+
+def test_every_write_goes_to_a_temp_file_of_a_held_folder() -> None:
+    offenders = {
+        rel: found
+        for rel, source in package_sources().items()
+        if rel != "convit_convert/io/folder.py" and (found := unheld_writes(source))
+    }
+    assert offenders == {}
+
+
+def test_the_output_mechanism_tests_find_what_they_forbid() -> None:
+    src = (
+        "def save(path, model):\n    torch.save(model, path)\n    Path(path).write_text('x')\n"
+        "    open(path, 'wb')\n    fig.savefig(path)\n    os.open(path, os.O_WRONLY)\n"
+        "def fine(folder, name, tmp):\n    open(tmp, 'wb')\n    with atomic_names(t) as (a, b):\n"
+        "        a.write_text('x')\n        torch.save(m, b)\n    open(path)\n"
+    )
+    assert len(unheld_writes(src)) == 5
+    door = "def helper(p):\n    with Folder.open(p) as f:\n        pass\n    make_folder(p)\n"
+    assert sorted(doors_opened(door)["helper"]) == ["make_folder (line 4)", "open (line 2)"]
+
+
+def test_no_output_is_opened_by_a_path_while_commands_run(tmp_path: Path, downloads: Path) -> None:
+    """The same rule watched at run time (Python's audit hook on every open): while each command
+    that writes runs in this process, a file below the test's folder is opened for writing only
+    through a held folder (/proc/self/fd/N/NAME, or a bare name relative to the folder's
+    descriptor), never by its path."""
+    import sys
+
+    from PIL import Image
+
+    seen: list[str] = []
+
+    def hook(event: str, args: tuple) -> None:
+        if event != "open" or not WATCHING:
+            return
+        path, mode, flags = args
+        writes = (mode is not None and set(str(mode)) & set("wax+")) or (
+            mode is None and isinstance(flags, int) and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT)
+        )
+        text = os.fsdecode(path) if isinstance(path, str | bytes | os.PathLike) else ""
+        if writes and text.startswith(str(tmp_path)):
+            seen.append(text)
+
+    WATCHING.clear()
+    sys.addaudithook(hook)  # hooks cannot be removed: it watches only while WATCHING is set
+    (tmp_path / "img").mkdir()
+    Image.new("L", (8, 8), 90).save(tmp_path / "img" / "a.png")
+    vit, out = downloads / "vit.safetensors", tmp_path / "out"
+    commands = [
+        ("convert", FIXTURE_PATH, "-o", out / "vit.safetensors"),
+        ("export", vit, "-o", out / "vit.onnx"),
+        ("export", vit, "--format", "timm", "-o", out / "timm"),
+        ("verify", FIXTURE_PATH, vit, "--report", out / "verify.json"),
+        ("predict", vit, tmp_path / "img", "-o", out / "p.csv"),
+        ("attention", vit, "--data", "digits", "--images", "8", "-o", out / "att"),
+        ("plot", downloads / "run", "-o", out / "curves.png"),
+        ("train", "phase1", *TINY, "--epochs", "1", "--seeds", "0,1", "--export-onnx", "-o", out / "run"),
+    ]
+    out.mkdir()
+    for args in commands:
+        WATCHING.append(True)
+        try:
+            r = invoke(*args)
+        finally:
+            WATCHING.clear()
+        assert r.exit_code == 0, (args[0], r.output[-2000:])
+    assert seen == []
+    assert (out / "run" / "seed1" / "conv.onnx").is_file() and (out / "att" / "attention.png").is_file()
+
+
+WATCHING: list[bool] = []
+FIXTURE_PATH = ROOT / "fixtures" / "conv_digits.safetensors"

@@ -6,6 +6,8 @@ case marked "was" failed on main 8bdbcb2."""
 
 from __future__ import annotations
 
+import ast
+import csv
 import io
 import json
 import math
@@ -15,11 +17,11 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from conftest import FIXTURE, invoke
+from conftest import FIXTURE, ROOT, invoke
 from convit_convert.cli.common import safe
 from convit_convert.config import ViTConfig
 from convit_convert.io.model_card import model_card
-from convit_convert.text import card_number, label_safe, markdown_safe, terminal_safe
+from convit_convert.text import card_number, csv_text, json_text, label_safe, markdown_safe, terminal_safe
 from convit_convert.train.progress import Progress
 
 HOSTILE = [
@@ -42,6 +44,17 @@ CONTROL = [chr(c) for c in [*range(32), *range(0x7F, 0xA0)]] + ["\u2028", "\u202
 
 def one_clean_line(text: str) -> None:
     assert not any(c in text for c in CONTROL), repr(text[:200])
+
+
+def rich_console_printed(value: str) -> str:
+    """What cmhsa's own console writes for ``value`` printed without escaping it (markup off)."""
+    from convit_convert.cli.common import _Console
+
+    buf = io.StringIO()
+    _Console(file=buf, width=10_000, color_system=None, highlight=False).print(
+        value, markup=False, soft_wrap=True
+    )
+    return buf.getvalue()
 
 
 def rich_printed(markup: str) -> str:
@@ -89,6 +102,17 @@ def test_every_sink_shows_a_hostile_string_as_inert_text(s: str) -> None:
         "cmhsa.result": json.dumps({"data": s, "top1": 90.0, "epoch": 3}),
         "cmhsa.source_sha256": s,
     }
+    # CSV and JSON files: no control character in the file; no cell a spreadsheet runs as a formula
+    csv_file = csv_text([["image", "class"], [s, "=" + s], [1, 0.5]])
+    one_clean_line(csv_file.replace("\n", ""))
+    cells = [c for row in csv.reader(io.StringIO(csv_file)) for c in row]
+    assert not [c for c in cells if c.startswith(("=", "+", "-", "@", "\t", "\r"))]
+    doc = json_text({"class": s})
+    one_clean_line(doc.replace("\n", ""))
+    assert json.loads(doc) == {"class": s}
+    # the console itself: a value nobody escaped still reaches the terminal inert
+    # (its newlines are its layout's: keeping a value on one line is terminal_safe's, above)
+    one_clean_line(rich_console_printed(s).replace("\n", ""))
     text, plain = card(meta), card({k: v.replace(s, "plain") for k, v in meta.items()})
     assert text.count("\n") == plain.count("\n")  # nothing starts a line, a heading or a block
     body = text.split("---", 2)[2]
@@ -150,3 +174,147 @@ def test_an_output_folder_named_like_an_error_line_prints_no_error_line(tmp_path
     assert r.exit_code == 0, r.output
     assert not [line for line in r.output.splitlines() if line.startswith("error")]
     assert any(line.startswith("Wrote ") and "x\\x0aerror: fake" in line for line in r.output.splitlines())
+
+
+def test_predict_s_csv_and_json_are_sinks_too(tmp_path: Path) -> None:
+    """Class names that start like a formula and image file names that hold escape sequences, bidi
+    overrides and C1 controls: the CSV shows them as text (a leading ``'``), the raw files hold no
+    control character, and both read back as the names.
+    Failed on 81f8851: `=` cells and raw ESC, BEL, OSC 8, C1 and U+202E in both files."""
+    from PIL import Image
+
+    from convit_convert.api import load_checkpoint, save_checkpoint
+    from convit_convert.labels import KEY
+
+    names = ["=1+1", "+cmd", "-2", "@SUM(A1)", "\tx", *map(str, range(5, 10))]
+    names[4] = "tab"  # a tab is a control character: no class name holds one (test_class_names.py)
+    ckpt = load_checkpoint(FIXTURE)
+    model = tmp_path / "named.safetensors"
+    save_checkpoint(model, ckpt.config, ckpt.tensors, {KEY: json.dumps(names)})
+    images = tmp_path / "images"
+    images.mkdir()
+    hostile = [
+        "=HYPERLINK(x)",
+        "\x1b]0;title\x07",
+        "\x1b]8;;x\x1b\\link",
+        "\u202ecod.exe",
+        "\x9bc",
+        "-1",
+    ]
+    for i, stem in enumerate(hostile):
+        Image.new("L", (8, 8), 30 * i).save(images / f"{stem}.png")
+    for out in (tmp_path / "p.csv", tmp_path / "p.json"):
+        r = invoke("predict", model, images, "-o", out, "--top-k", "10")
+        assert r.exit_code == 0, r.output
+        raw = out.read_text(encoding="utf-8")
+        one_clean_line(raw.replace("\n", ""))
+    rows = list(csv.reader(io.StringIO((tmp_path / "p.csv").read_text())))
+    text_cells = [c for row in rows[1:] for c in (row[0], row[2])]
+    assert not [c for c in text_cells if c.startswith(("=", "+", "-", "@"))]
+    assert {row[2] for row in rows[1:]} >= {"'=1+1", "'+cmd", "'-2", "'@SUM(A1)"}
+    doc = json.loads((tmp_path / "p.json").read_text())
+    assert {Path(p["image"]).stem for p in doc["predictions"]} == set(hostile)
+    assert {t["class"] for p in doc["predictions"] for t in p["top"]} == set(names)
+
+
+# the mechanism: each sink and each foreign kind has one function, and nothing walks around it ------
+
+
+def calls(source: str, owner: str, names: set[str]) -> list[str]:
+    """Calls ``owner.NAME(...)`` (``owner`` a module or class name) in ``source``, with their lines."""
+    return [
+        f"{owner}.{n.func.attr} (line {n.lineno})"
+        for n in ast.walk(ast.parse(source))
+        if isinstance(n, ast.Call)
+        and isinstance(n.func, ast.Attribute)
+        and n.func.attr in names
+        and getattr(n.func.value, "id", None) == owner
+    ]
+
+
+def package() -> dict[str, str]:
+    files = [*(ROOT / "convit_convert").rglob("*.py"), *(ROOT / "train").rglob("*.py")]
+    return {p.relative_to(ROOT).as_posix(): p.read_text() for p in sorted(files)}
+
+
+# (module that may call it, owner, names): the one function of each kind
+ONE_WAY = {
+    "JSON and CSV text for a file": (
+        "convit_convert/text.py",
+        [("json", {"dump", "dumps"}), ("csv", {"writer", "DictWriter"})],
+    ),
+    "JSON from a file": ("convit_convert/io/paths.py", [("json", {"load", "loads"})]),
+    "an image file": ("convit_convert/io/images.py", [("Image", {"open"})]),
+}
+
+
+@pytest.mark.parametrize("kind", ONE_WAY)
+def test_each_foreign_kind_and_each_file_sink_has_one_function(kind: str) -> None:
+    allowed, forbidden = ONE_WAY[kind]
+    offenders = {
+        rel: found
+        for rel, source in package().items()
+        if rel != allowed
+        and (found := [c for owner, names in forbidden for c in calls(source, owner, names)])
+    }
+    assert offenders == {}
+    assert any(calls(package()[allowed], owner, names) for owner, names in forbidden)  # the one is there
+
+
+def escaped(value: ast.expr) -> bool:
+    """Whether a printed value is a call of one of text.py's ``*_safe`` functions."""
+    return isinstance(value, ast.Call) and getattr(value.func, "id", "").endswith("_safe")
+
+
+def test_nothing_prints_a_value_around_terminal_safe() -> None:
+    """The terminal: a `print` (stderr's error and note lines) passes each value through text.py;
+    everything else goes through cmhsa's console, which passes every segment through
+    text.printed_safe (the corpus test above)."""
+    offenders = []
+    for rel, source in package().items():
+        for node in ast.walk(ast.parse(source)):
+            if not (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "print"):
+                continue
+            for arg in node.args:
+                values = [v.value for v in ast.walk(arg) if isinstance(v, ast.FormattedValue)]
+                if isinstance(arg, ast.JoinedStr | ast.Constant):
+                    bare = [
+                        v
+                        for v in values
+                        if not (isinstance(v, ast.Call) and getattr(v.func, "id", "").endswith("_safe"))
+                    ]
+                else:
+                    bare = (
+                        [arg]
+                        if not (isinstance(arg, ast.Call) and getattr(arg.func, "id", "").endswith("_safe"))
+                        else []
+                    )
+                offenders += [f"{rel}:{node.lineno}: {ast.unparse(v)}" for v in bare]
+    assert offenders == []
+
+
+def test_the_mechanism_tests_find_what_they_forbid() -> None:
+    src = "import json\njson.dumps(x)\nImage.open(p)\nwriter = csv.writer(f)\n"
+    assert calls(src, "json", {"dumps"}) == ["json.dumps (line 2)"]
+    assert calls(src, "Image", {"open"}) == ["Image.open (line 3)"] and calls(src, "csv", {"writer"})
+
+
+def test_a_class_named_like_an_error_line_begins_no_line_of_eval_s_report() -> None:
+    """Failed on 81f8851: eval's "most confused" list printed `  error: fake -> x: 3`."""
+    from convit_convert.api.on_data import ClassRow, Confusion, EvalReport
+    from convit_convert.cli import common
+    from convit_convert.cli.train import print_per_class
+
+    report = EvalReport("conv", 6, 50.0, 100.0, 0.7, "conv", names_from="model")
+    report.classes = [ClassRow("error: fake", 3, 0.0), ClassRow("x", 3, 100.0)]
+    report.confused = [Confusion("error: fake", "x", 3)]
+    buf = io.StringIO()
+    saved = common.console.file
+    common.console.file = buf
+    try:
+        print_per_class(report)
+    finally:
+        common.console.file = saved
+    lines = buf.getvalue().splitlines()
+    assert "error: fake" in buf.getvalue()
+    assert not [line for line in lines if line.lstrip().startswith("error")]

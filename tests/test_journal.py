@@ -259,9 +259,10 @@ def test_a_pending_commit_is_rolled_forward_only_within_its_folder_by_a_writer(t
     with pytest.raises(jr.CmhsaError, match="cut short"):
         jr.check_settled(tmp_path / "a.json")
     jr.check_settled(tmp_path / "b.json")  # a file the commit does not name reads as it is
-    from convit_convert.io.atomic import atomic_write_text
+    from conftest import atomic_write
 
-    atomic_write_text(tmp_path / "b.json", "b\n")  # a writer into the folder finishes it first
+    # a writer into the folder finishes it first
+    atomic_write(tmp_path / "b.json", lambda tmp: tmp.write_text("b\n"))
     assert (tmp_path / "a.json").read_text() == "new a\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.json", "b.json"]
     # a temp of another process than the journal's, or a target that is a folder: foreign

@@ -25,9 +25,8 @@ import pytest
 import torch
 
 from conftest import FIXTURE, conv_model, invoke, one_error_line
-from convit_convert.api import load_checkpoint
+from convit_convert.api import load_checkpoint, save_checkpoint
 from convit_convert.construct import convert_state_dict
-from convit_convert.io.checkpoint import save_checkpoint
 from convit_convert.model import VisionTransformer
 from convit_convert.options.conversion import ConversionSpec
 from third_party_vit import TheirConvViT, export

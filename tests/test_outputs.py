@@ -399,3 +399,68 @@ def test_init_naming_a_file_the_run_writes_is_refused(tmp_path: Path, attn_model
     assert r.exit_code == 0, r.output[-2000:]
     info = json.loads((tmp_path / "other" / "config.json").read_text())["init_info"]
     assert info["init_sha256"] == hashlib.sha256(attn_model.read_bytes()).hexdigest()
+
+
+# an output is never a file the command reads, nor inside a folder it reads -------------------------
+
+
+def _predict_inputs(tmp_path: Path) -> tuple[Path, Path]:
+    from PIL import Image
+
+    imgs = tmp_path / "imgs"
+    imgs.mkdir()
+    for i in range(2):
+        Image.new("L", (8, 8), 60 * i).save(imgs / f"{i}.png")
+    pic = tmp_path / "pic.json"  # an image whose name is what -o takes
+    Image.new("L", (8, 8), 200).save(pic, format="PNG")
+    return imgs, pic
+
+
+@pytest.mark.parametrize(
+    ("case", "words"),
+    [
+        ("the image itself", "is an input of this command"),
+        ("a hard link to the image", "is the same file as"),
+        ("inside an image folder", "a folder this command reads"),
+        ("inside the model's timm folder", "a folder this command reads"),
+    ],
+)
+def test_predict_never_writes_over_or_into_what_it_reads(
+    tmp_path: Path, downloads: Path, monkeypatch: pytest.MonkeyPatch, case: str, words: str
+) -> None:
+    """Refused in one line before any image is predicted, every input as it was.
+    Failed on 81f8851: `-o pic.json` replaced the input image pic.json with the predictions."""
+    import convit_convert.api.predict as api
+
+    imgs, pic = _predict_inputs(tmp_path)
+    model: Path = downloads / "vit.safetensors"
+    if case == "the image itself":
+        out = pic
+    elif case == "a hard link to the image":
+        out = tmp_path / "other.json"
+        os.link(pic, out)
+    elif case == "inside an image folder":
+        out = imgs / "predictions.csv"
+    else:
+        model = downloads / "timm"
+        out = model / "predictions.json"
+    monkeypatch.setattr(api, "predict_images", lambda *a, **k: pytest.fail("predicted first"))
+    before = {p: p.read_bytes() for p in [pic, *imgs.iterdir()]}
+    one_error_line(invoke("predict", model, pic, imgs, "-o", out), 2, str(out), words)
+    assert {p: p.read_bytes() for p in [pic, *imgs.iterdir()]} == before
+    assert not out.exists() or out.read_bytes() == before[pic]
+
+
+def test_export_and_attention_refuse_an_output_among_their_inputs(tmp_path: Path, downloads: Path) -> None:
+    vit = tmp_path / "vit.safetensors"
+    shutil.copy(downloads / "vit.safetensors", vit)
+    before = vit.read_bytes()
+    r = invoke("export", vit, "-o", tmp_path / "vit.onnx", "--report", vit)
+    one_error_line(r, 2, str(vit), "is an input of this command")
+    data = tmp_path / "data"
+    shutil.copytree(ROOT / "fixtures" / "digits", data)
+    r = invoke("attention", vit, "--data", "imagefolder", "--data-dir", data, "-o", data / "att")
+    one_error_line(r, 2, "a folder this command reads")
+    assert vit.read_bytes() == before and sorted(os.listdir(data)) == sorted(
+        os.listdir(ROOT / "fixtures" / "digits")
+    )

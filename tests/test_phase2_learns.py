@@ -15,12 +15,11 @@ from safetensors.torch import save_file
 
 from conftest import invoke, one_error_line, write_idx
 from convit_convert.analysis import attention_stats
-from convit_convert.api import load_checkpoint
+from convit_convert.api import load_checkpoint, save_checkpoint
 from convit_convert.config import ViTConfig
 from convit_convert.construct import convert_state_dict
 from convit_convert.data import build_data
 from convit_convert.deploy import fuse_attention, prepare_for_export
-from convit_convert.io.checkpoint import save_checkpoint
 from convit_convert.model import VisionTransformer
 from convit_convert.options.conversion import ConversionSpec
 from convit_convert.options.training import TrainConfig

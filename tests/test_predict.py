@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from conftest import FIXTURE, invoke, one_error_line
+from convit_convert.api import save_checkpoint
 from convit_convert.api.on_data import evaluate_checkpoint
 from convit_convert.api.predict import predict_files
 from convit_convert.data import build_data
-from convit_convert.io.checkpoint import save_checkpoint
 from convit_convert.labels import KEY
 from convit_convert.options.operations import EvalOptions, PredictOptions
 
@@ -80,7 +80,7 @@ def test_classes_are_named_and_written_as_csv_and_json(tmp_path: Path) -> None:
     "args, fragment",
     [
         (["missing.png"], "no such file or folder"),
-        (["not_an_image.png"], "not an image PIL can read"),
+        (["not_an_image.png"], "not an image of a format cmhsa reads"),
         (["empty_folder"], "no image files"),
         (["img.png", "-o", "out.txt"], "must end in .csv or .json"),
         (["img.png", "--top-k", "0"], "--top-k"),

@@ -23,6 +23,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import FIXTURE, ROOT, in_a_process, invoke, one_error_line
+from convit_convert import resources
+from convit_convert.config import ViTConfig
 from convit_convert.errors import CmhsaError
 from convit_convert.options.training import TrainConfig
 from convit_convert.train.run import run
@@ -500,3 +502,40 @@ def test_a_file_claiming_a_huge_model_is_refused_before_it_is_built(tmp_path: Pa
         for args in (["inspect", crafted], ["convert", crafted, "-o", tmp_path / "v.safetensors"]):
             one_error_line(invoke(*args), 2, str(crafted), fragment)
     assert not (tmp_path / "v.safetensors").exists()
+
+
+def test_the_memory_check_covers_a_stack_of_seeds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A `--seeds` stack holds every seed's weights, moments and batch at once: checked as that,
+    refused where one seed fits. Failed on 81f8851: the check was each seed's alone, so 64 seeds
+    passed it and were killed at the address-space limit."""
+    from convit_convert.train.phases import check_trainable
+
+    flags = dict(phase="phase1", data="synthetic", img_size=32, patch_size=4, depth=2, batch_size=64)
+    flags |= dict(device="cpu", out="unused")
+    mcfg = ViTConfig.build(img_size=32, patch_size=4, in_chans=3, depth=2, kernel_size=5, num_classes=10)
+    one_seed = 16 * mcfg.num_params() + mcfg.activation_bytes(64, training=True)
+    monkeypatch.setattr(resources, "available_memory", lambda: 3 * one_seed)
+    check_trainable(TrainConfig.from_flags(**flags), mcfg)
+    check_trainable(TrainConfig.from_flags(seeds=(0, 1, 2), **flags), mcfg)
+    with pytest.raises(CmhsaError, match="4 seeds stacked"):
+        check_trainable(TrainConfig.from_flags(seeds=(0, 1, 2, 3), **flags), mcfg)
+
+
+def test_out_of_memory_names_what_made_the_size(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the user gave no size (an image, an ONNX file's preprocessing, a stack of seeds), a
+    failed allocation is said as that thing's, not as "reduce the sizes given".
+    Failed on 81f8851: "out of memory: an allocation failed; reduce the sizes given (image size,
+    batch, heads, qk-dim, depth)" for an image."""
+    from PIL import Image
+
+    import convit_convert.api.predict as api
+    import convit_convert.train.stacked as stacked
+
+    Image.new("L", (8, 8)).save(tmp_path / "pic.png")
+    monkeypatch.setattr(api, "read_image", boom(MemoryError()))
+    r = invoke("predict", FIXTURE, tmp_path / "pic.png")
+    line = one_error_line(r, 2, "out of memory for the image", str(tmp_path / "pic.png"))
+    assert "reduce the sizes given" not in line
+    monkeypatch.setattr(stacked, "train_stacked", boom(MemoryError()))
+    r = invoke("train", "phase1", *TINY, "--seeds", "0,1", "-o", tmp_path / "s")
+    one_error_line(r, 2, "out of memory for 2 seeds stacked at batch", "--seeds")

@@ -300,3 +300,11 @@ def test_a_seed_folder_name_taken_by_a_link_or_file_is_refused_untouched(
     assert (
         (out / "seed0").is_symlink() if planted == "link" else (out / "seed0").read_text() == "not a folder"
     )
+
+
+def test_a_seeds_value_no_seed_can_be_is_one_line_before_it_is_read_as_a_number() -> None:
+    """Failed on 81f8851: a 5,000-digit value ended in ValueError (exit 3, an internal error)."""
+    huge = "9" * 5000
+    one_error_line(
+        invoke("train", "phase1", *TINY_FLAGS, "--seeds", f"0,{huge}", "-o", "x"), 2, "--seeds must"
+    )

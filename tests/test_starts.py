@@ -14,7 +14,7 @@ import torch
 
 from conftest import invoke, one_error_line
 from convit_convert.analysis import recording
-from convit_convert.io.checkpoint import save_checkpoint
+from convit_convert.api import save_checkpoint
 from convit_convert.options.training import TrainConfig
 from convit_convert.theory import patch_offsets
 from convit_convert.train.phases import build_phase_model

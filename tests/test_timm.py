@@ -11,10 +11,9 @@ from timm.data import create_transform, resolve_data_config
 
 import convit_convert.timm  # noqa: F401  (registers the models)
 from conftest import invoke
-from convit_convert.api import load_checkpoint
+from convit_convert.api import load_checkpoint, save_checkpoint
 from convit_convert.construct import convert_state_dict
 from convit_convert.errors import CmhsaError
-from convit_convert.io.checkpoint import save_checkpoint
 from convit_convert.options.conversion import ConversionSpec
 
 FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "conv_digits.safetensors"

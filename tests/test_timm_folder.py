@@ -15,13 +15,21 @@ from PIL import Image
 
 import convit_convert.timm  # noqa: F401  (registers cmhsa's architectures)
 from conftest import conv_model, invoke
+from convit_convert.api import save_checkpoint
 from convit_convert.api.convert import convert_file
 from convit_convert.errors import CmhsaError
-from convit_convert.io.checkpoint import save_checkpoint
+from convit_convert.io.folder import Folder
 from convit_convert.io.model_card import CARD
 from convit_convert.io.timm_folder import CONFIG, WEIGHTS, write_timm_folder
 
 FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "conv_digits.safetensors"
+
+
+def write_folder(path: Path, cfg, state_dict) -> None:
+    """A timm folder written as a command writes one: the folder made, then held."""
+    path.mkdir()
+    with Folder.open(path) as held:
+        write_timm_folder(held, cfg, state_dict)
 
 
 def checkpoints(tmp_path: Path) -> dict[str, Path]:
@@ -76,7 +84,7 @@ def test_the_folders_data_config_is_cmhsa_evals_transform(tmp_path: Path) -> Non
     from convit_convert.options.training import TrainConfig
 
     small = conv_model(seed=3, dtype=torch.float32, patch_embed="linear", in_chans=3)
-    write_timm_folder(tmp_path / "m", small.cfg, small.state_dict())
+    write_folder(tmp_path / "m", small.cfg, small.state_dict())
     model = timm.create_model(f"local-dir:{tmp_path / 'm'}", pretrained=True)
     theirs = timm.data.create_transform(**timm.data.resolve_data_config(model=model))
     ours = build_transform(small.cfg.img_size, False, TrainConfig.from_flags().recipe, 3)
@@ -96,7 +104,7 @@ def test_a_folder_with_a_bad_config_is_one_line_naming_it(tmp_path: Path, edit, 
     """A config.json edited by hand: a CmhsaError naming the folder's config.json (a conv model's
     config under the attention architecture is refused as not a valid attention config)."""
     small = conv_model(seed=3, dtype=torch.float32)
-    write_timm_folder(tmp_path / "m", small.cfg, small.state_dict())
+    write_folder(tmp_path / "m", small.cfg, small.state_dict())
     config = json.loads((tmp_path / "m" / CONFIG).read_text())
     edit(config)
     (tmp_path / "m" / CONFIG).write_text(json.dumps(config))

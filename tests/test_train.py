@@ -102,8 +102,8 @@ def test_eval_of_an_image_folder_needs_only_val(tmp_path: Path) -> None:
     """`cmhsa eval --data imagefolder` on a folder holding val/ alone: top-1 printed, exit 0."""
     from PIL import Image
 
+    from convit_convert.api import save_checkpoint
     from convit_convert.config import ViTConfig
-    from convit_convert.io.checkpoint import save_checkpoint
     from convit_convert.model import VisionTransformer
 
     rng = np.random.default_rng(0)

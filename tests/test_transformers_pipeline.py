@@ -16,10 +16,10 @@ from PIL import Image
 
 import convit_convert.timm  # noqa: F401  (registers cmhsa's architectures)
 from conftest import FIXTURE, conv_model, invoke
+from convit_convert.api import save_checkpoint
 from convit_convert.api.predict import predict_files
 from convit_convert.attention import RelPosAttention
 from convit_convert.conv_mixer import ConvMixer
-from convit_convert.io.checkpoint import save_checkpoint
 from convit_convert.labels import KEY
 from convit_convert.options.operations import PredictOptions
 

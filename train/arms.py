@@ -17,7 +17,6 @@ command later resumes it. A child's output goes to ``log.txt`` in its run folder
 from __future__ import annotations
 
 import csv
-import json
 import math
 import os
 import signal
@@ -29,12 +28,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import CmhsaError
-from ..io.folder import make_folder
+from ..io.atomic import atomic_text
+from ..io.folder import Folder, make_folder
+from ..io.outputs import Target
+from ..io.paths import parse_json, read_text
 from ..options.training import TrainConfig
 from ..options.values import check
+from ..text import terminal_safe
 from .run import OUTPUT
 from .stacked import seed_folder
 from .state import LAST
+
+CPU_SECONDS = "cpu_seconds.txt"  # an arm's CPU seconds, summed over the processes that trained it
 
 DONE, STOPPED, FAILED, WAITING, BLOCKED = "done", "stopped", "failed", "waiting", "blocked"
 
@@ -76,14 +81,15 @@ class Arm:
 
     def cpu_seconds(self) -> float:
         """CPU seconds of every process that trained this arm (cpu_seconds.txt)."""
-        return float((self.out / "cpu_seconds.txt").read_text())
+        return float((self.out / CPU_SECONDS).read_text())
 
     def environments(self) -> list[dict]:
         """Where the arm computed (config.json's ``environments``: threads, CPU code path, device,
         torch and timm versions, from which epoch); [] before its first save."""
         try:
-            return list(json.loads((self.out / "config.json").read_text()).get("environments", []))
-        except (OSError, ValueError):
+            doc = parse_json(read_text(self.out / "config.json", what="run config"), self.out, "config.json")
+            return list(doc.get("environments", []))
+        except (CmhsaError, AttributeError, TypeError):
             return []
 
     def progress(self) -> str:
@@ -210,8 +216,9 @@ def _launch(arm: Arm, threads: int) -> _Running:
     started = any((f / LAST).is_file() for f in arm.folders)
     cfg = arm.config.replace(resume=started, overwrite=not started, threads=threads)
     spec = arm.out / "arm.json"
-    spec.write_text(cfg.to_json())
-    log = open(arm.out / "log.txt", "a")  # noqa: SIM115 (closed when the child is collected)
+    with Folder.open(arm.out) as folder:  # the arm's folder, held while its files are written
+        atomic_text((Target(folder, spec.name), cfg.to_json()))
+        log = folder.open_append("log.txt")  # closed when the child is collected
     proc = subprocess.Popen(
         [sys.executable, "-m", "convit_convert.train.arms", str(spec)],
         stdout=log,
@@ -237,17 +244,17 @@ def _child(spec: Path) -> int:
     from .run import run
     from .stacked import run_seeds
 
-    cfg = TrainConfig.from_dict(json.loads(spec.read_text()))
+    cfg = TrainConfig.from_dict(parse_json(read_text(spec, what="arm spec"), spec, "arm.json"))
     t = time.process_time()
     try:
         results = run_seeds(cfg) if cfg.runtime.seeds else [run(cfg)]
     except CmhsaError as e:
-        print(f"error: {e}", flush=True)
+        print(f"error: {terminal_safe(str(e))}", flush=True)
         return 1
     result = next((r for r in results if r.stopped), results[0])
-    cpu_file = Path(cfg.runtime.out) / "cpu_seconds.txt"
-    before = float(cpu_file.read_text()) if cpu_file.is_file() else 0.0
-    cpu_file.write_text(f"{before + time.process_time() - t:.1f}\n")
+    with Folder.open(cfg.runtime.out) as folder:  # the arm's folder: its CPU seconds, summed over tries
+        before = float(folder.read_bytes(CPU_SECONDS, 64)) if folder.exists(CPU_SECONDS) else 0.0
+        atomic_text((Target(folder, CPU_SECONDS), f"{before + time.process_time() - t:.1f}\n"))
     if result.stopped in ("SIGINT", "SIGTERM"):
         return 128 + int(getattr(signal, result.stopped))
     return 0

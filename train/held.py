@@ -21,8 +21,9 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, Subset
 
-from ..data import ArrayImages, EpochSampler, open_image, sample_seed
+from ..data import ArrayImages, EpochSampler, sample_seed
 from ..errors import CmhsaError
+from ..io.images import open_image, read_image
 from .augment import AugmentSpec, Params, augment, grey, normalise, sample_params
 
 MAX_BYTES = 2 << 30  # hold at most 2 GiB of decoded images; larger sets use the workers loader
@@ -103,8 +104,7 @@ def hold(ds: Dataset, in_chans: int, device: torch.device) -> tuple[torch.Tensor
     else:
         arrays = []
         for i in idx:
-            with open_image(imgs[i]) as im:
-                arrays.append(np.asarray(im.convert("RGB" if in_chans == 3 else "L")))
+            arrays.append(np.asarray(read_image(imgs[i], "RGB" if in_chans == 3 else "L")))
         x = torch.from_numpy(np.stack(arrays))
     x = x[..., None] if x.ndim == 3 else x  # grey (N, H, W) -> (N, H, W, 1)
     x = x.permute(0, 3, 1, 2).to(device)

@@ -100,9 +100,10 @@ def freeze_attention(model: VisionTransformer) -> None:
 
 def check_trainable(cfg: TrainConfig, mcfg: ViTConfig) -> None:
     """Refuse, with the estimate, a model whose training cannot fit in memory: float32 weights,
-    gradients and two AdamW moments, and (on CPU) a batch's activations kept for the backward."""
+    gradients and two AdamW moments, and (on CPU) a batch's activations kept for the backward; all
+    of it once per seed of a `seeds` stack, which holds and steps every seed at once."""
     on_cpu = cfg.runtime.device == "cpu" or not torch.cuda.is_available()
-    batch = cfg.recipe.batch_size
+    batch, stack = cfg.recipe.batch_size, max(1, len(cfg.runtime.seeds))
     need = 16 * mcfg.num_params() + (mcfg.activation_bytes(batch, training=True) if on_cpu else 0)
     form = AUTO_FORM.get("cpu", "pixels") if cfg.runtime.conv_form == "auto" else cfg.runtime.conv_form
     tokens = on_cpu and mcfg.kind == "conv" and form == "tokens"
@@ -110,7 +111,9 @@ def check_trainable(cfg: TrainConfig, mcfg: ViTConfig) -> None:
         sizes = (mcfg.hidden_chans, mcfg.kernel_size, mcfg.patch_size, mcfg.dilation, mcfg.grid_size)
         need += mcfg.depth * token_form_bytes(*sizes, batch)
     what = f"training a {mcfg.kind} model of {mcfg.num_params():,} parameters at batch {batch}"
-    check_fits(need, what + (" in the token form (`conv_form` tokens)" if tokens else ""))
+    if stack > 1:
+        what = f"{what}, {stack} seeds stacked (`seeds`: each seed's weights, moments and batch at once)"
+    check_fits(stack * need, what + (" in the token form (`conv_form` tokens)" if tokens else ""))
 
 
 def build_phase_model(cfg: TrainConfig, num_classes: int, log: Any = print) -> PhaseModel:

@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CmhsaError
-from ..io.atomic import atomic_path, atomic_paths
+from ..io.atomic import atomic_names
 from ..io.journal import check_settled
+from ..io.outputs import Target, held_outputs
 from ..io.paths import parse_json, read_text
 from ..notices import notice
 from ..options.training import starts_from_checkpoint
@@ -108,10 +109,9 @@ def pyplot() -> Any:
     return plt
 
 
-def _save(fig: Any, output: Path) -> None:
-    check_image_path(output)
-    suffix = output.suffix.lstrip(".").lower()
-    with atomic_path(output) as tmp:
+def _save(fig: Any, output: Target) -> None:
+    suffix = Path(output.name).suffix.lstrip(".").lower()
+    with atomic_names(output) as (tmp,):
         fig.savefig(tmp, format=suffix)
     pyplot().close(fig)
 
@@ -304,8 +304,10 @@ def plot_runs(runs: list[Path], output: Path) -> None:
     """:func:`curves_figure`, written to ``output`` (.png, .pdf, .svg); its notes (also in its
     title) said as notices (the CLI prints them as ``note:`` lines)."""
     check_image_path(output)
-    fig, notes = curves_figure(runs)
-    _save(fig, output)
+    # held from the start; the runs' metrics are what it reads (its default place is in a run)
+    with held_outputs(output, reads=[Path(r) / "metrics.csv" for r in runs]) as (target,):
+        fig, notes = curves_figure(runs)
+        _save(fig, target)
     for line in notes:
         notice(line)
 
@@ -389,16 +391,17 @@ def attention_figure(report: Any, title: str = "") -> Any:
 
 def plot_attention(report: Any, output: Path, title: str = "") -> None:
     """:func:`attention_figure`, written to ``output``."""
-    _save(attention_figure(report, title), output)
+    check_image_path(output)
+    with held_outputs(output) as (target,):
+        _save(attention_figure(report, title), target)
 
 
-def write_attention(report: Any, folder: Path, doc: str, title: str = "") -> tuple[Path, Path]:
-    """``attention.json`` (``doc``) and ``attention.png`` in ``folder``, both or neither: the figure
-    is drawn first, then the two files are written together."""
+def write_attention(report: Any, json_out: Target, png_out: Target, doc: str, title: str = "") -> None:
+    """``doc`` as ``json_out`` and the figure as ``png_out`` (``attention.json`` and
+    ``attention.png``), both or neither: the figure is drawn first, then the two files are written
+    together."""
     fig = attention_figure(report, title)
-    paths = (folder / "attention.json", folder / "attention.png")
-    with atomic_paths(*paths) as (json_tmp, png_tmp):
+    with atomic_names(json_out, png_out) as (json_tmp, png_tmp):
         json_tmp.write_text(doc, encoding="utf-8")
         fig.savefig(png_tmp, format="png")
     pyplot().close(fig)
-    return paths

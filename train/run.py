@@ -10,9 +10,6 @@ keeps the last good checkpoint. The epoch itself is :mod:`.loop`; several seeds 
 from __future__ import annotations
 
 import contextlib
-import csv
-import io
-import json
 import os
 import signal
 import threading
@@ -41,10 +38,11 @@ from ..data import (
     image_mode,
 )
 from ..errors import CmhsaError
-from ..io.checkpoint import Checkpoint, save_checkpoint
+from ..io.checkpoint import Checkpoint, save_model
 from ..io.folder import Folder, make_folder, remove_made
 from ..io.lock import LOCK_NAME, locked_folder
 from ..io.model_card import CARD
+from ..io.outputs import Target
 from ..io.paths import parse_json
 from ..io.timm_folder import CONFIG, WEIGHTS
 from ..labels import to_metadata
@@ -60,6 +58,7 @@ from .progress import EMA_METRICS, METRICS, Progress
 
 if TYPE_CHECKING:
     from ..timm import TimmFolderReport
+from ..text import csv_text, json_text
 from .recipe import (
     build_recipe,
     build_scheduler,
@@ -125,12 +124,7 @@ def metrics_text(rows: list[dict[str, Any]]) -> str:
     keys = {k: None for r in rows for k in r}  # every row's, in order (`eval_every`: some rows lack them)
     cols = list(METRICS) + [c for c in EMA_METRICS if c in keys]
     cols += [c for c in keys if c.startswith("attn")]
-    buf = io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=cols, extrasaction="ignore", lineterminator="\n")
-    w.writeheader()
-    for r in rows:
-        w.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()})
-    return buf.getvalue()
+    return csv_text([cols, *([r.get(c) for c in cols] for r in rows)], number_format=".6g")
 
 
 def run(
@@ -246,7 +240,7 @@ def _run(
     try:
         with run_folder(cfg, ctx, wrote) as folder:
             loop, replaces = prepared(cfg, ctx, folder, reporter)
-            return train(loop, stop_after_steps, replaces, wrote, folder)
+            return train(loop, folder, stop_after_steps, replaces, wrote)
     finally:
         reporter.close()
 
@@ -545,6 +539,7 @@ def data_and_model(
                 train_samples=cfg.data.train_samples,
                 val_samples=cfg.data.val_samples,
                 holdout=cfg.data.holdout,
+                crop_pct=cfg.recipe.crop_pct,
             )
 
         dataset = read(cfg.data.download) if ctx.is_main else None
@@ -657,12 +652,14 @@ def config_doc(
     doc["loader_used"], doc["threads_used"] = loader, cfg.runtime.threads
     doc["environments"] = state.environments  # threads, CPU code path, versions; one per (re)start
     doc["scaled_lr"] = dict(zip(("lr", "min_lr", "warmup_lr"), scaled_lrs(cfg, ctx.world), strict=True))
-    return json.dumps(doc, indent=2) + "\n"
+    return json_text(doc) + "\n"
 
 
-def export_trained(loop: Loop, result: RunResult, meta: dict[str, str], folder: Folder) -> None:
+def export_trained(
+    loop: Loop, result: RunResult, meta: dict[str, str], folder: Folder, saved: dict[str, Any]
+) -> None:
     """`export_onnx` / `export_timm`: the trained model, from memory as saved (no second read of the
-    file just written), into ``result``."""
+    file just written: ``saved`` is its path, bytes and sha256), into ``result``."""
     cfg, st, out = loop.cfg, loop.state, loop.out
     tensors = {k: v.detach().float().cpu() for k, v in st.model.state_dict().items()}
     ckpt = Checkpoint(result.model_path, st.model_config, tensors, meta)  # type: ignore[arg-type]
@@ -673,9 +670,10 @@ def export_trained(loop: Loop, result: RunResult, meta: dict[str, str], folder: 
             f"not this run's `interpolation` {r.interpolation} and `crop_pct` {r.crop_pct}"
         )
     if cfg.runtime.export_onnx:
-        onnx_path = result.model_path.with_suffix(".onnx")  # type: ignore[union-attr]
-        loop.reporter.log(f"exporting {onnx_path} and checking it in onnxruntime")
-        result.export = export_checkpoint(ckpt, onnx_path)
+        onnx = Target(folder, Path(OUTPUT[cfg.phase]).with_suffix(".onnx").name)
+        loop.reporter.log(f"exporting {onnx.show()} and checking it in onnxruntime")
+        report = Target(folder, onnx.name + ".report.json")
+        result.export = export_checkpoint(ckpt, onnx, report, input_facts=saved)
     if cfg.runtime.export_timm:
         from ..timm import export_timm_folder  # timm's registry: loaded only for this
 
@@ -783,7 +781,7 @@ class RunFiles:
             if (
                 self.pending
             ):  # what is still to remove lands with them: `resume` finishes an interrupted removal
-                also[PENDING_REMOVAL] = json.dumps(self.pending) + "\n"
+                also[PENDING_REMOVAL] = json_text(self.pending, indent=None) + "\n"
 
             def committed() -> None:
                 self.wrote.append(loop.out / LAST)
@@ -815,14 +813,20 @@ class RunFiles:
             figures = {k: last[k] for k in ("epoch", "top1", "top5", "val_loss") if k in last}
             meta = {
                 "cmhsa.trained": f"{cfg.phase} {cfg.data.name}, {cfg.recipe.epochs} epochs",
-                "cmhsa.init": json.dumps(st.init),
-                "cmhsa.result": json.dumps({"data": cfg.data.name, **figures}),  # the model card's figures
+                "cmhsa.init": json_text(st.init, indent=None),
+                "cmhsa.result": json_text(
+                    {"data": cfg.data.name, **figures}, indent=None
+                ),  # the model card's figures
                 **to_metadata(loop.classes),
             }
-            save_checkpoint(result.model_path, st.model_config, st.model.state_dict(), meta)
+            # into the folder this run holds, by name: never through a path its tree could redirect
+            model = Target(self.folder, OUTPUT[cfg.phase])
+            sha = save_model(model, st.model_config, st.model.state_dict(), meta)
+            size = self.folder.lstat(model.name)
+            saved = {"path": str(model.show()), "bytes": size.st_size if size else None, "sha256": sha}
             if st.ema is not None:
-                ema_path = result.model_path.with_name(result.model_path.stem + "-ema.safetensors")
-                save_checkpoint(ema_path, st.model_config, st.ema.module.state_dict(), meta)
+                ema = Target(self.folder, Path(model.name).stem + "-ema.safetensors")
+                save_model(ema, st.model_config, st.ema.module.state_dict(), meta)
             loop.reporter.log(f"wrote {result.model_path}, metrics.csv, config.json")
             if isinstance(
                 loop.val_loader, HeldEvalLoader
@@ -833,23 +837,20 @@ class RunFiles:
                     "or two (the loss agrees to about 4 digits); `loader` workers measures as eval does"
                 )
             if cfg.runtime.export_onnx or cfg.runtime.export_timm:
-                export_trained(loop, result, meta, self.folder)
+                export_trained(loop, result, meta, self.folder, saved)
         barrier(ctx)
         return result
 
 
 def train(
     loop: Loop,
+    folder: Folder,
     stop_after_steps: int | None = None,
     replaces: list[str] | None = None,
     wrote: list[Path] | None = None,
-    folder: Folder | None = None,
 ) -> RunResult:
-    """Epochs until ``cfg.recipe.epochs``, saving after each; then the trained model as safetensors
-    (:class:`RunFiles`)."""
-    if folder is None:
-        with Folder.open(loop.out) as held:
-            return train(loop, stop_after_steps, replaces, wrote, held)
+    """Epochs until ``cfg.recipe.epochs``, saving after each into the run's held ``folder``; then
+    the trained model as safetensors (:class:`RunFiles`)."""
     st, files = loop.state, RunFiles(loop, folder, replaces, [] if wrote is None else wrote)
     stop = StopRequest()
     with stop.installed(), worker_deaths_at_fetch():

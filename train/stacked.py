@@ -52,6 +52,7 @@ from ..errors import CmhsaError
 from ..io.folder import Folder, make_folder, remove_made
 from ..model import VisionTransformer
 from ..options.training import TrainConfig
+from ..resources import sized_by
 from .distributed import Context, setup, teardown
 from .loop import Loop, begin_epoch, end_epoch, read_out, until_stopped
 from .progress import Progress
@@ -89,8 +90,13 @@ def seed_configs(cfg: TrainConfig) -> list[TrainConfig]:
     if cfg.given and "seed" in cfg.given:
         raise CmhsaError("give `seed` (one run) or `seeds` (several, stacked), not both")
     init = cfg.start.init
+    # each seed is given as `seed N` would give it, so each seed folder's `resume` is checked as that
+    # run's own would be (a folder holding another seed's run is refused); empty: every field counts
+    given = cfg.given | {"seed"} if cfg.given else cfg.given
     return [
-        cfg.replace(seed=s, out=str(seed_folder(cfg.runtime.out, s)), init=init.replace("{seed}", str(s)))
+        cfg.replace(
+            seed=s, out=str(seed_folder(cfg.runtime.out, s)), init=init.replace("{seed}", str(s)), given=given
+        )
         for s in seeds
     ]
 
@@ -140,7 +146,13 @@ def _run_seeds(
                 f"{len(configs)} seeds stacked in one process ({', '.join(str(c.seed) for c in configs)}): "
                 "the progress bar is the first seed's, and its images/s each seed's"
             )
-            return train_stacked(stack, files, stop_after_steps)
+            seeds, batch = len(configs), configs[0].recipe.batch_size
+            # an allocation that fails is said as the stack's: S seeds' weights, moments and batches
+            with sized_by(
+                f"for {seeds} seeds stacked at batch {batch} each (`seeds`: every seed's model, optimizer "
+                "and batch are held at once; train fewer seeds together)"
+            ):
+                return train_stacked(stack, files, stop_after_steps)
     except BaseException:
         if not any(wrote):  # nothing saved: no folder of the user's path made either
             remove_made(made)

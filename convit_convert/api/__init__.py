@@ -1,7 +1,8 @@
 """The operations layer: what the CLI's commands (and ``cmhsa train``) do, as library calls that
 return typed reports with ``to_dict()`` (the CLI renders them). One module per operation:
 
-- :mod:`.common`: ``load_checkpoint`` (any format), device / dtype / autocast choices, output checks;
+- :mod:`.common`: ``load_checkpoint`` (any format), ``save_checkpoint`` (a model to a path), device /
+  dtype / autocast choices;
 - :mod:`.convert`: ``convert_checkpoint`` / ``convert_file`` (``Conversion``, ``ConvertReport``);
 - :mod:`.sweep`: ``heads_sweep`` (``HeadsSweep``), ``checkpoint_head_count``;
 - :mod:`.verify`: ``verify_files`` (``VerifyReport``);
@@ -34,7 +35,7 @@ from ..options.operations import (
     PredictOptions,
     Verification,
 )
-from .common import as_float32, load_checkpoint, resolve_device
+from .common import as_float32, load_checkpoint, resolve_device, save_checkpoint
 from .convert import (
     Conversion,
     ConvertReport,
@@ -76,5 +77,6 @@ __all__ = [
     "load_checkpoint",
     "make_calibration",
     "resolve_device",
+    "save_checkpoint",
     "verify_files",
 ]

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 
+from ..config import ViTConfig
 from ..errors import CmhsaError
-from ..io.atomic import check_writable
-from ..io.checkpoint import Checkpoint, check_geometry, load_tensor_checkpoint
+from ..io.checkpoint import Checkpoint, check_geometry, load_tensor_checkpoint, save_model
+from ..io.outputs import held_outputs
 from ..options.checked import check_device_name
 from ..options.operations import Geometry
 from ..options.values import DEFAULT_TOL, DEVICE_NAME
@@ -55,26 +57,22 @@ def resolve_dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
 
 
-def same_file(a: Path, b: Path) -> bool:
-    """Whether two paths name one file (False where either cannot be resolved: a link loop, a
-    missing folder; the path checks that follow say what is wrong with it)."""
-    try:
-        return a.resolve() == b.resolve() or (a.exists() and b.exists() and a.samefile(b))
-    except (OSError, RuntimeError):  # RuntimeError: Python 3.11's "Symlink loop from ..."
-        return False
-
-
-def check_outputs(source: Path, output: Path, report_path: Path, suffix: str, what: str) -> None:
-    """Before any work: the output's suffix says what is written, both outputs are writable,
-    neither is the input, and they are not the same file."""
+def check_suffix(output: Path, suffix: str, what: str) -> None:
+    """The output's suffix says what is written."""
     if output.suffix.lower() != suffix:
         raise CmhsaError(f"writes {what}: give the output the suffix {suffix}", output)
-    for p, name in ((output, "output"), (report_path, "report")):
-        if same_file(p, source):
-            raise CmhsaError(f"{name} path is the input file; choose another", p)
-        check_writable(p)
-    if same_file(output, report_path):
-        raise CmhsaError("report path is the output path; choose another", report_path)
+
+
+def save_checkpoint(
+    path: str | Path,
+    cfg: ViTConfig,
+    tensors: Mapping[str, torch.Tensor],
+    extra_metadata: dict[str, str] | None = None,
+) -> str:
+    """Write a model of ``cfg`` to the file ``path`` (its folder held while it is written: the
+    Python API's door, as a command's); return its sha256."""
+    with held_outputs(path) as (target,):
+        return save_model(target, cfg, tensors, extra_metadata)
 
 
 def pick_device(name: str, local_rank: int = 0) -> torch.device:

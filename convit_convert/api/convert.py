@@ -27,8 +27,9 @@ from ..approximate import (
 from ..config import ViTConfig
 from ..construct import convert_state_dict
 from ..errors import CmhsaError, article
-from ..io.atomic import atomic_paths
+from ..io.atomic import atomic_names
 from ..io.checkpoint import Checkpoint, write_checkpoint
+from ..io.outputs import held_outputs
 from ..io.report import default_report_path, environment, file_facts, report_text
 from ..labels import to_metadata
 from ..model import VisionTransformer
@@ -36,7 +37,7 @@ from ..options.conversion import ConversionPlan, ConversionSpec, Offset
 from ..options.operations import CalibrationSource, Geometry, Verification
 from ..resources import check_fits
 from ..verify import VerifyResult, verify_models
-from .common import check_outputs, load_checkpoint, resolve_device, resolve_dtype
+from .common import check_suffix, load_checkpoint, resolve_device, resolve_dtype
 
 
 @dataclass
@@ -255,33 +256,46 @@ def convert_file(
     spec = spec or ConversionSpec()
     verification = verification or Verification()
     report_path = report or default_report_path(output)
-    check_outputs(input, output, report_path, ".safetensors", "a safetensors checkpoint (export writes ONNX)")
-    if verify:
-        resolve_device(verification.device)  # a GPU that is not there, before the slow part
-    t = time.perf_counter()
-    ckpt = load_checkpoint(input, geometry, onnx_tol=spec.tol)
-    timings = {"load_s": time.perf_counter() - t}
-    input_facts = file_facts(input)
-    conv = convert_checkpoint(ckpt, spec, verify=verify, verification=verification, calibration=calibration)
-    timings.update(conv.timings)
-    output_facts = None
-    replaced = output.exists()  # said in the report and by the CLI: a file is never replaced silently
-    # the model and its report together or neither: a failed write keeps both previous files
-    with atomic_paths(*([output] if conv.passed else []), report_path) as tmps:
-        if conv.passed:
-            t = time.perf_counter()
-            meta = {"cmhsa.source_sha256": input_facts["sha256"], **to_metadata(ckpt.classes)}
-            digest = write_checkpoint(tmps[0], conv.config, conv.tensors, meta, output)
-            timings["write_s"] = time.perf_counter() - t
-            output_facts = {
-                "path": str(output),
-                "bytes": tmps[0].stat().st_size,
-                "sha256": digest,
-                "replaced": replaced,
-            }
-        result = ConvertReport(conv, output, report_path, input_facts, output_facts, timings)
-        tmps[-1].write_text(report_text(result.to_dict()), encoding="utf-8")
+    check_suffix(output, ".safetensors", "a safetensors checkpoint (export writes ONNX)")
+    reads = [input, *([calibration.data_dir] if _reads_data(calibration) else [])]
+    with held_outputs(output, report_path, reads=reads) as (out, rep):
+        if verify:
+            resolve_device(verification.device)  # a GPU that is not there, before the slow part
+        t = time.perf_counter()
+        ckpt = load_checkpoint(input, geometry, onnx_tol=spec.tol)
+        timings = {"load_s": time.perf_counter() - t}
+        input_facts = file_facts(input)
+        conv = convert_checkpoint(
+            ckpt, spec, verify=verify, verification=verification, calibration=calibration
+        )
+        timings.update(conv.timings)
+        output_facts = None
+        replaced = out.exists()  # said in the report and by the CLI: a file is never replaced silently
+        # the model and its report together or neither: a failed write keeps both previous files
+        with atomic_names(*([out] if conv.passed else []), rep) as tmps:
+            if conv.passed:
+                t = time.perf_counter()
+                meta = {"cmhsa.source_sha256": input_facts["sha256"], **to_metadata(ckpt.classes)}
+                digest = write_checkpoint(tmps[0], conv.config, conv.tensors, meta, output)
+                timings["write_s"] = time.perf_counter() - t
+                output_facts = {
+                    "path": str(output),
+                    "bytes": tmps[0].stat().st_size,
+                    "sha256": digest,
+                    "replaced": replaced,
+                }
+            result = ConvertReport(conv, output, report_path, input_facts, output_facts, timings)
+            tmps[-1].write_text(report_text(result.to_dict()), encoding="utf-8")
     return result
+
+
+def _reads_data(calibration: CalibrationSource | Calibration | None) -> bool:
+    """Whether the conversion reads a data folder (an approximate conversion's ``calib`` images)."""
+    return (
+        isinstance(calibration, CalibrationSource)
+        and calibration.calib is not None
+        and bool(calibration.data_dir)
+    )
 
 
 def make_calibration(cfg: ViTConfig, source: CalibrationSource | Calibration) -> Calibration:

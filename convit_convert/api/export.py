@@ -8,11 +8,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..io.atomic import atomic_paths
+from ..io.atomic import atomic_names
 from ..io.checkpoint import Checkpoint
+from ..io.outputs import Target, held_outputs
 from ..io.report import environment, file_facts, report_text
 from ..options.operations import ExportOptions
-from .common import check_outputs, load_checkpoint
+from .common import check_suffix, load_checkpoint
 
 
 @dataclass
@@ -23,6 +24,7 @@ class ExportReport:
     report_path: Path
     output_facts: dict[str, Any] | None
     timings: dict[str, float]
+    input_facts: dict[str, Any] | None = None  # the input file's path, bytes, sha256 (None: read them)
 
     @property
     def passed(self) -> bool:
@@ -37,7 +39,7 @@ class ExportReport:
             "command": "export",
             "passed": self.passed,
             "input": {
-                **file_facts(ckpt.path),
+                **(self.input_facts or file_facts(ckpt.path)),
                 "kind": ckpt.kind,
                 "dtype": str(ckpt.dtype).removeprefix("torch."),
             },
@@ -61,32 +63,43 @@ class ExportReport:
 def export_file(
     checkpoint: Path, output: Path, options: ExportOptions | None = None, report: Path | None = None
 ) -> ExportReport:
-    """``cmhsa export``: load a model file, then export it as :func:`export_checkpoint` does."""
+    """``cmhsa export``: load a model file, then export it as :func:`export_checkpoint` does (the
+    JSON report: OUTPUT + .report.json unless ``report`` names one)."""
     options = options or ExportOptions()
-    report_path = _report_path(checkpoint, output, report)
-    t = time.perf_counter()
-    ckpt = load_checkpoint(checkpoint)
-    return _export(ckpt, output, report_path, options, {"load_s": time.perf_counter() - t})
+    check_suffix(output, ".onnx", "ONNX (convert writes safetensors checkpoints)")
+    report_path = report or default_report(output)
+    with held_outputs(output, report_path, reads=[checkpoint]) as (out, rep):
+        t = time.perf_counter()
+        ckpt = load_checkpoint(checkpoint)
+        return _export(ckpt, out, rep, options, {"load_s": time.perf_counter() - t})
+
+
+def default_report(output: Path) -> Path:
+    """Where an ONNX file's report goes unless named: ``conv.onnx`` -> ``conv.onnx.report.json``."""
+    return output.with_name(output.name + ".report.json")
 
 
 def export_checkpoint(
-    ckpt: Checkpoint, output: Path, options: ExportOptions | None = None, report: Path | None = None
+    ckpt: Checkpoint,
+    output: Target,
+    report: Target,
+    options: ExportOptions | None = None,
+    input_facts: dict[str, Any] | None = None,
 ) -> ExportReport:
     """Export a model held in memory (``cmhsa train --export-onnx``: the model just trained; its
-    ``path`` the file it was saved to), check it in onnxruntime, write the ONNX file only if the
-    check passes; the JSON report (default: OUTPUT + .report.json) either way."""
-    return _export(ckpt, output, _report_path(ckpt.path, output, report), options or ExportOptions(), {})
-
-
-def _report_path(source: Path, output: Path, report: Path | None) -> Path:
-    """The output paths checked before the model is loaded or exported; the report path."""
-    report_path = report or output.with_name(output.name + ".report.json")
-    check_outputs(source, output, report_path, ".onnx", "ONNX (convert writes safetensors checkpoints)")
-    return report_path
+    ``path`` the file it was saved to, ``input_facts`` that file's path, bytes and sha256 as
+    written), check it in onnxruntime, write the ONNX file as ``output`` only if the check passes;
+    the JSON report as ``report`` either way (both in held folders)."""
+    return _export(ckpt, output, report, options or ExportOptions(), {}, input_facts)
 
 
 def _export(
-    ckpt: Checkpoint, output: Path, report_path: Path, options: ExportOptions, timings: dict[str, float]
+    ckpt: Checkpoint,
+    output: Target,
+    report: Target,
+    options: ExportOptions,
+    timings: dict[str, float],
+    input_facts: dict[str, Any] | None = None,
 ) -> ExportReport:
     from ..onnx.export import export_and_check
     from ..onnx.load import providers_for
@@ -99,21 +112,23 @@ def _export(
         tol=o.tol,
         providers=providers_for(o.device),
         seed=o.seed,
-        path=output,
+        path=output.show(),
         form=o.form,
         classes=ckpt.classes,
     )
     facts = None
     replaced = output.exists()  # said in the report and by the CLI: a file is never replaced silently
-    with atomic_paths(*([output] if ex.check.passed else []), report_path) as tmps:  # both or neither
+    with atomic_names(*([output] if ex.check.passed else []), report) as tmps:  # both or neither
         if ex.check.passed:
             tmps[0].write_bytes(ex.data)
             facts = {
-                "path": str(output),
+                "path": str(output.show()),
                 "bytes": len(ex.data),
                 "sha256": hashlib.sha256(ex.data).hexdigest(),
                 "replaced": replaced,
             }
-        out = ExportReport(ckpt, ex, output, report_path, facts, {**timings, **ex.timings})
+        out = ExportReport(
+            ckpt, ex, output.show(), report.show(), facts, {**timings, **ex.timings}, input_facts
+        )
         tmps[-1].write_text(report_text(out.to_dict()), encoding="utf-8")
     return out

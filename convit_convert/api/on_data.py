@@ -144,6 +144,7 @@ def _dataset(
         num_classes=cfg.num_classes,
         seed=seed,
         val_only=val_only,
+        crop_pct=crop_pct,
     )
     if spec.num_classes != cfg.num_classes:
         msg = f"has {cfg.num_classes} classes but `{param}` {data} has {spec.num_classes}"

@@ -5,9 +5,6 @@ names the model records."""
 
 from __future__ import annotations
 
-import csv
-import io
-import json
 import math
 import stat
 from collections.abc import Callable, Iterator, Sequence
@@ -18,15 +15,19 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..data import build_transform, folders_once, image_mode, is_image_name, open_image
+from ..data import build_transform, folders_once, image_mode, is_image_name
 from ..deploy import for_inference
 from ..errors import CmhsaError
-from ..io.atomic import atomic_write_text
-from ..io.paths import stat_input
+from ..io.atomic import atomic_text
+from ..io.images import read_image
+from ..io.outputs import Target
+from ..io.paths import parse_json, stat_input
 from ..io.timm_folder import WEIGHTS, folder_config
 from ..labels import check_class_names, name_of
 from ..options.operations import PredictOptions
 from ..options.values import EVAL_CROP_PCT
+from ..resources import sized_by
+from ..text import csv_text, json_text
 from .common import load_checkpoint, pick_device
 
 MAX_IMAGES = 10**6  # images one predict reads (a folder's walk stops there, with an error)
@@ -59,14 +60,13 @@ class PredictReport:
         return {"command": "predict", **doc}
 
     def csv_text(self) -> str:
-        """One row per image and rank: image, rank, class, index, probability."""
-        buf = io.StringIO()
-        w = csv.writer(buf, lineterminator="\n")
-        w.writerow(["image", "rank", "class", "index", "probability"])
+        """One row per image and rank: image, rank, class, index, probability (foreign text as
+        :func:`text.csv_text` writes it: never a formula, no control character)."""
+        rows: list[list[object]] = [["image", "rank", "class", "index", "probability"]]
         for p in self.predictions:
             for rank, (name, index, prob) in enumerate(p.top, 1):
-                w.writerow([p.image, rank, name, index, f"{prob:.6g}"])
-        return buf.getvalue()
+                rows.append([p.image, rank, name, index, prob])
+        return csv_text(rows, number_format=".6g")
 
 
 def image_files(inputs: Sequence[str | Path]) -> list[Path]:
@@ -148,15 +148,17 @@ def _with_torch(
     model, _ = for_inference(ckpt.model(torch.float32).to(dev))  # eval's form: fused where exact
     model.eval()
     tf = build_transform(cfg.img_size, False, None, cfg.in_chans, crop_pct=EVAL_CROP_PCT)
-    mode = image_mode(cfg.in_chans)
+    mode, side = image_mode(cfg.in_chans), math.floor(max(cfg.img_size) / EVAL_CROP_PCT)
     report = PredictReport(where, source, "model" if names else "numbers", min(o.top_k, cfg.num_classes))
     for chunk in _batches(files, o.batch_size):
         xs = []
         for f in chunk:
-            with open_image(f) as im:
-                xs.append(tf(im.convert(mode)))
+            with sized_by(f"for the image {f} (decoded, then resized to {side} px on its shorter side)"):
+                xs.append(tf(read_image(f, mode, resize_to=side)))
         with torch.inference_mode():
-            probs = model(torch.stack(xs).to(dev)).float().softmax(-1).cpu().numpy()
+            logits = model(torch.stack(xs).to(dev)).float().cpu().numpy()
+        finite_outputs(logits, chunk, where)
+        probs = torch.from_numpy(logits).softmax(-1).numpy()
         for f, top in zip(chunk, _top(probs, report.top_k, names), strict=True):
             report.predictions.append(Prediction(str(f), top))
         if progress is not None:
@@ -164,9 +166,18 @@ def _with_torch(
     return report
 
 
-def onnx_preprocessing(props: dict[str, str], path: Path) -> dict[str, Any]:
+# what a cmhsa export's normalisation may be: images scaled to 0..1, then (x - mean) / std
+MEAN_RANGE, STD_RANGE = (0.0, 1.0), (1e-3, 10.0)
+MAX_CROP_RATIO = 10  # crop_pct >= 0.1: the resize is at most 10x the model's input
+
+
+def onnx_preprocessing(
+    props: dict[str, str], path: Path, input_dims: tuple[int | None, ...]
+) -> dict[str, Any]:
     """An ONNX file's recorded preprocessing (cmhsa export's ``metadata_props``), read as untrusted
-    input: every field present and of its kind, or one CmhsaError naming it."""
+    input: every field present and of its kind, the input size the graph's own (``input_dims``: its
+    declared C, H, W), the resize within 10x of it, mean and std what normalising 0..1 pixels takes;
+    or one CmhsaError naming it."""
 
     def field_(key: str) -> Any:
         if key not in props:
@@ -178,25 +189,30 @@ def onnx_preprocessing(props: dict[str, str], path: Path) -> dict[str, Any]:
         return props[key]
 
     try:
-        c, h, w = (int(v) for v in json.loads(field_("input_size")))
+        c, h, w = (int(v) for v in parse_json(field_("input_size"), path, "metadata_props' input_size"))
         side = int(field_("resize_shorter_to"))
-        mean = [float(v) for v in json.loads(field_("mean"))]
-        std = [float(v) for v in json.loads(field_("std"))]
-    except (ValueError, TypeError):
+        mean = [float(v) for v in parse_json(field_("mean"), path, "metadata_props' mean")]
+        std = [float(v) for v in parse_json(field_("std"), path, "metadata_props' std")]
+    except (ValueError, TypeError, OverflowError, CmhsaError):
         raise CmhsaError(
             "metadata_props' input_size, resize_shorter_to, mean or std is malformed", path
         ) from None
+    if (c, h, w) != tuple(input_dims):
+        shown = "x".join("?" if d is None else str(d) for d in input_dims)
+        raise CmhsaError(
+            f"metadata_props' input_size {c}x{h}x{w} is not the graph's input {shown}: not a file `cmhsa "
+            "export` wrote",
+            path,
+        )
     channels, interp = field_("channels"), field_("interpolation")
     ok = (
         channels in ("L", "RGB")
         and c == (1 if channels == "L" else 3)
-        and 0 < h <= 4096
-        and 0 < w <= 4096
-        and min(h, w) <= side <= 10 * max(h, w)
+        and min(h, w) <= side <= MAX_CROP_RATIO * min(h, w)
         and interp in PIL_FILTERS
         and len(mean) == len(std) == c
-        and all(math.isfinite(v) for v in mean + std)
-        and all(v > 0 for v in std)
+        and all(MEAN_RANGE[0] <= v <= MEAN_RANGE[1] for v in mean)
+        and all(STD_RANGE[0] <= v <= STD_RANGE[1] for v in std)
     )
     if not ok:
         raise CmhsaError("metadata_props' preprocessing is not one cmhsa export writes", path)
@@ -210,6 +226,15 @@ def onnx_preprocessing(props: dict[str, str], path: Path) -> dict[str, Any]:
         "mean": mean,
         "std": std,
     }
+
+
+def finite_outputs(logits: np.ndarray, chunk: list[Path], where: object) -> None:
+    """A model's outputs must be numbers: a NaN or infinite logit is an error naming the first image
+    it came from, never a table of ``nan%``."""
+    bad = ~np.isfinite(logits).all(axis=1)
+    if bad.any():
+        image = chunk[int(np.argmax(bad))]
+        raise CmhsaError(f"the model's outputs for {image} are not finite (NaN or infinity)", where)
 
 
 def onnx_input(image: Any, p: dict[str, Any]) -> np.ndarray:
@@ -233,8 +258,11 @@ def _with_onnxruntime(path: Path, files: list[Path], o: PredictOptions, progress
 
     model = load_onnx(path)
     props = {p.key: p.value for p in model.metadata_props}
-    pre = onnx_preprocessing(props, path)
     inp = model.graph.input[0]
+    dims = inp.type.tensor_type.shape.dim
+    pre = onnx_preprocessing(
+        props, path, tuple(d.dim_value if d.HasField("dim_value") else None for d in dims[1:])
+    )
     first = inp.type.tensor_type.shape.dim[0]
     batch = o.batch_size if not first.HasField("dim_value") else first.dim_value
     check_runnable(model, path, batch)
@@ -245,14 +273,17 @@ def _with_onnxruntime(path: Path, files: list[Path], o: PredictOptions, progress
     for chunk in _batches(files, batch):
         xs = []
         for f in chunk:
-            with open_image(f) as im:
-                xs.append(onnx_input(im, pre))
+            with sized_by(f"for the image {f} (decoded, then resized as {path}'s metadata_props say)"):
+                xs.append(onnx_input(read_image(f, pre["channels"], resize_to=pre["side"]), pre))
         x = np.stack(xs)
         if len(chunk) < batch and first.HasField("dim_value"):  # a static batch: pad, then drop
             x = np.concatenate([x, np.zeros((batch - len(chunk), *x.shape[1:]), np.float32)])
-        logits = run_session(session, [out_name], {inp.name: x}, path)[0][: len(chunk)]
+        with sized_by(f"for running {path} in onnxruntime at batch {batch}"):
+            logits = run_session(session, [out_name], {inp.name: x}, path)[0][: len(chunk)]
+        finite_outputs(logits, chunk, path)
         if names is None and "classes" in props:
-            names = check_class_names(json.loads(props["classes"]), logits.shape[1], path)
+            classes = parse_json(props["classes"], path, "metadata_props' classes")
+            names = check_class_names(classes, logits.shape[1], f"{path} (metadata_props' classes)")
             report.names_from = "model"
         report.top_k = min(o.top_k, logits.shape[1])
         z = logits - logits.max(axis=1, keepdims=True)
@@ -264,11 +295,20 @@ def _with_onnxruntime(path: Path, files: list[Path], o: PredictOptions, progress
     return report
 
 
-def write_predictions(report: PredictReport, output: Path) -> None:
-    """``output`` (.csv: a row per image and rank; .json: the report) written whole or not at all."""
-    if output.suffix.lower() == ".csv":
-        atomic_write_text(output, report.csv_text())
-    elif output.suffix.lower() == ".json":
-        atomic_write_text(output, json.dumps(report.to_dict(), indent=2, ensure_ascii=False) + "\n")
-    else:
+PREDICTION_SUFFIXES = (".csv", ".json")
+
+
+def check_predictions_path(output: Path) -> None:
+    """A predictions file says what it holds by its suffix: .csv or .json."""
+    if output.suffix.lower() not in PREDICTION_SUFFIXES:
         raise CmhsaError("the predictions' file must end in .csv or .json", output)
+
+
+def write_predictions(report: PredictReport, output: Target) -> None:
+    """``output`` (.csv: a row per image and rank; .json: the report) written whole or not at all,
+    in its held folder."""
+    check_predictions_path(Path(output.name))
+    if output.name.lower().endswith(".csv"):
+        atomic_text((output, report.csv_text()))
+    else:
+        atomic_text((output, json_text(report.to_dict()) + "\n"))

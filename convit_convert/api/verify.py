@@ -9,13 +9,13 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CmhsaError, article
-from ..io.atomic import check_writable
 from ..io.checkpoint import Checkpoint
+from ..io.outputs import held_outputs
 from ..io.report import environment, file_facts, write_report
 from ..options.operations import Verification, VerifyOptions
 from ..resources import check_fits
 from ..verify import VerifyResult, verify_models
-from .common import load_checkpoint, resolve_device, resolve_dtype, same_file
+from .common import load_checkpoint, resolve_device, resolve_dtype
 
 
 @dataclass
@@ -53,14 +53,19 @@ def verify_files(
     """``cmhsa verify``: does the attn checkpoint compute what the conv checkpoint computes, within
     ``options.tol`` on random images drawn from ``options.seed``, checked as ``verification`` says?"""
     o, v = options or VerifyOptions(), verification or Verification()
+    if report is None:
+        return _verify(conv, attn, o, v)
+    # the report's folder checked and held from the start: a bad report never costs the check
+    with held_outputs(report, reads=[conv, attn]) as (target,):
+        out = _verify(conv, attn, o, v)
+        write_report(target, out.to_dict())
+        return out
+
+
+def _verify(conv: Path, attn: Path, o: VerifyOptions, v: Verification) -> VerifyReport:
     tol, seed = o.tol, o.seed
     verify_dtype, verify_device = resolve_dtype(v.dtype), resolve_device(v.device)
     batch = v.batch
-    if report is not None:
-        for p in (conv, attn):
-            if same_file(report, p):
-                raise CmhsaError("report path is an input file; choose another", report)
-        check_writable(report)
     t = time.perf_counter()
     a, b = load_checkpoint(conv, onnx_tol=tol), load_checkpoint(attn)
     load_s = time.perf_counter() - t
@@ -79,7 +84,4 @@ def verify_files(
     result = verify_models(
         a.model(), b.model(), batch=batch, seed=seed, dtype=verify_dtype, device=verify_device, tol=tol
     )
-    out = VerifyReport(a, b, result, {"load_s": load_s, "verify_s": time.perf_counter() - t})
-    if report is not None:
-        write_report(report, out.to_dict())
-    return out
+    return VerifyReport(a, b, result, {"load_s": load_s, "verify_s": time.perf_counter() - t})

@@ -19,6 +19,7 @@ from ..version import __version__
 from . import convert, export, predict, train
 from .boundary import BoundaryGroup, set_debug
 from .bounds import bound_all
+from .common import console
 
 app = typer.Typer(
     cls=BoundaryGroup,
@@ -36,7 +37,7 @@ bound_all(app)  # every numeric flag checked against its declared range (cli/bou
 
 def version_callback(value: bool) -> None:
     if value:
-        print(f"cmhsa {__version__}")
+        console.print(f"cmhsa {__version__}")
         raise typer.Exit()
 
 

@@ -27,6 +27,7 @@ from typer.core import TyperGroup
 
 from .. import notices, signals
 from ..errors import CheckFailed, CmhsaError, first_line
+from ..resources import SIZED_BY
 from ..text import lines_safe
 from .common import EXIT_BAD_INPUT, EXIT_FAIL, as_flags, terminal_safe
 
@@ -65,6 +66,9 @@ def _allocation_failure(e: BaseException) -> str | None:
         what = f"an allocation of {size.group(2)} failed"
     else:
         what = "an allocation failed"
+    sized_by = getattr(e, SIZED_BY, None)
+    if isinstance(sized_by, str):  # what the library said the memory was for (resources.sized_by)
+        return as_flags(f"out of memory {sized_by}: {what}")
     return f"out of memory: {what}; reduce the sizes given (image size, batch, heads, qk-dim, depth)"
 
 

@@ -4,16 +4,18 @@ codes, and the renderers of the library's reports (no torch import)."""
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from typing import Any
 
 import typer
 from rich.console import Console, ConsoleDimensions
 from rich.markup import escape
+from rich.segment import Segment
 from rich.table import Table
 
 from ..errors import CmhsaError
 from ..options.values import check
-from ..text import terminal_safe
+from ..text import printed_safe, terminal_safe
 
 EXIT_FAIL, EXIT_BAD_INPUT = 1, 2
 UNWRAPPED = 10_000  # columns when printing to a file or a pipe: a line ends where its text does
@@ -33,6 +35,15 @@ class _Console(Console):
     @size.setter
     def size(self, new_size: tuple[int, int]) -> None:
         Console.size.fset(self, new_size)  # type: ignore[attr-defined]
+
+    def _render_buffer(self, buffer: Iterable[Segment]) -> str:
+        """Every text segment through ``text.printed_safe`` before rich adds its own styles: a
+        control character reaches the terminal only as rich's own (cursor, colour), never from a
+        value, whoever printed it and whether or not they escaped it."""
+        return super()._render_buffer(
+            Segment(printed_safe(seg.text), seg.style, seg.control) if seg.control is None else seg
+            for seg in buffer
+        )
 
 
 console = _Console(highlight=False)

@@ -6,13 +6,13 @@ names them (``INPUT``, not ``{input}``)."""
 
 from __future__ import annotations
 
-import sys
 import weakref
 from typing import Annotated, Any, Optional
 
 import typer
 
 from ..errors import CmhsaError
+from ..notices import notice
 from ..options.values import BOUNDS, DATASET_NOTES, DATASETS, MAX_DEFAULT_WORKERS
 
 DEVICE_HELP = "Where to run: auto (CUDA when there is one), cpu, cuda or cuda:N."
@@ -120,7 +120,7 @@ def use_alias(value: Any, old_value: Any, old: str, new: str) -> Any:
         return value
     if value is not None and value != old_value:
         raise CmhsaError(f"{old} and {new} are one option (the old and the new spelling); give it once")
-    print(f"note: {old} is now {new}; the old spelling goes in the next release", file=sys.stderr)
+    notice(f"{old} is now {new}; the old spelling goes in the next release")
     return old_value
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
@@ -49,24 +50,23 @@ def predict_command(
     Images are prepared as cmhsa eval prepares its own (the same top-1)."""
     from rich.progress import Progress
 
-    from ..api.predict import image_files, predict_images, write_predictions
+    from ..api.predict import check_predictions_path, image_files, predict_images, write_predictions
+    from ..io.outputs import held_outputs
 
     options = PredictOptions(top_k, batch_size, device)
-    if output is not None:  # before the images are read: a bad output never costs the predictions
-        from ..errors import CmhsaError
-        from ..io.atomic import check_writable
-
-        if output.suffix.lower() not in (".csv", ".json"):
-            raise CmhsaError("the predictions' file must end in .csv or .json", output)
-        check_writable(output)
-    files = image_files(images)  # listed once: the bar's total, then the predictions
-    with Progress(console=console, transient=True, disable=len(files) < 2 * batch_size) as bar:
-        task = bar.add_task("predicting", total=len(files))
-        r = predict_images(model, files, options, lambda n: bar.advance(task, n))
-    print_predictions(r)
-    if output is not None:
-        write_predictions(r, output)
-        console.print(f"Wrote {safe(str(output))} ({len(r.predictions):,} images)")
+    with contextlib.ExitStack() as held:
+        target = None
+        if output is not None:  # before the images are read: a bad output never costs the predictions
+            check_predictions_path(output)
+            (target,) = held.enter_context(held_outputs(output, reads=[model, *images]))
+        files = image_files(images)  # listed once: the bar's total, then the predictions
+        with Progress(console=console, transient=True, disable=len(files) < 2 * batch_size) as bar:
+            task = bar.add_task("predicting", total=len(files))
+            r = predict_images(model, files, options, lambda n: bar.advance(task, n))
+        print_predictions(r)
+        if target is not None:
+            write_predictions(r, target)
+            console.print(f"Wrote {safe(str(output))} ({len(r.predictions):,} images)")
 
 
 def print_predictions(r: Any) -> None:

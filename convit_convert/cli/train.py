@@ -19,9 +19,11 @@ import typer
 
 from ..errors import CmhsaError
 from ..io.folder import make_folder, remove_made
+from ..io.outputs import held_outputs
 from ..options.operations import AttentionOptions, EvalOptions
 from ..options.training import DEFAULT_RULES, PEAK_LR, PRESETS, WARMUP_FRACTION, ModelFlags, TrainConfig
 from ..options.values import AMPS
+from ..text import json_text
 from .common import EXIT_FAIL, console, print_titled, safe
 from .options import (
     CONVERSION_HELP,
@@ -371,11 +373,18 @@ def _train_command(phase: str) -> Any:
     return command
 
 
+SEED_DIGITS = len(str(2**32 - 1))  # a seed's longest spelling: SEED's upper bound
+
+
 def seed_list(text: str) -> tuple[int, ...]:
-    """--seeds 0,1,2 as (0, 1, 2); anything else is refused naming the flag."""
+    """--seeds 0,1,2 as (0, 1, 2); anything else is refused naming the flag (the digits counted
+    before any is read as a number: Python refuses to convert 4,300 of them)."""
     parts = [p.strip() for p in text.split(",")]
+    shown = text if len(text) <= 40 else text[:37] + "..."
     if not all(p.isascii() and p.isdigit() for p in parts):
-        raise CmhsaError(f"`seeds` must be integers separated by commas (0,1,2), got {text!r}")
+        raise CmhsaError(f"`seeds` must be integers separated by commas (0,1,2), got {shown!r}")
+    if any(len(p.lstrip("0")) > SEED_DIGITS for p in parts):
+        raise CmhsaError(f"`seeds` must each be 0 ≤ x ≤ {2**32 - 1}, got {shown!r}")
     return tuple(int(p) for p in parts)
 
 
@@ -473,10 +482,13 @@ def print_per_class(r: Any) -> None:
     for row in rows:
         table.add_row(safe(row.name), f"{row.images:,}", f"{row.top1:.2f}")
     print_titled(title, table)
-    if r.confused:
-        console.print("Most confused (true -> predicted, images):")
+    if r.confused:  # a table: a class's name (foreign text) never begins a line of its own
+        confused = Table()
+        for col in ("true", "predicted", "images"):
+            confused.add_column(col, justify="right" if col == "images" else "left")
         for c in r.confused:
-            console.print(f"  {safe(c.true)} -> {safe(c.predicted)}: {c.images:,}")
+            confused.add_row(safe(c.true), safe(c.predicted), f"{c.images:,}")
+        print_titled("Most confused (true -> predicted)", confused)
     if r.data_names_differ:
         console.print(
             "note: the data names its classes differently from the model; rows name the model's outputs"
@@ -496,8 +508,6 @@ def attention_command(
     seed: SyntheticSeed = AttentionOptions.seed,
 ) -> None:
     """What each head attends to on real images: pinned share, attention distance, entropy, gate."""
-    import json
-
     from rich.table import Table
 
     from ..api.on_data import attention_on_data
@@ -508,15 +518,18 @@ def attention_command(
     if output.exists() and not output.is_dir():
         raise CmhsaError("is a file; give a folder for attention.json and attention.png", output)
     pyplot()  # fail before the slow part, and before anything is written, if matplotlib is missing
-    r = attention_on_data(
-        checkpoint,
-        AttentionOptions(data, data_dir, images, batch_size, device, seed=seed),
-    )
     created = make_folder(output)
-    doc = json.dumps(r.to_dict(str(checkpoint)), indent=2) + "\n"
-    title = f"{checkpoint.name} on {data}: mean attention by relative offset, {r.images} images"
-    try:
-        written = write_attention(r, output, doc, title)
+    written = (output / "attention.json", output / "attention.png")
+    try:  # the outputs checked and held before the slow part
+        reads = [checkpoint, *([data_dir] if data_dir else [])]
+        with held_outputs(*written, reads=reads) as (json_out, png_out):
+            r = attention_on_data(
+                checkpoint,
+                AttentionOptions(data, data_dir, images, batch_size, device, seed=seed),
+            )
+            doc = json_text(r.to_dict(str(checkpoint))) + "\n"
+            title = f"{checkpoint.name} on {data}: mean attention by relative offset, {r.images} images"
+            write_attention(r, json_out, png_out, doc, title)
     except BaseException:
         remove_made(created)  # nothing was written: leave no folder it made either
         raise

@@ -25,42 +25,25 @@ exists, and that no journal names, is stale.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import signal
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from ..errors import CmhsaError, first_line
 from ..notices import notice
-from ..text import terminal_safe
+from ..text import json_text, terminal_safe
 from .folder import Folder
 from .journal import JOURNAL_PREFIX, Scan, alive, name_max, scan, temp_pid, temp_stem
-from .paths import check_output_target
+from .outputs import Target
 
 
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
-
-
-def check_writable(path: Path) -> None:
-    """Fail early, before any expensive work, if ``path`` cannot be written: it names a file that is
-    absent or regular (never a folder, link, device or FIFO), in a writable folder (a name too long
-    for it is refused by :func:`check_output_target`'s look-up)."""
-    check_output_target(path)
-    folder = path.parent if str(path.parent) else Path(".")
-    try:
-        is_dir = folder.is_dir()
-    except OSError as e:
-        raise CmhsaError(f"cannot check the output folder ({e.strerror})", path) from None
-    if not is_dir:
-        raise CmhsaError("output folder does not exist", path)
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise CmhsaError("output folder is not writable", path)
 
 
 def recover(folder: Folder, found: Scan | None = None) -> list[str]:
@@ -155,9 +138,6 @@ def signals_held() -> Iterator[None]:
             signal.raise_signal(s)
 
 
-Target = tuple[Folder, str]  # a bare name in a held folder
-
-
 def _commit(tmps: list[str], targets: Sequence[Target]) -> None:
     """Rename every temp onto its target, all or (after a kill -9, until :func:`recover`) none, per
     folder (the module docstring)."""
@@ -175,7 +155,7 @@ def _commit(tmps: list[str], targets: Sequence[Target]) -> None:
                 journal = f"{JOURNAL_PREFIX}{os.getpid()}.json"
                 staged = journal + ".part"
                 folder.discard(staged)  # a staged journal of a killed process of this PID
-                folder.write_new(staged, json.dumps({"pairs": pairs}).encode())
+                folder.write_new(staged, json_text({"pairs": pairs}, indent=None).encode())
                 journals.append((folder, staged, journal))
             for folder, staged, journal in journals:
                 folder.rename_onto(staged, journal)  # the commit point (of this folder's outputs)
@@ -223,37 +203,8 @@ def atomic_names(*targets: Target) -> Iterator[list[Path]]:
                 folder.discard(tmp)
 
 
-@contextlib.contextmanager
-def atomic_paths(*paths: str | Path) -> Iterator[list[Path]]:
-    """:func:`atomic_names` for paths the user gave: each path's folder is opened as the user named
-    it (links in it are the user's), once per folder, and held until the commit."""
-    targets = [Path(p) for p in paths]
-    for path in targets:
-        check_writable(path)
-    with contextlib.ExitStack() as stack:
-        held: dict[str, Folder] = {}
-        pairs: list[Target] = []
-        for path in targets:
-            parent = os.path.dirname(os.path.abspath(path))
-            if parent not in held:
-                held[parent] = stack.enter_context(Folder.open(path.parent if str(path.parent) else "."))
-            pairs.append((held[parent], path.name))
-        with atomic_names(*pairs) as tmps:
-            yield tmps
-
-
-@contextlib.contextmanager
-def atomic_path(path: str | Path) -> Iterator[Path]:
-    """Yield a temp path in ``path``'s folder; rename it onto ``path`` only if the block succeeds."""
-    with atomic_paths(path) as tmps:
-        yield tmps[0]
-
-
-def atomic_write(path: str | Path, write: Callable[[Path], None]) -> None:
-    """Call ``write(tmp_path)``, then move the result onto ``path``."""
-    with atomic_path(path) as tmp:
-        write(tmp)
-
-
-def atomic_write_text(path: str | Path, text: str) -> None:
-    atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+def atomic_text(*outputs: tuple[Target, str]) -> None:
+    """Write each (target, text) as UTF-8, all together or none (:func:`atomic_names`)."""
+    with atomic_names(*(target for target, _ in outputs)) as tmps:
+        for i, (_, text) in enumerate(outputs):
+            tmps[i].write_text(text, encoding="utf-8")

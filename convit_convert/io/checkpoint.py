@@ -22,12 +22,14 @@ from ..labels import from_metadata
 from ..model import VisionTransformer
 from ..options.operations import Geometry
 from ..version import __version__
-from .atomic import atomic_path
+from .atomic import atomic_names
 from .journal import check_settled
-from .paths import check_input_file
+from .outputs import Target
+from .paths import check_input_file, open_regular, parse_json
 from .safetensors_writer import write_safetensors
 
 KIND_KEY = "cmhsa.kind"
+JSON_KEYS = ("cmhsa.result", "cmhsa.init")  # metadata cmhsa train writes as JSON objects (the model card's)
 CONFIG_KEY = "cmhsa.config"
 FORMAT_KEY, FORMAT_VERSION = "cmhsa.format_version", 2  # docs/FORMAT.md; files without the key are version 1
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -150,6 +152,25 @@ def _read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, st
     except Exception as e:  # safetensors raises its own error types for every kind of damage
         raise CmhsaError(f"not a readable safetensors file ({type(e).__name__}: {e})", path) from None
     return tensors, metadata
+
+
+MAX_HEADER_BYTES = 100 * 2**20  # the safetensors library's own limit on a header
+
+
+def read_metadata(path: str | Path) -> dict[str, str]:
+    """A safetensors file's string metadata, from its header alone (bounded, parsed by the one JSON
+    reader), without reading a tensor: what a timm folder's check compares its config.json with."""
+    path = Path(path)
+    with open_regular(path, what="model file") as f:
+        head = f.read(8)
+        size = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if not 0 < size <= MAX_HEADER_BYTES:
+            raise CmhsaError("is not a safetensors file (its header's length is not one)", path)
+        header = parse_json(f.read(size), path, "the safetensors header")
+    meta = header.get("__metadata__", {}) if isinstance(header, dict) else None
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise CmhsaError("is not a safetensors file (its header's metadata is not text)", path)
+    return meta
 
 
 def _blocked(message: str) -> str:
@@ -306,6 +327,9 @@ def load_tensor_checkpoint(path: str | Path, geometry: Geometry | None = None) -
         cfg = ViTConfig.from_json(metadata[CONFIG_KEY], kind, path)
         check_geometry(cfg, img_size, patch_size, path, "file")
         from_metadata(metadata, cfg.num_classes, path)  # foreign names: refused here, not when shown
+        for key in JSON_KEYS:  # what cmhsa wrote as JSON objects: refused here, not when a card is made
+            if key in metadata and not isinstance(parse_json(metadata[key], path, f"metadata {key}"), dict):
+                raise CmhsaError(f"metadata {key} is not a JSON object", path)
         source = "cmhsa"
     else:
         if img_size is None or patch_size is None:
@@ -321,15 +345,16 @@ def load_tensor_checkpoint(path: str | Path, geometry: Geometry | None = None) -
     return Checkpoint(path, cfg, tensors, metadata, source)
 
 
-def save_checkpoint(
-    path: str | Path,
+def save_model(
+    target: Target,
     cfg: ViTConfig,
     tensors: Mapping[str, torch.Tensor],
     extra_metadata: dict[str, str] | None = None,
 ) -> str:
-    """Write a checkpoint atomically (temp file in the target folder, then rename); return its sha256."""
-    with atomic_path(path) as tmp:
-        return write_checkpoint(tmp, cfg, tensors, extra_metadata, path)
+    """Write a checkpoint as ``target`` in its held folder, atomically (a temp file beside it, then
+    a rename); return its sha256."""
+    with atomic_names(target) as (tmp,):
+        return write_checkpoint(tmp, cfg, tensors, extra_metadata, target.show())
 
 
 def write_checkpoint(
@@ -339,7 +364,7 @@ def write_checkpoint(
     extra_metadata: dict[str, str] | None = None,
     path: str | Path | None = None,
 ) -> str:
-    """Write a checkpoint to ``tmp``, a temp file of :func:`atomic_paths` that becomes ``path``;
+    """Write a checkpoint to ``tmp``, a temp file of ``atomic_names`` that becomes ``path``;
     return its sha256."""
     cfg.validate(path or tmp)
     metadata = {

@@ -245,6 +245,30 @@ class Folder:
             raise CmhsaError(f"the run folder's lock {name} {why}; remove it", self.path)
         return fd
 
+    def open_append(self, name: str) -> BinaryIO:
+        """``name`` opened for appending (a log), created if absent; never through a link, and never
+        a file cmhsa may not replace (:func:`refusal`)."""
+        try:
+            fd = os.open(
+                _bare(name),
+                os.O_WRONLY | os.O_APPEND | os.O_CREAT | _NOFOLLOW | _NONBLOCK,
+                0o644,
+                dir_fd=self.fd,
+            )
+        except OSError as e:
+            why = (
+                "is a symbolic link; cmhsa never writes through a link"
+                if e.errno == errno.ELOOP
+                else e.strerror
+            )
+            raise CmhsaError(f"cannot open for appending ({why})", self.show(name)) from None
+        why = refusal(os.fstat(fd))
+        if why is not None:
+            os.close(fd)
+            raise CmhsaError(why, self.show(name))
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "ab")
+
     def make_temp(self, stem: str) -> str:
         """A new empty file ``STEM.XXXXXXXX.tmp`` (mode 0600) made in the folder, O_EXCL, never
         through a link; its name."""

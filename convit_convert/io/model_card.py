@@ -7,12 +7,12 @@ not known is not claimed. No torch."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from ..config import ViTConfig
 from ..labels import from_metadata
 from ..text import card_number, markdown_safe
+from .paths import parse_json
 
 CARD = "README.md"
 SHOWN_CLASSES = 20  # class names the card lists; all of them are in config.json
@@ -29,11 +29,9 @@ KINDS = {
 
 
 def _json(metadata: dict[str, str], key: str) -> dict[str, Any]:
-    """A JSON object cmhsa wrote into the metadata, or {} (absent, or not an object)."""
-    try:
-        value = json.loads(metadata.get(key, "{}"))
-    except ValueError:
-        return {}
+    """A JSON object cmhsa wrote into the metadata, or {} (absent, or not an object); JSON that is
+    not (too deep, too long a number, not JSON) is a CmhsaError (the one bounded parser's)."""
+    value = parse_json(metadata.get(key, "{}"), None, f"metadata {key}")
     return value if isinstance(value, dict) else {}
 
 

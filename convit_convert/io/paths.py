@@ -25,6 +25,9 @@ from ..errors import CmhsaError, article
 MAX_TEXT_BYTES = 128 * 2**20
 MAX_JSON_BYTES = 16 * 2**20
 MAX_JSON_DEPTH = 64
+# integers: cmhsa writes at most 20 digits (a seed, a size, a count); this bound holds whatever
+# Python's own (sys.set_int_max_str_digits, which a library may lift) is set to
+MAX_INT_DIGITS = 1000
 
 
 def kind_of(mode: int) -> str:
@@ -164,7 +167,9 @@ def parse_json(
     text: str | bytes, path: object = None, what: str = "JSON", max_depth: int = MAX_JSON_DEPTH
 ) -> Any:
     """``text`` parsed as JSON, refusing what no cmhsa file holds (more than MAX_JSON_BYTES, nesting
-    deeper than ``max_depth``, integers of more than 4,300 digits) in one line, as bad input."""
+    deeper than ``max_depth``, integers of more than MAX_INT_DIGITS digits) in one line, as bad
+    input. The one parser of JSON from a file: ``tests/test_foreign_text.py`` fails on
+    ``json.loads`` anywhere else."""
     if isinstance(text, bytes):
         try:
             text = text.decode("utf-8")
@@ -177,6 +182,13 @@ def parse_json(
     if _depth(text) > max_depth:
         raise CmhsaError(f"{what} nests deeper than {max_depth} levels", path)
     try:
-        return json.loads(text)
+        return json.loads(text, parse_int=_bounded_int)
     except (ValueError, RecursionError, TypeError) as e:  # JSONDecodeError, too many digits
         raise CmhsaError(f"{what} is not valid JSON ({str(e).split(';')[0]})", path) from None
+
+
+def _bounded_int(digits: str) -> int:
+    """An integer of JSON text, refused (ValueError) past MAX_INT_DIGITS digits before it is made."""
+    if len(digits.lstrip("-")) > MAX_INT_DIGITS:
+        raise ValueError(f"an integer of {len(digits.lstrip('-')):,} digits, more than any cmhsa file holds")
+    return int(digits)

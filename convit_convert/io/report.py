@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import hashlib
-import json
 import platform
 import sys
 from pathlib import Path
 from typing import Any
 
+from ..text import json_text
 from ..version import __version__
-from .atomic import atomic_write_text
+from .atomic import atomic_text
+from .outputs import Target
 
 
 def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
@@ -43,8 +44,9 @@ def environment() -> dict[str, str]:
 
 
 def report_text(report: dict[str, Any]) -> str:
-    return json.dumps(report, indent=2, sort_keys=False, default=str) + "\n"
+    return json_text(report) + "\n"
 
 
-def write_report(path: str | Path, report: dict[str, Any]) -> None:
-    atomic_write_text(path, report_text(report))
+def write_report(target: Target, report: dict[str, Any]) -> None:
+    """``report`` as JSON, written as ``target`` in its held folder."""
+    atomic_text((target, report_text(report)))

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import hashlib
-import json
 import struct
 import sys
 from collections.abc import Iterator, Mapping
 from typing import Any, BinaryIO
 
 import torch
+
+from ..text import json_text
 
 # safetensors' dtype names (https://github.com/huggingface/safetensors, format section)
 _ST_DTYPES = {
@@ -70,7 +71,7 @@ def write_safetensors(
             "data_offsets": [offset, offset + size],
         }
         offset += size
-    head = json.dumps(header, separators=(",", ":")).encode()
+    head = json_text(header, compact=True).encode()
     head += b" " * (-len(head) % 8)
     digest = hashlib.sha256()
     for block in (struct.pack("<Q", len(head)), head):

@@ -15,7 +15,6 @@ was; ``pretrained_cfg`` is how the model wants its input (timm's ``resolve_data_
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
@@ -24,10 +23,12 @@ from ..config import ViTConfig
 from ..errors import CmhsaError
 from ..labels import check_class_names, from_metadata
 from ..options.values import EVAL_CROP_PCT, EVAL_INTERPOLATION
+from ..text import json_text
 from .atomic import atomic_names
-from .checkpoint import write_checkpoint
-from .folder import Folder, make_folder
+from .checkpoint import read_metadata, write_checkpoint
+from .folder import Folder
 from .model_card import CARD, model_card
+from .outputs import Target
 from .paths import parse_json, read_text
 
 WEIGHTS, CONFIG = "model.safetensors", "config.json"
@@ -66,15 +67,15 @@ def preprocessing(cfg: ViTConfig) -> dict[str, str]:
     pcfg = pretrained_cfg(cfg)
     c, h, w = pcfg["input_size"]
     return {
-        "input_size": json.dumps([c, h, w]),
+        "input_size": json_text([c, h, w], indent=None),
         "channels": "L" if c == 1 else "RGB",
         "resize_shorter_to": str(math.floor(min(h, w) / pcfg["crop_pct"])),
         "interpolation": pcfg["interpolation"],
         "crop": "center",
         "crop_pct": str(pcfg["crop_pct"]),
         "scale": "1/255",
-        "mean": json.dumps(list(pcfg["mean"])),
-        "std": json.dumps(list(pcfg["std"])),
+        "mean": json_text(list(pcfg["mean"]), indent=None),
+        "std": json_text(list(pcfg["std"]), indent=None),
         "num_classes": str(cfg.num_classes),
         "layout": "NCHW float32, input pixel_values, output logits",
     }
@@ -96,28 +97,20 @@ def timm_config(cfg: ViTConfig, classes: tuple[str, ...] | None = None) -> dict[
 
 
 def write_timm_folder(
-    folder: Path | Folder, cfg: ViTConfig, state_dict: dict[str, Any], metadata: dict[str, str] | None = None
+    folder: Folder, cfg: ViTConfig, state_dict: dict[str, Any], metadata: dict[str, str] | None = None
 ) -> list[Path]:
-    """Write ``folder``'s three files together (all or none): the weights, timm's config.json and
-    the model card README.md (io/model_card.py, from ``metadata``); ``state_dict``: every tensor of
-    the model (timm loads it strictly). ``folder``: a path the user gave (made if missing), or a
-    folder held open (a run's ``timm/``, entered without following a link). The paths written."""
-    if not isinstance(folder, Folder):
-        path = Path(folder)
-        if path.exists() and not path.is_dir():
-            raise CmhsaError("is a file; a timm folder is a directory", path)
-        make_folder(path)
-        with Folder.open(path) as held:
-            return write_timm_folder(held, cfg, state_dict, metadata)
+    """Write the held ``folder``'s three files together (all or none): the weights, timm's
+    config.json and the model card README.md (io/model_card.py, from ``metadata``); ``state_dict``:
+    every tensor of the model (timm loads it strictly). The paths written."""
     classes = from_metadata(metadata or {}, cfg.num_classes, folder.show(WEIGHTS))
     text = model_card(cfg, metadata or {}, cfg.num_params(), preprocessing(cfg))
-    doc = json.dumps(timm_config(cfg, classes), indent=2, ensure_ascii=False) + "\n"
-    targets = [(folder, WEIGHTS), (folder, CONFIG), (folder, CARD)]
+    doc = json_text(timm_config(cfg, classes)) + "\n"
+    targets = [Target(folder, WEIGHTS), Target(folder, CONFIG), Target(folder, CARD)]
     with atomic_names(*targets) as (tmp_weights, tmp_config, tmp_card):
         write_checkpoint(tmp_weights, cfg, state_dict, metadata, folder.show(WEIGHTS))
         tmp_config.write_text(doc, encoding="utf-8")
         tmp_card.write_text(text, encoding="utf-8")
-    return [folder.show(WEIGHTS), folder.show(CONFIG), folder.show(CARD)]
+    return [t.show() for t in targets]
 
 
 # pretrained_cfg's keys timm adds to a folder's (local-dir:, hf-hub:) before a model is built
@@ -212,7 +205,38 @@ def folder_config(path: Path) -> ViTConfig | None:
     architecture. What timm's loaders (``convit_convert.timm``) and ``cmhsa predict`` both ask."""
     where = Path(path) / CONFIG
     doc = parse_json(read_text(where, MAX_CONFIG_BYTES, "timm config.json"), where, "config.json")
-    return check_folder_config(doc, where)
+    cfg = check_folder_config(doc, where)
+    weights = Path(path) / WEIGHTS
+    if cfg is not None and weights.exists():  # a Hub download fetches config.json first
+        check_label_names(doc, read_metadata(weights), cfg, Path(path))
+    return cfg
+
+
+def check_label_names(doc: dict[str, Any], metadata: dict[str, str], cfg: ViTConfig, path: Path) -> None:
+    """One source of a timm folder's class names: the weights' (``cmhsa.classes``, what ``cmhsa
+    predict`` and ``eval`` read). config.json's ``label_names`` (what timm and transformers'
+    pipeline read) must be those names, or absent with them, and ``pretrained_cfg``'s, if there,
+    too; else one line naming the folder's config.json and the first class that differs."""
+    names = from_metadata(metadata, cfg.num_classes, path / WEIGHTS)
+    pcfg = doc.get("pretrained_cfg") if isinstance(doc.get("pretrained_cfg"), dict) else {}
+    said = {"label_names": doc.get("label_names")}
+    if pcfg.get("label_names") is not None:
+        said["pretrained_cfg's label_names"] = pcfg["label_names"]
+    for field_name, listed in said.items():
+        listed = None if listed is None else tuple(listed)
+        if listed == names:
+            continue
+        if listed is None or names is None:
+            missing = field_name if listed is None else f"{WEIGHTS}'s class names"
+            detail = f"{missing} are absent where the other names the classes"
+        else:
+            i = next(i for i, (a, b) in enumerate(zip(listed, names, strict=True)) if a != b)
+            detail = f"class {i} is {listed[i][:40]!r} in {field_name}, {names[i][:40]!r} in {WEIGHTS}"
+        raise CmhsaError(
+            f"config.json's {field_name} are not the class names {WEIGHTS} records ({detail}): timm and "
+            "transformers would show one set and cmhsa another; not a folder cmhsa wrote",
+            path / CONFIG,
+        )
 
 
 def config_from_arg(value: Any, kind: str, where: object) -> ViTConfig:

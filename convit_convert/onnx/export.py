@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 import math
 import os
 import sys
@@ -43,6 +42,7 @@ from ..deploy import fuse_attention, prepare_for_export
 from ..errors import CmhsaError
 from ..io.timm_folder import preprocessing
 from ..model import VisionTransformer
+from ..text import json_text
 from ..verify import relative_error
 from .load import ort_session
 
@@ -232,7 +232,7 @@ def describe(proto: Any, cfg: Any, classes: tuple[str, ...] | None = None) -> No
 
     props = preprocessing(cfg)
     if classes is not None:
-        props["classes"] = json.dumps(list(classes), ensure_ascii=False)
+        props["classes"] = json_text(list(classes), indent=None)
     onnx.helper.set_model_props(proto, props)
     proto.doc_string = (
         f"cmhsa {cfg.kind} model, {cfg.num_classes} classes. Input pixel_values "

@@ -11,11 +11,11 @@ inside every ``checkpoint-last.pt``.
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from ..errors import CmhsaError
+from ..text import json_text
 from .checked import Checked
 from .conversion import ConversionSpec
 from .values import AMPS, CONV_FORMS, DATASETS, EVAL_CROP_PCT, EVAL_INTERPOLATION, IMPULSE_OFFSETS
@@ -367,7 +367,7 @@ class TrainConfig(Checked):
         return d
 
     def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2) + "\n"
+        return json_text(self.to_dict()) + "\n"
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
