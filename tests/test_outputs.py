@@ -464,3 +464,43 @@ def test_export_and_attention_refuse_an_output_among_their_inputs(tmp_path: Path
     assert vit.read_bytes() == before and sorted(os.listdir(data)) == sorted(
         os.listdir(ROOT / "fixtures" / "digits")
     )
+
+
+def test_a_timm_folder_or_a_model_never_replaces_what_it_is_made_from(
+    tmp_path: Path, conv_onnx_external: Path
+) -> None:
+    """Cases beyond the issue's: `export --format timm -o DIR` where the input is DIR/model.safetensors
+    (was: replaced its input with exit 0), and `convert` onto an ONNX file's external data."""
+    folder = tmp_path / "d"
+    folder.mkdir()
+    shutil.copy(FIXTURE, folder / "model.safetensors")
+    before = snapshot(folder)
+    r = invoke("export", folder / "model.safetensors", "--format", "timm", "-o", folder)
+    one_error_line(r, 2, str(folder / "model.safetensors"), "is an input of this command")
+    assert snapshot(folder) == before
+    data = conv_onnx_external.parent / "weights.safetensors"  # an external data file, named so
+    before = snapshot(conv_onnx_external.parent)
+    r = invoke("convert", conv_onnx_external, "-o", data)
+    one_error_line(r, 2, str(data), "is an input of this command")
+    assert snapshot(conv_onnx_external.parent) == before
+
+
+@pytest.fixture
+def conv_onnx_external(tmp_path: Path) -> Path:
+    """The digits model as ONNX with its weights in an external data file named weights.safetensors."""
+    import onnx
+
+    folder = tmp_path / "onnx"
+    folder.mkdir()
+    assert invoke("export", FIXTURE, "-o", folder / "inline.onnx").exit_code == 0
+    model = onnx.load(folder / "inline.onnx")
+    onnx.save(
+        model,
+        folder / "conv.onnx",
+        save_as_external_data=True,
+        location="weights.safetensors",
+        size_threshold=0,
+    )
+    (folder / "inline.onnx").unlink()
+    (folder / "inline.onnx.report.json").unlink()
+    return folder / "conv.onnx"

@@ -57,6 +57,17 @@ def resolve_dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
 
 
+def read_paths(path: str | Path) -> list[Path]:
+    """What reading the model file ``path`` reads: the file, and an ONNX file's external data files
+    (an output may be none of them: ``io.outputs.held_outputs``' ``reads``)."""
+    path = Path(path)
+    if path.suffix.lower() != ".onnx":
+        return [path]
+    from ..onnx.load import data_files
+
+    return [path, *data_files(path)]
+
+
 def check_suffix(output: Path, suffix: str, what: str) -> None:
     """The output's suffix says what is written."""
     if output.suffix.lower() != suffix:

@@ -37,7 +37,7 @@ from ..options.conversion import ConversionPlan, ConversionSpec, Offset
 from ..options.operations import CalibrationSource, Geometry, Verification
 from ..resources import check_fits
 from ..verify import VerifyResult, verify_models
-from .common import check_suffix, load_checkpoint, resolve_device, resolve_dtype
+from .common import check_suffix, load_checkpoint, read_paths, resolve_device, resolve_dtype
 
 
 @dataclass
@@ -257,7 +257,7 @@ def convert_file(
     verification = verification or Verification()
     report_path = report or default_report_path(output)
     check_suffix(output, ".safetensors", "a safetensors checkpoint (export writes ONNX)")
-    reads = [input, *([calibration.data_dir] if _reads_data(calibration) else [])]
+    reads = [*read_paths(input), *([calibration.data_dir] if _reads_data(calibration) else [])]
     with held_outputs(output, report_path, reads=reads) as (out, rep):
         if verify:
             resolve_device(verification.device)  # a GPU that is not there, before the slow part

@@ -13,7 +13,7 @@ from ..io.checkpoint import Checkpoint
 from ..io.outputs import Target, held_outputs
 from ..io.report import environment, file_facts, report_text
 from ..options.operations import ExportOptions
-from .common import check_suffix, load_checkpoint
+from .common import check_suffix, load_checkpoint, read_paths
 
 
 @dataclass
@@ -68,7 +68,7 @@ def export_file(
     options = options or ExportOptions()
     check_suffix(output, ".onnx", "ONNX (convert writes safetensors checkpoints)")
     report_path = report or default_report(output)
-    with held_outputs(output, report_path, reads=[checkpoint]) as (out, rep):
+    with held_outputs(output, report_path, reads=read_paths(checkpoint)) as (out, rep):
         t = time.perf_counter()
         ckpt = load_checkpoint(checkpoint)
         return _export(ckpt, out, rep, options, {"load_s": time.perf_counter() - t})

@@ -15,7 +15,7 @@ from ..io.report import environment, file_facts, write_report
 from ..options.operations import Verification, VerifyOptions
 from ..resources import check_fits
 from ..verify import VerifyResult, verify_models
-from .common import load_checkpoint, resolve_device, resolve_dtype
+from .common import load_checkpoint, read_paths, resolve_device, resolve_dtype
 
 
 @dataclass
@@ -56,7 +56,7 @@ def verify_files(
     if report is None:
         return _verify(conv, attn, o, v)
     # the report's folder checked and held from the start: a bad report never costs the check
-    with held_outputs(report, reads=[conv, attn]) as (target,):
+    with held_outputs(report, reads=[*read_paths(conv), *read_paths(attn)]) as (target,):
         out = _verify(conv, attn, o, v)
         write_report(target, out.to_dict())
         return out

@@ -50,6 +50,7 @@ def predict_command(
     Images are prepared as cmhsa eval prepares its own (the same top-1)."""
     from rich.progress import Progress
 
+    from ..api.common import read_paths
     from ..api.predict import check_predictions_path, image_files, predict_images, write_predictions
     from ..io.outputs import held_outputs
 
@@ -58,7 +59,8 @@ def predict_command(
         target = None
         if output is not None:  # before the images are read: a bad output never costs the predictions
             check_predictions_path(output)
-            (target,) = held.enter_context(held_outputs(output, reads=[model, *images]))
+            reads = [*read_paths(model), *images]
+            (target,) = held.enter_context(held_outputs(output, reads=reads))
         files = image_files(images)  # listed once: the bar's total, then the predictions
         with Progress(console=console, transient=True, disable=len(files) < 2 * batch_size) as bar:
             task = bar.add_task("predicting", total=len(files))

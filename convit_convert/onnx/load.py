@@ -127,6 +127,32 @@ def _load_external_data(model: Any, path: Path) -> None:
         del tensor.external_data[:]
 
 
+def data_files(path: str | Path) -> list[Path]:
+    """The external data files an ONNX file names inside its folder (what reading it reads besides
+    the file itself), from the proto alone; [] for anything unreadable (the reader says what)."""
+    import onnx
+    from onnx import TensorProto
+    from onnx.external_data_helper import ExternalDataInfo
+
+    path = Path(path)
+    try:
+        model = onnx.load_model(str(path), load_external_data=False)
+        locations = {
+            ExternalDataInfo(t).location
+            for t in model_tensors(model)
+            if t.data_location == TensorProto.EXTERNAL
+        }
+    except Exception:  # the reader (load_onnx) reports a file it cannot read, in one line
+        return []
+    found = []
+    for location in sorted(locations):
+        try:
+            found.append(_external_file(location, path.parent, path))
+        except CmhsaError:
+            continue
+    return found
+
+
 def load_onnx(path: str | Path) -> Any:
     """Parse, bring in external data (from inside the model's folder only) and fully check an ONNX
     file. Returns the ``onnx.ModelProto``; raises CmhsaError on anything wrong with it."""
