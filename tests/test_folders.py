@@ -510,6 +510,7 @@ def test_the_output_mechanism_tests_find_what_they_forbid() -> None:
     assert sorted(doors_opened(door)["helper"]) == ["make_folder (line 4)", "open (line 2)"]
 
 
+@pytest.mark.slow  # eight commands, a training among them: 20 s
 def test_no_output_is_opened_by_a_path_while_commands_run(tmp_path: Path, downloads: Path) -> None:
     """The same rule watched at run time (Python's audit hook on every open): while each command
     that writes runs in this process, a file below the test's folder is opened for writing only

@@ -299,22 +299,20 @@ def test_the_mechanism_tests_find_what_they_forbid() -> None:
     assert calls(src, "Image", {"open"}) == ["Image.open (line 3)"] and calls(src, "csv", {"writer"})
 
 
-def test_a_class_named_like_an_error_line_begins_no_line_of_eval_s_report() -> None:
+def test_a_class_named_like_an_error_line_begins_no_line_of_eval_s_report(monkeypatch) -> None:
     """Failed on 81f8851: eval's "most confused" list printed `  error: fake -> x: 3`."""
     from convit_convert.api.on_data import ClassRow, Confusion, EvalReport
     from convit_convert.cli import common
-    from convit_convert.cli.train import print_per_class
+    from convit_convert.cli import train as cli_train
 
     report = EvalReport("conv", 6, 50.0, 100.0, 0.7, "conv", names_from="model")
     report.classes = [ClassRow("error: fake", 3, 0.0), ClassRow("x", 3, 100.0)]
     report.confused = [Confusion("error: fake", "x", 3)]
     buf = io.StringIO()
-    saved = common.console.file
-    common.console.file = buf
-    try:
-        print_per_class(report)
-    finally:
-        common.console.file = saved
+    console = common._Console(file=buf, width=200, color_system=None, highlight=False)
+    monkeypatch.setattr(common, "console", console)  # print_titled's
+    monkeypatch.setattr(cli_train, "console", console)
+    cli_train.print_per_class(report)
     lines = buf.getvalue().splitlines()
     assert "error: fake" in buf.getvalue()
     assert not [line for line in lines if line.lstrip().startswith("error")]
