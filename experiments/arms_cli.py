@@ -1,7 +1,8 @@
 """What the experiment scripts share for running their arms: the flags and the call that runs them.
 
-add_arm_flags(ap)          # --loader, --parallel, --threads, --time-budget
+add_arm_flags(ap)          # --loader, --parallel, --threads, --time-budget, --settings
 run_or_exit(arms, args)    # prints a line per arm; exits 3 while some are unfinished
+chosen_settings(SETTINGS, args), needed(arms, settings)   # --settings: run only some of a table
 """
 
 from __future__ import annotations
@@ -22,6 +23,13 @@ def add_arm_flags(ap: argparse.ArgumentParser) -> None:
         type=int,
         default=ARM_THREADS,
         help="torch CPU threads of every run, whatever --parallel is (the results depend on it)",
+    )
+    ap.add_argument(
+        "--settings",
+        nargs="+",
+        default=None,
+        metavar="WORDS",
+        help="only the table's settings whose name holds one of these (and the runs they are made of)",
     )
     ap.add_argument(
         "--time-budget",
@@ -52,3 +60,21 @@ def run_or_exit(
     if (left := unfinished(arms)) is not None:
         print("\n" + left)
         raise SystemExit(3)
+
+
+def chosen_settings(settings: list[tuple], args: argparse.Namespace) -> list[tuple]:
+    """The table's settings ``--settings`` names (each a tuple whose first item is its name, its last
+    the run names it is made of); all without it."""
+    wanted = getattr(args, "settings", None)
+    if not wanted:
+        return settings
+    picked = [row for row in settings if any(words in row[0] for words in wanted)]
+    if not picked:
+        raise SystemExit(f"error: --settings names none of: {'; '.join(row[0] for row in settings)}")
+    return picked
+
+
+def needed(arms: list[Arm], settings: list[tuple]) -> list[Arm]:
+    """The arms the ``settings`` are made of (``seedN/NAME`` for a NAME of theirs), in order."""
+    names = {name for row in settings for name in row[-1]}
+    return [arm for arm in arms if arm.name.partition("/")[2] in names]

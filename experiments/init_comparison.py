@@ -14,6 +14,8 @@ at E epochs in all:
   (E, heads pinned to the conversion's offsets) and with random offsets (E);
 - two-phase: phase 1 for E/2, converted, then phase 2 for E/2 with hard pinning, gated pinning
   (the default) or 3 free extra heads (12 heads, hard);
+- the restart control: phase 1 for E/2, then phase 1 again for E/2 from it (``--init``) at phase 2's
+  learning rate and warm-up: the two-phase protocol with the conversion left out;
 - Section 4.3's warm-up claim: phase 2 from random init and two-phase gated, each without warm-up.
 
 Warm-up is a tenth of each run's epochs (0 in the no-warm-up arms). Learning rates as
@@ -35,7 +37,7 @@ import json
 import statistics
 from pathlib import Path
 
-from arms_cli import add_arm_flags, run_or_exit
+from arms_cli import add_arm_flags, chosen_settings, needed, run_or_exit
 from fashion_mnist import ATTN_LR_MULT, LR_PHASE2, LR_SCRATCH, config, stat
 
 from convit_convert.train.arms import Arm
@@ -49,13 +51,15 @@ SETTINGS = [  # (setting, run names it is made of: a phase-1 half first for two-
     ("two-phase, hard pinning", ("half-p1", "hard")),
     ("two-phase, gated pinning", ("half-p1", "gated")),
     ("two-phase, free extra heads", ("half-p1", "free-heads")),
+    ("phase 1, restarted (phase 2's rate and warm-up, no conversion)", ("half-p1", "p1-restart")),
     ("phase 2 only, random init, no warm-up", ("random-nowarm",)),
     ("two-phase, gated pinning, no warm-up in phase 2", ("half-p1", "gated-nowarm")),
 ]
 
 
 def arms_for(args: argparse.Namespace) -> list[Arm]:
-    return [arm for seed in args.seeds for arm in seed_arms(args, seed)]
+    arms = [arm for seed in args.seeds for arm in seed_arms(args, seed)]
+    return needed(arms, chosen_settings(SETTINGS, args))
 
 
 def run_flags(args: argparse.Namespace) -> dict:
@@ -95,6 +99,8 @@ def seed_arms(args: argparse.Namespace, seed: int) -> list[Arm]:
     add("gated", half, pinning="gated", attn_lr_mult=ATTN_LR_MULT, **after)
     add("free-heads", half, pinning="hard", heads=12, attn_lr_mult=ATTN_LR_MULT, **after)
     add("gated-nowarm", half, warm=False, pinning="gated", attn_lr_mult=ATTN_LR_MULT, **after)
+    # the restart control: phase 2's half exactly (epochs, rate, warm-up), the model left a convolution
+    add("p1-restart", half, **{**after, "phase": "phase1"})
     add("p1", e, phase="phase1", lr=LR_SCRATCH)
     return arms
 
@@ -192,7 +198,7 @@ def main() -> None:
     )
     print("|---|---:|---:|---|---|---|---|---:|")
     plt_rows = []
-    for setting, names in SETTINGS:
+    for setting, names in chosen_settings(SETTINGS, args):
         per_seed = [[by_name[f"seed{s}/{n}"] for n in names] for s in args.seeds]
         top1 = [results["runs"][runs[-1].name]["final"]["top1"] for runs in per_seed]
         curves = [curve(runs) for runs in per_seed]

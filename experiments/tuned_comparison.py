@@ -23,6 +23,8 @@ rule, fixed before any result (EXPERIMENTS.md, "Tuned alike"):
    all 10k. Plus the compute-matched arm: phase 1 (at its chosen rate) for longer than two-phase's
    half, then a short gated phase 2 (at gated's chosen values) taking about a quarter of the
    multiply-adds, the two together costing what phase 1 alone costs (:func:`matched_epochs`).
+   And the restart control: the phase-1 half, then phase 1 again for the other half from it
+   (``--init``) at gated two-phase's chosen rate and warm-up, the conversion left out.
 3. **Report**: the table (top-1, the plateau gain of the last fifth, CPU seconds and training
    multiply-adds), the sweep, and cost.png (top-1 against CPU seconds and against multiply-adds).
 
@@ -40,7 +42,7 @@ import statistics
 import time
 from pathlib import Path
 
-from arms_cli import add_arm_flags, run_or_exit
+from arms_cli import add_arm_flags, chosen_settings, needed, run_or_exit
 from fashion_mnist import config, stat
 from init_comparison import curve, final_eval, plateau_gain
 
@@ -58,6 +60,8 @@ SETTINGS = [  # (setting, arm whose tuned values it uses, run names it is made o
     ("two-phase, gated pinning", "gated", ("half-p1", "gated")),
     ("two-phase, hard pinning (the paper's)", "hard", ("half-p1", "hard")),
     ("long phase 1, short gated phase 2 (compute-matched)", "gated", ("long-p1", "short-gated")),
+    # the restart control: gated's half exactly (epochs, rate, warm-up), the model left a convolution
+    ("phase 1, restarted (phase 2's rate and warm-up, no conversion)", "gated", ("half-p1", "p1-restart")),
 ]
 
 
@@ -360,6 +364,8 @@ def full_arms(args: argparse.Namespace, chosen: dict[str, dict]) -> list[Arm]:
         add("hard", e - half, ("half-p1",), pinning="hard", **after("hard", "half-p1"))
         if long_p1 >= 1:
             add("short-gated", short_p2, ("long-p1",), pinning="gated", **after("gated", "long-p1"))
+        restart = dict(init=str(d / "half-p1" / "conv.safetensors"), lr=chosen["gated"]["lr"])
+        add("p1-restart", e - half, ("half-p1",), phase="phase1", **restart)
         add("p1", e, phase="phase1", lr=p1_lr)
         add("impulse", e, phase="phase2", init="impulse", lr=chosen["impulse"]["lr"])
         add("random", e, phase="phase2", init="random", lr=chosen["random"]["lr"])
@@ -413,7 +419,7 @@ def stages(args: argparse.Namespace) -> tuple[list[Arm], dict[str, dict], dict[s
         )
     full = full_arms(args, chosen)
     if full:  # the sweep is over: the phase-1 half it tuned two-phase on is not needed again
-        return full, chosen, grid
+        return needed(full, chosen_settings(SETTINGS, args)), chosen, grid
     return [a for a in arms if a.status == DONE or a.name not in recorded], chosen, grid
 
 
@@ -456,7 +462,7 @@ def report(args: argparse.Namespace, arms: list[Arm], chosen: dict[str, dict], g
     )
     print("| setting | top-1 % | gain, last fifth | CPU s | training MACs |\n|---|---:|---:|---:|---:|")
     points = []
-    for setting, _, names in SETTINGS:
+    for setting, _, names in chosen_settings(SETTINGS, args):
         if any(f"seed{s}/{n}" not in by_name for s in args.seeds for n in names):
             continue
         per_seed = [[by_name[f"seed{s}/{n}"] for n in names] for s in args.seeds]

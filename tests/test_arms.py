@@ -156,14 +156,27 @@ def test_init_comparison_runs_every_start_and_writes_table_curves_and_raw_result
         "phase 2 only, impulse init (random offsets)",
         "two-phase, free extra heads",
         "two-phase, gated pinning, no warm-up in phase 2",
+        "phase 1, restarted (phase 2's rate and warm-up, no conversion)",
     ):
         assert f"| {setting} |" in r.stdout, r.stdout
     results = json.loads((out / "results.json").read_text())
-    assert len(results["runs"]) == 11
+    assert len(results["runs"]) == 12
+    halves = ("/hard", "/gated", "/free-heads", "/gated-nowarm", "/p1-restart")
     for name, run in results["runs"].items():
         assert run["final"]["images"] == 64 and len(run["rows"]) == (
-            1 if "half" in name or name.endswith(("/hard", "/gated", "/free-heads", "/gated-nowarm")) else 2
+            1 if "half" in name or name.endswith(halves) else 2
         ), name
+    restart = json.loads((out / "seed0" / "p1-restart" / "config.json").read_text())
+    assert restart["phase"] == "phase1" and restart["init"] == str(
+        out / "seed0" / "half-p1" / "conv.safetensors"
+    )
+    # --settings: only the runs a setting is made of
+    r = subprocess.run([*cmd, "--settings", "restarted"], capture_output=True, text=True, timeout=600)
+    assert (
+        r.returncode == 0
+        and r.stdout.count("| phase 1, restarted") == 1
+        and "| phase 1 only |" not in r.stdout
+    )
     assert results["runs"]["seed0/impulse"]["final"]["attention"][0]["pinned_share"] > 0.5
     assert (out / "curves.png").read_bytes()[:4] == b"\x89PNG"
 
@@ -280,7 +293,7 @@ def test_tuned_comparison_tunes_every_arm_alike_then_trains_the_chosen_values(
             }.get(kind, False)
             finish(arm, 85 if best else 60, 60)
     full, chosen, grid = tc.stages(args)
-    assert len(full) == 2 * 8
+    assert len(full) == 2 * 9
     cfg = {a.name: a.config for a in full}
     assert all(c.data.holdout is None and c.data.val_samples == 2000 for c in cfg.values())
     assert cfg["seed1/p1"].recipe.lr == 2e-3 and cfg["seed1/p1"].recipe.epochs == 200
@@ -289,6 +302,16 @@ def test_tuned_comparison_tunes_every_arm_alike_then_trains_the_chosen_values(
     assert (gated.recipe.lr, gated.recipe.attn_lr_mult, gated.conversion.pinning) == (6.3e-5, 10.0, "gated")
     assert (hard.recipe.lr, hard.recipe.attn_lr_mult, hard.conversion.pinning) == (6.3e-4, 1.0, "hard")
     assert gated.start.init == str(tmp_path / "seed0" / "half-p1" / "conv.safetensors")
+    restart = cfg["seed0/p1-restart"]  # gated's half exactly, the conversion left out
+    assert (restart.phase, restart.start.init, restart.recipe.lr) == (
+        "phase1",
+        gated.start.init,
+        gated.recipe.lr,
+    )
+    assert (restart.recipe.epochs, restart.recipe.warmup_epochs) == (
+        gated.recipe.epochs,
+        gated.recipe.warmup_epochs,
+    )
     long_p1, short = cfg["seed0/long-p1"].recipe.epochs, cfg["seed0/short-gated"].recipe.epochs
     ratio = tc.macs_per_image("phase2", args) / tc.macs_per_image("phase1", args)
     assert long_p1 > 100 and long_p1 + short * ratio <= 200 < long_p1 + 1 + short * ratio  # compute-matched

@@ -271,14 +271,41 @@ def test_seeds_of_different_architectures_are_refused_naming_both(tmp_path: Path
     assert not (tmp_path / "p2").exists()  # nothing written, no folder left
 
 
-def test_plot_of_a_stacked_runs_folder_names_its_seeds_folders(tmp_path: Path) -> None:
-    run_seeds(config(tmp_path / "s", seeds=(0, 1), epochs=1), progress=QUIET)
-    r = invoke("plot", tmp_path / "s", "-o", tmp_path / "c.png")
-    one_error_line(r, 2, "holds a --seeds run's folders (seed0, seed1); plot those")
-    assert (
-        invoke("plot", tmp_path / "s" / "seed0", tmp_path / "s" / "seed1", "-o", tmp_path / "c.png").exit_code
-        == 0
-    )
+def test_a_stacked_run_reads_as_one_result(tmp_path: Path) -> None:
+    """A finished stack ends with one line and seeds.json: each seed's final and best top-1 (as its
+    own metrics.csv has them) and their mean ± half-range; `cmhsa plot` on its folder draws every
+    seed and their mean. Failed on 81f8851: no seeds.json, and plot refused the folder."""
+    import csv
+
+    said: list[str] = []
+    run_seeds(config(tmp_path / "s", seeds=(0, 1), epochs=2), progress=Progress(said.append))
+    summary = json.loads((tmp_path / "s" / "seeds.json").read_text())
+    for seed, row in zip((0, 1), summary["seeds"], strict=True):
+        with open(tmp_path / "s" / f"seed{seed}" / "metrics.csv", newline="") as f:
+            top1 = [float(r["top1"]) for r in csv.DictReader(f)]
+        assert row["folder"] == f"seed{seed}" and row["final_top1"] == pytest.approx(top1[-1], abs=1e-4)
+        assert row["best_top1"] == pytest.approx(max(top1), abs=1e-4)
+    finals = [row["final_top1"] for row in summary["seeds"]]
+    assert summary["final_top1"]["mean"] == pytest.approx(sum(finals) / 2)
+    assert summary["final_top1"]["half_range"] == pytest.approx(abs(finals[0] - finals[1]) / 2)
+    assert next(line for line in said if line.startswith("2 seeds: top-1 ")).endswith("seeds.json")
+    assert invoke("plot", tmp_path / "s", "-o", tmp_path / "c.png").exit_code == 0
+    from convit_convert.train.plot import curves_figure, pyplot
+
+    fig, _ = curves_figure([tmp_path / "s"])
+    top1 = fig.axes[1]
+    mean = next(line for line in top1.lines if "mean of 2 seeds" in line.get_label())
+    seeds = [line.get_ydata() for line in top1.lines if line.get_label().startswith("_")]
+    averaged = [(a + b) / 2 for a, b in zip(*seeds, strict=True)]
+    assert len(seeds) == 2 and list(mean.get_ydata()) == pytest.approx(averaged)
+    pyplot().close(fig)
+    # a stack that restarts each seed from the first stack's seed is drawn after it
+    init = str(tmp_path / "s" / "seed{seed}" / "conv.safetensors")
+    run_seeds(config(tmp_path / "r", seeds=(0, 1), epochs=1, init=init), progress=QUIET)
+    fig, _ = curves_figure([tmp_path / "s", tmp_path / "r"])
+    after = next(line for line in fig.axes[1].lines if line.get_label().startswith("r: mean of 2 seeds"))
+    assert list(after.get_xdata()) == [3] and "(after s)" in after.get_label()
+    pyplot().close(fig)
 
 
 @pytest.mark.parametrize("planted", ["link", "file"])

@@ -1,16 +1,22 @@
 """The model each phase trains, and where its weights come from.
 
-Phase 1: a randomly initialised ConvViT. Phase 2: an attention ViT from ``--init``, which is
+Phase 1: a ConvViT, randomly initialised, or from a conv checkpoint's weights (``--init``: a fresh
+run, its optimizer and schedule new). Phase 2: an attention ViT from ``--init``, which is
 - a conv-phase checkpoint: converted in memory (Theorem 1) and verified against the conv model
   before the first step; a conversion that is not exact within ``verify_tol`` aborts the run;
 - an attention checkpoint: loaded as it is;
 - ``random``: the paper's "2nd phase only" baseline;
 - ``mimetic`` or ``impulse``: random init with attention started local (:mod:`convit_convert.starts`).
-With a checkpoint, the architecture is the checkpoint's; model flags given explicitly must agree.
+With a checkpoint (a file, or a timm folder cmhsa wrote) the architecture is the checkpoint's; model
+flags given explicitly must agree. Data with another number of classes than the checkpoint's gets a
+new head (fine-tuning, as timm's ``--pretrained`` with another ``--num-classes``): every other
+tensor is the checkpoint's. Data of other channels than the checkpoint's is refused unless
+``in_chans`` says to convert every image to the checkpoint's (PIL's conversion).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +27,7 @@ from ..config import ViTConfig
 from ..conv_mixer import AUTO_FORM, token_form_bytes
 from ..data import image_mode
 from ..errors import CheckFailed, CmhsaError
+from ..io.checkpoint import Checkpoint
 from ..io.report import sha256_file
 from ..model import ATTENTION_PARAMS, VisionTransformer
 from ..options.training import TrainConfig
@@ -84,11 +91,60 @@ def _check_explicit(cfg: TrainConfig, ckpt_cfg: ViTConfig, num_classes: int, pat
         if have is not None and typed is not None and convert(typed) != have:
             said = f"`{name}` {typed}" + (f" ({field_name} {convert(typed)})" if field_name != name else "")
             raise CmhsaError(f"{said} disagrees with the checkpoint's {field_name} {have}", path)
-    if ckpt_cfg.num_classes != num_classes:
-        raise CmhsaError(
-            f"has {ckpt_cfg.num_classes} classes but `data` {cfg.data.name} has {num_classes}", path
-        )
     image_mode(ckpt_cfg.in_chans, path)  # 1 or 3: the loader converts every image to it
+
+
+HEAD = ("head.weight", "head.bias")  # the classifier: what fine-tuning on other classes makes anew
+
+
+def load_start(cfg: TrainConfig, num_classes: int, data_chans: int | None) -> Checkpoint:
+    """The checkpoint ``init`` names (a file, or a timm folder cmhsa wrote), float32, checked
+    against the flags given (:func:`_check_explicit`) and the data: its channels must be the
+    checkpoint's unless ``in_chans`` was given as the checkpoint's (every image is then converted
+    to them, PIL's conversion: RGB to grey weighs, grey to RGB repeats); the number of classes may
+    differ (:func:`fitted_head`)."""
+    ckpt = as_float32(load_checkpoint(cfg.start.init))
+    _check_explicit(cfg, ckpt.config, num_classes, ckpt.path)
+    have = ckpt.config.in_chans
+    convert = "in_chans" in cfg.given or (not cfg.given and cfg.model.in_chans == have)
+    if data_chans is not None and data_chans != have and not convert:
+        colours = {1: "grey", 3: "colour"}
+        raise CmhsaError(
+            f"takes {colours.get(have, have)} images ({have} channel{'s' * (have > 1)}) but `data` "
+            f"{cfg.data.name} is {colours.get(data_chans, data_chans)} ({data_chans}); give `in_chans` "
+            f"{have} to convert every image to the checkpoint's channels (cmhsa adapts no patch "
+            "embedding: the identity embedding's width is P² · channels)",
+            ckpt.path,
+        )
+    return ckpt
+
+
+def fitted_head(
+    model_cfg: ViTConfig, tensors: dict[str, torch.Tensor], num_classes: int, drop_path: float, **kw: Any
+) -> tuple[VisionTransformer, ViTConfig, list[str]]:
+    """A model of ``model_cfg`` holding ``tensors``; for data of another ``num_classes``, a new head
+    (freshly initialised, as the model makes one) and every other tensor loaded. The names made anew."""
+    if model_cfg.num_classes == num_classes:
+        model = VisionTransformer(model_cfg, drop_path, **kw)
+        model.load_state_dict(tensors)
+        return model, model_cfg, []
+    mcfg = dataclasses.replace(model_cfg, num_classes=num_classes)
+    model = VisionTransformer(mcfg, drop_path, **kw)
+    kept = {k: v for k, v in tensors.items() if k not in HEAD}
+    missing, unexpected = model.load_state_dict(kept, strict=False)
+    assert sorted(missing) == sorted(HEAD) and not unexpected, (missing, unexpected)
+    return model, mcfg, list(HEAD)
+
+
+def said_replaced(ckpt: Checkpoint, num_classes: int, replaced: list[str], log: Any) -> dict[str, Any]:
+    """One line saying which tensors fine-tuning made anew; what config.json records of it."""
+    if not replaced:
+        return {}
+    log(
+        f"fine-tuning: the checkpoint's head is for {ckpt.config.num_classes} classes and the data has "
+        f"{num_classes}: {', '.join(replaced)} made anew, every other tensor loaded from {ckpt.path}"
+    )
+    return {"replaced": replaced, "init_num_classes": ckpt.config.num_classes}
 
 
 def freeze_attention(model: VisionTransformer) -> None:
@@ -116,8 +172,19 @@ def check_trainable(cfg: TrainConfig, mcfg: ViTConfig) -> None:
     check_fits(stack * need, what + (" in the token form (`conv_form` tokens)" if tokens else ""))
 
 
-def build_phase_model(cfg: TrainConfig, num_classes: int, log: Any = print) -> PhaseModel:
+def build_phase_model(
+    cfg: TrainConfig, num_classes: int, log: Any = print, data_chans: int | None = None
+) -> PhaseModel:
+    """The model ``cfg``'s phase trains on data of ``num_classes`` classes and ``data_chans``
+    channels (None: not known), with its weights (module docstring)."""
     if cfg.phase == "phase1":
+        if cfg.from_checkpoint:
+            return _phase1_from_checkpoint(cfg, num_classes, log, data_chans)
+        if cfg.start.init != "random" and (not cfg.given or "init" in cfg.given):
+            raise CmhsaError(
+                f"`init` {cfg.start.init} is a start of phase 2's attention; phase 1 starts from random "
+                "weights or a conv checkpoint"
+            )
         mcfg = flag_config(cfg, num_classes)
         check_trainable(cfg, mcfg)
         model = VisionTransformer(mcfg, cfg.model.drop_path, conv_form=cfg.runtime.conv_form)  # type: ignore[arg-type]
@@ -144,14 +211,12 @@ def build_phase_model(cfg: TrainConfig, num_classes: int, log: Any = print) -> P
         )
         return PhaseModel(model, mcfg, info)
 
-    ckpt = as_float32(load_checkpoint(cfg.start.init))
-    _check_explicit(cfg, ckpt.config, num_classes, ckpt.path)
+    ckpt = load_start(cfg, num_classes, data_chans)
     if ckpt.kind == "attn":
-        check_trainable(cfg, ckpt.config)
-        model = VisionTransformer(ckpt.config, cfg.model.drop_path)
-        model.load_state_dict(ckpt.tensors)
+        check_trainable(cfg, dataclasses.replace(ckpt.config, num_classes=num_classes))
+        model, mcfg, replaced = fitted_head(ckpt.config, ckpt.tensors, num_classes, cfg.model.drop_path)
         info = {"init": str(cfg.start.init), "init_kind": "attn", "init_sha256": sha256_file(ckpt.path)}
-        return PhaseModel(model, ckpt.config, info)
+        return PhaseModel(model, mcfg, {**info, **said_replaced(ckpt, num_classes, replaced, log)})
     # the model the conversion will make, sized before anything of its size is built
     check_trainable(cfg, cfg.conversion.plan(ckpt.config).config)
     # the same conversion and verification as `cmhsa convert`
@@ -181,4 +246,26 @@ def build_phase_model(cfg: TrainConfig, num_classes: int, log: Any = print) -> P
         "verify_tol": cfg.conversion.tol,
         "verify_criterion": result.criterion,
     }
-    return PhaseModel(conv.model(cfg.model.drop_path).train(), mcfg, info)
+    model, mcfg, replaced = fitted_head(mcfg, conv.tensors, num_classes, cfg.model.drop_path)
+    return PhaseModel(model.train(), mcfg, {**info, **said_replaced(ckpt, num_classes, replaced, log)})
+
+
+def _phase1_from_checkpoint(
+    cfg: TrainConfig, num_classes: int, log: Any, data_chans: int | None
+) -> PhaseModel:
+    """Phase 1 from a conv checkpoint's weights: the checkpoint's model (a new head for other
+    classes); the run is otherwise fresh (a new optimizer and schedule: :mod:`.recipe`)."""
+    ckpt = load_start(cfg, num_classes, data_chans)
+    if ckpt.kind != "conv":
+        raise CmhsaError(
+            "is an attention checkpoint; phase 1 trains the convolutional model: continue it with "
+            "`cmhsa train phase2 --init`",
+            ckpt.path,
+        )
+    check_trainable(cfg, dataclasses.replace(ckpt.config, num_classes=num_classes))
+    model, mcfg, replaced = fitted_head(
+        ckpt.config, ckpt.tensors, num_classes, cfg.model.drop_path, conv_form=cfg.runtime.conv_form
+    )
+    log(f"starting from {ckpt.path}'s weights: a fresh run (new optimizer and schedule, warm-up included)")
+    info = {"init": str(cfg.start.init), "init_kind": "conv", "init_sha256": sha256_file(ckpt.path)}
+    return PhaseModel(model, mcfg, {**info, **said_replaced(ckpt, num_classes, replaced, log)})

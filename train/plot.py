@@ -48,6 +48,42 @@ def seed_folders(run: Path, look: int = 1000) -> list[str]:
     return sorted(found)
 
 
+MAX_SEED_RUNS = 64  # train/stacked.py's MAX_SEEDS: the seeds one stacked run holds
+
+
+def seed_runs(run: Path, look: int = 10_000) -> list[Path]:
+    """A `seeds` run's seed folders in seed order (``run`` has no metrics.csv of its own), else []:
+    folders of stacked.seed_folder's exact names, never links, among the first ``look`` entries, at
+    most MAX_SEED_RUNS."""
+    if os.path.lexists(run / "metrics.csv"):
+        return []
+    found: list[tuple[int, str]] = []
+    with contextlib.suppress(OSError), os.scandir(run) as entries:
+        for i, entry in enumerate(entries):
+            if i >= look:
+                break
+            if SEED_FOLDER.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False):
+                found.append((int(entry.name[4:]), entry.name))
+    if len(found) > MAX_SEED_RUNS:
+        raise CmhsaError(f"holds {len(found):,} seed folders, more than a `seeds` run makes", run)
+    return [run / name for _, name in sorted(found)]
+
+
+def mean_rows(runs: list[list[dict[str, float]]]) -> list[dict[str, float]]:
+    """The seeds' metrics averaged epoch by epoch: the epochs every seed has, each column every seed
+    has there (`eval_every` leaves some empty)."""
+    if len(runs) == 1:
+        return runs[0]
+    by_epoch = [{r["epoch"]: r for r in rows} for rows in runs]
+    shared = sorted(set.intersection(*(set(e) for e in by_epoch)))
+    out = []
+    for epoch in shared:
+        rows = [b[epoch] for b in by_epoch]
+        keys = set.intersection(*(set(r) for r in rows))
+        out.append({k: sum(r[k] for r in rows) / len(rows) for k in sorted(keys)})
+    return out
+
+
 def read_metrics(run: Path) -> list[dict[str, float]]:
     """metrics.csv of a run folder: its known columns as numbers (others are ignored), every value
     finite and within ±LARGEST; CmhsaError otherwise."""
@@ -223,7 +259,16 @@ def curves_figure(runs: list[Path]) -> tuple[Any, list[str]]:
         first = seen.setdefault(os.path.realpath(run), run)
         if first is not run:
             raise CmhsaError(f"is given twice (also as {first}); give each run once", run)
-    data = {run: read_metrics(run) for run in runs}
+    # a `seeds` run's folder is drawn as its seeds (thin) and their mean (one line, the run's colour)
+    members = {run: seed_runs(run) or [run] for run in runs}
+    per_member = {m: read_metrics(m) for ms in members.values() for m in ms}
+    data = {
+        run: per_member[ms[0]] if len(ms) == 1 else mean_rows([per_member[m] for m in ms])
+        for run, ms in members.items()
+    }
+    empty = next((run for run, rows in data.items() if not rows), None)
+    if empty is not None:
+        raise CmhsaError("its seeds share no evaluated epoch to average", empty)
     attn = sorted(
         {k for rows in data.values() for k in rows[0] if k.startswith("attn") and not k.endswith("_dist_px")}
     )
@@ -232,13 +277,23 @@ def curves_figure(runs: list[Path]) -> tuple[Any, list[str]]:
     )
     ax_loss, ax_acc, ax_lr = axes[0], axes[1], axes[2]
     labels = run_labels(runs)
-    label_of = dict(zip(runs, labels, strict=True))
-    offsets = epoch_offsets(runs, {run: max(r["epoch"] for r in rows) for run, rows in data.items()})
-    marks = {run: resumed_at(run) for run in runs}
+    label_of = {m: label for run, label in zip(runs, labels, strict=True) for m in members[run]}
+    flat = list(per_member)  # a seed continues its own seed's run of another `seeds` folder
+    member_offsets = epoch_offsets(flat, {m: max(r["epoch"] for r in rows) for m, rows in per_member.items()})
+    offsets = {run: member_offsets[ms[0]] for run, ms in members.items()}
+    marks = {run: resumed_at(members[run][0]) for run in runs}
     dot = dict(marker="o", markersize=3)
     for n, (run, rows, name) in enumerate(zip(runs, data.values(), labels, strict=True)):
         shift, before = offsets[run]
         colour, epochs = f"C{n % 10}", [shift + r["epoch"] for r in rows]
+        seeds = members[run] if len(members[run]) > 1 else []
+        for m in seeds:  # each seed thin, unlabelled; the mean below carries the run's name
+            ev = [r for r in per_member[m] if "top1" in r]
+            xs = [shift + r["epoch"] for r in ev]
+            ax_loss.plot(xs, [r["val_loss"] for r in ev], color=colour, alpha=0.3, linewidth=0.8)
+            ax_acc.plot(xs, [r["top1"] for r in ev], color=colour, alpha=0.3, linewidth=0.8)
+        if seeds:
+            name = f"{name}: mean of {len(seeds)} seeds (thin: each)"
         if before is not None:
             name = f"{name} (after {label_of[before]})"
             for ax in axes:

@@ -375,8 +375,9 @@ def is_init(folder: Folder, name: str, init: str | None) -> bool:
     """Whether the run folder's ``name`` is the file `init` names (the same device and inode)."""
     if not init:
         return False
+    path = Path(init).expanduser()
     try:
-        source = os.stat(Path(init).expanduser())
+        source = os.stat(path / WEIGHTS if path.is_dir() else path)  # a timm folder: its weights
     except OSError:
         return False
     st = folder.lstat_below(name)
@@ -546,9 +547,9 @@ def data_and_model(
         barrier(ctx)  # rank 0 downloads (if asked); the others then read
         return dataset if dataset is not None else read(False)
 
-    def model_for(num_classes: int) -> PhaseModel:
+    def model_for(num_classes: int, data_chans: int | None = None) -> PhaseModel:
         if saved is None:
-            return build_phase_model(cfg, num_classes, reporter.log)
+            return build_phase_model(cfg, num_classes, reporter.log, data_chans)
         mcfg = ViTConfig.from_dict(saved["model_config"], saved["kind"], out / LAST)  # weights: loaded below
         check_trainable(cfg, mcfg)  # as a fresh run would, before anything of that size is made
         model = VisionTransformer(mcfg, cfg.model.drop_path, conv_form=cfg.runtime.conv_form)  # type: ignore[arg-type]
@@ -558,7 +559,7 @@ def data_and_model(
         pm = model_for(cfg.data.num_classes)
         return load_data(pm.config.img_size), pm
     dataset = load_data(None)
-    return dataset, model_for(dataset.num_classes)
+    return dataset, model_for(dataset.num_classes, dataset.in_chans)
 
 
 def resume_state(

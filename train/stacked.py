@@ -49,10 +49,13 @@ from torch.func import functional_call, vmap
 
 from ..api.common import autocast
 from ..errors import CmhsaError
+from ..io.atomic import atomic_text
 from ..io.folder import Folder, make_folder, remove_made
+from ..io.outputs import Target
 from ..model import VisionTransformer
 from ..options.training import TrainConfig
 from ..resources import sized_by
+from ..text import json_text
 from .distributed import Context, setup, teardown
 from .loop import Loop, begin_epoch, end_epoch, read_out, until_stopped
 from .progress import Progress
@@ -152,13 +155,63 @@ def _run_seeds(
                 f"for {seeds} seeds stacked at batch {batch} each (`seeds`: every seed's model, optimizer "
                 "and batch are held at once; train fewer seeds together)"
             ):
-                return train_stacked(stack, files, stop_after_steps)
+                results = train_stacked(stack, files, stop_after_steps)
+            if not any(r.stopped for r in results):
+                summary = seeds_summary(
+                    [c.seed for c in configs], [loop.state.metrics for loop in stack.loops]
+                )
+                atomic_text((Target(parent, SEEDS_JSON), json_text(summary) + "\n"))
+                reporter.log(seeds_line(summary, parent.show(SEEDS_JSON)))
+            return results
     except BaseException:
         if not any(wrote):  # nothing saved: no folder of the user's path made either
             remove_made(made)
         raise
     finally:
         reporter.close()
+
+
+SEEDS_JSON = "seeds.json"  # a finished stack's one result: each seed's top-1 and their mean ± half-range
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    """Mean and half-range (half of max − min), as README's and EXPERIMENTS.md's tables report seeds."""
+    return {"mean": sum(values) / len(values), "half_range": (max(values) - min(values)) / 2}
+
+
+def seeds_summary(seeds: list[int], metrics: list[list[dict[str, Any]]]) -> dict[str, Any]:
+    """Each seed's final top-1 (its last evaluated epoch) and best top-1 (and their epochs), and the
+    mean ± half-range of both over the seeds: what a table needs of a `seeds` run."""
+    rows = []
+    for seed, rows_of_seed in zip(seeds, metrics, strict=True):
+        evaluated = [r for r in rows_of_seed if "top1" in r]
+        final = evaluated[-1]
+        best = max(evaluated, key=lambda r: r["top1"])
+        rows.append(
+            {
+                "seed": seed,
+                "folder": seed_folder("", seed).name,
+                "final_top1": final["top1"],
+                "final_epoch": final["epoch"],
+                "best_top1": best["top1"],
+                "best_epoch": best["epoch"],
+            }
+        )
+    return {
+        "seeds": rows,
+        "final_top1": spread([r["final_top1"] for r in rows]),
+        "best_top1": spread([r["best_top1"] for r in rows]),
+    }
+
+
+def seeds_line(summary: dict[str, Any], where: Path) -> str:
+    """The one line a finished stack ends with."""
+    final, best = summary["final_top1"], summary["best_top1"]
+    return (
+        f"{len(summary['seeds'])} seeds: top-1 {final['mean']:.2f} ± {final['half_range']:.2f} at the "
+        f"last epoch (mean ± half-range), best {best['mean']:.2f} ± {best['half_range']:.2f}; each "
+        f"seed's in {where}"
+    )
 
 
 class SeedProgress(Progress):

@@ -25,9 +25,16 @@ def load_checkpoint(
     path: str | Path, geometry: Geometry | None = None, *, onnx_tol: float = DEFAULT_TOL
 ) -> Checkpoint:
     """Any model file: cmhsa safetensors, a bare conv-phase state dict (given ``geometry``'s
-    ``img_size`` and ``patch_size``), or a conv-phase ONNX graph, read by its structure and checked
-    against onnxruntime within ``onnx_tol`` (:mod:`convit_convert.onnx.importer`)."""
+    ``img_size`` and ``patch_size``), a conv-phase ONNX graph, read by its structure and checked
+    against onnxruntime within ``onnx_tol`` (:mod:`convit_convert.onnx.importer`), or a timm folder
+    cmhsa wrote (its config.json checked as cmhsa writes it, then its model.safetensors)."""
     path = Path(path)
+    if path.is_dir():
+        from ..io.timm_folder import WEIGHTS, folder_config
+
+        if folder_config(path) is None:
+            raise CmhsaError("is a timm folder of another architecture than cmhsa's", path)
+        return load_tensor_checkpoint(path / WEIGHTS, geometry)
     if path.suffix.lower() != ".onnx":
         return load_tensor_checkpoint(path, geometry)
     from ..onnx.importer import import_onnx

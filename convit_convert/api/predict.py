@@ -22,7 +22,6 @@ from ..io.atomic import atomic_text
 from ..io.images import read_image
 from ..io.outputs import Target
 from ..io.paths import parse_json, stat_input
-from ..io.timm_folder import WEIGHTS, folder_config
 from ..labels import check_class_names, name_of
 from ..options.operations import PredictOptions
 from ..options.values import EVAL_CROP_PCT
@@ -117,11 +116,8 @@ def predict_images(
     batch of n images done."""
     o = options or PredictOptions()
     path = Path(model)
-    if path.is_dir():
-        if folder_config(path) is None:
-            raise CmhsaError("is a timm folder of another architecture than cmhsa's", path)
-        ckpt = load_checkpoint(path / WEIGHTS)
-        return _with_torch(ckpt, files, o, progress, str(path), "timm folder")
+    if path.is_dir():  # a timm folder cmhsa wrote, checked as it writes one
+        return _with_torch(load_checkpoint(path), files, o, progress, str(path), "timm folder")
     if path.suffix.lower() == ".onnx":
         return _with_onnxruntime(path, files, o, progress)
     return _with_torch(load_checkpoint(path), files, o, progress, str(path), "checkpoint")

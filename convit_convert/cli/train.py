@@ -133,9 +133,20 @@ OPTION_ROWS: list[Flag] = [
     Flag(
         "init",
         str,
+        MODEL,
+        "A checkpoint to start from: a conv checkpoint (.safetensors) or a timm folder cmhsa wrote of "
+        "one; a fresh run from its weights (a new optimizer and schedule, warm-up included); the model "
+        "is the checkpoint's, and data with another number of classes gets a new head (fine-tuning). "
+        "{seed} stands for each seed of --seeds. Or 'random'.",
+        phases=("phase1",),
+    ),
+    Flag(
+        "init",
+        str,
         PHASE2,
         "Conv-phase checkpoint (converted exactly, verified), attention "
-        "checkpoint, 'random', or a start without a conv phase: 'mimetic' "
+        "checkpoint, a timm folder cmhsa wrote of either (data with another number of classes gets a "
+        "new head: fine-tuning), 'random', or a start without a conv phase: 'mimetic' "
         "(W_Q·W_Kᵀ ≈ αI, W_V·W_O ≈ −βI, Trockman & Kolter) or 'impulse' (each "
         "head pinned to one offset of the K×K window, gated, all else random; "
         "Zheng et al.).",
@@ -334,7 +345,7 @@ def _option(name: str, typ: Any, help_text: str, panel: str, default: Any) -> in
 
 
 def _train_command(phase: str) -> Any:
-    defaults = TrainConfig.from_flags().to_dict()
+    defaults = TrainConfig.from_flags(phase=phase).to_dict()
 
     def command(**kwargs: Any) -> None:
         out = use_alias(kwargs.pop("output"), kwargs.pop("out"), "--out", "-o/--output")
@@ -365,7 +376,8 @@ def _train_command(phase: str) -> Any:
     command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
     command.__name__ = phase
     command.__doc__ = {
-        "phase1": "Phase 1: train the convolutional ViT (each block's attention replaced by a KxK conv).",
+        "phase1": "Phase 1: train the convolutional ViT (each block's attention replaced by a KxK conv), "
+        "from random weights or a conv checkpoint (--init).",
         "phase2": "Phase 2: train the attention ViT, from a phase-1 checkpoint converted "
         "exactly (--init conv.safetensors, "
         "the paper's) or without one (--init impulse, the default; mimetic; random).",

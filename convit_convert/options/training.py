@@ -77,8 +77,10 @@ def flags_of(group: str) -> dict[str, str]:
 # The flags whose default is a rule, not a value: the rule in words, beside the code that applies it
 # (from_flags, peak_lr, attn_lr_scale, data.default_threads); --help shows these
 DEFAULT_RULES = {
-    "lr": "{} from scratch (phase 1; phase 2 from random, impulse or mimetic), {} for phase 2 from a "
-    "checkpoint (the paper's); --preset cpu: {}, {}".format(*map(_sci, (*PEAK_LR["paper"], *PEAK_LR["cpu"]))),
+    "lr": "{} from scratch (phase 1; phase 2 from random, impulse or mimetic), {} from a checkpoint "
+    "(--init: phase 2's, the paper's, or phase 1 restarted); --preset cpu: {}, {}".format(
+        *map(_sci, (*PEAK_LR["paper"], *PEAK_LR["cpu"]))
+    ),
     "threads": "the CPUs this process may use",
     "pinning": "gated from a conv-phase --init and impulse, hard from random and mimetic",
     "attn_lr_mult": f"{CHECKPOINT_ATTN_LR_MULT:g} from a checkpoint, 1 otherwise",
@@ -125,9 +127,11 @@ class ModelFlags(Checked):
 
 @dataclass(frozen=True)
 class StartConfig(Checked):
-    """Where phase 2's weights come from: a conv checkpoint, an attn checkpoint, "random", or a start
-    built without a checkpoint: "impulse" (the default: the best-measured start without a checkpoint,
-    at the plateau and at 120 epochs, EXPERIMENTS.md "Which start?") or "mimetic"."""
+    """Where the weights come from. Phase 2: a conv checkpoint, an attn checkpoint, "random", or a
+    start built without a checkpoint: "impulse" (the default: the best-measured start without a
+    checkpoint, at the plateau and at 120 epochs, EXPERIMENTS.md "Which start?") or "mimetic".
+    Phase 1: "random" (its default, set by :meth:`TrainConfig.from_flags`) or a conv checkpoint,
+    a fresh run from its weights."""
 
     CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"impulse_offsets": IMPULSE_OFFSETS}
 
@@ -250,8 +254,9 @@ RUNTIME_FIELDS = (*(f.name for f in dataclasses.fields(RuntimeConfig)), "given")
 
 
 def starts_from_checkpoint(phase: str, init: str) -> bool:
-    """Phase 2 whose ``init`` names a checkpoint, not one of the starts without one."""
-    return phase == "phase2" and init not in ("random", *INIT_STARTS)
+    """Whether ``init`` names a checkpoint (either phase), not one of the starts without one (phase 1
+    takes only "random"; phase 2 also "impulse" and "mimetic")."""
+    return init not in ("random", *INIT_STARTS)
 
 
 PHASES = ("phase1", "phase2")
@@ -298,6 +303,8 @@ class TrainConfig(Checked):
         if preset not in PRESETS:
             raise CmhsaError(f"`preset` must be one of {', '.join(PRESETS)}, got {preset!r}")
         flags = {**PRESETS[preset], **flags}
+        if flags.get("phase", "phase1") == "phase1" and "init" not in flags:
+            flags["init"] = "random"  # phase 1's own start (StartConfig's default is phase 2's)
         if preset in WARMUP_FRACTION and "warmup_epochs" not in flags:
             epochs = flags.get("epochs", RecipeConfig.epochs)
             flags["warmup_epochs"] = (
@@ -332,7 +339,8 @@ class TrainConfig(Checked):
 
     @property
     def from_checkpoint(self) -> bool:
-        """Phase 2 starting from a checkpoint (converted, or an attention model) rather than at random."""
+        """Starting from a checkpoint's weights (phase 2: converted, or an attention model; phase 1:
+        a conv model, a fresh run from it) rather than at random or a start without one."""
         return starts_from_checkpoint(self.phase, self.start.init)
 
     @property
