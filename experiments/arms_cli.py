@@ -68,13 +68,20 @@ def chosen_settings(settings: list[tuple], args: argparse.Namespace) -> list[tup
     wanted = getattr(args, "settings", None)
     if not wanted:
         return settings
-    picked = [row for row in settings if any(words in row[0] for words in wanted)]
+    # a setting's whole name picks it alone; other words, every setting whose name holds them
+    picked = [
+        row
+        for row in settings
+        if any(
+            words == row[0] or (words in row[0] and words not in {r[0] for r in settings}) for words in wanted
+        )
+    ]
     if not picked:
         raise SystemExit(f"error: --settings names none of: {'; '.join(row[0] for row in settings)}")
     return picked
 
 
 def needed(arms: list[Arm], settings: list[tuple]) -> list[Arm]:
-    """The arms the ``settings`` are made of (``seedN/NAME`` for a NAME of theirs), in order."""
+    """The arms the ``settings`` are made of (``NAME`` or ``seedN/NAME`` for a NAME of theirs), in order."""
     names = {name for row in settings for name in row[-1]}
-    return [arm for arm in arms if arm.name.partition("/")[2] in names]
+    return [arm for arm in arms if arm.name.rsplit("/", 1)[-1] in names]

@@ -10,6 +10,8 @@ as one stacked model (``cmhsa train --seeds``, train/stacked.py), each seed in A
 
 - phase 1 only (E); phase 2 only from random init (E) and from impulse init (E);
 - the phase-1 half (E/2), converted per seed, then phase 2 (E/2) with hard or gated pinning;
+- the restart control: the phase-1 half, then phase 1 again for E/2 from it (``--init``, each seed
+  from its own) at phase 2's learning rate and warm-up: two-phase with the conversion left out;
 - Figure 2's pair (Section 4.3): phase 2 after conversion (gated) and from random init, each
   without warm-up (``--warmup-epochs 0``), with ``--figure2``.
 
@@ -27,7 +29,7 @@ import json
 import statistics
 from pathlib import Path
 
-from arms_cli import add_arm_flags, run_or_exit
+from arms_cli import add_arm_flags, chosen_settings, needed, run_or_exit
 from fashion_mnist import ATTN_LR_MULT, LR_PHASE2, LR_SCRATCH, config
 from init_comparison import run_flags
 
@@ -38,6 +40,7 @@ SETTINGS = [  # (setting, the arms it is made of: a phase-1 half first for two-p
     ("phase-1 half alone (E/2)", ("half-p1",)),
     ("two-phase, gated pinning", ("half-p1", "gated")),
     ("two-phase, hard pinning", ("half-p1", "hard")),
+    ("phase 1, restarted (phase 2's rate and warm-up, no conversion)", ("half-p1", "p1-restart")),
     ("phase 2 only, impulse init", ("impulse",)),
     ("phase 2 only, random init", ("random",)),
     ("two-phase, gated, no warm-up in phase 2", ("half-p1", "gated-nowarm")),
@@ -66,13 +69,14 @@ def arms_for(args: argparse.Namespace) -> list[Arm]:
     add("half-p1", half, phase="phase1", lr=LR_SCRATCH)
     add("gated", half, pinning="gated", attn_lr_mult=ATTN_LR_MULT, **converted)
     add("hard", half, pinning="hard", attn_lr_mult=1.0, **converted)
+    add("p1-restart", half, **{**converted, "phase": "phase1"})  # phase 2's half, left a convolution
     add("impulse", e, phase="phase2", init="impulse", lr=LR_SCRATCH)
     add("random", e, phase="phase2", init="random", lr=LR_SCRATCH)
     add("p1", e, phase="phase1", lr=LR_SCRATCH)
     if args.figure2:
         add("gated-nowarm", half, warm=False, pinning="gated", attn_lr_mult=ATTN_LR_MULT, **converted)
         add("random-nowarm", e, warm=False, phase="phase2", init="random", lr=LR_SCRATCH)
-    return arms
+    return needed(arms, chosen_settings(SETTINGS, args))
 
 
 def report(args: argparse.Namespace) -> dict:

@@ -115,14 +115,72 @@ def test_readmes_start_table_is_the_experiments_raw_results(tmp_path: Path) -> N
         ),
         "--init random": ("phase 2 only, random init",) * 3 + (None,),
     }
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    section = readme.split("## Which start?", 1)[1].split("\n## ", 1)[0]
-    table = [ln.replace("**", "") for ln in section.splitlines() if ln.startswith("| ") and "---" not in ln][
-        1:
-    ]
+    table, restart = _readme_tables()
     assert len(table) == len(settings)
     for line in table:
         start, *cells = (c.strip() for c in line.strip("|").split("|"))
         names = next(v for k, v in settings.items() if k in start)
         want = [raw[n] if n else "–" for raw, n in zip((d2, d6, gpu, plateau), names, strict=True)]
         assert cells == want, (start, cells, want)
+    # the restart control's table: one session per column, its own raw files
+    d2 = _raw_rows((results / "init_comparison_cpu_e200_n1000_restart.md").read_text(encoding="utf-8"))
+    d6_md = (results / "tuned_comparison_d6_restart.md").read_text(encoding="utf-8")
+    d6 = _raw_rows("| setting |" + d6_md.split("| setting |", 1)[1])
+    settings = {
+        "phase 1 only": ("phase 1 only",) * 2,
+        "restarted": ("phase 1, restarted (phase 2's rate and warm-up, no conversion)",) * 2,
+        "hard pinning": ("two-phase, hard pinning", "two-phase, hard pinning (the paper's)"),
+        "gated": ("two-phase, gated pinning",) * 2,
+    }
+    assert len(restart) == len(settings)
+    for line in restart:
+        start, *cells = (c.strip() for c in line.strip("|").split("|"))
+        names = next(v for k, v in settings.items() if k in start)
+        assert cells == [d2[names[0]], d6[names[1]]], (start, cells)
+
+
+def _readme_tables() -> list[list[str]]:
+    """The table rows (header dropped, bold removed) of each table in README's "Which start?"."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme.split("## Which start?", 1)[1].split("\n## ", 1)[0]
+    tables = [[]]
+    for ln in section.splitlines():
+        if ln.startswith("|"):
+            tables[-1].append(ln.replace("**", ""))
+        elif tables[-1]:
+            tables.append([])
+    return [[ln for ln in t if "---" not in ln][1:] for t in tables if t]
+
+
+def test_the_restart_sections_per_seed_numbers_and_shares_are_the_raw_runs() -> None:
+    """EXPERIMENTS.md's restart control: each scale's per-seed line (the final top-1 on the 10k of
+    every arm) and the row of "What the restart explains" (differences of the seeds' means, each
+    rounded to 0.01) are recomputed from the raw results' JSON."""
+    import json
+    import statistics
+
+    doc = (ROOT / "EXPERIMENTS.md").read_text(encoding="utf-8")
+    section = doc.split("## What two-phase gains, separated", 1)[1].split("\n## ", 1)[0]
+    results = ROOT / "experiments" / "results"
+    scales = {  # raw file -> the scale's row in the summary table
+        "init_comparison_cpu_e200_n1000_restart.json": "| 1k images, depth 2 |",
+        "tuned_comparison_d6_restart.json": "| 1k images, depth 6, tuned |",
+    }
+    for name, row in scales.items():
+        runs = json.loads((results / name).read_text(encoding="utf-8"))["runs"]
+        top1 = {
+            arm: [runs[f"seed{s}/{arm}"]["final"]["top1"] for s in (0, 1)]
+            for arm in ("half-p1", "p1-restart", "hard", "gated", "p1")
+        }
+        prose = " ".join(section.split())  # lines wrap anywhere
+        for arm, values in top1.items():
+            assert " / ".join(f"{v:.2f}" for v in values) in prose, (name, arm, values)
+        mean = {arm: statistics.mean(v) for arm, v in top1.items()}
+        steps = [
+            mean["p1-restart"] - mean["half-p1"],
+            mean["hard"] - mean["p1-restart"],
+            mean["gated"] - mean["hard"],
+            round(mean["p1"], 2) - round(mean["gated"], 2),  # the tables' rounded means
+        ]
+        want = row + " " + " | ".join(f"{d:+.2f}".replace("-", "\u2212") for d in steps) + " |"
+        assert want in section, (want, [ln for ln in section.splitlines() if ln.startswith(row)])

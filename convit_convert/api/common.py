@@ -30,8 +30,10 @@ def load_checkpoint(
     cmhsa wrote (its config.json checked as cmhsa writes it, then its model.safetensors)."""
     path = Path(path)
     if path.is_dir():
-        from ..io.timm_folder import WEIGHTS, folder_config
+        from ..io.timm_folder import CONFIG, WEIGHTS, folder_config
 
+        if not (path / CONFIG).exists():
+            raise CmhsaError(f"is a directory, not a model file nor a timm folder (no {CONFIG})", path)
         if folder_config(path) is None:
             raise CmhsaError("is a timm folder of another architecture than cmhsa's", path)
         return load_tensor_checkpoint(path / WEIGHTS, geometry)
