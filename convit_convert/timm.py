@@ -329,12 +329,12 @@ class TimmFolderReport:
 
 
 def export_timm_folder(
-    checkpoint: Path | Checkpoint, folder: Path | Folder, seed: int = 0
+    checkpoint: Path | Checkpoint, folder: Path | Folder, seed: int = 0, license_id: str | None = None
 ) -> TimmFolderReport:
     """Write ``checkpoint``'s model (a file, or one held in memory: ``cmhsa train --export-timm``)
-    as timm's folder ``folder`` (io/timm_folder.py), then load it with timm as a timm user would and
-    compare logits on 4 random images (float32, CPU): they must be equal, the same weights in the
-    same model."""
+    as timm's folder ``folder`` (io/timm_folder.py; ``license_id``: the weights' licence, by default
+    the training data's), then load it with timm as a timm user would and compare logits on 4 random
+    images (float32, CPU): they must be equal, the same weights in the same model."""
     if not isinstance(folder, Folder):  # a path the user gave: made if missing, held while written
         path = Path(folder)
         if path.exists() and not path.is_dir():
@@ -349,7 +349,7 @@ def export_timm_folder(
                     CARD,
                 ):  # never over the model it exports (DIR/model.safetensors)
                     check_apart(Target(held, name), reads)
-                return export_timm_folder(checkpoint, held, seed)
+                return export_timm_folder(checkpoint, held, seed, license_id)
         except BaseException:
             remove_made(made)
             raise
@@ -358,7 +358,7 @@ def export_timm_folder(
     ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else load_checkpoint(checkpoint)
     model = ckpt.model(torch.float32)
     meta = {k: ckpt.metadata[k] for k in CARD_KEYS if k in ckpt.metadata}  # what the model card tells
-    written = write_timm_folder(folder, ckpt.config, model.state_dict(), meta)
+    written = write_timm_folder(folder, ckpt.config, model.state_dict(), meta, license_id)
     # timm reads the folder back through the one held (a link put in its place cannot answer)
     held_path = folder.writer_path(WEIGHTS).parent
     loaded = timm.create_model(f"local-dir:{held_path}", pretrained=True).eval()

@@ -92,8 +92,27 @@ def _stop_the_session_on_a_signal(request: pytest.FixtureRequest) -> Any:
     _SIGNALS_ARE_THE_TEST[0] = request.node.get_closest_marker("sends_signals") is not None
     yield
     _SIGNALS_ARE_THE_TEST[0] = False
-    if INTERRUPTED:  # the CLI's boundary turned it into an exit status: the session still ends
-        pytest.exit(f"interrupted by {signal.Signals(INTERRUPTED[0]).name}", returncode=130)
+    if INTERRUPTED and not _ENDING:  # the CLI's boundary made it an exit status: the session still ends
+        # as pytest's own interrupt (its totals and -ra's skip reasons are printed for that status
+        # alone); pytest_sessionfinish then makes the exit status 128 + the signal, as a shell's
+        pytest.exit(
+            f"interrupted by {signal.Signals(INTERRUPTED[0]).name}", returncode=pytest.ExitCode.INTERRUPTED
+        )
+
+
+_ENDING: list[bool] = []  # pytest is already ending the session on an interrupt
+
+
+def pytest_keyboard_interrupt(excinfo: Any) -> None:
+    _ENDING.append(True)  # a test's fixtures are then torn down inside pytest_sessionfinish
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """A session a signal stopped exits 128 + the signal (130 for Ctrl-C, 143 for SIGTERM), once
+    pytest has printed its totals for it."""
+    if INTERRUPTED or exitstatus == pytest.ExitCode.INTERRUPTED:
+        session.exitstatus = 128 + (INTERRUPTED[0] if INTERRUPTED else signal.SIGINT)
 
 
 def invoke(*args: Any, env: dict[str, str] | None = None, **kwargs: Any) -> Result:

@@ -51,7 +51,7 @@ CLI_ONLY = {
     "verify": {"report"},
     "inspect": {"img_size"},
     "heads": {"checkpoint", "kernel", "patch"},  # kernel, patch: hidden old spellings
-    "export": {"output", "format", "report"},
+    "export": {"output", "format", "report", "license"},  # license: --format timm's (export_timm_folder)
     "eval": {"data"},  # required, no default: a missing --data is the CLI's one-line error
     "predict": {"output"},
     "attention": {"output", "data"},

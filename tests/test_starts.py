@@ -147,7 +147,11 @@ def test_starts_train_save_inspect_and_export(tmp_path: Path, init: str) -> None
     )
     vit = tmp_path / "run" / "vit.safetensors"
     r = invoke("inspect", vit)
-    assert r.exit_code == 0 and f'"init": "{init}"' in r.output, r.output
+    assert r.exit_code == 0, r.output
+    row = next(line for line in r.output.splitlines() if line.startswith("│ init "))
+    assert f"│ {init}" in row and "{" not in row, row  # words, not the metadata's raw JSON
+    gated = cfg["model"]["pinning"] == "gated"
+    assert (" g=" in r.output) == gated and ("g: the head's gate" in r.output) == gated
     r = invoke("export", vit, "-o", tmp_path / "vit.onnx")
     assert r.exit_code == 0, r.output
     assert json.loads((tmp_path / "vit.onnx.report.json").read_text())["passed"]

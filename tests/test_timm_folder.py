@@ -14,7 +14,7 @@ import torch
 from PIL import Image
 
 import convit_convert.timm  # noqa: F401  (registers cmhsa's architectures)
-from conftest import conv_model, invoke
+from conftest import conv_model, invoke, one_error_line
 from convit_convert.api import save_checkpoint
 from convit_convert.api.convert import convert_file
 from convit_convert.errors import CmhsaError
@@ -173,3 +173,83 @@ def test_a_trained_models_folder_has_a_model_card_the_hub_reads(tmp_path: Path) 
     code += "assert model.num_classes == 10 and config['input_size'] == (1, 16, 16)\n"
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
+
+
+@pytest.mark.parametrize(
+    ("trained", "license_id", "named"),
+    [
+        ("phase1 digits, 30 epochs", "cc-by-4.0", "licensed CC BY 4.0"),
+        ("phase1 fashion-mnist, 200 epochs", "mit", "Fashion-MNIST (Zalando Research), licensed MIT"),
+        ("phase1 cifar100, 400 epochs", "unknown", "published with no licence stated"),
+        ("phase1 imagefolder, 10 epochs", "unknown", "whose licence cmhsa cannot know"),
+        (None, "unknown", "not recorded in the weights' metadata"),
+    ],
+)
+def test_the_cards_licence_is_the_training_datas(
+    tmp_path: Path, trained: str | None, license_id: str, named: str
+) -> None:
+    """The licence the card's front matter and pretrained_cfg declare is the training data's, by the
+    data the weights record; the card names the data (failed on 81f8851: always `license: mit`)."""
+    import json
+
+    from huggingface_hub import ModelCard
+
+    from convit_convert.api import load_checkpoint
+
+    ckpt = load_checkpoint(FIXTURE)
+    meta = {} if trained is None else {"cmhsa.trained": trained}
+    model = tmp_path / "m.safetensors"
+    save_checkpoint(model, ckpt.config, ckpt.tensors, meta)
+    assert invoke("export", model, "--format", "timm", "-o", tmp_path / "f").exit_code == 0
+    card = ModelCard.load(tmp_path / "f" / CARD)
+    assert card.data.to_dict()["license"] == license_id and named in card.text
+    doc = json.loads((tmp_path / "f" / "config.json").read_text())
+    assert doc["pretrained_cfg"]["license"] == license_id
+
+
+def test_export_license_sets_both_places_and_is_checked(tmp_path: Path) -> None:
+    import json
+
+    from huggingface_hub import ModelCard
+
+    r = invoke("export", FIXTURE, "--format", "timm", "--license", "apache-2.0", "-o", tmp_path / "f")
+    assert r.exit_code == 0, r.output
+    assert ModelCard.load(tmp_path / "f" / CARD).data.to_dict()["license"] == "apache-2.0"
+    pcfg = json.loads((tmp_path / "f" / "config.json").read_text())["pretrained_cfg"]
+    assert pcfg["license"] == "apache-2.0"
+    assert "the training data's is `cc-by-4.0`" in (tmp_path / "f" / CARD).read_text()
+    for bad in ("MIT", "mit\nlicense: other", "", "x" * 65):
+        r = invoke("export", FIXTURE, "--format", "timm", "--license", bad, "-o", tmp_path / "g")
+        one_error_line(r, 2, "--license", "is empty" if bad == "" else "is not a licence id")
+        assert not (tmp_path / "g").exists()
+    r = invoke("export", FIXTURE, "--license", "mit", "-o", tmp_path / "m.onnx")
+    one_error_line(r, 2, "--license is for --format timm")
+
+
+def test_the_card_installs_cmhsa_from_its_source_never_by_a_bare_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """cmhsa is on no package index: the card never says `pip install cmhsa` (someone else could
+    register the name). With a source URL in the installed metadata ([project.urls] Source) it installs
+    from there; without one, from the source the model was exported with. Before its code block it
+    says to install cmhsa and import convit_convert.timm, and it names the ONNX route (failed on
+    81f8851: "pip install cmhsa" in the code block, no word on the import)."""
+    from convit_convert.io import model_card
+
+    for url in (None, "https://example.org/cmhsa"):
+        monkeypatch.setattr(model_card, "source_url", lambda url=url: url)
+        from convit_convert.io import timm_folder
+
+        monkeypatch.setattr(timm_folder, "source_url", lambda url=url: url)
+        folder = tmp_path / f"f{url is None}"
+        assert invoke("export", FIXTURE, "--format", "timm", "-o", folder).exit_code == 0
+        text = (folder / CARD).read_text()
+        assert "pip install cmhsa" not in text
+        use = text.split("## Use", 1)[1]
+        before_code = use.split("```python", 1)[0]
+        assert "import convit_convert.timm" in before_code and "Unknown model" in before_code
+        if url is None:
+            assert "`pip install -e .` in its folder" in before_code
+        else:
+            assert f'pip install "cmhsa @ git+{url}"' in before_code and url in text.split("## How", 1)[0]
+        assert "runs with onnxruntime alone" in text and "arxiv.org/abs/2111.01353" in text

@@ -5,6 +5,7 @@ than the main one get a silent one (``Progress(None)``)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +23,7 @@ class Progress:
     def __init__(self, write: Callable[[str], None] | None = print) -> None:
         self.write = write
         self.epochs, self.log_every, self.steps = 0, 1, 0
+        self.t_epoch, self.first_step = time.monotonic(), 0
 
     def open(self, epochs: int, log_every: int) -> None:
         self.epochs, self.log_every = epochs, max(1, log_every)
@@ -32,12 +34,20 @@ class Progress:
 
     def start_epoch(self, epoch: int, steps: int, done: int = 0) -> None:
         self.steps = steps
+        self.t_epoch, self.first_step = time.monotonic(), done  # a resumed epoch starts at `done`
+
+    def timing(self, step: int) -> str:
+        """The epoch's time so far and, from its pace, the expected rest (evaluation aside)."""
+        elapsed = time.monotonic() - self.t_epoch
+        done = step + 1 - self.first_step
+        rest = elapsed / max(done, 1) * max(self.steps - step - 1, 0)
+        return epoch_time(elapsed, rest)
 
     def step(self, epoch: int, step: int, loss: float, lr: float, img_per_s: float) -> None:
         if (step + 1) % self.log_every == 0 or step + 1 == self.steps:
             self.log(
                 f"epoch {epoch + 1}/{self.epochs} step {step + 1}/{self.steps}  "
-                f"{step_info(loss, lr, img_per_s)}"
+                f"{step_info(loss, lr, img_per_s)}  {self.timing(step)}"
             )
 
     def end_epoch(self, row: dict[str, Any], label: str = "") -> None:
@@ -46,6 +56,15 @@ class Progress:
 
     def close(self) -> None:
         pass
+
+
+def epoch_time(elapsed: float, rest: float) -> str:
+    """``12 s in this epoch, about 40 s to go``; minutes past 90 s."""
+
+    def shown(seconds: float) -> str:
+        return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.1f} min"
+
+    return f"{shown(elapsed)} in this epoch, about {shown(rest)} to go"
 
 
 def step_info(loss: float, lr: float, img_per_s: float) -> str:

@@ -12,7 +12,9 @@ return typed reports with ``to_dict()`` (the CLI renders them). One module per o
 - :mod:`.on_data`: ``evaluate_checkpoint`` (``EvalReport``), ``attention_on_data``
   (``AttentionReport``), ``calibration_from_data`` (``Calibration``): the ones that read a dataset;
 - :mod:`.predict`: ``predict_files`` / ``predict_images`` (``PredictReport``): a model's top classes for
-  image files.
+  image files;
+- :mod:`.exported_onnx`: ``open_exported`` (``ExportedOnnx``): an ONNX file cmhsa exported, run as
+  shipped in onnxruntime, for ``predict`` and ``eval``.
 
 What each operation takes is a typed object with its defaults and ranges
 (:mod:`convit_convert.options.operations`: ``Geometry``, ``Verification``, ``CalibrationSource``,

@@ -276,6 +276,8 @@ def convert_file(
             if conv.passed:
                 t = time.perf_counter()
                 meta = {"cmhsa.source_sha256": input_facts["sha256"], **to_metadata(ckpt.classes)}
+                if isinstance(ckpt.metadata.get("cmhsa.trained"), str):  # its data: the card's licence
+                    meta["cmhsa.trained"] = ckpt.metadata["cmhsa.trained"]
                 digest = write_checkpoint(tmps[0], conv.config, conv.tensors, meta, output)
                 timings["write_s"] = time.perf_counter() - t
                 output_facts = {

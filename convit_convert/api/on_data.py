@@ -184,8 +184,15 @@ def _val_loader(
 
 
 def evaluate_checkpoint(path: str | Path, options: EvalOptions) -> EvalReport:
-    """``cmhsa eval``: top-1 / top-5 and loss of a checkpoint on ``options.data``'s validation split."""
+    """``cmhsa eval``: top-1 / top-5 and loss on ``options.data``'s validation split of a checkpoint,
+    a timm folder cmhsa wrote, or an ONNX file: one cmhsa exported runs as shipped (onnxruntime, the
+    preprocessing it records: :func:`evaluate_exported`), any other is read as a conv-phase graph."""
     o = options
+    if Path(path).suffix.lower() == ".onnx":
+        from .exported_onnx import is_exported
+
+        if is_exported(Path(path)):
+            return evaluate_exported(Path(path), o)
     ckpt = load_checkpoint(path)
     workers = default_workers() if o.workers is None else o.workers
     dev = pick_device(o.device)
@@ -260,3 +267,72 @@ def calibration_from_data(
     x, _ = load(spec.train, pick)
     hx, hy = load(spec.val, list(range(min(source.heldout_images, len(spec.val)))))
     return Calibration(x, hx, hy, f"{data}: {len(x)} training images; held out: {len(hx)} validation images")
+
+
+def evaluate_exported(path: Path, options: EvalOptions) -> EvalReport:
+    """An ONNX file ``cmhsa export`` wrote, measured as shipped: onnxruntime on ``options.device``'s
+    provider, each validation image prepared as its ``metadata_props`` say (the steps of
+    ``predict``), so ``crop_pct`` and ``amp`` are the file's own (float32): another value given is
+    refused. The same metrics, per-class table and confusions as a checkpoint's."""
+    from functools import partial
+
+    from .exported_onnx import OnnxModule, onnx_tensor, open_exported
+
+    o = options
+    if o.crop_pct != EVAL_CROP_PCT or o.amp not in ("none", "auto"):
+        raise CmhsaError(
+            "an ONNX file carries its own preprocessing and precision: `crop_pct` and `amp` apply to "
+            "checkpoints and timm folders",
+            path,
+        )
+    exported = open_exported(path, o.batch_size, o.device)
+    pre = exported.pre
+    n_classes = _onnx_classes(exported)
+    spec = build_data(
+        o.data,
+        o.data_dir,
+        (pre["h"], pre["w"]),
+        download=o.download,
+        num_classes=n_classes,
+        seed=o.seed,
+        val_only=True,
+        crop_pct=min(pre["h"], pre["w"]) / pre["side"],
+    )
+    if spec.num_classes != n_classes:
+        raise CmhsaError(f"has {n_classes} classes but `data` {o.data} has {spec.num_classes}", path)
+    channels = pre["c"]
+    image_mode(channels, path)
+    workers = default_workers() if o.workers is None else o.workers
+    loader = build_loader(
+        spec.val,
+        partial(onnx_tensor, pre=pre),
+        training=False,
+        batch_size=exported.batch,
+        seed=o.seed,
+        workers=workers,
+        in_chans=channels,
+    )
+    confusion = torch.zeros(n_classes, n_classes, dtype=torch.int64)
+    metrics = evaluate(OnnxModule(exported), loader, torch.device("cpu"), None, confusion=confusion)
+    rows, pairs = per_class(confusion, exported.names or spec.classes)
+    return EvalReport(
+        "onnx",
+        len(spec.val),
+        metrics["top1"],
+        metrics["top5"],
+        metrics["val_loss"],
+        f"onnxruntime, {exported.provider}",
+        rows,
+        pairs,
+        "model" if exported.names else "data" if spec.classes else "numbers",
+        bool(exported.names and spec.classes and exported.names != spec.classes),
+    )
+
+
+def _onnx_classes(exported: Any) -> int:
+    """The class count of an exported graph: its output's second dimension (one run on zeros where
+    the graph leaves it open), class names read and checked with it."""
+    import numpy as np
+
+    pre = exported.pre
+    return int(exported.logits(np.zeros((1, pre["c"], pre["h"], pre["w"]), np.float32)).shape[1])

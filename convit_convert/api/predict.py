@@ -21,8 +21,8 @@ from ..errors import CmhsaError
 from ..io.atomic import atomic_text
 from ..io.images import read_image
 from ..io.outputs import Target
-from ..io.paths import parse_json, stat_input
-from ..labels import check_class_names, name_of
+from ..io.paths import stat_input
+from ..labels import name_of
 from ..options.operations import PredictOptions
 from ..options.values import EVAL_CROP_PCT
 from ..resources import sized_by
@@ -31,7 +31,6 @@ from .common import load_checkpoint, pick_device
 
 MAX_IMAGES = 10**6  # images one predict reads (a folder's walk stops there, with an error)
 MAX_FOLDERS = 10**5
-PIL_FILTERS = ("nearest", "bilinear", "bicubic", "lanczos", "box", "hamming")
 
 
 @dataclass
@@ -162,68 +161,6 @@ def _with_torch(
     return report
 
 
-# what a cmhsa export's normalisation may be: images scaled to 0..1, then (x - mean) / std
-MEAN_RANGE, STD_RANGE = (0.0, 1.0), (1e-3, 10.0)
-MAX_CROP_RATIO = 10  # crop_pct >= 0.1: the resize is at most 10x the model's input
-
-
-def onnx_preprocessing(
-    props: dict[str, str], path: Path, input_dims: tuple[int | None, ...]
-) -> dict[str, Any]:
-    """An ONNX file's recorded preprocessing (cmhsa export's ``metadata_props``), read as untrusted
-    input: every field present and of its kind, the input size the graph's own (``input_dims``: its
-    declared C, H, W), the resize within 10x of it, mean and std what normalising 0..1 pixels takes;
-    or one CmhsaError naming it."""
-
-    def field_(key: str) -> Any:
-        if key not in props:
-            raise CmhsaError(
-                f"metadata_props has no {key!r}: not a file `cmhsa export` wrote, so its preprocessing is "
-                "unknown",
-                path,
-            )
-        return props[key]
-
-    try:
-        c, h, w = (int(v) for v in parse_json(field_("input_size"), path, "metadata_props' input_size"))
-        side = int(field_("resize_shorter_to"))
-        mean = [float(v) for v in parse_json(field_("mean"), path, "metadata_props' mean")]
-        std = [float(v) for v in parse_json(field_("std"), path, "metadata_props' std")]
-    except (ValueError, TypeError, OverflowError, CmhsaError):
-        raise CmhsaError(
-            "metadata_props' input_size, resize_shorter_to, mean or std is malformed", path
-        ) from None
-    if (c, h, w) != tuple(input_dims):
-        shown = "x".join("?" if d is None else str(d) for d in input_dims)
-        raise CmhsaError(
-            f"metadata_props' input_size {c}x{h}x{w} is not the graph's input {shown}: not a file `cmhsa "
-            "export` wrote",
-            path,
-        )
-    channels, interp = field_("channels"), field_("interpolation")
-    ok = (
-        channels in ("L", "RGB")
-        and c == (1 if channels == "L" else 3)
-        and min(h, w) <= side <= MAX_CROP_RATIO * min(h, w)
-        and interp in PIL_FILTERS
-        and len(mean) == len(std) == c
-        and all(MEAN_RANGE[0] <= v <= MEAN_RANGE[1] for v in mean)
-        and all(STD_RANGE[0] <= v <= STD_RANGE[1] for v in std)
-    )
-    if not ok:
-        raise CmhsaError("metadata_props' preprocessing is not one cmhsa export writes", path)
-    return {
-        "c": c,
-        "h": h,
-        "w": w,
-        "side": side,
-        "channels": channels,
-        "interp": interp,
-        "mean": mean,
-        "std": std,
-    }
-
-
 def finite_outputs(logits: np.ndarray, chunk: list[Path], where: object) -> None:
     """A model's outputs must be numbers: a NaN or infinite logit is an error naming the first image
     it came from, never a table of ``nan%``."""
@@ -233,58 +170,25 @@ def finite_outputs(logits: np.ndarray, chunk: list[Path], where: object) -> None
         raise CmhsaError(f"the model's outputs for {image} are not finite (NaN or infinity)", where)
 
 
-def onnx_input(image: Any, p: dict[str, Any]) -> np.ndarray:
-    """One PIL image as the ONNX model's (C, H, W) float32 input, as its metadata_props say (the
-    steps of docs/sharing.md's snippet: timm's evaluation transform)."""
-    from PIL import Image
-
-    image = image.convert(p["channels"])
-    side, (iw, ih) = p["side"], image.size
-    size = (side, int(side * ih / iw)) if iw <= ih else (int(side * iw / ih), side)
-    image = image.resize(size, Image.Resampling[p["interp"].upper()])
-    left, top = round((image.width - p["w"]) / 2), round((image.height - p["h"]) / 2)
-    crop = image.crop((left, top, left + p["w"], top + p["h"]))
-    x = np.asarray(crop, dtype=np.float32).reshape(p["h"], p["w"], p["c"]) / 255
-    mean, std = np.array(p["mean"], dtype=np.float32), np.array(p["std"], dtype=np.float32)
-    return ((x - mean) / std).transpose(2, 0, 1)
-
-
 def _with_onnxruntime(path: Path, files: list[Path], o: PredictOptions, progress: Any) -> PredictReport:
-    from ..onnx.load import check_runnable, load_onnx, ort_session, run_session
+    from .exported_onnx import onnx_input, open_exported
 
-    model = load_onnx(path)
-    props = {p.key: p.value for p in model.metadata_props}
-    inp = model.graph.input[0]
-    dims = inp.type.tensor_type.shape.dim
-    pre = onnx_preprocessing(
-        props, path, tuple(d.dim_value if d.HasField("dim_value") else None for d in dims[1:])
-    )
-    first = inp.type.tensor_type.shape.dim[0]
-    batch = o.batch_size if not first.HasField("dim_value") else first.dim_value
-    check_runnable(model, path, batch)
-    session = ort_session(model, path)
-    out_name = model.graph.output[0].name
+    exported = open_exported(path, o.batch_size, o.device)
+    pre = exported.pre
     report = PredictReport(str(path), "onnx", "numbers", o.top_k)
-    names = None
-    for chunk in _batches(files, batch):
+    for chunk in _batches(files, exported.batch):
         xs = []
         for f in chunk:
             with sized_by(f"for the image {f} (decoded, then resized as {path}'s metadata_props say)"):
                 xs.append(onnx_input(read_image(f, pre["channels"], resize_to=pre["side"]), pre))
-        x = np.stack(xs)
-        if len(chunk) < batch and first.HasField("dim_value"):  # a static batch: pad, then drop
-            x = np.concatenate([x, np.zeros((batch - len(chunk), *x.shape[1:]), np.float32)])
-        with sized_by(f"for running {path} in onnxruntime at batch {batch}"):
-            logits = run_session(session, [out_name], {inp.name: x}, path)[0][: len(chunk)]
+        logits = exported.logits(np.stack(xs))
         finite_outputs(logits, chunk, path)
-        if names is None and "classes" in props:
-            classes = parse_json(props["classes"], path, "metadata_props' classes")
-            names = check_class_names(classes, logits.shape[1], f"{path} (metadata_props' classes)")
+        if exported.names is not None:
             report.names_from = "model"
         report.top_k = min(o.top_k, logits.shape[1])
         z = logits - logits.max(axis=1, keepdims=True)
         probs = np.exp(z) / np.exp(z).sum(axis=1, keepdims=True)
-        for f, top in zip(chunk, _top(probs, report.top_k, names), strict=True):
+        for f, top in zip(chunk, _top(probs, report.top_k, exported.names), strict=True):
             report.predictions.append(Prediction(str(f), top))
         if progress is not None:
             progress(len(chunk))

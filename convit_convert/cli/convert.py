@@ -286,9 +286,10 @@ def inspect(
     info.add_row("dtype", str(c.dtype).removeprefix("torch."))
     info.add_row("file size", f"{r.facts['bytes']:,} bytes")
     info.add_row("heads needed", f"{r.heads.patch_heads} ({safe(r.heads.patch_reason)})")
-    for key in ("trained", "init"):  # written by `cmhsa train`: how the weights were made
-        if f"cmhsa.{key}" in c.metadata:
-            info.add_row(key, safe(c.metadata[f"cmhsa.{key}"]))
+    if "cmhsa.trained" in c.metadata:  # written by `cmhsa train`: how the weights were made
+        info.add_row("trained", safe(c.metadata["cmhsa.trained"]))
+    if "cmhsa.init" in c.metadata:
+        info.add_row("init", safe(init_text(c.metadata["cmhsa.init"])))
     if c.classes is not None:  # output i is class i; anyone's names: escaped, the first few shown
         shown = ", ".join(safe(n[:60]) for n in c.classes[:SHOWN_CLASSES])
         more = len(c.classes) - SHOWN_CLASSES
@@ -310,6 +311,41 @@ def inspect(
     console.print(
         "[dim]a query patch at (y, x) reads the key patch at (y+dy, x+dx); free: not pinned to one patch[/]"
     )
+    if r.gates is not None:
+        console.print(
+            "[dim]g: the head's gate (--pinning gated), the share of its attention that content "
+            "(q·k) takes from its pinned offset: 0 is exactly the pinned patch, 1 content alone[/]"
+        )
+
+
+INIT_WORDS = {"init_kind": "kind", "init_sha256": "sha256", "init_num_classes": "its classes"}
+
+
+def init_text(raw: str) -> str:
+    """``cmhsa.init`` (a JSON object `cmhsa train` writes: how the weights started) as words for a
+    table cell: the start (a file by its name, never its folder), then its kind, hash and what was
+    replaced; text that is not such an object is shown as it is (escaped by the caller)."""
+    from ..io.paths import parse_json
+
+    try:
+        doc = parse_json(raw, None, "metadata cmhsa.init")
+    except CmhsaError:
+        return raw
+    if not isinstance(doc, dict):
+        return raw
+    parts = []
+    for key, value in doc.items():
+        if value is None or value == [] or value is False:
+            continue
+        if key == "init":
+            parts.insert(0, str(value).replace("\\", "/").rsplit("/", 1)[-1])
+        elif key == "init_sha256" and isinstance(value, str):
+            parts.append(f"sha256 {value[:16]}…")
+        elif key == "replaced" and isinstance(value, list):
+            parts.append(f"made anew: {', '.join(map(str, value))}")
+        else:
+            parts.append(f"{INIT_WORDS.get(key, key)} {value}")
+    return "; ".join(parts) or raw
 
 
 @app.command()

@@ -62,12 +62,12 @@ def run_export(checkpoint: Path, output: Path, options: Any, report: Path | None
     return r.passed
 
 
-def run_timm_folder(checkpoint: Path, folder: Path) -> bool:
+def run_timm_folder(checkpoint: Path, folder: Path, license_id: str | None = None) -> bool:
     """Write the folder, load it with timm, print what was written and the check; whether it passed."""
     from ..timm import export_timm_folder
 
     with console.status(f"Writing {safe(str(folder))} and loading it with timm..."):
-        r = export_timm_folder(checkpoint, folder)
+        r = export_timm_folder(checkpoint, folder, license_id=license_id)
     print_import(r.checkpoint)
     print_timm_folder(r)
     return r.passed
@@ -120,6 +120,16 @@ def export_cmd(
     device: Annotated[str, device_option()] = OPTIONS["device"],
     seed: Annotated[int, typer.Option(help="Seed of the check images.")] = OPTIONS["seed"],
     report: Annotated[Path | None, path_opt("Report path (default: OUTPUT + .report.json).")] = None,
+    license: Annotated[
+        str | None,
+        typer.Option(
+            "--license",
+            help="--format timm: the weights' licence id (the Hub's: mit, cc-by-4.0, apache-2.0, other) "
+            "in the card's front matter and pretrained_cfg. Default: the training data's (digits "
+            "cc-by-4.0, Fashion-MNIST mit; CIFAR, an image folder or unrecorded data: unknown).",
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
     """Export a checkpoint to one ONNX file checked in onnxruntime, or as timm's pretrained folder.
 
@@ -127,7 +137,9 @@ def export_cmd(
     if format not in ("onnx", "timm"):
         raise CmhsaError(f"`--format` must be onnx or timm, got {format!r}")
     if format == "timm":
-        raise typer.Exit(0 if run_timm_folder(checkpoint, output) else EXIT_FAIL)
+        raise typer.Exit(0 if run_timm_folder(checkpoint, output, license) else EXIT_FAIL)
+    if license is not None:
+        raise CmhsaError("--license is for --format timm (the card, pretrained_cfg); ONNX records none")
     options = ExportOptions(opset=opset, tol=tol, exporter=exporter, form=form, device=device, seed=seed)
     passed = run_export(checkpoint, output, options, report)
     raise typer.Exit(0 if passed else EXIT_FAIL)

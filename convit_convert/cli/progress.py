@@ -45,7 +45,8 @@ class RichProgress(Progress):
     def step(self, epoch: int, step: int, loss: float, lr: float, img_per_s: float) -> None:
         if self.bars is None:
             return super().step(epoch, step, loss, lr, img_per_s)
-        self.bars.update(self.step_task, completed=step + 1, info=step_info(loss, lr, img_per_s))
+        info = f"{step_info(loss, lr, img_per_s)}  {self.timing(step)}"
+        self.bars.update(self.step_task, completed=step + 1, info=info)
 
     def end_epoch(self, row: dict[str, Any], label: str = "") -> None:
         if self.bars is not None:

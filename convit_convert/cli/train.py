@@ -318,7 +318,7 @@ OPTION_ROWS: list[Flag] = [
         bool,
         RUN,
         "At the end, also write the model as timm's pretrained folder timm/ "
-        "(model.safetensors + config.json, for "
+        "(model.safetensors, config.json and the model card README.md, for "
         "timm.create_model('local-dir:DIR') and the Hugging Face Hub), checked "
         "by loading it with timm as by cmhsa export --format timm.",
     ),
@@ -438,7 +438,12 @@ for _phase in ("phase1", "phase2"):
 
 def eval_command(
     checkpoint: Annotated[
-        Path, typer.Argument(help="Model checkpoint (.safetensors, conv or attn).", show_default=False)
+        Path,
+        typer.Argument(
+            help="Model: a checkpoint (.safetensors, conv or attn), a timm folder cmhsa wrote, or an ONNX "
+            "file (one cmhsa exported runs in onnxruntime as shipped).",
+            show_default=False,
+        ),
     ],
     data: Annotated[Optional[str], data_option()] = None,  # noqa: UP045
     data_dir: Annotated[Optional[str], data_dir_option()] = EvalOptions.data_dir,  # noqa: UP045
@@ -450,7 +455,7 @@ def eval_command(
     crop_pct: Annotated[float, typer.Option(help="Eval centre-crop fraction.")] = EvalOptions.crop_pct,
     seed: SyntheticSeed = EvalOptions.seed,
 ) -> None:
-    """Top-1 / top-5 accuracy and loss of a checkpoint on a dataset's validation split."""
+    """Top-1 / top-5 and loss of a checkpoint, timm folder or ONNX file on a dataset's validation split."""
     from rich.table import Table
 
     from ..api.on_data import evaluate_checkpoint
@@ -464,6 +469,7 @@ def eval_command(
     for col in ("kind", "top-1 %", "top-5 %", "loss"):
         table.add_column(col, justify="right")
     kind = r.kind if r.form == "conv" else f"{r.kind}, {r.form} form"  # attention runs fused where exact
+    kind = f"{r.kind}, {r.form}" if r.kind == "onnx" else kind  # the runtime and its provider
     table.add_row(kind, f"{r.top1:.2f}", f"{r.top5:.2f}", f"{r.val_loss:.4f}")
     print_titled(title, table)
     print_per_class(r)

@@ -7,9 +7,11 @@ not known is not claimed. No torch."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from ..config import ViTConfig
+from ..errors import CmhsaError
 from ..labels import from_metadata
 from ..text import card_number, markdown_safe
 from .paths import parse_json
@@ -22,6 +24,72 @@ HUB_DATASETS = {
     "cifar10": "uoft-cs/cifar10",
     "cifar100": "uoft-cs/cifar100",
 }
+# what cmhsa knows of each dataset it reads: the Hub's licence id for weights trained on it, and
+# the data as a card names it (an image folder's licence, and CIFAR's, are not known: said so)
+DATA_LICENSES = {
+    "digits": (
+        "cc-by-4.0",
+        "scikit-learn's digits (UCI's Optical Recognition of Handwritten Digits), licensed CC BY 4.0",
+    ),
+    "fashion-mnist": ("mit", "Fashion-MNIST (Zalando Research), licensed MIT"),
+    "cifar10": ("unknown", "CIFAR-10 (Krizhevsky, 2009), published with no licence stated"),
+    "cifar100": ("unknown", "CIFAR-100 (Krizhevsky, 2009), published with no licence stated"),
+    "imagefolder": ("unknown", "an image folder, whose licence cmhsa cannot know"),
+    "synthetic": ("mit", "cmhsa's own synthetic images (MIT, as cmhsa)"),
+}
+NOT_RECORDED = ("unknown", "not recorded in the weights' metadata")
+LICENSE_ID = re.compile(r"[a-z0-9][a-z0-9.+-]{0,63}")  # the Hub's licence ids: cc-by-4.0, mit, other
+
+
+def data_license(metadata: dict[str, str]) -> tuple[str, str]:
+    """The licence id a card declares by default for weights with ``metadata``, and the training
+    data as the card names it: from the dataset the run recorded (``cmhsa.result``'s ``data``, or
+    the second word of ``cmhsa.trained``, "phase1 digits, 30 epochs", which older runs wrote alone)."""
+    data = _json(metadata, "cmhsa.result").get("data")
+    if data is None and isinstance(metadata.get("cmhsa.trained"), str):
+        words = metadata["cmhsa.trained"].replace(",", " ").split()
+        data = words[1] if len(words) > 1 else None
+    return DATA_LICENSES.get(data, NOT_RECORDED) if isinstance(data, str) else NOT_RECORDED
+
+
+def check_license(license_id: str) -> str:
+    """A licence id as the Hub's front matter takes it (lower case: ``mit``, ``cc-by-4.0``,
+    ``apache-2.0``, ``other``); anything else is refused."""
+    if not isinstance(license_id, str) or not LICENSE_ID.fullmatch(license_id):
+        raise CmhsaError(
+            f"`license` {license_id!r} is not a licence id as the Hugging Face Hub writes one (lower "
+            "case letters, digits, '.', '+', '-': mit, cc-by-4.0, apache-2.0, other)"
+        )
+    return license_id
+
+
+def source_url() -> str | None:
+    """The project's source repository as the installed distribution records it (pyproject's
+    ``[project.urls]`` Source), or None: a card never names a package an index may not serve."""
+    from importlib import metadata
+
+    try:
+        urls = metadata.metadata("cmhsa").get_all("Project-URL") or []
+    except metadata.PackageNotFoundError:
+        return None
+    for entry in urls:
+        label, _, url = entry.partition(",")
+        if label.strip().lower() in ("source", "repository") and url.strip().startswith("https://"):
+            return url.strip()
+    return None
+
+
+def install_line(url: str | None) -> str:
+    """How a reader gets cmhsa: from its source repository; it is on no package index, so never
+    ``pip install cmhsa`` (which would install whatever someone else registered under the name)."""
+    if url is None:
+        return (
+            "cmhsa is on no package index (a package of that name there would be someone else's): "
+            "install it from the source this model was exported with, `pip install -e .` in its folder."
+        )
+    return f'cmhsa is on no package index: install it from its source, `pip install "cmhsa @ git+{url}"`.'
+
+
 KINDS = {
     "conv": "phase 1: a convolutional ViT (each block's attention replaced by a K×K convolution)",
     "attn": "phase 2: a Vision Transformer with relative-position multi-head self-attention",
@@ -36,14 +104,23 @@ def _json(metadata: dict[str, str], key: str) -> dict[str, Any]:
 
 
 def model_card(
-    cfg: ViTConfig, metadata: dict[str, str], num_params: int, preprocessing: dict[str, str]
+    cfg: ViTConfig,
+    metadata: dict[str, str],
+    num_params: int,
+    preprocessing: dict[str, str],
+    license_id: str | None = None,
+    url: str | None = None,
 ) -> str:
     """README.md of a timm folder holding a model of ``cfg`` (``preprocessing``: how it wants an
-    image, io.timm_folder.preprocessing)."""
+    image, io.timm_folder.preprocessing; ``license_id``: the weights' licence, by default the
+    training data's, :func:`data_license`; ``url``: cmhsa's source repository, :func:`source_url`)."""
     result, init = _json(metadata, "cmhsa.result"), _json(metadata, "cmhsa.init")
     data = result.get("data")
+    default_license, data_named = data_license(metadata)
+    license_id = check_license(license_id or default_license)
     arch = "cmhsa_attn" if cfg.kind == "attn" else "cmhsa_conv"
-    yaml = ["---", "library_name: timm", "license: mit", "pipeline_tag: image-classification", "tags:"]
+    yaml = ["---", "library_name: timm", f"license: {license_id}", "pipeline_tag: image-classification"]
+    yaml += ["tags:"]
     yaml += [f"- {t}" for t in ("image-classification", "timm", "cmhsa", "vision-transformer", arch)]
     if data in HUB_DATASETS:
         yaml += ["datasets:", f"- {HUB_DATASETS[data]}"]
@@ -55,8 +132,10 @@ def model_card(
     lines = [
         f"# {arch}: {KINDS[cfg.kind]}",
         "",
-        "Made with [cmhsa](https://arxiv.org/abs/2111.01353) (*Can Vision Transformers Perform "
-        "Convolution?*): "
+        "Made with cmhsa"
+        + (f" ({url})" if url else "")
+        + ", the tool of the paper [*Can Vision Transformers Perform Convolution?*]"
+        "(https://arxiv.org/abs/2111.01353): "
         f"depth {cfg.depth}, width {cfg.embed_dim}, {cfg.patch_size}×{cfg.patch_size} patches, "
         f"{cfg.kernel_size}×{cfg.kernel_size} kernel{heads}; {num_params:,} parameters; "
         f"{cfg.num_classes} classes.",
@@ -88,6 +167,19 @@ def model_card(
             f"sha256 {markdown_safe(metadata['cmhsa.source_sha256'], 64)}."
         )
     lines += made or ["- Not recorded in the weights' metadata (not written by `cmhsa train`)."]
+    same = license_id == default_license
+    lines += [
+        "",
+        "## Training data and licence",
+        "",
+        f"Training data: {data_named}. These weights are declared `{license_id}`"
+        + (
+            " here, the training data's licence, as `cmhsa export` sets it by default (`--license ID` "
+            "sets another)."
+            if same
+            else f", set by `cmhsa export --license`; the training data's is `{default_license}`."
+        ),
+    ]
     names = from_metadata(metadata, cfg.num_classes)
     if names is not None:  # output i is class names[i]; anyone's folder names: inert text, bounded
         shown = ", ".join(markdown_safe(n, 60) for n in names[:SHOWN_CLASSES])
@@ -107,10 +199,14 @@ def model_card(
         "",
         "## Use",
         "",
+        f"You need cmhsa and timm. {install_line(url)} Then `import convit_convert.timm` before "
+        "`timm.create_model`: it registers `cmhsa_conv` and `cmhsa_attn` with timm (without it timm "
+        "says `Unknown model`, and transformers' pipeline asks to upgrade timm).",
+        "",
         "```python",
         "import timm",
         "import timm.data",
-        "import convit_convert.timm  # registers cmhsa_conv and cmhsa_attn with timm (pip install cmhsa)",
+        "import convit_convert.timm  # registers cmhsa_conv and cmhsa_attn with timm",
         "",
         '# "local-dir:" and this folder\'s path, or "hf-hub:" and its Hub name once uploaded',
         'model = timm.create_model("local-dir:PATH/TO/THIS/FOLDER", pretrained=True)',
@@ -120,7 +216,9 @@ def model_card(
         "",
         "Files: `model.safetensors` (the weights, cmhsa's checkpoint format: `cmhsa inspect` reads it) "
         "and `config.json` (timm's: the architecture, `model_args` with the whole cmhsa config, "
-        "`pretrained_cfg`). The license above is `pretrained_cfg`'s; change both if yours differs.",
+        "`pretrained_cfg`, whose `license` is the card's). Without cmhsa or torch: `cmhsa export "
+        "model.safetensors -o model.onnx` writes an ONNX file that runs with onnxruntime alone, its "
+        "preprocessing in its metadata.",
         "",
     ]
     return "\n".join(yaml) + "\n\n" + "\n".join(lines)

@@ -27,7 +27,7 @@ from ..text import json_text
 from .atomic import atomic_names
 from .checkpoint import read_metadata, write_checkpoint
 from .folder import Folder
-from .model_card import CARD, model_card
+from .model_card import CARD, check_license, data_license, model_card, source_url
 from .outputs import Target
 from .paths import parse_json, read_text
 
@@ -36,9 +36,10 @@ ARCHITECTURES = {"conv": "cmhsa_conv", "attn": "cmhsa_attn"}  # timm's registere
 CONFIG_ARG = "cmhsa_config"  # the model_args key holding the cmhsa config
 
 
-def pretrained_cfg(cfg: ViTConfig, file: str | None = None) -> dict[str, Any]:
+def pretrained_cfg(cfg: ViTConfig, file: str | None = None, license_id: str = "mit") -> dict[str, Any]:
     """timm's description of how a model wants its input (what ``cmhsa eval`` does: bicubic resize
-    to size / 0.875, centre crop, ImageNet's mean and std), and where its head is."""
+    to size / 0.875, centre crop, ImageNet's mean and std), where its head is, and the weights'
+    licence (the model card's: io/model_card.data_license)."""
     from ..data import channel_stats
 
     mean, std = channel_stats(cfg.in_chans)
@@ -56,7 +57,7 @@ def pretrained_cfg(cfg: ViTConfig, file: str | None = None) -> dict[str, Any]:
         "first_conv": first_conv,
         "classifier": "head",
         "file": file,
-        "license": "mit",
+        "license": license_id,
     }
 
 
@@ -81,11 +82,13 @@ def preprocessing(cfg: ViTConfig) -> dict[str, str]:
     }
 
 
-def timm_config(cfg: ViTConfig, classes: tuple[str, ...] | None = None) -> dict[str, Any]:
+def timm_config(
+    cfg: ViTConfig, classes: tuple[str, ...] | None = None, license_id: str = "mit"
+) -> dict[str, Any]:
     """config.json's content for a model of ``cfg`` (``classes``: its outputs' names, as timm's
     ``push_to_hf_hub`` writes them, a top-level ``label_names``, which timm moves into
     ``pretrained_cfg`` and transformers' TimmWrapper reads as ``id2label``)."""
-    pcfg = {k: v for k, v in pretrained_cfg(cfg).items() if k != "file"}
+    pcfg = {k: v for k, v in pretrained_cfg(cfg, license_id=license_id).items() if k != "file"}
     doc: dict[str, Any] = {
         "architecture": ARCHITECTURES[cfg.kind],
         "num_classes": cfg.num_classes,
@@ -97,14 +100,20 @@ def timm_config(cfg: ViTConfig, classes: tuple[str, ...] | None = None) -> dict[
 
 
 def write_timm_folder(
-    folder: Folder, cfg: ViTConfig, state_dict: dict[str, Any], metadata: dict[str, str] | None = None
+    folder: Folder,
+    cfg: ViTConfig,
+    state_dict: dict[str, Any],
+    metadata: dict[str, str] | None = None,
+    license_id: str | None = None,
 ) -> list[Path]:
     """Write the held ``folder``'s three files together (all or none): the weights, timm's
     config.json and the model card README.md (io/model_card.py, from ``metadata``); ``state_dict``:
-    every tensor of the model (timm loads it strictly). The paths written."""
+    every tensor of the model (timm loads it strictly); ``license_id``: the weights' licence in both
+    the card and ``pretrained_cfg`` (default: the training data's). The paths written."""
     classes = from_metadata(metadata or {}, cfg.num_classes, folder.show(WEIGHTS))
-    text = model_card(cfg, metadata or {}, cfg.num_params(), preprocessing(cfg))
-    doc = json_text(timm_config(cfg, classes)) + "\n"
+    license_id = check_license(license_id or data_license(metadata or {})[0])
+    text = model_card(cfg, metadata or {}, cfg.num_params(), preprocessing(cfg), license_id, source_url())
+    doc = json_text(timm_config(cfg, classes, license_id)) + "\n"
     targets = [Target(folder, WEIGHTS), Target(folder, CONFIG), Target(folder, CARD)]
     with atomic_names(*targets) as (tmp_weights, tmp_config, tmp_card):
         write_checkpoint(tmp_weights, cfg, state_dict, metadata, folder.show(WEIGHTS))
