@@ -69,12 +69,11 @@ def chosen_settings(settings: list[tuple], args: argparse.Namespace) -> list[tup
     if not wanted:
         return settings
     # a setting's whole name picks it alone; other words, every setting whose name holds them
+    names = {row[0] for row in settings}
     picked = [
         row
         for row in settings
-        if any(
-            words == row[0] or (words in row[0] and words not in {r[0] for r in settings}) for words in wanted
-        )
+        if any(words == row[0] or (words in row[0] and words not in names) for words in wanted)
     ]
     if not picked:
         raise SystemExit(f"error: --settings names none of: {'; '.join(row[0] for row in settings)}")

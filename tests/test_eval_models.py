@@ -72,3 +72,24 @@ def test_cuda_for_an_onnx_file_needs_onnxruntime_s_cuda_provider(shipped: dict[s
         pytest.skip("onnxruntime-gpu is installed here: the provider exists")
     r = invoke("eval", shipped["conv.onnx"], "--data", "digits", "--device", "cuda")
     one_error_line(r, 2, "no CUDAExecutionProvider", "the gpu extra")
+
+
+def test_eval_reads_an_onnx_file_once(
+    shipped: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Deciding how to run an ONNX file reads it, and that read serves the run: one bounded load
+    (and one full check) whether it runs as shipped or is imported as a conv-phase graph."""
+    import onnx
+
+    from convit_convert.onnx import load as onnx_load
+
+    bare = onnx.load(str(shipped["conv.onnx"]))
+    del bare.metadata_props[:]  # no cmhsa export's record: read as a conv-phase graph
+    onnx.save(bare, str(tmp_path / "bare.onnx"))
+    reads: list[str] = []
+    load_onnx = onnx_load.load_onnx
+    monkeypatch.setattr(onnx_load, "load_onnx", lambda p: reads.append(str(p)) or load_onnx(p))
+    for name in (shipped["conv.onnx"], tmp_path / "bare.onnx"):
+        reads.clear()
+        report = evaluate_checkpoint(name, OPTIONS)
+        assert reads == [str(name)] and report.images == 359, (name, reads)

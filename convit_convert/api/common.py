@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -22,12 +23,17 @@ AMP = {"bf16": torch.bfloat16, "fp16": torch.float16, "none": None}
 
 
 def load_checkpoint(
-    path: str | Path, geometry: Geometry | None = None, *, onnx_tol: float = DEFAULT_TOL
+    path: str | Path,
+    geometry: Geometry | None = None,
+    *,
+    onnx_tol: float = DEFAULT_TOL,
+    onnx_model: Any = None,
 ) -> Checkpoint:
     """Any model file: cmhsa safetensors, a bare conv-phase state dict (given ``geometry``'s
     ``img_size`` and ``patch_size``), a conv-phase ONNX graph, read by its structure and checked
-    against onnxruntime within ``onnx_tol`` (:mod:`convit_convert.onnx.importer`), or a timm folder
-    cmhsa wrote (its config.json checked as cmhsa writes it, then its model.safetensors)."""
+    against onnxruntime within ``onnx_tol`` (:mod:`convit_convert.onnx.importer`; ``onnx_model``: that
+    file as ``onnx.load.load_onnx`` already read it), or a timm folder cmhsa wrote (its config.json
+    checked as cmhsa writes it, then its model.safetensors)."""
     path = Path(path)
     if path.is_dir():
         from ..io.timm_folder import CONFIG, WEIGHTS, folder_config
@@ -41,7 +47,7 @@ def load_checkpoint(
         return load_tensor_checkpoint(path, geometry)
     from ..onnx.importer import import_onnx
 
-    ckpt = import_onnx(path, tol=onnx_tol)
+    ckpt = import_onnx(path, tol=onnx_tol, model=onnx_model)
     g = geometry or Geometry()
     check_geometry(ckpt.config, g.img_size, g.patch_size, path, "graph")
     return ckpt

@@ -97,12 +97,10 @@ def onnx_input(image: Any, p: dict[str, Any]) -> np.ndarray:
     return ((x - mean) / std).transpose(2, 0, 1)
 
 
-def is_exported(path: Path) -> bool:
-    """Whether the ONNX file at ``path`` records cmhsa export's preprocessing (else it is read as a
-    conv-phase graph: ``onnx.importer``)."""
-    from ..onnx.load import load_onnx
-
-    return any(p.key == PREPROCESSING_KEY for p in load_onnx(path).metadata_props)
+def is_exported(model: Any) -> bool:
+    """Whether an ONNX model (as ``onnx.load.load_onnx`` returns it) records cmhsa export's
+    preprocessing (else it is read as a conv-phase graph: ``onnx.importer``)."""
+    return any(p.key == PREPROCESSING_KEY for p in model.metadata_props)
 
 
 @dataclass
@@ -143,15 +141,16 @@ class ExportedOnnx:
         return out
 
 
-def open_exported(path: Path, batch_size: int, device: str = "cpu") -> ExportedOnnx:
-    """``path`` loaded (bounded), its preprocessing read as untrusted input, its graph checked as
-    runnable at the batch it will run, and an onnxruntime session on ``device``'s provider
-    (``onnx.load.providers_for``: CUDA where onnxruntime-gpu is installed)."""
+def open_exported(path: Path, batch_size: int, device: str = "cpu", model: Any = None) -> ExportedOnnx:
+    """``path`` loaded (bounded; ``model``: as ``load_onnx`` already returned it), its preprocessing
+    read as untrusted input, its graph checked as runnable at the batch it will run, and an
+    onnxruntime session on ``device``'s provider (``onnx.load.providers_for``: CUDA where
+    onnxruntime-gpu is installed)."""
     from ..onnx.load import check_runnable, load_onnx, ort_session, providers_for
     from ..options.checked import check_device_name
 
     check_device_name(device)
-    model = load_onnx(path)
+    model = load_onnx(path) if model is None else model
     props = {p.key: p.value for p in model.metadata_props}
     inp = model.graph.input[0]
     dims = inp.type.tensor_type.shape.dim

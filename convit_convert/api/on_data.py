@@ -136,21 +136,50 @@ def _dataset(
 ) -> tuple[DataSpec, Any]:
     """``data`` (the value of library parameter ``param``) for a model of ``cfg``, and the evaluation
     transform for it; a dataset whose classes or images do not fit the model is refused."""
+    spec = _fitting_data(
+        data,
+        data_dir,
+        (cfg.img_size, cfg.num_classes, cfg.in_chans),
+        download=download,
+        crop_pct=crop_pct,
+        seed=seed,
+        path=path,
+        param=param,
+        val_only=val_only,
+    )
+    return spec, build_transform(cfg.img_size, False, None, cfg.in_chans, crop_pct=crop_pct)
+
+
+def _fitting_data(
+    data: str,
+    data_dir: str | None,
+    model: tuple[tuple[int, int], int, int],
+    *,
+    download: bool,
+    crop_pct: float,
+    seed: int,
+    path: object = None,
+    param: str = "data",
+    val_only: bool = False,
+) -> DataSpec:
+    """``data``'s splits for a model taking ``model`` = (image size, classes, channels): a dataset
+    whose classes or images do not fit it is refused, naming ``path`` (the model) and ``param``."""
+    img_size, num_classes, in_chans = model
     spec = build_data(
         data,
         data_dir,
-        cfg.img_size,
+        img_size,
         download=download,
-        num_classes=cfg.num_classes,
+        num_classes=num_classes,
         seed=seed,
         val_only=val_only,
         crop_pct=crop_pct,
     )
-    if spec.num_classes != cfg.num_classes:
-        msg = f"has {cfg.num_classes} classes but `{param}` {data} has {spec.num_classes}"
+    if spec.num_classes != num_classes:
+        msg = f"has {num_classes} classes but `{param}` {data} has {spec.num_classes}"
         raise CmhsaError(msg if path else f"the model {msg}", path)
-    image_mode(cfg.in_chans, path)  # RGB or grey: the loader converts every image to it
-    return spec, build_transform(cfg.img_size, False, None, cfg.in_chans, crop_pct=crop_pct)
+    image_mode(in_chans, path)  # RGB or grey: the loader converts every image to it
+    return spec
 
 
 def _val_loader(
@@ -188,12 +217,15 @@ def evaluate_checkpoint(path: str | Path, options: EvalOptions) -> EvalReport:
     a timm folder cmhsa wrote, or an ONNX file: one cmhsa exported runs as shipped (onnxruntime, the
     preprocessing it records: :func:`evaluate_exported`), any other is read as a conv-phase graph."""
     o = options
-    if Path(path).suffix.lower() == ".onnx":
+    onnx_model = None
+    if Path(path).suffix.lower() == ".onnx":  # read once: run as shipped, or imported as a conv graph
+        from ..onnx.load import load_onnx
         from .exported_onnx import is_exported
 
-        if is_exported(Path(path)):
-            return evaluate_exported(Path(path), o)
-    ckpt = load_checkpoint(path)
+        onnx_model = load_onnx(path)
+        if is_exported(onnx_model):
+            return evaluate_exported(Path(path), o, onnx_model)
+    ckpt = load_checkpoint(path, onnx_model=onnx_model)
     workers = default_workers() if o.workers is None else o.workers
     dev = pick_device(o.device)
     dtype = amp_dtype(o.amp, dev)
@@ -269,11 +301,12 @@ def calibration_from_data(
     return Calibration(x, hx, hy, f"{data}: {len(x)} training images; held out: {len(hx)} validation images")
 
 
-def evaluate_exported(path: Path, options: EvalOptions) -> EvalReport:
-    """An ONNX file ``cmhsa export`` wrote, measured as shipped: onnxruntime on ``options.device``'s
-    provider, each validation image prepared as its ``metadata_props`` say (the steps of
-    ``predict``), so ``crop_pct`` and ``amp`` are the file's own (float32): another value given is
-    refused. The same metrics, per-class table and confusions as a checkpoint's."""
+def evaluate_exported(path: Path, options: EvalOptions, model: Any = None) -> EvalReport:
+    """An ONNX file ``cmhsa export`` wrote (``model``: as ``load_onnx`` already read it), measured as
+    shipped: onnxruntime on ``options.device``'s provider, each validation image prepared as its
+    ``metadata_props`` say (the steps of ``predict``), so ``crop_pct`` and ``amp`` are the file's own
+    (float32): another value given is refused. The same metrics, per-class table and confusions as a
+    checkpoint's."""
     from functools import partial
 
     from .exported_onnx import OnnxModule, onnx_tensor, open_exported
@@ -285,23 +318,19 @@ def evaluate_exported(path: Path, options: EvalOptions) -> EvalReport:
             "checkpoints and timm folders",
             path,
         )
-    exported = open_exported(path, o.batch_size, o.device)
+    exported = open_exported(path, o.batch_size, o.device, model)
     pre = exported.pre
-    n_classes = _onnx_classes(exported)
-    spec = build_data(
+    n_classes, channels = _onnx_classes(exported), pre["c"]
+    spec = _fitting_data(
         o.data,
         o.data_dir,
-        (pre["h"], pre["w"]),
+        ((pre["h"], pre["w"]), n_classes, channels),
         download=o.download,
-        num_classes=n_classes,
-        seed=o.seed,
-        val_only=True,
         crop_pct=min(pre["h"], pre["w"]) / pre["side"],
+        seed=o.seed,
+        path=path,
+        val_only=True,
     )
-    if spec.num_classes != n_classes:
-        raise CmhsaError(f"has {n_classes} classes but `data` {o.data} has {spec.num_classes}", path)
-    channels = pre["c"]
-    image_mode(channels, path)
     workers = default_workers() if o.workers is None else o.workers
     loader = build_loader(
         spec.val,

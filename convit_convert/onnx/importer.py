@@ -56,13 +56,14 @@ def check_import(
     return result
 
 
-def import_onnx(path: str | Path, tol: float = DEFAULT_TOL, seed: int = 0) -> Checkpoint:
+def import_onnx(path: str | Path, tol: float = DEFAULT_TOL, seed: int = 0, model: Any = None) -> Checkpoint:
     """Load, read and prove a conv-phase ONNX model; the result is an ordinary conv Checkpoint
-    whose ``import_report`` records how it was read and the onnxruntime agreement."""
+    whose ``import_report`` records how it was read and the onnxruntime agreement. ``model``: the
+    file as ``load_onnx`` already returned it (a caller that read it to decide), else it is read."""
     import onnx
 
     path = Path(path)
-    model = without_initializer_inputs(load_onnx(path))
+    model = without_initializer_inputs(load_onnx(path) if model is None else model)
     structure = read_structure(model, path, seed)
     cfg, tensors, layout = to_checkpoint(structure, path)
     validate_tensors(cfg, tensors, path)
