@@ -4,9 +4,11 @@ cache a previous run left (matplotlib's font cache, torch's compile cache) helps
 
     python bench/quick_start.py CLONE [--json OUT.json]
 
-CLONE: a clone whose ``.venv`` is installed as the README's "Install" says (its ``runs/`` is
-replaced). The commands are the section's ``$ cmhsa ...`` console lines and its bash blocks'
-lines, taken from README.md itself, so this times what the README tells a reader to run.
+CLONE: a fresh clone whose ``.venv`` is installed as the README's "Install" says, its ``runs/``
+empty or absent (the install line makes it; one holding anything, or a link, is refused, never
+emptied: the commands write into it). The commands are the section's ``$ cmhsa ...`` console lines
+and its bash blocks' lines, taken from README.md itself, so this times what the README tells a
+reader to run.
 """
 
 from __future__ import annotations
@@ -44,8 +46,12 @@ def main() -> None:
     args = ap.parse_args()
     clone = args.clone.resolve()
     commands = quick_start_commands((clone / "README.md").read_text(encoding="utf-8"))
-    shutil.rmtree(clone / "runs", ignore_errors=True)
-    (clone / "runs").mkdir()
+    runs = clone / "runs"
+    if runs.is_symlink() or (runs.exists() and (not runs.is_dir() or any(runs.iterdir()))):
+        raise SystemExit(
+            f"error: {runs} is not an empty folder: give a fresh clone (the quick start writes there)"
+        )
+    runs.mkdir(exist_ok=True)
     home = Path(tempfile.mkdtemp(prefix="quick-start-home-"))
     env = {**os.environ, "HOME": str(home), "PATH": f"{clone / '.venv' / 'bin'}:{os.environ['PATH']}"}
     env.pop("XDG_CACHE_HOME", None)

@@ -253,3 +253,28 @@ def test_the_card_installs_cmhsa_from_its_source_never_by_a_bare_name(
         else:
             assert f'pip install "cmhsa @ git+{url}"' in before_code and url in text.split("## How", 1)[0]
         assert "runs with onnxruntime alone" in text and "arxiv.org/abs/2111.01353" in text
+
+
+def test_a_source_url_the_card_shows_is_an_https_address_and_nothing_else(monkeypatch) -> None:
+    """The installed metadata's Project-URL reaches the card only as a plain https address: no
+    backtick, quote, bracket or space that could end the card's code span or link."""
+    from importlib import metadata
+
+    from convit_convert.io import model_card
+
+    class Meta:
+        def __init__(self, urls: list[str]) -> None:
+            self.urls = urls
+
+        def get_all(self, key: str) -> list[str]:
+            return self.urls
+
+    for url, shown in [
+        ("https://github.com/someone/cmhsa", "https://github.com/someone/cmhsa"),
+        ("https://x.org/a`b", None),
+        ("https://x.org/a) [evil](https://e.org", None),
+        ("http://x.org/cmhsa", None),
+        ("https://x.org/cmhsa extra", None),
+    ]:
+        monkeypatch.setattr(metadata, "metadata", lambda name, u=url: Meta([f"Source, {u}"]))
+        assert model_card.source_url() == shown, url

@@ -38,6 +38,8 @@ DATA_LICENSES = {
     "synthetic": ("mit", "cmhsa's own synthetic images (MIT, as cmhsa)"),
 }
 NOT_RECORDED = ("unknown", "not recorded in the weights' metadata")
+# a repository's address as a card may show it: https, no space, quote, backtick or bracket
+SOURCE_URL = re.compile(r"https://[A-Za-z0-9.-]+(/[A-Za-z0-9._~%+@/-]*)?")
 LICENSE_ID = re.compile(r"[a-z0-9][a-z0-9.+-]{0,63}")  # the Hub's licence ids: cc-by-4.0, mit, other
 
 
@@ -74,7 +76,7 @@ def source_url() -> str | None:
         return None
     for entry in urls:
         label, _, url = entry.partition(",")
-        if label.strip().lower() in ("source", "repository") and url.strip().startswith("https://"):
+        if label.strip().lower() in ("source", "repository") and SOURCE_URL.fullmatch(url.strip()):
             return url.strip()
     return None
 
