@@ -523,9 +523,15 @@ def default_workers() -> int:
 
 
 def default_threads() -> int:
-    """torch CPU threads when `threads` is not given: every CPU this process may use (BENCHMARKS.md,
-    'Small-data training': on 2 cores, 2 threads trained 1.3x (phase 1) and 1.7x (phase 2) faster
-    than 1 with the device loader)."""
+    """torch CPU threads when `threads` is not given: ``OMP_NUM_THREADS`` where it is a whole number
+    of at least 1 (torchrun sets it to 1 for several processes per node; two of the test suite's
+    workers on 2 cores set it too), never more than the CPUs this process may use; otherwise every
+    one of those CPUs (BENCHMARKS.md, 'Small-data training': on 2 cores, 2 threads trained 1.3x
+    (phase 1) and 1.7x (phase 2) faster than 1 with the device loader). Oversubscribed, torch's
+    threads wait on each other: a tiny run took 12x as long with two 2-thread runs on 2 cores."""
+    given = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if given.isascii() and given.isdigit() and len(given) <= 6 and int(given) >= 1:
+        return min(int(given), cpus())
     return cpus()
 
 

@@ -23,7 +23,11 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # `pytest -n 2` (README, "Tests")
     # xdist's workers get COLUMNS=80, which cmhsa's console honours: without it, as in one process,
     # output to CliRunner's pipe is unwrapped (a long temporary path would break a line a test reads)
     os.environ.pop("COLUMNS", None)
-    torch.set_num_threads(1)  # two workers on 2 cores: a thread each (two each: slower than one process)
+    # two workers on 2 cores: a thread each, in this process and (OMP_NUM_THREADS, which cmhsa's
+    # default --threads and torch honour) in every run and subprocess a test starts. Two threads
+    # each wait on each other: two tiny runs at once took 68 s each, 7 s with one thread each
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 
 from convit_convert.cli import app
 from convit_convert.config import ViTConfig
@@ -85,6 +89,17 @@ def pytest_configure(config: pytest.Config) -> None:
             _interrupt(signum, None)
 
     train_run.StopRequest.also = end_the_session
+
+
+LONGEST = "test_timm_suite.py::test_timm_model_suite_passes_on_every_registered_model"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The full tier starts with its slow tests, the longest (timm's own suite) first. Under
+    `--dist worksteal` (README's command) each worker then begins on long work and ends on short
+    tests it takes from the other's queue: in collection order the suite began 7 minutes in and
+    one worker ran it alone for the last 5 (12:35 where the two workers' work was 10:20 each)."""
+    items.sort(key=lambda item: (not item.nodeid.endswith(LONGEST), not item.get_closest_marker("slow")))
 
 
 @pytest.fixture(autouse=True)

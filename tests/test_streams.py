@@ -74,6 +74,7 @@ def signalled_training(tmp_path: Path, sig: int, after: str) -> tuple[int, str, 
     args = [
         *"train phase1 --data digits --img-size 16 --in-chans 1 --hidden-chans 1 "
         "--patch-size 4 --depth 1 --kernel-size 3 --batch-size 16 --epochs 3 "
+        "--train-samples 320 --val-samples 64 "  # 20 steps an epoch: step 10 is mid-epoch
         "--warmup-epochs 0 --device cpu --loader workers --workers 2 --log-every "
         "5 -o".split(),
         str(out),

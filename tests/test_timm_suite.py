@@ -2,8 +2,8 @@
 unmodified, fetched at test time and never copied here) on cmhsa's four registered models.
 
 tests/timm_plugin.py picks the models as timm picks its own ViTs and skips what cmhsa does not
-support (``SKIPS``, README's "timm's own tests" table). About 3 minutes on 2 cores, most of it
-timm's prune contract on the 90M-parameter attention models.
+support (``SKIPS``, docs/python.md's "timm's own tests" table). 86 s on 2 cores, most of it
+timm's prune contract on cmhsa_attn's 156M parameters.
 
 Needs PyPI (pip download) once per timm version and machine: the sdist is cached (CMHSA_CACHE,
 default ~/.cache/cmhsa) and reused while its sha256 is the pinned one. With no registry and no cached
@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import timm
 
-from timm_plugin import MODELS, SKIPS
+from timm_plugin import MODELS, MODULE_TESTS, SAME_MODULES, SAME_MODULES_REASON, SKIPS
 
 TESTS = Path(__file__).parent
 README = TESTS.parent / "docs" / "python.md"  # its "timm's own tests" section
@@ -127,15 +127,40 @@ def test_timm_model_suite_passes_on_every_registered_model(tmp_path: Path) -> No
         )
     assert done.returncode == 0, done.stdout[-6000:]
     for test in MUST_PASS:
-        assert outcomes[test] == dict.fromkeys(MODELS, "passed"), (test, outcomes[test])
+        once = test in MODULE_TESTS
+        skipped = f"skipped: {SAME_MODULES_REASON}"
+        want = {m: skipped if once and m in SAME_MODULES else "passed" for m in MODELS}
+        assert outcomes[test] == want, (test, outcomes[test])
     for test, reason in SKIPS.items():
         assert set(outcomes[test]) == set(MODELS), test
         assert all(reason in outcome for outcome in outcomes[test].values()), outcomes[test]
     assert set(outcomes) == MUST_PASS | set(SKIPS), sorted(outcomes)
 
 
+def test_models_said_to_share_modules_build_the_same_modules() -> None:
+    """What lets timm's tests of the modules run once for cmhsa_attn, cmhsa5_224 and cmhsa3_224: the same
+    modules, parameters and shapes, configs equal but for kernel_size (built on the meta device)."""
+    import dataclasses
+
+    import torch
+
+    with torch.device("meta"):
+        built = {name: timm.create_model(name) for name in {*SAME_MODULES, *SAME_MODULES.values()}}
+    for name, same in SAME_MODULES.items():
+        model, other = built[name], built[same]
+        assert str(model) == str(other), name
+        assert [(k, v.shape) for k, v in model.state_dict().items()] == [
+            (k, v.shape) for k, v in other.state_dict().items()
+        ], name
+        assert dataclasses.replace(model.cfg, kernel_size=other.cfg.kernel_size) == other.cfg, name
+        assert model.cfg.kind == "attn", name  # a conv-phase model's kernel_size shapes its layers
+
+
 def test_readme_lists_every_skip_with_its_reason() -> None:
     readme = README.read_text()
+    row = next(line for line in readme.splitlines() if SAME_MODULES_REASON in line.replace("`", ""))
+    assert all(f"`{test}`" in row.split("|")[1] for test in MODULE_TESTS), row
+    assert all(f"`{model}`" in row.split("|")[1] for model in SAME_MODULES), row
     for test, reason in SKIPS.items():
         row = next((line for line in readme.splitlines() if line.startswith(f"| `{test}`")), None)
         assert row is not None, test

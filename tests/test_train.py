@@ -295,9 +295,16 @@ def test_resume_with_a_new_lr_uses_it_and_says_so(tmp_path: Path) -> None:
 
 def test_default_workers_follow_the_machine(tmp_path: Path, monkeypatch) -> None:
     """No more workers than CPUs (PyTorch warns above that): 2 on a 2-core machine, at most 4;
-    threads: every CPU."""
+    threads: OMP_NUM_THREADS where it is a whole number of at least 1 (torchrun sets it), never
+    more than the CPUs, else every CPU."""
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     assert cdata.default_workers() == 2 and cdata.default_threads() == 2
+    wrong = ("0", "-1", "", "x", "1.5", "\u0661", "9" * 40)  # \u0661: an Arabic-Indic 1
+    for given, threads in [("1", 1), (" 1 ", 1), ("2", 2), ("64", 2), *((w, 2) for w in wrong)]:
+        monkeypatch.setenv("OMP_NUM_THREADS", given)
+        assert cdata.default_threads() == threads, given
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)))
     assert cdata.default_workers() == 4
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
@@ -556,7 +563,7 @@ def test_shipped_fixture_trains_and_evaluates(fixture_path: Path, tmp_path: Path
         "phase2",
         "--init",
         fixture_path,
-        *"--data digits --epochs 1 --batch-size 64 --workers 0 --device cpu -o".split(),
+        *"--data digits --train-samples 256 --epochs 1 --batch-size 64 --workers 0 --device cpu -o".split(),
         tmp_path / "p2",
     )
     assert r.exit_code == 0, r.output

@@ -8,7 +8,9 @@ ViT, so here it is picked wherever timm picks its own ViT with relative position
 pooling (:data:`LIKE`), and the properties each model has for itself (weights to download, a
 pretrained config under its name) are asked of timm's registry for the cmhsa names. Tests that
 name other models (``convnext_atto``, ...) are deselected; the tests cmhsa does not support are
-skipped with the reason in :data:`SKIPS`, the table README's "timm's own tests" section shows.
+skipped with the reason in :data:`SKIPS`, the table docs/python.md's "timm's own tests" section
+shows; the tests of what the modules do run once for the models that build the same modules
+(:data:`SAME_MODULES`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,23 @@ SKIPS = {
     "test_model_forward_fx_torchscript": "TorchScript is not supported (as above); the FX graph itself is "
     "tested by test_model_forward_fx / test_model_backward_fx",
 }
+# cmhsa5_224 and cmhsa3_224 build cmhsa_attn's modules: its ViTConfig but for kernel_size, which no
+# phase-2 layer reads (tests/test_timm_suite.py checks this). timm's tests of what the modules do
+# (backward, FX, features, pruning: 2 of the suite's 3 minutes on 2 cores went to these three
+# 156M-parameter models) run on cmhsa_attn for the three; what each name registers (its pretrained
+# config, its forward) is tested on each
+SAME_MODULES = {"cmhsa5_224": "cmhsa_attn", "cmhsa3_224": "cmhsa_attn"}
+MODULE_TESTS = (
+    "test_model_backward",
+    "test_model_forward_intermediates",
+    "test_model_forward_intermediates_features",
+    "test_prune_intermediate_layers_contract",
+    "test_model_forward_fx",
+    "test_model_backward_fx",
+)
+SAME_MODULES_REASON = (
+    "the same modules as cmhsa_attn (kernel_size aside, which no phase-2 layer reads): tested there"
+)
 
 _list_models = timm.list_models
 
@@ -71,5 +90,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items[:] = keep
     for item in keep:
         reason = SKIPS.get(item.originalname)
+        if not reason and _model_name(item) in SAME_MODULES and item.originalname in MODULE_TESTS:
+            reason = SAME_MODULES_REASON
         if reason:
             item.add_marker(pytest.mark.skip(reason=reason))

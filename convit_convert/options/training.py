@@ -81,7 +81,7 @@ DEFAULT_RULES = {
     "(--init: phase 2's, the paper's, or phase 1 restarted); --preset cpu: {}, {}".format(
         *map(_sci, (*PEAK_LR["paper"], *PEAK_LR["cpu"]))
     ),
-    "threads": "the CPUs this process may use",
+    "threads": "OMP_NUM_THREADS where set, else the CPUs this process may use",
     "pinning": "gated from a conv-phase --init and impulse, hard from random and mimetic",
     "attn_lr_mult": f"{CHECKPOINT_ATTN_LR_MULT:g} from a checkpoint, 1 otherwise",
     "seeds": "none: one run, of --seed",
