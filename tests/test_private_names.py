@@ -50,6 +50,10 @@ GUARDED = {
     ("train/run.py", "getattr(signal_handling, '_SIGCHLD_handler_set', None)"): "getattr, tested above",
     ("train/run.py", "signal_handling._SIGCHLD_handler_set"): "written only after the getattr found it",
     ("train/step.py", "torch._dynamo"): "config.patch, for one compiled call (step.with_autograd_traced)",
+    ("train/mixing.py", "getattr(mixup, '_params_per_batch', None)"): (
+        "drawable(): without it a stack mixes each seed by timm's own call (test_stacked.py)"
+    ),
+    ("train/mixing.py", "getattr(mixup, '_params_per_batch')"): "called only where drawable() found it",
     ("timm.py", "from timm.models._builder"): "imported in _features: features_only alone needs it",
     ("timm.py", "from timm.models._features"): "likewise",
     ("timm.py", "from timm.models import _factory, _hub"): (

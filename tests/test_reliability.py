@@ -536,6 +536,6 @@ def test_out_of_memory_names_what_made_the_size(tmp_path: Path, monkeypatch: pyt
     r = invoke("predict", FIXTURE, tmp_path / "pic.png")
     line = one_error_line(r, 2, "out of memory for the image", str(tmp_path / "pic.png"))
     assert "reduce the sizes given" not in line
-    monkeypatch.setattr(stacked, "train_stacked", boom(MemoryError()))
+    monkeypatch.setattr(stacked, "train_epochs", boom(MemoryError()))
     r = invoke("train", "phase1", *TINY, "--seeds", "0,1", "-o", tmp_path / "s")
     one_error_line(r, 2, "out of memory for 2 seeds stacked at batch", "--seeds")

@@ -245,13 +245,16 @@ def test_a_non_finite_loss_in_a_seed_stops_every_seed_naming_its_folder(
 ) -> None:
     """Seed 1's images turn to nan in epoch 2: the run stops there, naming seed 1's folder, and
     every seed keeps its first epoch's checkpoint (nothing of epoch 2 reaches a file)."""
-    prepare = held.HeldLoader.prepare
+    from convit_convert.train import stacked
 
-    def poisoned(self: held.HeldLoader, batch: Any) -> torch.Tensor:
-        bad = self.seed == 1 and self.sampler.epoch == 1
-        return prepare(self, batch) * (float("nan") if bad else 1.0)
+    augmented = stacked.Stack.augmented  # every seed's images, (S, B, C, H, W)
 
-    monkeypatch.setattr(held.HeldLoader, "prepare", poisoned)
+    def poisoned(self: stacked.Stack, inputs: Any) -> torch.Tensor:
+        images = augmented(self, inputs)
+        bad = torch.tensor([1.0, float("nan") if self.loops[1].state.epoch == 1 else 1.0])
+        return images * bad.view(2, 1, 1, 1, 1)
+
+    monkeypatch.setattr(stacked.Stack, "augmented", poisoned)
     with pytest.raises(CheckFailed, match=r"non-finite loss \(nan\) at epoch 2, step 1: .*seed1"):
         run_seeds(config(tmp_path / "s", seeds=(0, 1), epochs=2, log_every=1), progress=QUIET)
     assert [saved(tmp_path / "s" / f"seed{s}")["epoch"] for s in (0, 1)] == [1, 1]
@@ -335,3 +338,103 @@ def test_a_seeds_value_no_seed_can_be_is_one_line_before_it_is_read_as_a_number(
     one_error_line(
         invoke("train", "phase1", *TINY_FLAGS, "--seeds", f"0,{huge}", "-o", "x"), 2, "--seeds must"
     )
+
+
+def test_a_run_and_a_stack_train_through_the_one_epoch_loop() -> None:
+    """One epoch loop (loop.train_one_epoch) and one loop over epochs (run.train_epochs) serve a
+    run and a stack: nothing else in the training package walks an epoch's batches or its epochs,
+    and both steppers (a run's Loop, the Stack) have the interface the loop drives."""
+    import ast
+    import inspect
+
+    import convit_convert.train as package
+    from convit_convert.train import loop, stacked
+
+    walkers = set()
+    for path in sorted(Path(package.__file__).parent.glob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for fn in ast.walk(tree):
+            if not isinstance(fn, ast.FunctionDef):
+                continue
+            for node in ast.walk(fn):
+                calls = {
+                    n.func.id
+                    for n in ast.walk(node)
+                    if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+                }
+                if isinstance(node, ast.For) and "until_stopped" in calls:
+                    walkers.add(f"{path.stem}.{fn.name}")  # a loop over an epoch's batches
+                if isinstance(node, ast.While) and "train_one_epoch" in calls:
+                    walkers.add(f"{path.stem}.{fn.name}")  # a loop over epochs
+    assert walkers == {"loop.train_one_epoch", "run.train_epochs"}, walkers
+    wanted = {n for n, _ in inspect.getmembers(loop.Stepper) if not n.startswith("_")}
+    assert wanted == {"loops", "stream", "batches", "step", "settle"}
+    for stepper in (loop.Loop, stacked.Stack):
+        assert all(hasattr(stepper, n) or n == "loops" for n in wanted), stepper
+
+
+# one batched step: its work does not grow with the seeds -------------------------------------------
+
+
+def ops_per_step(tmp_path: Path, seeds: int, **flags: Any) -> float:
+    """Aten ops dispatched per training step of a stack of ``seeds`` (bench/ops_per_step.py's
+    counter): the slope between 1-epoch runs of 2 and 6 steps, so set-up and evaluation cancel."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    from ops_per_step import CountOps
+
+    counts = []
+    for steps in (2, 6):
+        cfg = config(tmp_path / f"s{seeds}-{steps}", seeds=tuple(range(seeds)), epochs=1, **flags)
+        cfg = cfg.replace(train_samples=steps * cfg.recipe.batch_size)
+        with CountOps() as counter:
+            run_seeds(cfg, progress=QUIET)
+        counts.append(sum(counter.ops.values()))
+    return (counts[1] - counts[0]) / 4
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [dict(phase="phase1"), dict(phase="phase2", init="impulse", clip_grad=0.05, mixup=0.0, cutmix=0.0)],
+    ids=["phase1-mixup", "phase2-clipped"],
+)
+def test_a_steps_ops_barely_grow_with_the_seeds(tmp_path: Path, flags: dict) -> None:
+    """What predicts a GPU's speed-up: the kernels a step launches. Six seeds dispatch at most 1.2
+    times one seed's aten ops per step (augmentation, forward, loss, gradients, clipping, tally
+    and optimizer once for all; what each seed still draws alone: its drop-path masks and Mixup's
+    mixing). Before the augmentation and the tally were batched: 2.1 times (phase 1)."""
+    one, six = ops_per_step(tmp_path, 1, **flags), ops_per_step(tmp_path, 6, **flags)
+    assert six <= 1.2 * one, (one, six)
+
+
+def test_no_op_of_a_stacked_step_falls_back_to_a_loop_over_the_seeds(tmp_path: Path) -> None:
+    """torch's vmap runs an op without a batching rule as a loop over the seeds, and warns once per
+    op: no such warning in either phase, with Mixup, CutMix, drop path and clipping."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run_seeds(config(tmp_path / "p1", seeds=(0, 1), epochs=1), progress=QUIET)
+        p2 = config(tmp_path / "p2", seeds=(0, 1), epochs=1, phase="phase2", init="impulse", clip_grad=0.05)
+        run_seeds(p2, progress=QUIET)
+    fallbacks = [str(w.message) for w in caught if "batching rule" in str(w.message)]
+    assert not fallbacks, fallbacks
+
+
+def test_a_stacks_mixing_is_timms_mixup_of_each_seed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """train/mixing.py replays timm's Mixup/CutMix draws and mixes every seed at once; timm's own
+    call, seed by seed (what a stack does with a timm whose draw method is gone), is the reference:
+    the same weights bit for bit after an epoch of Mixup and CutMix."""
+    from safetensors.torch import load_file
+
+    from convit_convert.train import mixing
+
+    run_seeds(config(tmp_path / "batched", seeds=(0, 1), epochs=1), progress=QUIET)
+    monkeypatch.setattr(mixing, "drawable", lambda mixup: False)
+    run_seeds(config(tmp_path / "timm", seeds=(0, 1), epochs=1), progress=QUIET)
+    for seed in (0, 1):
+        a, b = (
+            load_file(str(tmp_path / f / f"seed{seed}" / "conv.safetensors")) for f in ("batched", "timm")
+        )
+        assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]

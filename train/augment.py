@@ -212,6 +212,11 @@ class Params:
         parts = [getattr(self, f.name).split(size) for f in fields(self)]
         return [Params(*block) for block in zip(*parts, strict=True)]
 
+    @staticmethod
+    def cat(blocks: list[Params]) -> Params:
+        """``blocks`` one after another, as one batch (one op per field, not per block)."""
+        return Params(*(torch.cat([getattr(b, f.name) for b in blocks]) for f in fields(Params)))
+
 
 def _uniform(n: int, lo: float, hi: float, g: torch.Generator, *shape: int) -> torch.Tensor:
     return lo + (hi - lo) * torch.rand(n, *shape, generator=g, dtype=torch.float64)

@@ -16,16 +16,22 @@ request (all-reduced under torchrun, so every rank stops at the same step).
 
 Each epoch seeds every global RNG from (seed, epoch, rank), so an epoch's randomness does not
 depend on how the process got there (a resumed epoch restores the RNGs saved mid-epoch instead).
+
+The epoch loop drives a :class:`Stepper`: a run's :class:`Loop` is one (a stack of one seed), and
+``--seeds``' :class:`.stacked.Stack` is the other (its seeds' steps as one batched computation,
+each seed's epoch begun and ended under its own RNGs). One loop serves both.
 """
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -71,6 +77,52 @@ class Loop:
         self.tally = Tally(self.ctx)
         self.params = [p for p in self.state.model.parameters() if p.requires_grad]
 
+    # the run as the epoch loop's Stepper: a stack of one, at no cost ---------------------------
+
+    @property
+    def loops(self) -> list[Loop]:
+        return [self]
+
+    def stream(self, i: int) -> AbstractContextManager[None]:
+        return contextlib.nullcontext()  # the run's own RNGs are the global ones
+
+    def batches(self) -> Iterable[Any]:
+        """The device loader's raw batches when the step augments them (``prepare``), else the
+        loader's own."""
+        return self.train_loader.batches() if self.prepare is not None else self.train_loader
+
+    def step(self, batch: tuple[Any, torch.Tensor]) -> None:
+        train_one_step(self, *batch)
+
+    def settle(self) -> None:
+        """Nothing to hand back: the run's state is its own."""
+
+
+class Stepper(Protocol):
+    """What :func:`train_one_epoch` drives: one step of every seed at a time. A run's :class:`Loop`
+    (one seed) or :class:`.stacked.Stack` (several, in lockstep)."""
+
+    @property
+    def loops(self) -> list[Loop]:
+        """Each seed's loop (its state, loaders, reporter), the lead seed's first."""
+        ...
+
+    def stream(self, i: int) -> AbstractContextManager[None]:
+        """Seed ``i``'s global RNGs in place (begin and end of epoch, saves), kept after."""
+        ...
+
+    def batches(self) -> Iterable[Any]:
+        """The epoch's batches from the step the run is at: what :meth:`step` takes."""
+        ...
+
+    def step(self, batch: Any) -> None:
+        """One optimizer step of every seed."""
+        ...
+
+    def settle(self) -> None:
+        """Each seed's state made its own again (after an epoch or a stop, before a save)."""
+        ...
+
 
 def train_one_step(loop: Loop, inputs: Any, labels: torch.Tensor) -> None:
     """One optimizer step on a batch, with no read of a device value (for a fused optimizer)."""
@@ -99,34 +151,46 @@ def train_one_step(loop: Loop, inputs: Any, labels: torch.Tensor) -> None:
     st.scheduler.step_update(num_updates=st.global_step)
 
 
-def train_one_epoch(loop: Loop, stop: Any, stop_after_steps: int | None = None) -> bool:
-    """Train the epoch ``loop.state`` is in, from its step on; evaluate and append the epoch's row
-    to ``state.metrics``. False if a stop request (or ``stop_after_steps``) ended it early, with
-    ``state.step`` the steps done. Nothing is read from the device between read-outs (every
-    ``log_every`` steps and the epoch's last): a stop request is acted on at the next one (at the
-    next step with one process)."""
-    cfg, ctx, st = loop.cfg, loop.ctx, loop.state
-    first, lr = st.step, begin_epoch(loop)
-    loop.reporter.start_epoch(st.epoch, loop.steps_per_epoch, first)
+def train_one_epoch(stepper: Stepper, stop: Any, stop_after_steps: int | None = None) -> bool:
+    """Train the epoch the run is in, from its step on, every seed of ``stepper`` in lockstep;
+    evaluate each and append its epoch's row to its ``state.metrics``. False if a stop request (or
+    ``stop_after_steps``) ended it early, with ``state.step`` the steps done. Nothing is read from
+    the device between read-outs (every ``log_every`` steps and the epoch's last): a stop request
+    is acted on at the next one (at the next step with one process); a non-finite loss in any seed
+    stops them all there."""
+    loops = stepper.loops
+    lead = loops[0]
+    cfg, ctx, st = lead.cfg, lead.ctx, lead.state
+    lrs = []
+    for i, loop in enumerate(loops):  # each seed's epoch begins under its own RNGs
+        with stepper.stream(i):
+            lrs.append(begin_epoch(loop))
+    first = st.step
+    lead.reporter.start_epoch(st.epoch, lead.steps_per_epoch, first)
     every = max(1, cfg.runtime.log_every)
     t_last, since = time.perf_counter(), first
-    # the device loader's raw batches when the step augments them (loop.prepare), else the loader's own
-    batches = loop.train_loader.batches() if loop.prepare is not None else loop.train_loader
-    for step, (inputs, labels) in enumerate(until_stopped(batches, stop), start=first):
-        train_one_step(loop, inputs, labels)
-        st.step = step + 1
+
+    def read_outs() -> bool:  # every seed's totals; True if a stop was requested (on any rank)
+        return any([read_out(loop, stop, since, t_last) for loop in loops])
+
+    for step, batch in enumerate(until_stopped(stepper.batches(), stop), start=first):
+        stepper.step(batch)
+        for loop in loops:
+            loop.state.step = step + 1
         limit = stop_after_steps is not None and st.global_step >= stop_after_steps
         signalled = ctx.world == 1 and stop.signal is not None  # one process: no rank to agree with
-        if st.step % every == 0 or st.step == loop.steps_per_epoch or limit or signalled:
-            stopping = read_out(loop, stop, since, t_last)
+        if st.step % every == 0 or st.step == lead.steps_per_epoch or limit or signalled:
+            stopping = read_outs()
             t_last, since = time.perf_counter(), st.step
             if stopping or limit:
                 return False
-    if stop.signal is not None and st.step < loop.steps_per_epoch:  # the loader ended with the stop
+    if stop.signal is not None and st.step < lead.steps_per_epoch:  # the loader ended with the stop
         if st.step > since:  # the steps since the last read-out, into the totals the checkpoint saves
-            read_out(loop, stop, since, t_last)
+            read_outs()
         return False
-    end_epoch(loop, lr)
+    for i, loop in enumerate(loops):  # each seed's evaluation, under its own RNGs
+        with stepper.stream(i):
+            end_epoch(loop, lrs[i])
     return True
 
 

@@ -52,7 +52,7 @@ from ..options.values import DATASETS, EVAL_CROP_PCT, EVAL_INTERPOLATION
 from .augment import augment_spec, check_supported
 from .distributed import Context, barrier, setup, teardown
 from .held import HeldEvalLoader, HeldLoader, eval_view, hold, holdable
-from .loop import Loop, seed_everything, train_one_epoch
+from .loop import Loop, Stepper, seed_everything, train_one_epoch
 from .phases import PhaseModel, build_phase_model, check_trainable, freeze_attention
 from .progress import EMA_METRICS, METRICS, Progress
 
@@ -852,12 +852,31 @@ def train(
 ) -> RunResult:
     """Epochs until ``cfg.recipe.epochs``, saving after each into the run's held ``folder``; then
     the trained model as safetensors (:class:`RunFiles`)."""
-    st, files = loop.state, RunFiles(loop, folder, replaces, [] if wrote is None else wrote)
+    files = RunFiles(loop, folder, replaces, [] if wrote is None else wrote)
+    (result,) = train_epochs(loop, [files], stop_after_steps)
+    return result
+
+
+def train_epochs(
+    stepper: Stepper, files: list[RunFiles], stop_after_steps: int | None = None
+) -> list[RunResult]:
+    """Epochs of every seed of ``stepper`` (a run's Loop, or a stack) until the run's last, each
+    seed saved into its own folder after each (``files[i]``, under its own RNGs, which its
+    checkpoint keeps); then every seed's trained model. At a stop, each seed saved where it is."""
+    lead = stepper.loops[0]
     stop = StopRequest()
     with stop.installed(), worker_deaths_at_fetch():
-        while st.epoch < loop.cfg.recipe.epochs:
-            if not train_one_epoch(loop, stop, stop_after_steps):
-                return files.stopped(stop.signal or "limit")
-            loop.reporter.end_epoch(st.metrics[-1])
-            files.save()
-    return files.finished()
+        while lead.state.epoch < lead.cfg.recipe.epochs:
+            finished = train_one_epoch(stepper, stop, stop_after_steps)
+            stepper.settle()
+            if not finished:
+                results = []
+                for i, f in enumerate(files):
+                    with stepper.stream(i):
+                        results.append(f.stopped(stop.signal or "limit"))
+                return results
+            for i, (loop, f) in enumerate(zip(stepper.loops, files, strict=True)):
+                loop.reporter.end_epoch(loop.state.metrics[-1])
+                with stepper.stream(i):
+                    f.save()
+    return [f.finished() for f in files]

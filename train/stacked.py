@@ -37,7 +37,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -48,6 +47,7 @@ from torch import nn
 from torch.func import functional_call, vmap
 
 from ..api.common import autocast
+from ..conv_mixer import ConvMixer
 from ..errors import CmhsaError
 from ..io.atomic import atomic_text
 from ..io.folder import Folder, make_folder, remove_made
@@ -56,21 +56,28 @@ from ..model import VisionTransformer
 from ..options.training import TrainConfig
 from ..resources import sized_by
 from ..text import json_text
+from . import mixing
+from .augment import Params
 from .distributed import Context, setup, teardown
-from .loop import Loop, begin_epoch, end_epoch, read_out, until_stopped
+from .held import HeldBatch
+from .loop import Loop
 from .progress import Progress
 from .run import (
     RunFiles,
     RunResult,
-    StopRequest,
     deterministic_kernels,
     prepared,
     resolved_config,
     run_folder,
+    train_epochs,
 )
 from .state import numpy_state, rng_state, saved_numpy_state, set_rng_state
 from .step import FUSED, assign_gradients, tallied, update, with_autograd_traced
 
+# phase 1's convolution in a stack, unless `conv_form` says otherwise: under vmap the pixel form's
+# conv2d runs as one grouped conv of S groups, whose backward took 2.3 times two separate ones on
+# the CPU (2 seeds); the token form's products batch as matmuls (BENCHMARKS.md, "Several seeds")
+STACK_CONV_FORM = "tokens"
 MAX_SEEDS = 64  # one process's stack: beyond this the batched kernels gain nothing and memory grows
 
 
@@ -155,7 +162,7 @@ def _run_seeds(
                 f"for {seeds} seeds stacked at batch {batch} each (`seeds`: every seed's model, optimizer "
                 "and batch are held at once; train fewer seeds together)"
             ):
-                results = train_stacked(stack, files, stop_after_steps)
+                results = train_epochs(stack, files, stop_after_steps)
             if not any(r.stopped for r in results):
                 summary = seeds_summary(
                     [c.seed for c in configs], [loop.state.metrics for loop in stack.loops]
@@ -318,9 +325,10 @@ def clipped_per_seed(grads: list[torch.Tensor | None], max_norm: float) -> list[
 
 
 class Stack:
-    """The seeds' loops and their step as one batched computation (module docstring): each seed's
-    global-RNG state, swapped in around its draws; the stacked forward, loss and backward, compiled
-    into one graph under ``--compile``."""
+    """The seeds' loops and their step as one batched computation (module docstring), the
+    :class:`.loop.Stepper` the one epoch loop drives for ``--seeds``: each seed's global-RNG state,
+    swapped in around its draws; the stacked forward, loss and backward, compiled into one graph
+    under ``--compile``."""
 
     def __init__(self, loops: list[Loop]) -> None:
         why = stack_refusal(loops)
@@ -339,6 +347,9 @@ class Stack:
         model = lead.state.model
         # the model's structure for functional_call, weightless: each call is given every seed's weights
         self.structure = MaskedForward(copy.deepcopy(model).to("meta").train())
+        for mixer in self.structure.modules():  # vmap makes the pixel form's conv S groups: slower
+            if isinstance(mixer, ConvMixer) and mixer.form == "auto":
+                mixer.form = STACK_CONV_FORM
         self.names = [f"model.{n}" for n, _ in model.named_parameters()]
         # index tables, the same for every seed (no state); every name of one shared by several
         # blocks, as the weightless copy holds one per block
@@ -386,27 +397,55 @@ class Stack:
                 state["numpy"] = saved_numpy_state(np.random.get_state())
                 np.random.set_state(np_state)
 
+    def batches(self) -> Iterator[tuple[tuple[Any, torch.Tensor], ...]]:
+        """Every seed's batch of a step, from its own loader (their raw batches: the step augments them)."""
+        return zip(*(loop.train_loader.batches() for loop in self.loops), strict=True)
+
+    def settle(self) -> None:
+        self.share_moments()
+
     def step(self, batches: tuple[tuple[Any, torch.Tensor], ...]) -> None:
         """One optimizer step of every seed, on its batch (``batches[i]``: seed i's inputs, labels)."""
         device, loops = self.ctx.device, self.loops
-        inputs = [x for x, _ in batches]
-        labels = [y.to(device, non_blocking=True) for _, y in batches]
+        inputs: Any = [x for x, _ in batches]
+        labels = torch.stack([y for _, y in batches]).to(device, non_blocking=True)  # (S, B)
+        if not self.augment_inside:  # Mixup draws between augmentation and the step: both outside
+            images = self.augmented(inputs)
         masks: list[list[torch.Tensor]] = []
-        for i, loop in enumerate(loops):
+        mixes: list[Any] = []  # each seed's Mixup draw; or, with a timm that hides it, its mixed batch
+        for i, loop in enumerate(loops):  # each seed's draws from its own RNGs, in its run's order
             with self.step_stream(i) if self.draws else contextlib.nullcontext():
-                if not self.augment_inside:
-                    inputs[i], labels[i] = loop.mixup(loop.prepare(inputs[i]), labels[i])  # type: ignore[misc]
-                masks.append(loop.state.model.drop_masks(len(labels[i]), self.mask_dtype, device))
+                if self.mixup is not None:
+                    batched = mixing.drawable(self.mixup)
+                    shape = tuple(images.shape[1:])
+                    mixes.append(
+                        mixing.draw(self.mixup, shape) if batched else self.mixup(images[i], labels[i])
+                    )
+                masks.append(loop.state.model.drop_masks(labels.shape[1], self.mask_dtype, device))
+        if self.mixup is not None and mixing.drawable(self.mixup):  # every seed mixed at once
+            inputs, labels = mixing.mixed(self.mixup, mixes, images, labels)  # (S, B, classes) targets
+        elif self.mixup is not None:
+            inputs, labels = torch.stack([x for x, _ in mixes]), torch.stack([y for _, y in mixes])
         stacked_masks = [torch.stack(m) for m in zip(*masks, strict=True)]  # (S, B, 1, 1) each
         if self.graphs:
             torch.compiler.cudagraph_mark_step_begin()
-        tallies = [loop.tally.values for loop in loops]
+        tallies = torch.stack([loop.tally.values for loop in loops])  # (S, 2)
         values, skips, grads = self.learn(inputs, labels, stacked_masks, tallies, self.weights)
-        for loop, v, skip in zip(loops, values, skips, strict=True):
-            # the sum is the next call's input: not the graph's memory, which that replay overwrites
-            loop.tally.values, loop.tally.skip = (v.clone() if self.graphs else v), skip
+        # the sums are the next call's input: not the graph's memory, which that replay overwrites
+        values = values.clone() if self.graphs else values
+        for loop, v, skip in zip(loops, values.unbind(), skips.unbind(), strict=True):
+            loop.tally.values, loop.tally.skip = v, skip
         assign_gradients([w for w in self.weights if w.requires_grad], grads)
-        self.update(torch.stack(skips).amax())
+        self.update(skips.amax())
+
+    def augmented(self, inputs: list[Any]) -> torch.Tensor:
+        """Every seed's raw batch (the device loader's :class:`.held.HeldBatch`) augmented by one
+        call of the augmentation, (S, B, C, h, w): each sample is augmented by its own parameters,
+        which its seed's loader drew, so the seeds' batches one after another augment as each alone."""
+        noise = None if inputs[0].noise is None else torch.cat([b.noise for b in inputs])
+        images = torch.cat([b.images for b in inputs])
+        batch = HeldBatch(images, Params.cat([b.params for b in inputs]), noise)
+        return self.loops[0].prepare(batch).unflatten(0, (len(inputs), -1))  # type: ignore[misc]
 
     def update(self, skip: torch.Tensor) -> None:
         """The end of :func:`.loop.train_one_step` for every seed at once (the gradients come
@@ -440,25 +479,25 @@ class Stack:
 
     def stacked_learn(
         self,
-        inputs: list[Any],
-        labels: list[torch.Tensor],
+        inputs: Any,
+        labels: torch.Tensor,
         masks: list[torch.Tensor],
-        tallies: list[torch.Tensor],
+        tallies: torch.Tensor,
         weights: list[torch.Tensor],
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor | None]]:
-        """Every seed's augmentation (unless Mixup came first), forward under autocast, loss and
-        gradients, as one batched computation over the stacked ``weights``: (each seed's tally with
-        its loss added, its skip flag, the gradients of the trainable stacked weights)."""
-        if self.augment_inside:
-            inputs = [loop.prepare(x) for loop, x in zip(self.loops, inputs, strict=True)]  # type: ignore[misc]
+    ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor | None]]:
+        """Every seed's augmentation (``inputs``: the raw batches; or (S, B, C, h, w) images where
+        Mixup came first), forward under autocast, loss and gradients, as one batched computation
+        over the stacked ``weights``: (the (S, 2) tallies with each seed's loss added, the (S,) skip
+        flags, the gradients of the trainable stacked weights)."""
+        images = self.augmented(inputs) if self.augment_inside else inputs
         named = dict(zip(self.names, weights, strict=True))
-        losses = vmap(self.loss, randomness="error")(named, torch.stack(inputs), torch.stack(labels), masks)
-        out = [tallied(t, losses[i], self.ctx) for i, t in enumerate(tallies)]
+        losses = vmap(self.loss, randomness="error")(named, images, labels, masks)
+        values, skips = tallied(tallies, losses, self.ctx)
         learned = [w for w in weights if w.requires_grad]
         grads = list(torch.autograd.grad(losses.sum(), learned, allow_unused=True))  # slice i: loss i's
         if self.clip is not None:  # each seed's to its own norm
             grads = clipped_per_seed(grads, self.clip)
-        return [v for v, _ in out], [s for _, s in out], grads
+        return values, skips, grads
 
     def loss(
         self,
@@ -483,67 +522,3 @@ class MaskedForward(nn.Module):
     def forward(self, images: torch.Tensor, masks: list[torch.Tensor]) -> torch.Tensor:
         """(B, C, H, W) images and :meth:`VisionTransformer.drop_masks`'s masks ([]: none) -> logits."""
         return self.model.forward_head(self.model.forward_features(images, masks or None))
-
-
-def stacked_epoch(stack: Stack, stop: Any, stop_after_steps: int | None = None) -> bool:
-    """:func:`.loop.train_one_epoch` for every seed at once: each seed's epoch begins under its own
-    RNGs, steps go in lockstep, read-outs read every seed's tally (a non-finite loss in one stops
-    all), and each seed's epoch ends with its own evaluation. False if stopped early."""
-    loops, lead = stack.loops, stack.loops[0]
-    lrs = []
-    for i, loop in enumerate(loops):
-        with stack.stream(i):
-            lrs.append(begin_epoch(loop))
-    st = lead.state
-    first = st.step
-    lead.reporter.start_epoch(st.epoch, lead.steps_per_epoch, first)
-    every = max(1, lead.cfg.runtime.log_every)
-    t_last, since = time.perf_counter(), first
-
-    def read_all() -> None:
-        for loop in loops:
-            read_out(loop, stop, since, t_last)
-
-    batches = zip(*(loop.train_loader.batches() for loop in loops), strict=True)
-    for step, batch in enumerate(until_stopped(batches, stop), start=first):
-        stack.step(batch)
-        for loop in loops:
-            loop.state.step = step + 1
-        limit = stop_after_steps is not None and st.global_step >= stop_after_steps
-        if st.step % every == 0 or st.step == lead.steps_per_epoch or limit or stop.signal is not None:
-            read_all()
-            t_last, since = time.perf_counter(), st.step
-            if stop.signal is not None or limit:
-                return False
-    if stop.signal is not None and st.step < lead.steps_per_epoch:  # the loader ended with the stop
-        if st.step > since:
-            read_all()
-        return False
-    for i, loop in enumerate(loops):
-        with stack.stream(i):
-            end_epoch(loop, lrs[i])
-    return True
-
-
-def train_stacked(
-    stack: Stack, files: list[RunFiles], stop_after_steps: int | None = None
-) -> list[RunResult]:
-    """:func:`.run.train` for the stack: epochs until the run's last, every seed saved after each
-    (under its own RNGs, which its checkpoint keeps); then every seed's trained model."""
-    lead = stack.loops[0]
-    stop = StopRequest()
-    with stop.installed():
-        while lead.state.epoch < lead.cfg.recipe.epochs:
-            if not stacked_epoch(stack, stop, stop_after_steps):
-                stack.share_moments()
-                results = []
-                for i, f in enumerate(files):
-                    with stack.stream(i):
-                        results.append(f.stopped(stop.signal or "limit"))
-                return results
-            stack.share_moments()
-            for i, (loop, f) in enumerate(zip(stack.loops, files, strict=True)):
-                loop.reporter.end_epoch(loop.state.metrics[-1])
-                with stack.stream(i):
-                    f.save()
-    return [f.finished() for f in files]

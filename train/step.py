@@ -58,13 +58,13 @@ def tallied(tally: torch.Tensor, loss: torch.Tensor, ctx: Context) -> tuple[torc
     """``tally`` (float64: the losses' sum since the last read, the steps before the first
     non-finite one) with ``loss`` added, and the skip flag (float 0/1: a non-finite loss since the
     last read). Pure, so the compiled step traces it; every rank gets the same mean, so every rank
-    skips alike."""
+    skips alike. Stacked seeds (``--seeds``) tally as one: ``tally`` (S, 2) and ``loss`` (S,)."""
     mean = loss.detach().to(torch.float64)
     if ctx.distributed:
         mean = all_reduce_sum(mean, ctx) / ctx.world
-    total = tally[0] + mean  # non-finite from the first non-finite loss on
+    total = tally[..., 0] + mean  # non-finite from the first non-finite loss on
     finite = (total - total) == 0  # inf - inf and nan - nan are nan
-    return torch.stack([total, tally[1] + finite]), (~finite).float()
+    return torch.stack([total, tally[..., 1] + finite], dim=-1), (~finite).float()
 
 
 class Tally:
