@@ -528,7 +528,8 @@ def default_threads() -> int:
     workers on 2 cores set it too), never more than the CPUs this process may use; otherwise every
     one of those CPUs (BENCHMARKS.md, 'Small-data training': on 2 cores, 2 threads trained 1.3x
     (phase 1) and 1.7x (phase 2) faster than 1 with the device loader). Oversubscribed, torch's
-    threads wait on each other: a tiny run took 12x as long with two 2-thread runs on 2 cores."""
+    threads wait on each other: two tiny runs at once on 2 cores took 15 to 73 s each with 2
+    threads each, 10 s with 1 (BENCHMARKS.md, 'Two runs sharing two cores')."""
     given = os.environ.get("OMP_NUM_THREADS", "").strip()
     if given.isascii() and given.isdigit() and len(given) <= 6 and int(given) >= 1:
         return min(int(given), cpus())

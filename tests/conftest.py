@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import importlib.util
 import os
 import signal
 import stat
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -25,7 +27,8 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # `pytest -n 2` (README, "Tests")
     os.environ.pop("COLUMNS", None)
     # two workers on 2 cores: a thread each, in this process and (OMP_NUM_THREADS, which cmhsa's
     # default --threads and torch honour) in every run and subprocess a test starts. Two threads
-    # each wait on each other: two tiny runs at once took 68 s each, 7 s with one thread each
+    # each wait on each other: two tiny runs at once took 15 to 73 s each, 10 s with one thread
+    # each (bench/shared_cores.py)
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
 # the hundreds of `python` processes the tests start (commands, arms, loader workers) each compile
@@ -141,6 +144,14 @@ def invoke(*args: Any, env: dict[str, str] | None = None, **kwargs: Any) -> Resu
         raise KeyboardInterrupt("the test session was interrupted")
     words = [str(w) for a in args for w in (a if isinstance(a, (list, tuple)) else (a,))]
     return CliRunner().invoke(app, words, env=env, **kwargs)
+
+
+def bench_script(name: str) -> ModuleType:
+    """bench/``name``.py, loaded as a module (a script beside the benchmarks, not a package)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
 
 
 def in_a_process(*argv: object, **run: Any) -> subprocess.CompletedProcess:

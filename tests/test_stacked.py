@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from conftest import TINY_FLAGS, invoke, one_error_line
+from conftest import TINY_FLAGS, bench_script, invoke, one_error_line
 from convit_convert.errors import CheckFailed, CmhsaError
 from convit_convert.options.training import TrainConfig
 from convit_convert.train import held
@@ -379,16 +379,12 @@ def test_a_run_and_a_stack_train_through_the_one_epoch_loop() -> None:
 def ops_per_step(tmp_path: Path, seeds: int, **flags: Any) -> float:
     """Aten ops dispatched per training step of a stack of ``seeds`` (bench/ops_per_step.py's
     counter): the slope between 1-epoch runs of 2 and 6 steps, so set-up and evaluation cancel."""
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-    from ops_per_step import CountOps
-
+    count_ops = bench_script("ops_per_step").CountOps
     counts = []
     for steps in (2, 6):
         cfg = config(tmp_path / f"s{seeds}-{steps}", seeds=tuple(range(seeds)), epochs=1, **flags)
         cfg = cfg.replace(train_samples=steps * cfg.recipe.batch_size)
-        with CountOps() as counter:
+        with count_ops() as counter:
             run_seeds(cfg, progress=QUIET)
         counts.append(sum(counter.ops.values()))
     return (counts[1] - counts[0]) / 4

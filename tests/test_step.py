@@ -4,21 +4,20 @@ the device, and ``--compile``'s step as one graph that trains as the eager one d
 from __future__ import annotations
 
 import copy
-import importlib.util
 import math
 import os
 import signal
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType, SimpleNamespace
+from types import SimpleNamespace
 
 import pytest
 import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from conftest import ROOT
+from conftest import ROOT, bench_script
 from convit_convert.options.training import TrainConfig
 from convit_convert.train import run as engine
 from convit_convert.train.distributed import Context
@@ -27,16 +26,7 @@ from convit_convert.train.progress import Progress
 from convit_convert.train.run import run
 from convit_convert.train.step import Tally, assign_gradients, fusable
 
-
-def _bench() -> ModuleType:
-    """bench/ops_per_step.py, whose op counter the no-read test uses."""
-    spec = importlib.util.spec_from_file_location("ops_per_step", ROOT / "bench" / "ops_per_step.py")
-    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return module
-
-
-CountOps = _bench().CountOps
+CountOps = bench_script("ops_per_step").CountOps  # bench/ops_per_step.py's op counter
 
 
 def small(tmp_path: Path, name: str, phase: str = "phase1", **kw) -> TrainConfig:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 from timm.data import Mixup
-from timm.data.mixup import cutmix_bbox_and_lam
+from timm.data.mixup import cutmix_bbox_and_lam, one_hot
 
 
 @dataclass(frozen=True)
@@ -67,11 +67,8 @@ def mixed(
     classes, smoothing = mixup.num_classes, mixup.label_smoothing
     off = smoothing / classes
     on = 1.0 - smoothing + off
-    flat = labels.reshape(-1, 1).long()
-    y1 = torch.full((flat.shape[0], classes), off, device=dev).scatter_(1, flat, on)
-    y2 = torch.full((flat.shape[0], classes), off, device=dev).scatter_(
-        1, labels.flip(1).reshape(-1, 1).long(), on
-    )
+    y1 = one_hot(labels, classes, on_value=on, off_value=off)  # (S·B, classes)
+    y2 = one_hot(labels.flip(1), classes, on_value=on, off_value=off)  # each seed's batch reversed
     target_lam, target_rest = lam.view(seeds, 1, 1).to(y1.dtype), rest.view(seeds, 1, 1).to(y1.dtype)
     targets = y1.view(seeds, -1, classes) * target_lam + y2.view(seeds, -1, classes) * target_rest
     return out, targets

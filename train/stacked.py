@@ -361,6 +361,8 @@ class Stack:
         self.mask_dtype = self.dtype or next(model.parameters()).dtype  # the branches' output dtype
         self.graphs = lead.cfg.runtime.compile and self.ctx.device.type == "cuda"
         self.augment_inside = self.mixup is None  # else Mixup's numpy draws come between
+        # Mixup/CutMix applied to every seed at once (mixing.py), unless this timm hides its draws
+        self.batched_mixup = self.mixup is not None and mixing.drawable(self.mixup)
         self.learn: Any = self.stacked_learn
         if lead.cfg.runtime.compile:
             mode = "reduce-overhead" if self.graphs else None  # CUDA graphs on CUDA
@@ -415,14 +417,12 @@ class Stack:
         mixes: list[Any] = []  # each seed's Mixup draw; or, with a timm that hides it, its mixed batch
         for i, loop in enumerate(loops):  # each seed's draws from its own RNGs, in its run's order
             with self.step_stream(i) if self.draws else contextlib.nullcontext():
-                if self.mixup is not None:
-                    batched = mixing.drawable(self.mixup)
-                    shape = tuple(images.shape[1:])
-                    mixes.append(
-                        mixing.draw(self.mixup, shape) if batched else self.mixup(images[i], labels[i])
-                    )
+                if self.batched_mixup:
+                    mixes.append(mixing.draw(self.mixup, tuple(images.shape[1:])))
+                elif self.mixup is not None:
+                    mixes.append(self.mixup(images[i], labels[i]))
                 masks.append(loop.state.model.drop_masks(labels.shape[1], self.mask_dtype, device))
-        if self.mixup is not None and mixing.drawable(self.mixup):  # every seed mixed at once
+        if self.batched_mixup:  # every seed mixed at once
             inputs, labels = mixing.mixed(self.mixup, mixes, images, labels)  # (S, B, classes) targets
         elif self.mixup is not None:
             inputs, labels = torch.stack([x for x, _ in mixes]), torch.stack([y for _, y in mixes])
