@@ -6,8 +6,11 @@ processes sharing the device, for phase 1 and phase 2 (issue 57's measurement).
 Each measurement is a `cmhsa train` of EXPERIMENTS.md's Fashion-MNIST model (``--preset cpu``,
 28 px, P 4, d 48, depth 2; batch 256) on ``--train-samples`` images for ``--epochs`` epochs; the
 figure is the images/s of every epoch after the first (which holds the compilation), summed over
-the seeds (each seed's metrics.csv row counts its own images). Prints one row per measurement and
-writes them to ``--out`` as JSON.
+the seeds (each seed's metrics.csv row counts its own images). ``--separate 1`` is one plain run,
+the one-seed baseline. Prints one row per measurement and writes them to ``--out`` as JSON as
+each ends; a run that fails is recorded with its last output and the rest go on. Run under
+``TORCH_LOGS=perf_hints CMHSA_DEBUG=1`` (``cudagraphs`` in place of ``perf_hints`` on a torch that
+logs there), each row keeps inductor's reasons for skipping CUDA graphs.
 """
 
 from __future__ import annotations
@@ -26,11 +29,19 @@ MODEL = ["--preset", "cpu", "--data", "fashion-mnist", "--in-chans", "1", "--bat
 PHASE_FLAGS = {"phase1": [], "phase2": ["--init", "impulse"]}
 
 
-def steady(folder: Path) -> float:
-    """Images/s of a run's epochs after its first (mean), from its metrics.csv."""
+class Failed(Exception):
+    """A measured run exited non-zero; the message holds what it printed last."""
+
+
+def epochs(folder: Path) -> list[dict[str, str]]:
+    """A run's metrics.csv rows."""
     with open(folder / "metrics.csv", newline="") as f:
-        rows = list(csv.DictReader(f))
-    return statistics.mean(float(r["images_per_s"]) for r in rows[1:])
+        return list(csv.DictReader(f))
+
+
+def steady(folder: Path) -> float:
+    """Images/s of a run's epochs after its first (mean)."""
+    return statistics.mean(float(r["images_per_s"]) for r in epochs(folder)[1:])
 
 
 def command(args: argparse.Namespace, phase: str, out: Path, seed_flags: list[str]) -> list[str]:
@@ -66,17 +77,25 @@ def measure(args: argparse.Namespace, phase: str, stacked: int, separate: int, t
     if stacked:
         out = tmp / f"{phase}-stack{stacked}"
         seeds = ",".join(map(str, range(stacked)))
-        subprocess.run(command(args, phase, out, ["--seeds", seeds]), check=True, capture_output=True)
-        per_seed = [steady(out / f"seed{s}") for s in range(stacked)]
+        done = subprocess.run(command(args, phase, out, ["--seeds", seeds]), capture_output=True, text=True)
+        if done.returncode:
+            raise Failed(f"{phase}, {stacked} seeds stacked: exit {done.returncode}\n{done.stderr[-3000:]}")
+        folders = [out / f"seed{s}" for s in range(stacked)]
+        logs = [done.stderr]
     else:
         outs = [tmp / f"{phase}-sep{separate}-{s}" for s in range(separate)]
+        errs = [tmp / f"{phase}-sep{separate}-{s}.err" for s in range(separate)]
         procs = [
-            subprocess.Popen(command(args, phase, o, ["--seed", str(s)]), stdout=subprocess.DEVNULL)
-            for s, o in enumerate(outs)
+            subprocess.Popen(
+                command(args, phase, o, ["--seed", str(s)]), stdout=subprocess.DEVNULL, stderr=e.open("w")
+            )
+            for s, (o, e) in enumerate(zip(outs, errs, strict=True))
         ]
         if any(p.wait() != 0 for p in procs):
-            raise SystemExit(f"{phase}: a separate process failed")
-        per_seed = [steady(o) for o in outs]
+            raise Failed(f"{phase}: a separate process failed\n{errs[0].read_text()[-3000:]}")
+        folders = outs
+        logs = [e.read_text() for e in errs]
+    per_seed = [steady(f) for f in folders]
     return {
         "phase": phase,
         "form": f"{stacked} seeds stacked, one process"
@@ -85,6 +104,13 @@ def measure(args: argparse.Namespace, phase: str, stacked: int, separate: int, t
         "images_per_s": sum(per_seed),
         "per_seed": per_seed,
         "wall_s": time.perf_counter() - t0,
+        # the epoch that holds the compilation, each seed's (a stack's seeds share one)
+        "first_epoch_s": [float(epochs(f)[0]["epoch_seconds"]) for f in folders],
+        # inductor's reasons for running a graph without CUDA graphs (printed under
+        # TORCH_LOGS=perf_hints): a step that skips them pays a launch per kernel
+        "cudagraph_notes": sorted(
+            {ln.strip()[-300:] for log in logs for ln in log.splitlines() if "cudagraph" in ln}
+        ),
     }
 
 
@@ -94,7 +120,7 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--data-dir", default=None)
     ap.add_argument("--phases", nargs="+", default=["phase1", "phase2"])
-    ap.add_argument("--stacks", type=int, nargs="+", default=[1, 3, 6])
+    ap.add_argument("--stacks", type=int, nargs="*", default=[1, 3, 6])
     ap.add_argument("--separate", type=int, nargs="*", default=[3])
     ap.add_argument("--train-samples", type=int, default=30720)
     ap.add_argument("--epochs", type=int, default=3)
@@ -105,12 +131,16 @@ def main() -> None:
         for phase in args.phases:
             plan = [(s, 0) for s in args.stacks] + [(0, n) for n in args.separate]
             for stacked, separate in plan:
-                row = measure(args, phase, stacked, separate, Path(tmp))
+                try:
+                    row = measure(args, phase, stacked, separate, Path(tmp))
+                    rate, wall = row["images_per_s"], row["wall_s"]
+                    print(f"{phase}  {row['form']:36s} {rate:10.0f} img/s  ({wall:.0f} s)", flush=True)
+                    for note in row["cudagraph_notes"]:
+                        print(f"    {note}", flush=True)
+                except Failed as e:  # the other rows still tell something: record it, go on
+                    print(e, file=sys.stderr, flush=True)
+                    row = {"phase": phase, "stacked": stacked, "separate": separate, "error": str(e)}
                 rows.append(row)
-                print(
-                    f"{phase}  {row['form']:36s} {row['images_per_s']:10.0f} img/s  ({row['wall_s']:.0f} s)",
-                    flush=True,
-                )
                 args.out.parent.mkdir(parents=True, exist_ok=True)
                 args.out.write_text(json.dumps(rows, indent=1) + "\n")
 

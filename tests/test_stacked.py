@@ -434,3 +434,53 @@ def test_a_stacks_mixing_is_timms_mixup_of_each_seed(tmp_path: Path, monkeypatch
             load_file(str(tmp_path / f / f"seed{seed}" / "conv.safetensors")) for f in ("batched", "timm")
         )
         assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]
+
+
+# what a compiled stacked step is on a GPU ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("aa", ["none", "rand-m9-mstd0.5-inc1"])
+def test_without_randaugment_a_batchs_parameters_are_all_on_the_images_device(aa: str) -> None:
+    """A stack concatenates every field of its seeds' augmentation parameters inside its compiled
+    step; one CPU tensor in that graph makes inductor skip CUDA graphs for the whole step (the step
+    then pays a launch per kernel: on an H100, 4.0 ms a step at 1 and 3 seeds alike). Without
+    RandAugment every field is on the images' device (the meta device here stands for a GPU); with
+    it, RandAugment's choices stay on the CPU, where its per-op selection reads them."""
+    from convit_convert.data import EpochSampler, channel_stats
+    from convit_convert.train.augment import PARAM_FIELDS, augment_spec
+
+    mean, std = channel_stats(1)
+    spec = augment_spec(TrainConfig.from_flags(preset="cpu", aa=aa).recipe, (16, 16), mean, std)
+    sampler = EpochSampler(32, rank=0, world=1, batch_size=8, seed=1, shuffle=True)
+    sampler.set_epoch(0)
+    images = torch.empty((32, 1, 16, 16), dtype=torch.uint8, device="meta")
+    loader = held.HeldLoader(images, torch.zeros(32, dtype=torch.long), sampler, spec, seed=1)
+    params = loader.chunk(0, 4)[0]
+    on_cpu = {name for name in PARAM_FIELDS if getattr(params, name).device.type == "cpu"}
+    assert on_cpu == (set() if aa == "none" else {"ra_op", "ra_apply", "ra_arg"})
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [dict(phase="phase1", conv_form="tokens"), dict(phase="phase2", init="impulse")],
+    ids=["p1", "p2"],
+)
+def test_a_compiled_step_is_one_graph_for_a_run_and_a_stack(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, flags: dict
+) -> None:
+    """Without Mixup the augmentation runs inside the compiled step, a stack's for all seeds at once:
+    dynamo traces the whole step without a graph break (a break splits the step into graphs with
+    the Python between them run eagerly on every step; dataclasses.fields in Params.cat was one).
+    Traced by dynamo with the eager backend: the graph breaks are dynamo's, whatever the backend,
+    and tracing alone takes seconds where inductor takes a minute."""
+    from torch._dynamo.utils import counters
+
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, **{**kw, "backend": "eager"}))
+    torch._dynamo.reset()
+    counters.clear()
+    unmixed = dict(mixup=0.0, cutmix=0.0, compile=True, epochs=1, **flags)
+    run(config(tmp_path / "alone", **unmixed), progress=QUIET)
+    run_seeds(config(tmp_path / "stack", seeds=(0, 1), **unmixed), progress=QUIET)
+    torch._dynamo.reset()
+    assert not counters["graph_break"], dict(counters["graph_break"])

@@ -209,13 +209,18 @@ class Params:
 
     def split(self, size: int) -> list[Params]:
         """Consecutive blocks of ``size`` samples (one op per field, not per block)."""
-        parts = [getattr(self, f.name).split(size) for f in fields(self)]
+        parts = [getattr(self, name).split(size) for name in PARAM_FIELDS]
         return [Params(*block) for block in zip(*parts, strict=True)]
 
     @staticmethod
     def cat(blocks: list[Params]) -> Params:
         """``blocks`` one after another, as one batch (one op per field, not per block)."""
-        return Params(*(torch.cat([getattr(b, f.name) for b in blocks]) for f in fields(Params)))
+        return Params(*(torch.cat([getattr(b, name) for b in blocks]) for name in PARAM_FIELDS))
+
+
+# Params' field names, in order: a constant, so that torch.compile traces Params.cat inside the
+# stacked step (dataclasses.fields there is a graph break)
+PARAM_FIELDS = tuple(f.name for f in fields(Params))
 
 
 def _uniform(n: int, lo: float, hi: float, g: torch.Generator, *shape: int) -> torch.Tensor:

@@ -24,7 +24,7 @@ from torch.utils.data import Dataset, Subset
 from ..data import ArrayImages, EpochSampler, sample_seed
 from ..errors import CmhsaError
 from ..io.images import open_image, read_image
-from .augment import AugmentSpec, Params, augment, grey, normalise, sample_params
+from .augment import PARAM_FIELDS, AugmentSpec, Params, augment, grey, normalise, sample_params
 
 MAX_BYTES = 2 << 30  # hold at most 2 GiB of decoded images; larger sets use the workers loader
 # sample_seed indices (the sampler uses -1): chunk c of an epoch's augmentation parameters is drawn
@@ -35,6 +35,13 @@ CHUNK_STEPS = 64  # steps whose parameters are drawn at once: the draw's ~100 sm
 # the parameters the pixel ops read on the device (RandAugment's choices stay on the CPU, where
 # its per-op selection reads them)
 DEVICE_FIELDS = ("box", "flip", "jitter", "jitter_order", "erase")
+
+
+def device_fields(spec: AugmentSpec) -> tuple[str, ...]:
+    """The Params fields a chunk moves to the device: :data:`DEVICE_FIELDS`, and without
+    RandAugment every field (its choices are then empty). A stack concatenates every field inside
+    its compiled step, and one CPU tensor there makes inductor skip CUDA graphs for the whole step."""
+    return DEVICE_FIELDS if spec.randaugment is not None else PARAM_FIELDS
 
 
 def _array_source(ds: Dataset) -> tuple[Any, np.ndarray, list[int]] | None:
@@ -136,7 +143,7 @@ class HeldBatch:
     """One step's inputs before augmentation: this rank's images and their parameters."""
 
     images: torch.Tensor  # (n, C, H, W) uint8, on the images' device
-    params: Params  # the per-sample choices; the pixel ops' fields on the device
+    params: Params  # the per-sample choices; the fields of device_fields(spec) on the device
     noise: torch.Tensor | None  # (n, C, h, w) erasing normals, None without erasing
 
 
@@ -164,7 +171,8 @@ class HeldLoader:
         steps = min(CHUNK_STEPS, steps_in_epoch - c * CHUNK_STEPS)
         g = torch.Generator().manual_seed(sample_seed(self.seed, s.epoch, CHUNK_STREAM - c))
         p = sample_params(self.spec, steps * s.bs * s.world, tuple(self.images.shape[-2:]), g)
-        p = Params(**{k: v.to(dev) if k in DEVICE_FIELDS else v for k, v in vars(p).items()})
+        on_device = device_fields(self.spec)
+        p = Params(**{k: v.to(dev) if k in on_device else v for k, v in vars(p).items()})
         return p.split(s.bs)[s.rank :: s.world]
 
     def noise(self, step: int) -> torch.Tensor | None:

@@ -1,0 +1,105 @@
+"""Kernels per compiled training step of S stacked seeds (``--seeds``) against a plain run, counted
+by torch's profiler (issue 67's "kernels per compiled step"): what a GPU pays a launch for.
+
+    python bench/stacked_kernels.py [--device cpu] [--stacks 0 1 6] [--batch 8] [--data-dir DIR]
+    python bench/stacked_kernels.py --device cuda --batch 256 ...
+
+bench/stacked_host.py's model and recipe (``--preset cpu``, drop path 0.1; phase 2 from impulse
+init, gated), the device loader, ``--compile``, the default AMP; a stack of 0 is a plain run (no
+``--seeds``), the one-seed baseline. Two counts:
+
+- **kernels per graph call** (any device): the kernels inductor's compiled step calls, each
+  generated kernel (``cpp.enable_kernel_profile`` names them on the CPU) and each library call
+  (matmuls: ``aten::mm``, ``bmm``, ``addmm``), over the calls of the compiled graph. This is the
+  graph's size; the optimizer, EMA and the rest of a step run outside it.
+- **device kernels per step** (CUDA only): every profiler event that ran on the GPU (kernels,
+  copies, fills), the slope between 1-epoch runs of 16 and 48 steps, so set-up, compilation and
+  evaluation cancel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+import torch._inductor.config as inductor_config
+from ops_per_step import config
+
+from convit_convert.train.progress import Progress
+from convit_convert.train.run import run
+from convit_convert.train.stacked import run_seeds
+
+GRAPH_CALL = "## Call CompiledFxGraph"  # the profiler's record around one call of a compiled graph
+MATMULS = ("aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm")
+NOT_KERNELS = ("aten::empty", "aten::as_strided", "aten::view", "aten::resize", "aten::set_", "aten::alias")
+
+
+class Counted(NamedTuple):
+    graph_calls: int
+    graph_kernels: int  # kernels and library calls inside those calls
+    graph_matmuls: int  # of which the library's matmuls
+    device_events: int
+
+
+def counted(phase: str, seeds: int, steps: int, args: argparse.Namespace, out: Path) -> Counted:
+    """One compiled run of ``seeds`` stacked seeds (0: a plain run) for ``steps`` steps, profiled."""
+    cfg = config(phase, steps, args.batch, out, args.data_dir)
+    cfg = cfg.replace(device=args.device, compile=True, amp="auto")
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if args.device == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        if seeds:
+            run_seeds(cfg.replace(seeds=tuple(range(seeds))), progress=Progress(None))
+        else:
+            run(cfg, progress=Progress(None))
+    events = prof.events()
+    calls = sum(1 for e in events if e.name.startswith(GRAPH_CALL))
+    inside = [
+        e.name
+        for e in events
+        if e.cpu_parent is not None
+        and e.cpu_parent.name.startswith(GRAPH_CALL)
+        and not e.name.startswith(NOT_KERNELS)
+    ]
+    matmuls = sum(1 for name in inside if name in MATMULS)
+    device = sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+    return Counted(calls, len(inside), matmuls, device)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--stacks", type=int, nargs="+", default=[0, 1, 6], help="seeds stacked; 0: a plain run")
+    ap.add_argument("--phases", nargs="+", default=["phase1", "phase2"])
+    ap.add_argument("--data-dir", default=None, help="Fashion-MNIST's four IDX .gz files (default: Debian's)")
+    args = ap.parse_args()
+    inductor_config.cpp.enable_kernel_profile = True  # the CPU's generated kernels as profiler records
+    print(f"torch {torch.__version__}, {args.device}, compiled, batch {args.batch} per seed\n")
+    print("| phase | seeds | kernels per graph call | of which matmuls | device kernels per step |")
+    print("|---|---|---:|---:|---:|")
+    with tempfile.TemporaryDirectory() as tmp:
+        for phase in args.phases:
+            for seeds in args.stacks:
+                # a fresh dynamo per stack size: a second size in one process would make the seed
+                # axis a symbolic size, which vmap's batched tensors cannot trace
+                torch._dynamo.reset()
+                sizes = (16, 48) if args.device == "cuda" else (16,)  # the slope needs two runs
+                runs = [counted(phase, seeds, n, args, Path(tmp) / f"{phase}-{seeds}-{n}") for n in sizes]
+                last = runs[-1]
+                graph, matmuls = (
+                    n / max(last.graph_calls, 1) for n in (last.graph_kernels, last.graph_matmuls)
+                )
+                form = f"{seeds} stacked" if seeds else "one plain run"
+                shown = (
+                    f"{(runs[-1].device_events - runs[0].device_events) / 32:.0f}" if len(runs) > 1 else "-"
+                )
+                print(f"| {phase} | {form} | {graph:.0f} | {matmuls:.0f} | {shown} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
