@@ -8,10 +8,11 @@ bench/stacked_host.py's model and recipe (``--preset cpu``, drop path 0.1; phase
 init, gated), the device loader, ``--compile``, the default AMP; a stack of 0 is a plain run (no
 ``--seeds``), the one-seed baseline. Two counts:
 
-- **kernels per graph call** (any device): the kernels inductor's compiled step calls, each
-  generated kernel (``cpp.enable_kernel_profile`` names them on the CPU) and each library call
-  (matmuls: ``aten::mm``, ``bmm``, ``addmm``), over the calls of the compiled graph. This is the
-  graph's size; the optimizer, EMA and the rest of a step run outside it.
+- **kernels per graph call** (on the CPU): the kernels inductor's compiled step calls, each
+  generated kernel (``cpp.enable_kernel_profile`` names them) and each library call (matmuls:
+  ``aten::mm``, ``bmm``, ``addmm``), over the calls of the compiled graph. This is the graph's
+  size; the optimizer, EMA and the rest of a step run outside it. On CUDA the step replays a CUDA
+  graph, whose kernels this column does not see: the next one counts them.
 - **device kernels per step** (CUDA only): every profiler event that ran on the GPU (kernels,
   copies, fills), the slope between 1-epoch runs of 16 and 48 steps, so set-up, compilation and
   evaluation cancel.
