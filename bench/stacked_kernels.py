@@ -13,6 +13,9 @@ init, gated), the device loader, ``--compile``, the default AMP; a stack of 0 is
   ``aten::mm``, ``bmm``, ``addmm``), over the calls of the compiled graph. This is the graph's
   size; the optimizer, EMA and the rest of a step run outside it. On CUDA the step replays a CUDA
   graph, whose kernels this column does not see: the next one counts them.
+- **eager ops per step** (any device): the aten ops a step dispatches around its compiled graph
+  (ops called by other ops, views and allocations not counted), the median over the steps: on a
+  GPU each is one more launch, outside the CUDA graph.
 - **device kernels per step** (CUDA only): every profiler event that ran on the GPU (kernels,
   copies, fills), the slope between 1-epoch runs of 16 and 48 steps, so set-up, compilation and
   evaluation cancel.
@@ -21,7 +24,11 @@ init, gated), the device loader, ``--compile``, the default AMP; a stack of 0 is
 from __future__ import annotations
 
 import argparse
+import contextlib
+import statistics
 import tempfile
+from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
 
@@ -29,11 +36,14 @@ import torch
 import torch._inductor.config as inductor_config
 from ops_per_step import config
 
+from convit_convert.train.loop import Loop
 from convit_convert.train.progress import Progress
 from convit_convert.train.run import run
-from convit_convert.train.stacked import run_seeds
+from convit_convert.train.stacked import Stack, run_seeds
 
 GRAPH_CALL = "## Call CompiledFxGraph"  # the profiler's record around one call of a compiled graph
+COMPILED = ("Torch-Compiled Region", GRAPH_CALL)  # records whose ops ran inside the compiled step
+STEP = "bench::step"  # this bench's record around one step of a run or a stack
 MATMULS = ("aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm")
 NOT_KERNELS = ("aten::empty", "aten::as_strided", "aten::view", "aten::resize", "aten::set_", "aten::alias")
 
@@ -43,6 +53,53 @@ class Counted(NamedTuple):
     graph_kernels: int  # kernels and library calls inside those calls
     graph_matmuls: int  # of which the library's matmuls
     device_events: int
+    steps: int
+    eager_ops: float  # aten ops a step dispatched outside the compiled graph, median over the steps
+
+
+@contextlib.contextmanager
+def steps_recorded() -> Iterator[None]:
+    """Every step of a run (:class:`Loop`) or a stack (:class:`Stack`) under a profiler record."""
+    originals = {cls: cls.step for cls in (Loop, Stack)}
+
+    def recorded(step):
+        def wrapped(self, batch):
+            with torch.profiler.record_function(STEP):
+                return step(self, batch)
+
+        return wrapped
+
+    for cls, step in originals.items():
+        cls.step = recorded(step)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        for cls, step in originals.items():
+            cls.step = step  # type: ignore[method-assign]
+
+
+def eager_step(e) -> int | None:
+    """The id of the step record under which ``e`` is an aten op the step dispatched itself,
+    outside the compiled graph; None for any other event."""
+    if not e.name.startswith("aten::") or e.name.startswith(NOT_KERNELS):
+        return None
+    p = e.cpu_parent
+    while p is not None:
+        if p.name.startswith("aten::") or p.name.startswith(COMPILED):
+            return None
+        if p.name == STEP:
+            return p.id
+        p = p.cpu_parent
+    return None
+
+
+def eager_ops_per_step(events: list) -> tuple[int, float]:
+    """(steps, the median over them of the aten ops each dispatched outside the compiled graph)
+    from a profile taken under :func:`steps_recorded`. The median: the first step also holds
+    dynamo's tracing (about a thousand ops)."""
+    per_step = Counter({e.id: 0 for e in events if e.name == STEP})
+    per_step.update(step for step in map(eager_step, events) if step is not None)
+    return len(per_step), statistics.median(per_step.values()) if per_step else 0.0
 
 
 def counted(phase: str, seeds: int, steps: int, args: argparse.Namespace, out: Path) -> Counted:
@@ -52,7 +109,7 @@ def counted(phase: str, seeds: int, steps: int, args: argparse.Namespace, out: P
     activities = [torch.profiler.ProfilerActivity.CPU]
     if args.device == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=activities) as prof:
+    with torch.profiler.profile(activities=activities) as prof, steps_recorded():
         if seeds:
             run_seeds(cfg.replace(seeds=tuple(range(seeds))), progress=Progress(None))
         else:
@@ -68,7 +125,8 @@ def counted(phase: str, seeds: int, steps: int, args: argparse.Namespace, out: P
     ]
     matmuls = sum(1 for name in inside if name in MATMULS)
     device = sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
-    return Counted(calls, len(inside), matmuls, device)
+    steps, eager = eager_ops_per_step(events)
+    return Counted(calls, len(inside), matmuls, device, steps, eager)
 
 
 def main() -> None:
@@ -81,8 +139,9 @@ def main() -> None:
     args = ap.parse_args()
     inductor_config.cpp.enable_kernel_profile = True  # the CPU's generated kernels as profiler records
     print(f"torch {torch.__version__}, {args.device}, compiled, batch {args.batch} per seed\n")
-    print("| phase | seeds | kernels per graph call | of which matmuls | device kernels per step |")
-    print("|---|---|---:|---:|---:|")
+    columns = ["kernels per graph call", "of which matmuls", "eager ops per step", "device kernels per step"]
+    print("| phase | seeds | " + " | ".join(columns) + " |")
+    print("|---|---|---:|---:|---:|---:|")
     with tempfile.TemporaryDirectory() as tmp:
         for phase in args.phases:
             for seeds in args.stacks:
@@ -99,7 +158,8 @@ def main() -> None:
                 shown = (
                     f"{(runs[-1].device_events - runs[0].device_events) / 32:.0f}" if len(runs) > 1 else "-"
                 )
-                print(f"| {phase} | {form} | {graph:.0f} | {matmuls:.0f} | {shown} |", flush=True)
+                counts = f"{graph:.0f} | {matmuls:.0f} | {last.eager_ops:.0f} | {shown}"
+                print(f"| {phase} | {form} | {counts} |", flush=True)
 
 
 if __name__ == "__main__":

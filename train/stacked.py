@@ -497,6 +497,12 @@ class Stack:
         grads = list(torch.autograd.grad(losses.sum(), learned, allow_unused=True))  # slice i: loss i's
         if self.clip is not None:  # each seed's to its own norm
             grads = clipped_per_seed(grads, self.clip)
+        # each in its weight's layout (vmap's backward returns some permuted): here a compiled step
+        # writes them so, where after the graph assign_gradients would copy each, one launch apiece
+        grads = [
+            g if g is None or g.stride() == w.stride() else g.contiguous()
+            for g, w in zip(grads, learned, strict=True)
+        ]
         return values, skips, grads
 
     def loss(
