@@ -72,7 +72,7 @@ from .run import (
     train_epochs,
 )
 from .state import numpy_state, rng_state, saved_numpy_state, set_rng_state
-from .step import FUSED, assign_gradients, tallied, update, with_autograd_traced
+from .step import FUSED, assign_gradients, laid_out, tallied, update, with_autograd_traced
 
 # phase 1's convolution in a stack, unless `conv_form` says otherwise: under vmap the pixel form's
 # conv2d runs as one grouped conv of S groups, whose backward took 2.3 times two separate ones on
@@ -497,13 +497,7 @@ class Stack:
         grads = list(torch.autograd.grad(losses.sum(), learned, allow_unused=True))  # slice i: loss i's
         if self.clip is not None:  # each seed's to its own norm
             grads = clipped_per_seed(grads, self.clip)
-        # each in its weight's layout (vmap's backward returns some permuted): here a compiled step
-        # writes them so, where after the graph assign_gradients would copy each, one launch apiece
-        grads = [
-            g if g is None or g.stride() == w.stride() else g.contiguous()
-            for g, w in zip(grads, learned, strict=True)
-        ]
-        return values, skips, grads
+        return values, skips, laid_out(learned, grads)
 
     def loss(
         self,

@@ -99,12 +99,23 @@ def backward(loss: torch.Tensor, params: list[torch.Tensor], ctx: Context) -> No
         assign_gradients(params, list(torch.autograd.grad(loss, params, allow_unused=True)))
 
 
+def laid_out(params: list[torch.Tensor], grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    """Each gradient in its parameter's layout, as backward() leaves it. autograd.grad may return a
+    permuted view (the token form's weight gradient does; vmap's backward does for stacked
+    weights), and the fused optimizers need every tensor of a group in the same strides. Called at
+    the end of a compiled step, the layout is one more choice of its graph's outputs, not a copy
+    per gradient after it (a launch apiece on a GPU, outside the CUDA graph)."""
+    return [
+        g if g is None or g.stride() == p.stride() else g.contiguous()
+        for p, g in zip(params, grads, strict=True)
+    ]
+
+
 def assign_gradients(params: list[torch.Tensor], grads: list[torch.Tensor | None]) -> None:
-    """``grads`` into the parameters' ``.grad`` as backward() leaves them: in each parameter's
-    layout. autograd.grad may return a permuted view (the token form's weight gradient does), and
-    the fused optimizers need every tensor of a group in the same strides."""
-    for p, g in zip(params, grads, strict=True):
-        p.grad = g if g is None or g.stride() == p.stride() else g.contiguous()
+    """``grads`` into the parameters' ``.grad``, each in its parameter's layout (:func:`laid_out`;
+    a compiled step's come laid out already)."""
+    for p, g in zip(params, laid_out(params, grads), strict=True):
+        p.grad = g
 
 
 def update(optimizer: Any, scaler: Any, skip: torch.Tensor) -> None:
@@ -207,4 +218,8 @@ class CompiledStep:
             logits = self.model.forward_head(self.model.forward_features(images, masks or None))
             loss = self.criterion(logits, labels)
         tally, skip = tallied(tally, loss, self.ctx)
-        return tally, skip, list(torch.autograd.grad(loss, self.params, allow_unused=True))
+        return (
+            tally,
+            skip,
+            laid_out(self.params, list(torch.autograd.grad(loss, self.params, allow_unused=True))),
+        )
