@@ -19,6 +19,15 @@ init, gated), the device loader, ``--compile``, the default AMP; a stack of 0 is
 - **device kernels per step** (CUDA only): every profiler event that ran on the GPU (kernels,
   copies, fills), the slope between 1-epoch runs of 16 and 48 steps, so set-up, compilation and
   evaluation cancel.
+- **host ms per step** (any device): the step's wall time on the host, the median over the steps
+  (under the profiler, which adds some microseconds an op). On a CPU it holds the arithmetic; on a
+  GPU, where launches return at once, it is the host's pace.
+- **device ms per step** (CUDA only): the time those GPU events ran, by the same slope. Below the
+  host's ms, the host sets the pace of a step; near it, the GPU does.
+- **CUDA-graph skips** (CUDA only): inductor's count of compiled graphs it ran without CUDA graphs
+  (``counters["inductor"]["cudagraph_skips"]``); each such graph launches its kernels one by one.
+
+On CUDA, after the table, each case's 12 longest GPU kernels per step (by the same slope).
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ from typing import NamedTuple
 import torch
 import torch._inductor.config as inductor_config
 from ops_per_step import config
+from torch._dynamo.utils import counters
 
 from convit_convert.train.loop import Loop
 from convit_convert.train.progress import Progress
@@ -55,6 +65,10 @@ class Counted(NamedTuple):
     device_events: int
     steps: int
     eager_ops: float  # aten ops a step dispatched outside the compiled graph, median over the steps
+    host_ms: float  # a step's wall time on the host, median over the steps
+    device_ms: float  # the GPU events' time, all steps together
+    graph_skips: int  # compiled graphs inductor ran without CUDA graphs
+    device_kernels: Counter[str]  # the GPU events' ms by name, all steps together
 
 
 @contextlib.contextmanager
@@ -109,6 +123,7 @@ def counted(phase: str, seeds: int, steps: int, args: argparse.Namespace, out: P
     activities = [torch.profiler.ProfilerActivity.CPU]
     if args.device == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
+    skips = counters["inductor"]["cudagraph_skips"]
     with torch.profiler.profile(activities=activities) as prof, steps_recorded():
         if seeds:
             run_seeds(cfg.replace(seeds=tuple(range(seeds))), progress=Progress(None))
@@ -124,9 +139,17 @@ def counted(phase: str, seeds: int, steps: int, args: argparse.Namespace, out: P
         and not e.name.startswith(NOT_KERNELS)
     ]
     matmuls = sum(1 for name in inside if name in MATMULS)
-    device = sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+    on_device = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
     steps, eager = eager_ops_per_step(events)
-    return Counted(calls, len(inside), matmuls, device, steps, eager)
+    host = statistics.median(e.time_range.elapsed_us() for e in events if e.name == STEP) / 1000
+    device_ms = sum(e.time_range.elapsed_us() for e in on_device) / 1000
+    skipped = counters["inductor"]["cudagraph_skips"] - skips
+    by_name: Counter[str] = Counter()
+    for e in on_device:
+        by_name[e.name[:90]] += e.time_range.elapsed_us() / 1000
+    return Counted(
+        calls, len(inside), matmuls, len(on_device), steps, eager, host, device_ms, skipped, by_name
+    )
 
 
 def main() -> None:
@@ -140,8 +163,10 @@ def main() -> None:
     inductor_config.cpp.enable_kernel_profile = True  # the CPU's generated kernels as profiler records
     print(f"torch {torch.__version__}, {args.device}, compiled, batch {args.batch} per seed\n")
     columns = ["kernels per graph call", "of which matmuls", "eager ops per step", "device kernels per step"]
+    columns += ["host ms per step", "device ms per step", "CUDA-graph skips"]
     print("| phase | seeds | " + " | ".join(columns) + " |")
-    print("|---|---|---:|---:|---:|---:|")
+    print("|---|---|" + "---:|" * len(columns))
+    tops: dict[str, list[str]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for phase in args.phases:
             for seeds in args.stacks:
@@ -155,11 +180,19 @@ def main() -> None:
                     n / max(last.graph_calls, 1) for n in (last.graph_kernels, last.graph_matmuls)
                 )
                 form = f"{seeds} stacked" if seeds else "one plain run"
-                shown = (
-                    f"{(runs[-1].device_events - runs[0].device_events) / 32:.0f}" if len(runs) > 1 else "-"
-                )
-                counts = f"{graph:.0f} | {matmuls:.0f} | {last.eager_ops:.0f} | {shown}"
+                slope = len(runs) > 1  # on CUDA: per step, the difference of the two runs over 32 steps
+                kernels = f"{(last.device_events - runs[0].device_events) / 32:.0f}" if slope else "-"
+                busy = f"{(last.device_ms - runs[0].device_ms) / 32:.2f}" if slope else "-"
+                skips = str(sum(r.graph_skips for r in runs)) if args.device == "cuda" else "-"
+                counts = f"{graph:.0f} | {matmuls:.0f} | {last.eager_ops:.0f} | {kernels}"
+                counts += f" | {last.host_ms:.2f} | {busy} | {skips}"
                 print(f"| {phase} | {form} | {counts} |", flush=True)
+                if slope:  # where the GPU's time goes: its longest kernels per step
+                    spent = last.device_kernels - runs[0].device_kernels
+                    top = spent.most_common(12)
+                    tops[f"{phase}, {form}"] = [f"{ms / 32:.3f} ms  {name}" for name, ms in top]
+    for case, lines in tops.items():
+        print(f"\nthe GPU's longest kernels per step, {case}:", *lines, sep="\n  ")
 
 
 if __name__ == "__main__":

@@ -465,18 +465,38 @@ def test_without_randaugment_a_batchs_parameters_are_all_on_the_images_device(aa
     [dict(phase="phase1", conv_form="tokens"), dict(phase="phase2", init="impulse")],
     ids=["p1", "p2"],
 )
-def test_a_compiled_step_is_one_graph_for_a_run_and_a_stack(
+def test_a_compiled_step_is_one_graph_with_static_weights_for_a_run_and_a_stack(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, flags: dict
 ) -> None:
-    """Without Mixup the augmentation runs inside the compiled step, a stack's for all seeds at once:
-    dynamo traces the whole step without a graph break (a break splits the step into graphs with
-    the Python between them run eagerly on every step; dataclasses.fields in Params.cat was one).
-    Traced by dynamo with the eager backend: the graph breaks are dynamo's, whatever the backend,
-    and tracing alone takes seconds where inductor takes a minute."""
-    from torch._dynamo.utils import counters
+    """What CUDA graphs need of a compiled step, for a run and a stack alike:
+
+    - one graph. Without Mixup the augmentation runs inside the compiled step, a stack's for all
+      seeds at once: dynamo traces the whole step without a graph break (a break splits the step
+      into graphs with the Python between them run eagerly on every step; dataclasses.fields in
+      Params.cat was one);
+    - its weights static inputs (dynamo's static-address mark): a replay reads them in place,
+      where it copies every other input into the graph's memory first. A plain run's module
+      parameters are; a stack's weights go in as arguments and were plain tensors, copied on
+      every replay.
+
+    Traced by dynamo with the eager backend: the graph breaks and the marks are dynamo's, whatever
+    the backend, and tracing alone takes seconds where inductor takes a minute."""
+    from torch._dynamo.utils import counters, get_static_address_type
+
+    from convit_convert.train import stacked, step
 
     compile_ = torch.compile
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, **{**kw, "backend": "eager"}))
+    weights: dict[str, list[torch.Tensor]] = {}
+    for name, cls, field in [("run", step.CompiledStep, "params"), ("stack", stacked.Stack, "weights")]:
+
+        def kept(
+            self: Any, *args: Any, _init: Any = cls.__init__, _n: str = name, _f: str = field, **kw: Any
+        ):
+            _init(self, *args, **kw)
+            weights.setdefault(_n, getattr(self, _f))  # the run's (each seed of the stack builds one too)
+
+        monkeypatch.setattr(cls, "__init__", kept)
     torch._dynamo.reset()
     counters.clear()
     unmixed = dict(mixup=0.0, cutmix=0.0, compile=True, epochs=1, **flags)
@@ -484,6 +504,9 @@ def test_a_compiled_step_is_one_graph_for_a_run_and_a_stack(
     run_seeds(config(tmp_path / "stack", seeds=(0, 1), **unmixed), progress=QUIET)
     torch._dynamo.reset()
     assert not counters["graph_break"], dict(counters["graph_break"])
+    for name in ("run", "stack"):
+        moving = [tuple(w.shape) for w in weights[name] if get_static_address_type(w) is None]
+        assert weights[name] and not moving, (name, moving)
 
 
 def test_a_stacked_steps_gradients_leave_its_graph_in_their_weights_layout(

@@ -5,8 +5,8 @@
 Small models leave a GPU idle: S processes time-slice it, while one process whose every kernel
 carries S seeds could fill it. Each seed is built exactly as its own ``cmhsa train --seed N --out
 OUT/seedN`` run builds it (:func:`.run.build`: data subset and order, initialisation, optimizer,
-schedule, EMA, loader, run folder, checkpoints, exports). Then every parameter becomes one leaf
-tensor with the seeds on a leading axis, each seed's parameters its slices
+schedule, EMA, loader, run folder, checkpoints, exports). Then every parameter becomes one
+``nn.Parameter`` with the seeds on a leading axis, each seed's parameters its slices
 (:func:`stacked_weights`), and the step is shared: the S forwards, losses and backwards run as one
 batched computation (``torch.func.vmap`` of the model's ``functional_call``; one graph under
 ``--compile``), each seed's gradients are clipped to its own norm (:func:`clipped_per_seed`), and one
@@ -278,14 +278,14 @@ def stack_refusal(loops: list[Loop]) -> str | None:
 
 
 def stacked_weights(loops: list[Loop], params: list[list[torch.Tensor]]) -> tuple[list[torch.Tensor], Any]:
-    """One leaf tensor per parameter holding every seed's on a leading axis, each seed's
+    """One ``nn.Parameter`` per parameter holding every seed's on a leading axis, each seed's
     parameters made its slices (its model, EMA and checkpoints read them as they are); and one
     optimizer over them: the lead seed's class, parameter groups and settings (every seed's are the
     same), with each seed's moments when resumed. The optimizer's step is elementwise, so it is
     every seed's own step at once."""
-    with torch.no_grad():
+    with torch.no_grad():  # Parameters, as a model's are: static inputs of the compiled step (Stack)
         weights = [
-            torch.stack([ps[k].detach() for ps in params]).requires_grad_(p.requires_grad)
+            nn.Parameter(torch.stack([ps[k].detach() for ps in params]), requires_grad=p.requires_grad)
             for k, p in enumerate(params[0])
         ]
     for s, ps in enumerate(params):
@@ -365,7 +365,10 @@ class Stack:
         self.batched_mixup = self.mixup is not None and mixing.drawable(self.mixup)
         self.learn: Any = self.stacked_learn
         if lead.cfg.runtime.compile:
-            mode = "reduce-overhead" if self.graphs else None  # CUDA graphs on CUDA
+            # CUDA graphs on CUDA. The weights go in as arguments; being Parameters, dynamo marks
+            # them static, so each replay reads them in place, as a plain run's module parameters,
+            # instead of copying every one into the graph's memory first (a plain tensor argument's lot)
+            mode = "reduce-overhead" if self.graphs else None
             self.learn = with_autograd_traced(torch.compile(self.stacked_learn, mode=mode))
 
     @contextlib.contextmanager
