@@ -3,15 +3,17 @@
 #
 #     bash bench/stacked_gpu_call.sh        (with $OUT set; carry experiments/out/data)
 #
-# It asks two things, one card throughout, each step under a hard timeout so that a slow step
-# leaves the rest their time, every file written as it is measured (at most 500 s):
+# It asks three things, one card throughout, each step under a hard timeout so that a slow step
+# leaves the rest their time, every file written as it is measured (at most 550 s):
 #
 # 1. Where a step's time goes: bench/stacked_kernels.py on CUDA, phase 2, a plain run against 1
 #    and 6 seeds stacked. It gives the host's ms per step against the GPU's, the device kernels per
 #    step, and inductor's count of graphs run without CUDA graphs. A stack of one was 1.45 times a
 #    plain step on an H200, with the plain run's graph kernels; this says whether the host or the
 #    GPU sets that pace.
-# 2. Issue 67's table on this code: bench/stacked_seeds.py, phase 2 at 1, 3 and 6 seeds stacked
+# 2. A stack's evaluation on CUDA: every seed in one batched forward against each seed's own
+#    evaluation (bench/stacked_eval.py; train/stacked.py's BATCHED_EVALUATION rests on it).
+# 3. Issue 67's table on this code: bench/stacked_seeds.py, phase 2 at 1, 3 and 6 seeds stacked
 #    and a plain run; phase 1 at 1 and 6 and a plain run. Compiled, batch 256 per seed, bf16.
 R=$(pwd)
 export PYTHONPATH=$R PYTHONUNBUFFERED=1
@@ -24,9 +26,12 @@ D=$R/experiments/out/data
 (cd bench && timeout 170 python stacked_kernels.py --device cuda --batch 256 --phases phase2 \
     --stacks 0 1 6 --data-dir "$D" 2>&1 | grep -v Warning | tee "$OUT/kernels.txt")
 echo "kernels done at $(el) s"
+(cd bench && timeout $(( 240 - $(el) )) python stacked_eval.py --device cuda --seeds 2 6 --val 10000 \
+    --data-dir "$D" 2>&1 | grep -v Warning | tee "$OUT/eval.txt")
+echo "eval done at $(el) s"
 B="python bench/stacked_seeds.py --device cuda --compile --data-dir $D"
-timeout $(( 360 - $(el) )) $B --phases phase2 --stacks 1 6 3 --separate 1 --out "$OUT/p2.json"
+timeout $(( 420 - $(el) )) $B --phases phase2 --stacks 1 6 3 --separate 1 --out "$OUT/p2.json"
 echo "p2 done at $(el) s"
-timeout $(( 500 - $(el) )) $B --phases phase1 --stacks 1 6 --separate 1 --out "$OUT/p1.json"
+timeout $(( 550 - $(el) )) $B --phases phase1 --stacks 1 6 --separate 1 --out "$OUT/p1.json"
 echo "p1 done at $(el) s"
 echo "total $(el) s"

@@ -94,20 +94,39 @@ def moments(state: dict[str, Any]) -> dict[str, torch.Tensor]:
         dict(phase="phase1"),
         dict(phase="phase1", conv_form="tokens"),
         dict(phase="phase2", init="impulse", clip_grad=0.05),
+        dict(
+            phase="phase2",
+            init="impulse",
+            data="digits",
+            in_chans=1,
+            model_ema=True,
+            epochs=1,
+            train_samples=64,
+        ),
     ],
-    ids=["phase1-pixels", "phase1-tokens", "phase2-impulse-clipped"],
+    ids=["phase1-pixels", "phase1-tokens", "phase2-impulse-clipped", "phase2-shared-validation-ema"],
 )
-def test_each_seed_is_its_separate_run_in_float64(tmp_path: Path, float64: None, flags: dict) -> None:
+def test_each_seed_is_its_separate_run_in_float64(
+    tmp_path: Path, float64: None, flags: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Weights, moments and every metric. Synthetic data draws each seed's validation images from
+    its seed, so each seed evaluates alone; digits' are the same for every seed, so the stack
+    evaluates all seeds (and their EMAs) in one batched forward (on the CPU too, here)."""
+    from convit_convert.train import stacked
+
+    monkeypatch.setattr(stacked, "BATCHED_EVALUATION", {"cpu"})
     for s in (0, 1):
         run(config(tmp_path / f"alone{s}", seed=s, **flags), progress=QUIET)
     run_seeds(config(tmp_path / "stack", seeds=(0, 1), **flags), progress=QUIET)
+    keys = ["train_loss", "val_loss", "top1", "top5"]
+    keys += ["ema_val_loss", "ema_top1", "ema_top5"] if flags.get("model_ema") else []
     for s in (0, 1):
         a, b = saved(tmp_path / f"alone{s}"), saved(tmp_path / "stack" / f"seed{s}")
         assert a["model"]["head.weight"].dtype == torch.float64
         assert largest_difference(a["model"], b["model"]) < 1e-10
         assert largest_difference(moments(a), moments(b)) < 1e-10
         for ra, rb in zip(a["metrics"], b["metrics"], strict=True):
-            for key in ("train_loss", "val_loss", "top1"):
+            for key in keys:
                 assert abs(ra[key] - rb[key]) < 1e-10, (s, key)
         assert (a["epoch"], a["step"], a["global_step"]) == (b["epoch"], b["step"], b["global_step"])
         # the seeds' streams are not each other's: the two seeds' weights differ
@@ -368,7 +387,7 @@ def test_a_run_and_a_stack_train_through_the_one_epoch_loop() -> None:
                     walkers.add(f"{path.stem}.{fn.name}")  # a loop over epochs
     assert walkers == {"loop.train_one_epoch", "run.train_epochs"}, walkers
     wanted = {n for n, _ in inspect.getmembers(loop.Stepper) if not n.startswith("_")}
-    assert wanted == {"loops", "stream", "batches", "step", "settle"}
+    assert wanted == {"loops", "stream", "batches", "step", "settle", "validation"}
     for stepper in (loop.Loop, stacked.Stack):
         assert all(hasattr(stepper, n) or n == "loops" for n in wanted), stepper
 
@@ -402,6 +421,35 @@ def test_a_steps_ops_barely_grow_with_the_seeds(tmp_path: Path, flags: dict) -> 
     mixing). Before the augmentation and the tally were batched: 2.1 times (phase 1)."""
     one, six = ops_per_step(tmp_path, 1, **flags), ops_per_step(tmp_path, 6, **flags)
     assert six <= 1.2 * one, (one, six)
+
+
+def test_a_stacks_evaluation_is_one_batched_forward_of_every_seed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the seeds validate on the same images (digits) and the device gains by it (CUDA; the
+    CPU here), the stack evaluates them (and their EMAs) together: six seeds' evaluation
+    dispatches at most 1.2 times two seeds' aten ops, where evaluations one after another would
+    dispatch three times (each seed's scores against its own run's:
+    test_each_seed_is_its_separate_run_in_float64). A stack of one evaluates as its run does."""
+    from convit_convert.train import stacked
+
+    monkeypatch.setattr(stacked, "BATCHED_EVALUATION", {"cpu"})
+    count_ops = bench_script("ops_per_step").CountOps
+    counted: dict[int, float] = {}
+    validation = stacked.Stack.validation
+
+    def measured(self: Any) -> list:
+        with count_ops() as counter:
+            scores = validation(self)
+        counted[len(self.loops)] = sum(counter.ops.values())
+        assert all((s is not None and s.ema is not None) == (len(scores) > 1) for s in scores)
+        return scores
+
+    monkeypatch.setattr(stacked.Stack, "validation", measured)
+    for seeds in (1, 2, 6):
+        flags = dict(data="digits", in_chans=1, model_ema=True, epochs=1, train_samples=64)
+        run_seeds(config(tmp_path / f"s{seeds}", seeds=tuple(range(seeds)), **flags), progress=QUIET)
+    assert counted[1] == 0 and counted[6] <= 1.2 * counted[2], counted
 
 
 def test_no_op_of_a_stacked_step_falls_back_to_a_loop_over_the_seeds(tmp_path: Path) -> None:

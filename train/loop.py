@@ -49,6 +49,15 @@ from .state import LAST, RunState, set_rng_state
 from .step import CompiledStep, Tally, backward, update
 
 
+@dataclass(frozen=True)
+class Scored:
+    """One seed's validation scores at an epoch's end (``val_loss``, ``top1``, ``top5``), and its
+    EMA's where it keeps one."""
+
+    model: dict[str, float]
+    ema: dict[str, float] | None
+
+
 @dataclass(kw_only=True)
 class Loop:
     """What every step and epoch uses, built once (by keyword) by :func:`.run.build`."""
@@ -97,6 +106,10 @@ class Loop:
     def settle(self) -> None:
         """Nothing to hand back: the run's state is its own."""
 
+    def validation(self) -> list[Scored | None]:
+        """Nothing measured ahead: the run evaluates itself as its epoch ends (:func:`evaluated`)."""
+        return [None]
+
 
 class Stepper(Protocol):
     """What :func:`train_one_epoch` drives: one step of every seed at a time. A run's :class:`Loop`
@@ -121,6 +134,11 @@ class Stepper(Protocol):
 
     def settle(self) -> None:
         """Each seed's state made its own again (after an epoch or a stop, before a save)."""
+        ...
+
+    def validation(self) -> list[Scored | None]:
+        """At an evaluated epoch's end, each seed's validation scores where the stepper measured
+        them itself (a stack: every seed in one batched forward); None: the seed's own evaluation."""
         ...
 
 
@@ -188,9 +206,10 @@ def train_one_epoch(stepper: Stepper, stop: Any, stop_after_steps: int | None = 
         if st.step > since:  # the steps since the last read-out, into the totals the checkpoint saves
             read_outs()
         return False
+    measured = stepper.validation() if evaluates(lead) else [None] * len(loops)
     for i, loop in enumerate(loops):  # each seed's evaluation, under its own RNGs
         with stepper.stream(i):
-            end_epoch(loop, lrs[i])
+            end_epoch(loop, lrs[i], measured[i])
     return True
 
 
@@ -207,11 +226,12 @@ def begin_epoch(loop: Loop) -> float:
     return st.optimizer.param_groups[0]["lr"]
 
 
-def end_epoch(loop: Loop, lr: float) -> None:
-    """The scheduler's epoch step, the epoch's metrics row (evaluation), the counters at the next epoch."""
+def end_epoch(loop: Loop, lr: float, measured: Scored | None = None) -> None:
+    """The scheduler's epoch step, the epoch's metrics row (evaluation, or the ``measured`` scores),
+    the counters at the next epoch."""
     st = loop.state
     st.scheduler.step(st.epoch + 1)
-    st.metrics.append(evaluated(loop, lr))
+    st.metrics.append(evaluated(loop, lr, measured))
     st.epoch, st.step, st.rng = st.epoch + 1, 0, None
 
 
@@ -237,10 +257,16 @@ def read_out(loop: Loop, stop: Any, since: int, t_last: float) -> bool:
     return all_reduce_sum(stopping, ctx).item() > 0
 
 
-def evaluated(loop: Loop, lr: float) -> dict[str, Any]:
+def evaluates(loop: Loop) -> bool:
+    """Whether the epoch the run is in ends with an evaluation: every `eval_every` and the last."""
+    epoch, every = loop.state.epoch + 1, loop.cfg.runtime.eval_every
+    return epoch % every == 0 or epoch == loop.cfg.recipe.epochs
+
+
+def evaluated(loop: Loop, lr: float, measured: Scored | None = None) -> dict[str, Any]:
     """The finished epoch's metrics.csv row: its training loss and speed; at an evaluated epoch
-    (every `eval_every` and the last) the validation split's loss and top-1/top-5 (and the EMA's),
-    and for attention models what the heads attend to."""
+    (:func:`evaluates`) the validation split's loss and top-1/top-5 (and the EMA's), or the
+    ``measured`` ones, and for attention models what the heads attend to."""
     st, ctx = loop.state, loop.ctx
 
     def reduce(sums: torch.Tensor) -> None:  # every rank's validation share summed
@@ -253,12 +279,19 @@ def evaluated(loop: Loop, lr: float) -> dict[str, Any]:
         "epoch_seconds": st.partial["seconds"],
         "images_per_s": st.partial["images"] / max(st.partial["seconds"], 1e-9),
     }
-    every, epochs = loop.cfg.runtime.eval_every, loop.cfg.recipe.epochs
-    if (st.epoch + 1) % every != 0 and st.epoch + 1 != epochs:  # `eval_every`: not this epoch
+    if not evaluates(loop):  # `eval_every`: not this epoch
         return row
-    row.update(evaluate(st.model, loop.val_loader, ctx.device, loop.dtype, reduce))
-    if st.ema is not None:
-        em = evaluate(st.ema.module, loop.val_loader, ctx.device, loop.dtype, reduce)
+    if measured is None:
+        model = evaluate(st.model, loop.val_loader, ctx.device, loop.dtype, reduce)
+        ema = (
+            None
+            if st.ema is None
+            else evaluate(st.ema.module, loop.val_loader, ctx.device, loop.dtype, reduce)
+        )
+        measured = Scored(model, ema)
+    row.update(measured.model)
+    if measured.ema is not None:
+        em = measured.ema
         row.update(ema_val_loss=em["val_loss"], ema_top1=em["top1"], ema_top5=em["top5"])
     if loop.probe is not None:  # what the attention does: pinned share, distance, gate per block
         row.update(attention_stats(st.model, [loop.probe]).block_means())

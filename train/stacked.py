@@ -47,6 +47,7 @@ from torch import nn
 from torch.func import functional_call, vmap
 
 from ..api.common import autocast
+from ..api.on_data import validation_metrics, validation_totals
 from ..conv_mixer import ConvMixer
 from ..errors import CmhsaError
 from ..io.atomic import atomic_text
@@ -59,8 +60,8 @@ from ..text import json_text
 from . import mixing
 from .augment import Params
 from .distributed import Context, setup, teardown
-from .held import HeldBatch
-from .loop import Loop
+from .held import HeldBatch, HeldEvalLoader
+from .loop import Loop, Scored
 from .progress import Progress
 from .run import (
     RunFiles,
@@ -78,6 +79,12 @@ from .step import FUSED, assign_gradients, laid_out, tallied, update, with_autog
 # conv2d runs as one grouped conv of S groups, whose backward took 2.3 times two separate ones on
 # the CPU (2 seeds); the token form's products batch as matmuls (BENCHMARKS.md, "Several seeds")
 STACK_CONV_FORM = "tokens"
+# device types whose stacks evaluate every seed in one batched forward (Stack.validation). Not the
+# CPU: there vmap's eager forward took 1.2 to 2.9 times the seeds' own evaluations (its linear
+# layers' bias adds are passes over memory a plain forward fuses; bench/stacked_eval.py,
+# BENCHMARKS.md "Several seeds"). On a GPU a small model's evaluation is bound by its launches, and
+# one forward launches for all seeds; that gain is not yet measured (the same bench on CUDA)
+BATCHED_EVALUATION = {"cuda"}
 MAX_SEEDS = 64  # one process's stack: beyond this the batched kernels gain nothing and memory grows
 
 
@@ -313,6 +320,24 @@ def stacked_weights(loops: list[Loop], params: list[list[torch.Tensor]]) -> tupl
     return weights, optimizer
 
 
+def shared_validation(loops: list[Loop]) -> bool:
+    """Whether every seed validates on the same images, labels and batches (the device loader's
+    held validation split): then one batched forward evaluates them all. A `holdout` split is
+    drawn by each seed's own permutation, so its seeds validate on different images."""
+    lead = loops[0].val_loader
+    if not isinstance(lead, HeldEvalLoader):
+        return False
+    return all(
+        isinstance(v, HeldEvalLoader)
+        and (v.batch_size, v.mean, v.std, v.rank, v.world)
+        == (lead.batch_size, lead.mean, lead.std, lead.rank, lead.world)
+        and v.images.shape == lead.images.shape
+        and torch.equal(v.images, lead.images)
+        and torch.equal(v.labels, lead.labels)
+        for v in (loop.val_loader for loop in loops[1:])
+    )
+
+
 def clipped_per_seed(grads: list[torch.Tensor | None], max_norm: float) -> list[torch.Tensor | None]:
     """``clip_grad_norm_`` for each seed of the stacked gradients ``grads`` (seeds on the leading
     axis; None: unused): each seed's scaled by max_norm / (its total norm + 1e-6) where that is
@@ -350,6 +375,13 @@ class Stack:
         for mixer in self.structure.modules():  # vmap makes the pixel form's conv S groups: slower
             if isinstance(mixer, ConvMixer) and mixer.form == "auto":
                 mixer.form = STACK_CONV_FORM
+        # evaluation's structure: its convolution in the run's own form (no backward to slow down)
+        self.judge = MaskedForward(copy.deepcopy(model).to("meta").eval())
+        # one batched forward evaluates several seeds where the device is one that gains by it; a
+        # stack of one evaluates as its run does
+        self.batched_validation = (
+            len(loops) > 1 and device.type in BATCHED_EVALUATION and shared_validation(loops)
+        )
         self.names = [f"model.{n}" for n, _ in model.named_parameters()]
         # index tables, the same for every seed (no state); every name of one shared by several
         # blocks, as the weightless copy holds one per block
@@ -408,6 +440,40 @@ class Stack:
 
     def settle(self) -> None:
         self.share_moments()
+
+    def validation(self) -> list[Scored | None]:
+        """Every seed's validation scores (and its EMA's) from one batched forward of all seeds
+        per validation batch, where their validation images are the same (:func:`shared_validation`)
+        and the device is in BATCHED_EVALUATION; else None each (each seed evaluates alone). What
+        each seed's own evaluation computes (:func:`convit_convert.api.on_data.evaluate`), up to
+        the batched kernels' rounding."""
+        if not self.batched_validation:
+            return [None] * len(self.loops)
+        model = self.judged(self.weights)
+        if self.loops[0].state.ema is None:
+            return [Scored(m, None) for m in model]
+        with torch.no_grad():  # each seed's EMA weights, stacked as its model's are
+            emas = [list(loop.state.ema.module.parameters()) for loop in self.loops]  # type: ignore[union-attr]
+            stacked = [torch.stack(ws) for ws in zip(*emas, strict=True)]
+        return [Scored(m, e) for m, e in zip(model, self.judged(stacked), strict=True)]
+
+    def judged(self, weights: list[torch.Tensor]) -> list[dict[str, float]]:
+        """Each seed's validation loss, top-1 and top-5 of the stacked ``weights``, the seeds'
+        logits of each batch from one vmap of the model in evaluation mode."""
+        lead, device = self.loops[0], self.ctx.device
+        named = dict(zip(self.names, weights, strict=True))
+        sums = torch.zeros(len(self.loops), 4, dtype=torch.float64, device=device)
+        forward = vmap(self.logits, in_dims=(0, None))
+        with torch.no_grad():
+            for x, y in lead.val_loader:
+                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                sums += validation_totals(forward(named, x), y)  # (S, B, classes) logits -> (S, 4)
+        return [validation_metrics(s) for s in sums.cpu()]
+
+    def logits(self, weights: dict[str, torch.Tensor], images: torch.Tensor) -> torch.Tensor:
+        """One seed's logits in evaluation mode (vmap's view: no seed axis), as ``evaluate`` takes them."""
+        with autocast(self.ctx.device, self.dtype):
+            return functional_call(self.judge, (weights, self.buffers), (images, [])).float()
 
     def step(self, batches: tuple[tuple[Any, torch.Tensor], ...]) -> None:
         """One optimizer step of every seed, on its batch (``batches[i]``: seed i's inputs, labels)."""

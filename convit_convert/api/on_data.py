@@ -3,6 +3,7 @@ each head attends to), and calibration images for an approximate conversion."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -85,6 +86,35 @@ def per_class(
     return rows, pairs
 
 
+def validation_totals(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """One batch's validation totals: (..., B, classes) logits of the (B,) ``labels`` -> (..., 4)
+    float64 (summed cross-entropy, top-1 hits, top-5 hits, count); any leading axes (stacked
+    seeds' logits of the same images) keep their own totals."""
+    logits = logits.float()
+    lead, (b, classes) = logits.shape[:-2], logits.shape[-2:]
+    hit = logits.topk(min(5, classes), dim=-1).indices == labels[:, None]  # (..., B, k)
+    # cross-entropy summed per leading index, as F.cross_entropy(reduction="sum") sums one batch
+    loss = F.cross_entropy(logits.reshape(-1, classes), labels.repeat(math.prod(lead)), reduction="none")
+    count = torch.full(lead, float(b), dtype=torch.float64, device=logits.device)
+    return torch.stack(
+        [
+            loss.view(*lead, b).sum(-1).double(),
+            hit[..., 0].sum(-1).double(),
+            hit.any(-1).sum(-1).double(),
+            count,
+        ],
+        dim=-1,
+    )
+
+
+def validation_metrics(sums: torch.Tensor) -> dict[str, float]:
+    """(4,) totals of :func:`validation_totals` over a validation split -> its mean cross-entropy,
+    top-1 and top-5 (%), as metrics.csv and ``cmhsa eval`` report them."""
+    loss, top1, top5, count = sums.tolist()
+    n = max(count, 1.0)
+    return {"val_loss": loss / n, "top1": 100 * top1 / n, "top5": 100 * top5 / n}
+
+
 def evaluate(
     model: nn.Module,
     batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
@@ -104,22 +134,14 @@ def evaluate(
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             with autocast(device, dtype):
                 logits = model(x).float()
-            hit = logits.topk(min(5, logits.shape[1]), dim=1).indices == y[:, None]
             if confusion is not None:
                 c = confusion.shape[0]
                 confusion.view(-1).add_(torch.bincount(y * c + logits.argmax(1), minlength=c * c))
-            loss = F.cross_entropy(logits, y, reduction="sum").double()
-            count = torch.tensor(float(len(y)), dtype=torch.float64, device=device)
-            sums += torch.stack([loss, hit[:, 0].sum().double(), hit.any(dim=1).sum().double(), count])
+            sums += validation_totals(logits, y)
     if reduce is not None:
         reduce(sums)
     model.train(was_training)
-    n = max(sums[3].item(), 1.0)
-    return {
-        "val_loss": sums[0].item() / n,
-        "top1": 100 * sums[1].item() / n,
-        "top5": 100 * sums[2].item() / n,
-    }
+    return validation_metrics(sums)
 
 
 def _dataset(
