@@ -24,6 +24,10 @@ init, gated), the device loader, ``--compile``, the default AMP; a stack of 0 is
   GPU, where launches return at once, it is the host's pace.
 - **device ms per step** (CUDA only): the time those GPU events ran, by the same slope. Below the
   host's ms, the host sets the pace of a step; near it, the GPU does.
+- **MB moved per graph call** (any device): the bytes the compiled graph's generated kernels read
+  and write, by inductor's own count (``GraphLowering.count_bytes``; library matmuls not counted),
+  each case's graph compiled into an empty cache. On a GPU a step whose launches are few is bound by
+  these bytes: at 6 seeds the stack shares the launches, not the traffic.
 - **CUDA-graph skips** (CUDA only): inductor's count of compiled graphs it ran without CUDA graphs
   (``counters["inductor"]["cudagraph_skips"]``); each such graph launches its kernels one by one.
 
@@ -34,6 +38,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
+import os
 import statistics
 import tempfile
 from collections import Counter
@@ -42,7 +48,9 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
+import torch._inductor.compile_fx as compile_fx
 import torch._inductor.config as inductor_config
+import torch._inductor.metrics as inductor_metrics
 from ops_per_step import config
 from torch._dynamo.utils import counters
 
@@ -69,6 +77,7 @@ class Counted(NamedTuple):
     device_ms: float  # the GPU events' time, all steps together
     graph_skips: int  # compiled graphs inductor ran without CUDA graphs
     device_kernels: Counter[str]  # the GPU events' ms by name, all steps together
+    moved_mb: float  # bytes the compiled graph's generated kernels move per call, by inductor's count
 
 
 @contextlib.contextmanager
@@ -124,6 +133,7 @@ def counted(phase: str, seeds: int, steps: int, args: argparse.Namespace, out: P
     if args.device == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     skips = counters["inductor"]["cudagraph_skips"]
+    inductor_metrics.reset()
     with torch.profiler.profile(activities=activities) as prof, steps_recorded():
         if seeds:
             run_seeds(cfg.replace(seeds=tuple(range(seeds))), progress=Progress(None))
@@ -147,8 +157,9 @@ def counted(phase: str, seeds: int, steps: int, args: argparse.Namespace, out: P
     by_name: Counter[str] = Counter()
     for e in on_device:
         by_name[e.name[:90]] += e.time_range.elapsed_us() / 1000
+    moved = inductor_metrics.num_bytes_accessed / 1e6
     return Counted(
-        calls, len(inside), matmuls, len(on_device), steps, eager, host, device_ms, skipped, by_name
+        calls, len(inside), matmuls, len(on_device), steps, eager, host, device_ms, skipped, by_name, moved
     )
 
 
@@ -161,13 +172,21 @@ def main() -> None:
     ap.add_argument("--data-dir", default=None, help="Fashion-MNIST's four IDX .gz files (default: Debian's)")
     args = ap.parse_args()
     inductor_config.cpp.enable_kernel_profile = True  # the CPU's generated kernels as profiler records
+    # inductor counts a graph's bytes as it compiles it, where its metrics log is on (enabled here
+    # but written nowhere); each case's first run compiles into an empty cache (main's), its
+    # second finds the graph there
+    quiet = logging.getLogger(compile_fx.inductor_metrics_log.name)
+    quiet.setLevel(logging.INFO)
+    quiet.addHandler(logging.NullHandler())
+    quiet.propagate = False
     print(f"torch {torch.__version__}, {args.device}, compiled, batch {args.batch} per seed\n")
     columns = ["kernels per graph call", "of which matmuls", "eager ops per step", "device kernels per step"]
-    columns += ["host ms per step", "device ms per step", "CUDA-graph skips"]
+    columns += ["MB moved per graph call", "host ms per step", "device ms per step", "CUDA-graph skips"]
     print("| phase | seeds | " + " | ".join(columns) + " |")
     print("|---|---|" + "---:|" * len(columns))
     tops: dict[str, list[str]] = {}
     with tempfile.TemporaryDirectory() as tmp:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(tmp) / "inductor")
         for phase in args.phases:
             for seeds in args.stacks:
                 # a fresh dynamo per stack size: a second size in one process would make the seed
@@ -185,7 +204,7 @@ def main() -> None:
                 busy = f"{(last.device_ms - runs[0].device_ms) / 32:.2f}" if slope else "-"
                 skips = str(sum(r.graph_skips for r in runs)) if args.device == "cuda" else "-"
                 counts = f"{graph:.0f} | {matmuls:.0f} | {last.eager_ops:.0f} | {kernels}"
-                counts += f" | {last.host_ms:.2f} | {busy} | {skips}"
+                counts += f" | {runs[0].moved_mb:.0f} | {last.host_ms:.2f} | {busy} | {skips}"
                 print(f"| {phase} | {form} | {counts} |", flush=True)
                 if slope:  # where the GPU's time goes: its longest kernels per step
                     spent = last.device_kernels - runs[0].device_kernels
