@@ -331,8 +331,7 @@ def shared_validation(loops: list[Loop]) -> bool:
         isinstance(v, HeldEvalLoader)
         and (v.batch_size, v.mean, v.std, v.rank, v.world)
         == (lead.batch_size, lead.mean, lead.std, lead.rank, lead.world)
-        and v.images.shape == lead.images.shape
-        and torch.equal(v.images, lead.images)
+        and torch.equal(v.images, lead.images)  # False for another shape
         and torch.equal(v.labels, lead.labels)
         for v in (loop.val_loader for loop in loops[1:])
     )
@@ -372,11 +371,12 @@ class Stack:
         model = lead.state.model
         # the model's structure for functional_call, weightless: each call is given every seed's weights
         self.structure = MaskedForward(copy.deepcopy(model).to("meta").train())
+        # evaluation's structure, a copy of the weightless one: its convolution in the run's own
+        # form (no backward to slow down)
+        self.judge = copy.deepcopy(self.structure).eval()
         for mixer in self.structure.modules():  # vmap makes the pixel form's conv S groups: slower
             if isinstance(mixer, ConvMixer) and mixer.form == "auto":
                 mixer.form = STACK_CONV_FORM
-        # evaluation's structure: its convolution in the run's own form (no backward to slow down)
-        self.judge = MaskedForward(copy.deepcopy(model).to("meta").eval())
         # one batched forward evaluates several seeds where the device is one that gains by it; a
         # stack of one evaluates as its run does
         self.batched_validation = (
