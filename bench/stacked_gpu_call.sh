@@ -3,9 +3,11 @@
 #
 #     bash bench/stacked_gpu_call.sh        (with $OUT set; carry experiments/out/data)
 #
-# It asks three things, one card throughout, each step under a hard timeout so that a slow step
+# It asks four things, one card throughout, each step under a hard timeout so that a slow step
 # leaves the rest their time, every file written as it is measured (at most 550 s):
 #
+# 0. What the token form's boxes and W^O's 1,200 columns bought on a GPU: bench/token_mixer.py, one
+#    paper-size mixer, batch 256, alone and 6 seeds stacked (on this CPU 2.2-2.6 times faster).
 # 1. Where a step's time goes: bench/stacked_kernels.py on CUDA, phase 2, a plain run against 1
 #    and 6 seeds stacked. It gives the host's ms per step against the GPU's, the device kernels per
 #    step, the megabytes the graph moves, and inductor's count of graphs run without CUDA graphs. A stack of one was 1.45 times a
@@ -23,6 +25,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 git log -1 --format=%H 2>/dev/null | tee -a "$OUT/env.txt"
 python -c "import torch, timm; print(torch.__version__, timm.__version__)" | tee -a "$OUT/env.txt"
 D=$R/experiments/out/data
+timeout 40 python bench/token_mixer.py --device cuda --batch 256 --seeds 6 2>&1 | grep -v Warning | tee "$OUT/mixer.txt"
+echo "mixer done at $(el) s"
 (cd bench && timeout 170 python stacked_kernels.py --device cuda --batch 256 --phases phase2 \
     --stacks 0 1 6 --data-dir "$D" 2>&1 | grep -v Warning | tee "$OUT/kernels.txt")
 echo "kernels done at $(el) s"

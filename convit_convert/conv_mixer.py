@@ -8,13 +8,15 @@ ways, the same function either way (``form``):
 
   with W^O built from ``conv.weight`` through the conversion's own taps
   (:func:`convit_convert.taps.kernel_taps`). For δ ≠ 0 only the input pixels within the kernel's
-  reach of the patch edge have a tap (P 16, K 5: 2 columns or rows, 96 of 768 features; corners
-  12), so each shifted neighbour contributes only those features: the mixer is two products on
-  tensor cores, the patch itself through W^O's centre block ((B·N, d) by (d, d)) and the 8
-  strips through the rest, accumulated onto it ((B·N, 432) by (432, 768) at the paper's size),
-  instead of a 3-channel convolution that cannot use them. W^O is contracted from the kernel
-  with one-hot tap selectors (:func:`convit_convert.taps.project`), so its gradient is two
-  small dense products, not a scatter of 10^6 entries onto 75 taps.
+  reach of the patch edge have a tap, a box of the neighbour (:class:`TokenPlan`; P 16, K 5: 2
+  columns or rows, 96 of 768 features; corners 12), so each shifted neighbour contributes only its
+  box, cut out by slicing (whose backward copies into a slice: no scatter): the mixer is two
+  products on tensor cores, the patch itself through W^O's centre block ((B·N, d) by (d, d)) and
+  the 8 strips through the rest, accumulated onto it ((B·N, 432) by (432, 768) at the paper's
+  size), instead of a 3-channel convolution that cannot use them. Only those 1,200 of W^O's 6,912
+  columns are built, contracted from the kernel with one-hot tap selectors
+  (:func:`convit_convert.taps.project`), so the kernel's gradient is two small dense products, not
+  a scatter of 10^6 entries onto 75 taps.
 
 ``"auto"`` (the default) picks per device, by measurement (BENCHMARKS.md, "Phase 1's two forms"):
 "tokens" on CUDA, "pixels" on the CPU. The parameters are ``conv.weight`` (C, C, K, K) and
@@ -32,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .options.values import CONV_FORMS
-from .taps import kernel_taps, output_projection, project, tap_selectors
+from .taps import kernel_taps, project, tap_selectors
 from .theory import patch_offsets
 
 ConvFormName = Literal["auto", "pixels", "tokens"]
@@ -59,49 +61,50 @@ def unpatchify(x: torch.Tensor, grid_size: tuple[int, int], patch_size: int) -> 
 
 @dataclass(frozen=True)
 class TokenPlan:
-    """What the token form reads, computed once from (C, K, P, D): the offsets δ (the centre
-    first), per other offset the input features that have a tap (its strip), the union of the
-    strips (``ring``: the pixels within the kernel's reach of a patch's edge), and the columns of
-    W^O (d, N_Δ·d) the products use, centre block first."""
+    """What the token form reads, computed once from (C, K, P, D) by the taps: the offsets δ (the
+    centre first where the kernel reads it) and, per offset, the box of input pixels it reads in
+    the patch at q + δ (rows [y0, y1), columns [x0, x1): every pixel some tap reaches, and between
+    them, where a dilation wider than a patch leaves gaps, pixels whose taps are all zero). Its
+    columns of W^O are the boxes' pixels in this order, each with its C channels."""
 
     offsets: list[tuple[int, int]]
-    strips: list[torch.Tensor]  # per offset after the centre: positions in ``ring`` (long)
-    ring: torch.Tensor  # (R,) features of a patch some neighbour's strip reads
-    columns: torch.Tensor  # (centre + Σ|strip|,) into W^O's columns
-    centre: int  # features the centre reads: d where the kernel fits in a patch (K ≤ P)
+    boxes: list[tuple[int, int, int, int]]  # per offset: (y0, y1, x0, x1)
+
+    def pixels(self) -> list[tuple[int, int, int]]:
+        """(r, s_y, s_x) per column group of W^O: offset r's box, row by row."""
+        return [
+            (r, y, x)
+            for r, (y0, y1, x0, x1) in enumerate(self.boxes)
+            for y in range(y0, y1)
+            for x in range(x0, x1)
+        ]
+
+    def sizes(self, channels: int) -> tuple[int, int]:
+        """(features offsets[0] reads, Σ features the other offsets' strips read)."""
+        area = [(y1 - y0) * (x1 - x0) * channels for y0, y1, x0, x1 in self.boxes]
+        return area[0], sum(area[1:])
 
 
 @functools.lru_cache(maxsize=16)  # every block of a model has the same: computed once
 def token_plan(channels: int, kernel_size: int, patch_size: int, dilation: int) -> TokenPlan:
-    """The :class:`TokenPlan` of a (C, K, P, D) convolution (which features each offset reads, from
-    W^O's structure: the projection of an all-ones kernel)."""
+    """The :class:`TokenPlan` of a (C, K, P, D) convolution: per axis and offset, the first and the
+    last of the neighbour's P pixels some tap reads (:func:`convit_convert.taps.kernel_taps`)."""
     offsets = patch_offsets(kernel_size, patch_size, dilation)
     offsets.sort(key=lambda o: o != (0, 0))  # the centre first
-    ones = torch.ones(channels, channels, kernel_size, kernel_size, dtype=torch.float64)
-    wo = output_projection(ones, patch_size, dilation, offsets)
-    d = wo.shape[0]
-    reads = [torch.nonzero(b.any(0)).flatten() for b in wo.view(d, len(offsets), d).unbind(1)]
-    ring = torch.unique(torch.cat(reads[1:])) if len(reads) > 1 else torch.empty(0, dtype=torch.long)
-    position = torch.full((d,), -1, dtype=torch.long)
-    position[ring] = torch.arange(len(ring))
-    columns = torch.cat([r * d + f for r, f in enumerate(reads)])
-    return TokenPlan(offsets, [position[f] for f in reads[1:]], ring, columns, len(reads[0]))
+    spans = []
+    for axis in (0, 1):  # (N_Δ, P): whether pixel s of the neighbour at offsets[r] is read
+        read = (kernel_taps([o[axis] for o in offsets], patch_size, kernel_size, dilation) < kernel_size).any(
+            2
+        )
+        rows = [[s for s, hit in enumerate(row) if hit] for row in read.tolist()]  # no device reads
+        spans.append([(row[0], row[-1] + 1) for row in rows])
+    return TokenPlan(offsets, [(*y, *x) for y, x in zip(*spans, strict=True)])
 
 
-def token_sizes(channels: int, kernel_size: int, patch_size: int, dilation: int) -> tuple[int, int, int, int]:
-    """(N_Δ, centre, Σ|strip|, |ring|) of :func:`token_plan`, counted from the taps alone (per axis,
-    which of a neighbour's P pixels some tap reads), without building W^O: what sizing a run needs
-    before it allocates anything."""
-    offsets = patch_offsets(kernel_size, patch_size, dilation)
-    offsets.sort(key=lambda o: o != (0, 0))
-    read = [  # per axis: (N_Δ, P) whether input pixel s of the neighbour at offsets[r] is read
-        (kernel_taps([o[axis] for o in offsets], patch_size, kernel_size, dilation) < kernel_size).any(2)
-        for axis in (0, 1)
-    ]
-    pixels = read[0][:, :, None] & read[1][:, None, :]  # (N_Δ, P, P)
-    counts = pixels.flatten(1).sum(1).tolist()
-    ring = int(pixels[1:].any(0).sum()) if len(offsets) > 1 else 0
-    return len(offsets), channels * counts[0], channels * sum(counts[1:]), channels * ring
+def token_sizes(channels: int, kernel_size: int, patch_size: int, dilation: int) -> tuple[int, int, int]:
+    """(N_Δ, centre, Σ|strip|) of :func:`token_plan`: what sizing a run needs before it allocates."""
+    plan = token_plan(channels, kernel_size, patch_size, dilation)
+    return len(plan.offsets), *plan.sizes(channels)
 
 
 def token_form_bytes(
@@ -114,19 +117,28 @@ def token_form_bytes(
 ) -> int:
     """Bytes one block's token form allocates in a training step, beyond what the pixel form's
     estimate (``ViTConfig.activation_bytes``) counts, from the sizes :meth:`ConvMixer.token_products`
-    allocates: W^O's float64 contractions (y taps N_Δ·P²·K·C², W^O and its reshape 2·N_Δ·d², its
-    columns d·(centre + S), then in float32) and the float32 activations kept for the backward (the
-    centre's features, y, the ring's features and its zero-padded grid, the strips and their
-    concatenation, the sum)."""
-    n_delta, centre, strips, ring = token_sizes(channels, kernel_size, patch_size, dilation)
+    allocates: W^O's float64 contractions (the y taps M·P·K·C², its d·M·C columns twice), then in
+    float32, and the float32 activations kept for the backward (the centre's features, y, each
+    strip and their concatenation, the sum), M = (centre + Σ|strip|) / C."""
+    _, centre, strips = token_sizes(channels, kernel_size, patch_size, dilation)
     d, p, (gh, gw) = patch_size**2 * channels, patch_size, grid_size
-    reach = max(max(abs(dy), abs(dx)) for dy, dx in patch_offsets(kernel_size, patch_size, dilation))
-    n = gh * gw
-    weights = 8 * (n_delta * p * p * kernel_size * channels**2 + 2 * n_delta * d * d + d * (centre + strips))
-    weights += 4 * d * (centre + strips)
-    per_image = n * ((centre if centre < d else 0) + 2 * d + ring + 2 * strips)
-    per_image += (gh + 2 * reach) * (gw + 2 * reach) * ring
+    m = (centre + strips) // channels
+    weights = 8 * (m * p * kernel_size * channels**2 + 2 * d * (centre + strips)) + 4 * d * (centre + strips)
+    per_image = gh * gw * ((centre if centre < d else 0) + 2 * d + 2 * strips)
     return weights + 4 * batch * per_image
+
+
+def shifted(grid: torch.Tensor, dy: int, dx: int) -> torch.Tensor:
+    """(B, gh, gw, ...) -> the same shape, entry q the entry at q + (dy, dx), zero beyond the grid:
+    a slice and a pad, whose backward is a slice (no scatter)."""
+    gh, gw = grid.shape[1:3]
+
+    def span(n: int, k: int) -> tuple[slice, int, int]:  # rows read, zeros before and after
+        return slice(min(max(k, 0), n), max(min(n + k, n), 0)), min(max(-k, 0), n), min(max(k, 0), n)
+
+    (ys, y_before, y_after), (xs, x_before, x_after) = span(gh, dy), span(gw, dx)
+    pad = (0, 0) * (grid.dim() - 3) + (x_before, x_after, y_before, y_after)
+    return F.pad(grid[:, ys, xs], pad)
 
 
 class ConvMixer(nn.Conv2d):
@@ -154,16 +166,15 @@ class ConvMixer(nn.Conv2d):
             self.register_buffer(name, t.to(device), persistent=False)
 
     def _index_buffers(self) -> dict[str, torch.Tensor]:
-        """The token form's index tensors (on the CPU), from the conv's own sizes: no file holds them."""
+        """The token form's tap selectors (on the CPU), from the conv's own sizes: no file holds them."""
         c, k, p, d = self.in_channels, self.kernel_size[0], self.patch_size, self.dilation[0]
         with torch.device("cpu"):
             plan = token_plan(c, k, p, d)
-            ey, ex = tap_selectors(plan.offsets, p, k, d)
-        self.offsets = plan.offsets
-        self.centre = plan.centre
-        self.reach = max(max(abs(dy), abs(dx)) for dy, dx in plan.offsets)
-        buffers = {"ring": plan.ring, "columns": plan.columns, "select_y": ey, "select_x": ex}
-        return buffers | {f"strip_{r}": f for r, f in enumerate(plan.strips)}
+            ey, ex = tap_selectors(plan.offsets, p, k, d)  # (N_Δ, P, P, K)
+        self.offsets, self.boxes = plan.offsets, plan.boxes
+        self.centre, _ = plan.sizes(c)  # features offsets[0] reads: d where it is (0, 0) (D ≤ P)
+        r, y, x = torch.tensor(plan.pixels()).unbind(1)
+        return {"select_y": ey[r, y], "select_x": ex[r, x]}  # (M, P, K): W^O's column groups
 
     def init_non_persistent_buffers(self) -> None:
         """Rebuild the index buffers where the weights live (timm's convention: transformers'
@@ -184,30 +195,33 @@ class ConvMixer(nn.Conv2d):
         return patchify(super().forward(pixels), self.patch_size)
 
     def token_weight(self) -> torch.Tensor:
-        """(d, d + Σ|strip|): the columns of W^O the products use, from ``conv.weight``, exact and
-        differentiable (two small float64 contractions, outside autocast; taps.project)."""
+        """(d, centre + Σ|strip|): the columns of W^O the products use, from ``conv.weight``, exact
+        and differentiable (two small float64 contractions, outside autocast; taps.project)."""
         with torch.autocast(self.weight.device.type, enabled=False):
             wo = project(self.weight, self.select_y.double(), self.select_x.double())
-            return wo.index_select(1, self.columns).to(self.weight.dtype)
+            return wo.to(self.weight.dtype)
+
+    def box_of_neighbour(self, grid: torch.Tensor, r: int) -> torch.Tensor:
+        """(B, gh, gw, P, P, C) -> (B, gh, gw, |box_r|·C): per patch q, the box of offset r's
+        neighbour q + δ_r, zero beyond the image."""
+        (dy, dx), (y0, y1, x0, x1) = self.offsets[r], self.boxes[r]
+        if (dy, dx, y0, y1, x0, x1) == (0, 0, 0, self.patch_size, 0, self.patch_size):
+            return grid.flatten(3)  # the patch itself, whole: a view
+        return shifted(grid[:, :, :, y0:y1, x0:x1], dy, dx).flatten(3)
 
     def token_products(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, N, d) -> (B, N, d): X_q · W_0 + b, plus Σ_{δ≠0} X_{q+δ}[strip_δ] · W_δ as a second
-        product accumulated onto the first (module docstring)."""
+        """(B, N, d) -> (B, N, d): X_{q+δ_0}[box_0] · W_0 + b, plus Σ_{r>0} X_{q+δ_r}[box_r] · W_r
+        as a second product accumulated onto the first (module docstring)."""
         b, n, d = x.shape
+        gh, gw = self.grid_size
+        p = self.patch_size
         w = self.token_weight()
-        bias = None if self.bias is None else self.bias.repeat(self.patch_size**2)  # feature (s·C + c)
-        d_c = self.centre
-        centre = x if d_c == d else x.index_select(2, self.columns[:d_c])
-        y = F.linear(centre, w[:, :d_c], bias)
+        bias = None if self.bias is None else self.bias.repeat(p**2)  # feature (s·C + c)
+        grid = x.view(b, gh, gw, p, p, -1)  # (B, gh, gw, P_y, P_x, C)
+        y = F.linear(self.box_of_neighbour(grid, 0).view(b, n, -1), w[:, : self.centre], bias)
         if len(self.offsets) == 1:
             return y
-        gh, gw = self.grid_size
-        r = self.reach
-        ring = F.pad(x.index_select(2, self.ring).view(b, gh, gw, -1), (0, 0, r, r, r, r))  # 0 beyond
-        parts = [
-            ring[:, r + dy : r + dy + gh, r + dx : r + dx + gw].index_select(3, getattr(self, f"strip_{i}"))
-            for i, (dy, dx) in enumerate(self.offsets[1:])
-        ]
+        parts = [self.box_of_neighbour(grid, r) for r in range(1, len(self.offsets))]
         strips = torch.cat(parts, dim=3).view(b * n, -1)
-        out = torch.addmm(y.view(b * n, d), strips, w[:, d_c:].t())
+        out = torch.addmm(y.view(b * n, d), strips, w[:, self.centre :].t())
         return out.view(b, n, d)

@@ -67,12 +67,14 @@ def tap_selectors(
 
 
 def project(weight: torch.Tensor, ey: torch.Tensor, ex: torch.Tensor) -> torch.Tensor:
-    """:func:`output_projection` of ``weight`` (C_out, C_in, K, K) through the selectors of
-    :func:`tap_selectors`, as two contractions (float64, so each entry is its tap exactly, whatever
-    TF32 or autocast is on): (P²·C_out, N_Δ·P²·C_in), rows (t, j), columns (r, s, i)."""
+    """The columns of :func:`output_projection` of ``weight`` (C_out, C_in, K, K) that M input
+    pixels read, through their rows of :func:`tap_selectors` (``ey``, ``ex``: (M, P, K), pixel m's
+    E[r_m, s_m]), as two contractions (float64, so each entry is its tap exactly, whatever TF32 or
+    autocast is on): (P²·C_out, M·C_in), rows (t, j), columns (m, i). Only the columns a product
+    reads are built, so its gradient reaches the kernel without a scatter."""
     c_out, c_in = weight.shape[:2]
-    n, p = ey.shape[:2]
+    m, p = ey.shape[:2]
     w = weight.double().permute(2, 3, 0, 1)  # (K, K, C_out, C_in): (a, b, j, i)
-    a = torch.einsum("ryta,abji->rytbji", ey, w)  # the y taps: (r, s_y, t_y, b, j, i)
-    wo = torch.einsum("rxub,rytbji->tujryxi", ex, a)  # the x taps: (t_y, t_x, j, r, s_y, s_x, i)
-    return wo.reshape(p * p * c_out, n * p * p * c_in)
+    a = torch.einsum("mta,abji->mtbji", ey, w)  # the y taps: (m, t_y, b, j, i)
+    wo = torch.einsum("mub,mtbji->tujmi", ex, a)  # the x taps: (t_y, t_x, j, m, i)
+    return wo.reshape(p * p * c_out, m * c_in)

@@ -24,10 +24,13 @@ from convit_convert.conv_mixer import ConvMixer, patchify, token_form_bytes, tok
 from convit_convert.errors import CmhsaError
 from convit_convert.model import VisionTransformer
 from convit_convert.options.training import TrainConfig
+from convit_convert.taps import output_projection
 from convit_convert.train.phases import check_trainable
 
 # (channels, K, P, dilation, grid): K < 2P (9 offsets), K >= 2P (25), even K, dilation > 1,
-# non-square grids, 1 and 3 channels, the paper's P 16 / K 5
+# non-square grids, 1 and 3 channels, the paper's P 16 / K 5; dilation wider than a patch: boxes
+# with unread pixels inside (K 3, P 2, D 7) and no offset (0, 0) at all (K 2, P 2, D 5: wrong by
+# 5.7 before the token form read offsets[0] through its shift)
 CASES = [
     (3, 5, 16, 1, (3, 2)),
     (1, 3, 4, 1, (5, 5)),
@@ -36,6 +39,8 @@ CASES = [
     (2, 9, 4, 2, (3, 5)),
     (3, 3, 4, 3, (4, 6)),
     (2, 4, 4, 1, (3, 3)),
+    (1, 3, 2, 7, (5, 5)),
+    (1, 2, 2, 5, (4, 5)),
 ]
 
 
@@ -120,30 +125,57 @@ def test_a_model_gives_the_same_logits_and_state_in_either_form() -> None:
 
 def test_the_paper_s_mixer_reads_strips_of_its_neighbours() -> None:
     """P 16, K 5: the centre patch whole (768 features), each edge neighbour 2 columns or rows (96),
-    each corner 2x2 pixels (12), all within a ring 2 pixels wide (336 features): a (B·N, 768) x
-    (768, 768) product and a (B·N, 432) x (432, 768) one."""
+    each corner 2x2 pixels (12): a (B·N, 768) x (768, 768) product and a (B·N, 432) x (432, 768)
+    one, through 1,200 of W^O's 6,912 columns."""
     m = ConvMixer(3, 5, 1, (14, 14), 16, "tokens")
-    strips = [len(getattr(m, f"strip_{r}")) for r in range(8)]
-    assert m.offsets[0] == (0, 0) and m.centre == 768 and sorted(strips) == [12] * 4 + [96] * 4
-    assert len(m.ring) == 16 * 16 * 3 - 12 * 12 * 3 and len(m.columns) == 1200
+    areas = [(y1 - y0) * (x1 - x0) * 3 for y0, y1, x0, x1 in m.boxes]
+    assert m.offsets[0] == (0, 0) and m.boxes[0] == (0, 16, 0, 16) and m.centre == 768
+    assert sorted(areas[1:]) == [12] * 4 + [96] * 4
+    assert m.boxes[m.offsets.index((1, 0))] == (0, 2, 0, 16)  # the top rows of the patch below
+    assert m.select_y.shape == m.select_x.shape == (400, 16, 5)
     assert m.token_weight().shape == (768, 1200)
 
 
-def test_a_model_built_on_the_meta_device_holds_its_indices_on_it() -> None:
+def test_a_model_built_on_the_meta_device_holds_its_selectors_on_it() -> None:
     cfg = ViTConfig.build(img_size=224, patch_size=16, depth=6, kernel_size=5)
     with torch.device("meta"):
         model = VisionTransformer(cfg)
-    assert all(b.conv.columns.is_meta and b.conv.select_y.is_meta for b in model.blocks)
+    assert all(b.conv.select_y.is_meta and b.conv.select_x.is_meta for b in model.blocks)
 
 
-# sizing the token form before it allocates
+# which of W^O's columns the token form builds, against the conversion's gather (taps.output_projection)
 
 
-@pytest.mark.parametrize("c,k,p,d", [(3, 5, 16, 1), (1, 3, 4, 1), (3, 9, 4, 1), (2, 4, 4, 2), (3, 33, 16, 1)])
-def test_the_token_form_is_sized_from_the_taps_as_its_plan_builds_it(c: int, k: int, p: int, d: int) -> None:
-    plan = token_plan(c, k, p, d)
-    built = (len(plan.offsets), plan.centre, sum(len(s) for s in plan.strips), len(plan.ring))
-    assert token_sizes(c, k, p, d) == built
+def plan_columns(m: ConvMixer) -> torch.Tensor:
+    """W^O's columns (r, s_y, s_x, i) of the boxes, in the plan's order."""
+    p, c = m.patch_size, m.in_channels
+    groups = [
+        (r * p * p + y * p + x) * c for r, y, x in token_plan(c, m.kernel_size[0], p, m.dilation[0]).pixels()
+    ]
+    return (torch.tensor(groups)[:, None] + torch.arange(c)).flatten()
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"C{c[0]}-K{c[1]}-P{c[2]}-D{c[3]}")
+def test_the_token_form_builds_exactly_the_columns_of_w_o_its_boxes_read(case) -> None:
+    """The boxes hold every column of W^O a tap reaches (the rest of W^O is zero), each box's edge
+    rows and columns are read (no box larger than it must be), and the columns built equal the
+    gather's: exact, float64 from the same taps."""
+    c, k, p, d, grid = case
+    m, _ = mixer_and_input(c, k, p, d, grid)
+    wo = output_projection(m.weight.detach(), p, d, m.offsets)
+    cols = plan_columns(m)
+    outside = torch.ones(wo.shape[1], dtype=torch.bool)
+    outside[cols] = False
+    ones = output_projection(torch.ones_like(m.weight), p, d, m.offsets)
+    assert not ones[:, outside].any()
+    for r, (y0, y1, x0, x1) in enumerate(m.boxes):
+        read = ones[:, r * p * p * c : (r + 1) * p * p * c].any(0).view(p, p, c).any(2)
+        assert read[y0].any() and read[y1 - 1].any() and read[:, x0].any() and read[:, x1 - 1].any()
+        assert (
+            not read[:y0].any() and not read[y1:].any() and not read[:, :x0].any() and not read[:, x1:].any()
+        )
+    assert torch.equal(m.token_weight().detach(), wo[:, cols])
+    assert token_sizes(c, k, p, d) == (len(m.offsets), m.centre, len(cols) - m.centre)
 
 
 def test_training_memory_is_estimated_for_the_form_that_will_run(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -155,7 +187,8 @@ def test_training_memory_is_estimated_for_the_form_that_will_run(monkeypatch: py
     mcfg = ViTConfig.build(img_size=64, patch_size=4, in_chans=3, depth=2, kernel_size=17, num_classes=10)
     extra = 2 * token_form_bytes(3, 17, 4, 1, mcfg.grid_size, 128)
     base = 16 * mcfg.num_params() + mcfg.activation_bytes(128, training=True)
-    assert extra > base  # measured on this size (2 cores, float32): pixels 0.27 GB, tokens 0.77 GB
+    # measured on this size (2 cores, float32, one step's peak): pixels 0.25 GB, tokens 0.71 GB
+    assert extra > base
     monkeypatch.setattr(resources, "available_memory", lambda: base + extra // 2)
     check_trainable(pixels, mcfg)
     with pytest.raises(CmhsaError, match="token form"):
