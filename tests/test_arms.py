@@ -83,6 +83,7 @@ class EpochClock:
         return 0.0 if len(epochs_done(self.out)) <= self.start else 1e9
 
 
+@pytest.mark.slow  # a whole command in a subprocess, or a signal or a budget: the full tier
 def test_time_budget_stops_cleanly_and_the_next_call_resumes(tmp_path: Path, monkeypatch) -> None:
     """A run far longer than the budget: a budgeted call stops it cleanly when the budget's clock
     runs out (SIGTERM: checkpoint saved, status stopped, nothing lost), and the next call resumes it

@@ -776,6 +776,7 @@ def test_a_resize_to_the_model_s_input_is_sized_before_it_is_allocated() -> None
         check_size(100, 8_192, "wide.png", resize_to=1_280)  # 1,280 x 104,858
 
 
+@pytest.mark.slow  # a whole command in a subprocess, or a signal or a budget: the full tier
 def test_an_image_of_a_format_no_classifier_takes_is_never_decoded(tmp_path: Path) -> None:
     """An EPS file named .png: PIL would run Ghostscript (`gs` from PATH) to decode it.
     Failed on 81f8851: the fake `gs` below ran."""

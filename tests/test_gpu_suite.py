@@ -19,6 +19,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import gpu_suite  # noqa: E402  (a script beside the benchmarks, not a package)
 
 
+@pytest.mark.slow  # a whole command in a subprocess, or a signal or a budget: the full tier
 def test_without_a_gpu_it_prints_the_plan_and_exits_0(tmp_path: Path) -> None:
     args = [sys.executable, str(ROOT / "bench" / "gpu_suite.py"), str(tmp_path / "out")]
     r = subprocess.run([*args, "--dry-run"], capture_output=True, text=True, timeout=120)

@@ -149,6 +149,7 @@ def pair_is_one_write(model: Path, report: Path) -> bool:
     )
 
 
+@pytest.mark.slow  # a whole command in a subprocess, or a signal or a budget: the full tier
 def test_convert_killed_between_its_two_renames_is_completed_by_the_next_command(tmp_path: Path) -> None:
     # catches: the new model beside the previous report, and a temp file, for good
     out, report = tmp_path / "vit.safetensors", tmp_path / "vit.report.json"
@@ -342,6 +343,7 @@ def old_files_left(run: Path) -> list[str]:
     )
 
 
+@pytest.mark.slow  # a whole command in a subprocess, or a signal or a budget: the full tier
 def test_overwrite_cut_short_after_the_first_checkpoint_is_finished_by_resume(
     tmp_path: Path, exported_run: Path
 ) -> None:

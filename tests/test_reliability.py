@@ -152,6 +152,7 @@ def test_escape_sequences_from_a_file_never_reach_the_terminal(tmp_path: Path) -
 # the run folder: locked, and resumed only by what fits it ----------------------------------------
 
 
+@pytest.mark.slow  # a whole command in a subprocess, or a signal or a budget: the full tier
 def test_a_second_training_into_a_busy_run_folder_is_refused(tmp_path: Path) -> None:
     out = tmp_path / "run"
     first = subprocess.Popen(

@@ -24,6 +24,7 @@ from conftest import (
 # the terminal, the locale and signals
 
 
+@pytest.mark.slow  # a whole command in a subprocess, or a signal or a budget: the full tier
 def test_an_ascii_locale_prints_escapes_never_crashes(tmp_path: Path) -> None:
     # catches: UnicodeEncodeError on ≥ or Δ after the outputs were written (exit 3)
     env = {**os.environ, "PYTHONIOENCODING": "ascii", "COLUMNS": "100"}
@@ -42,6 +43,7 @@ def test_escape_sequences_in_paths_never_reach_the_terminal(tmp_path: Path, tiny
     assert r.exit_code == 0 and "\x1b" not in r.output and r.stderr == "", r.output
 
 
+@pytest.mark.slow  # a whole command in a subprocess, or a signal or a budget: the full tier
 def test_library_warnings_reach_the_terminal_only_with_debug() -> None:
     # catches: torch's and matplotlib's warnings printed on a successful run; and torch's log
     # records, such as `--compile --device cpu`'s "W1126 ... No CUDA runtime is found, using

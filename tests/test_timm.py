@@ -196,6 +196,7 @@ def test_factory_keywords_features_and_heads() -> None:
         timm.create_model("cmhsa_conv", **kw, not_a_model_arg=1)
 
 
+@pytest.mark.slow  # a whole command in a subprocess, or a signal or a budget: the full tier
 def test_timms_private_modules_are_needed_by_features_only_alone() -> None:
     """A timm without the private names cmhsa borrows for ``features_only`` (timm.models._builder's
     pretrained_cfg_for_features, _features' FeatureGetterNet) still registers and builds cmhsa's

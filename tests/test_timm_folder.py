@@ -139,6 +139,7 @@ def test_features_only_defaults_to_the_blocks_a_shallow_model_has() -> None:
         )
 
 
+@pytest.mark.slow  # a whole command in a subprocess, or a signal or a budget: the full tier
 def test_a_trained_models_folder_has_a_model_card_the_hub_reads(tmp_path: Path) -> None:
     """`cmhsa train --export-timm` writes README.md beside timm's files: huggingface_hub's
     ModelCard reads it offline, its metadata says timm, its tags and metric, and its body how the
