@@ -93,10 +93,9 @@ def token_plan(channels: int, kernel_size: int, patch_size: int, dilation: int) 
     offsets.sort(key=lambda o: o != (0, 0))  # the centre first
     spans = []
     for axis in (0, 1):  # (N_Δ, P): whether pixel s of the neighbour at offsets[r] is read
-        read = (kernel_taps([o[axis] for o in offsets], patch_size, kernel_size, dilation) < kernel_size).any(
-            2
-        )
-        rows = [[s for s, hit in enumerate(row) if hit] for row in read.tolist()]  # no device reads
+        taps = kernel_taps([o[axis] for o in offsets], patch_size, kernel_size, dilation)  # (N_Δ, P, P)
+        read = (taps < kernel_size).any(2).tolist()  # a list: no device reads
+        rows = [[s for s, hit in enumerate(row) if hit] for row in read]
         spans.append([(row[0], row[-1] + 1) for row in rows])
     return TokenPlan(offsets, [(*y, *x) for y, x in zip(*spans, strict=True)])
 
@@ -130,7 +129,7 @@ def token_form_bytes(
 
 def shifted(grid: torch.Tensor, dy: int, dx: int) -> torch.Tensor:
     """(B, gh, gw, ...) -> the same shape, entry q the entry at q + (dy, dx), zero beyond the grid:
-    a slice and a pad, whose backward is a slice (no scatter)."""
+    a slice and a pad, whose backward copies into a slice (no scatter)."""
     gh, gw = grid.shape[1:3]
 
     def span(n: int, k: int) -> tuple[slice, int, int]:  # rows read, zeros before and after
