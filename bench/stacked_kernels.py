@@ -1,7 +1,7 @@
 """Kernels per compiled training step of S stacked seeds (``--seeds``) against a plain run, counted
 by torch's profiler (issue 67's "kernels per compiled step"): what a GPU pays a launch for.
 
-    python bench/stacked_kernels.py [--device cpu] [--stacks 0 1 6] [--batch 8] [--data-dir DIR]
+    python bench/stacked_kernels.py [--device cpu] [--stacks 0 1 6] [--batch 8] [--conv-form F] [--data-dir DIR]
     python bench/stacked_kernels.py --device cuda --batch 256 ...
 
 bench/stacked_host.py's model and recipe (``--preset cpu``, drop path 0.1; phase 2 from impulse
@@ -129,6 +129,7 @@ def counted(phase: str, seeds: int, steps: int, args: argparse.Namespace, out: P
     """One compiled run of ``seeds`` stacked seeds (0: a plain run) for ``steps`` steps, profiled."""
     cfg = config(phase, steps, args.batch, out, args.data_dir)
     cfg = cfg.replace(device=args.device, compile=True, amp="auto")
+    cfg = cfg.replace(conv_form=args.conv_form) if args.conv_form else cfg
     activities = [torch.profiler.ProfilerActivity.CPU]
     if args.device == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -169,6 +170,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--stacks", type=int, nargs="+", default=[0, 1, 6], help="seeds stacked; 0: a plain run")
     ap.add_argument("--phases", nargs="+", default=["phase1", "phase2"])
+    ap.add_argument(
+        "--conv-form", default=None, help="phase 1's conv form for every case (default: each one's own)"
+    )
     ap.add_argument("--data-dir", default=None, help="Fashion-MNIST's four IDX .gz files (default: Debian's)")
     args = ap.parse_args()
     inductor_config.cpp.enable_kernel_profile = True  # the CPU's generated kernels as profiler records
