@@ -1,7 +1,8 @@
 """Kernels per compiled training step of S stacked seeds (``--seeds``) against a plain run, counted
 by torch's profiler (issue 67's "kernels per compiled step"): what a GPU pays a launch for.
 
-    python bench/stacked_kernels.py [--device cpu] [--stacks 0 1 6] [--batch 8] [--conv-form F] [--data-dir DIR]
+    python bench/stacked_kernels.py [--device cpu] [--stacks 0 1 6] [--batch 8] [--conv-form F]
+                                    [--data-dir DIR]
     python bench/stacked_kernels.py --device cuda --batch 256 ...
 
 bench/stacked_host.py's model and recipe (``--preset cpu``, drop path 0.1; phase 2 from impulse
