@@ -79,6 +79,11 @@ class TokenPlan:
             for x in range(x0, x1)
         ]
 
+    def first_is_the_patch(self, patch_size: int) -> bool:
+        """Whether offsets[0] is (0, 0) and reads its whole patch: the first product's input is then
+        the tokens themselves (a view), not a copy."""
+        return self.offsets[0] == (0, 0) and self.boxes[0] == (0, patch_size, 0, patch_size)
+
     def sizes(self, channels: int) -> tuple[int, int]:
         """(features offsets[0] reads, Σ features the other offsets' strips read)."""
         area = [(y1 - y0) * (x1 - x0) * channels for y0, y1, x0, x1 in self.boxes]
@@ -117,13 +122,14 @@ def token_form_bytes(
     """Bytes one block's token form allocates in a training step, beyond what the pixel form's
     estimate (``ViTConfig.activation_bytes``) counts, from the sizes :meth:`ConvMixer.token_products`
     allocates: W^O's float64 contractions (the y taps M·P·K·C², its d·M·C columns twice), then in
-    float32, and the float32 activations kept for the backward (the centre's features, y, each
-    strip and their concatenation, the sum), M = (centre + Σ|strip|) / C."""
-    _, centre, strips = token_sizes(channels, kernel_size, patch_size, dilation)
+    float32, and the float32 activations kept for the backward (the first product's features where
+    they are a copy, y, each strip and their concatenation, the sum), M = (centre + Σ|strip|) / C."""
+    plan = token_plan(channels, kernel_size, patch_size, dilation)
+    centre, strips = plan.sizes(channels)
     d, p, (gh, gw) = patch_size**2 * channels, patch_size, grid_size
     m = (centre + strips) // channels
     weights = 8 * (m * p * kernel_size * channels**2 + 2 * d * (centre + strips)) + 4 * d * (centre + strips)
-    per_image = gh * gw * ((centre if centre < d else 0) + 2 * d + 2 * strips)
+    per_image = gh * gw * ((0 if plan.first_is_the_patch(p) else centre) + 2 * d + 2 * strips)
     return weights + 4 * batch * per_image
 
 
@@ -171,6 +177,7 @@ class ConvMixer(nn.Conv2d):
             plan = token_plan(c, k, p, d)
             ey, ex = tap_selectors(plan.offsets, p, k, d)  # (N_Δ, P, P, K)
         self.offsets, self.boxes = plan.offsets, plan.boxes
+        self.first_is_the_patch = plan.first_is_the_patch(p)
         self.centre, _ = plan.sizes(c)  # features offsets[0] reads: d where it is (0, 0) (D ≤ P)
         r, y, x = torch.tensor(plan.pixels()).unbind(1)
         return {"select_y": ey[r, y], "select_x": ex[r, x]}  # (M, P, K): W^O's column groups
@@ -203,9 +210,9 @@ class ConvMixer(nn.Conv2d):
     def box_of_neighbour(self, grid: torch.Tensor, r: int) -> torch.Tensor:
         """(B, gh, gw, P, P, C) -> (B, gh, gw, |box_r|·C): per patch q, the box of offset r's
         neighbour q + δ_r, zero beyond the image."""
-        (dy, dx), (y0, y1, x0, x1) = self.offsets[r], self.boxes[r]
-        if (dy, dx, y0, y1, x0, x1) == (0, 0, 0, self.patch_size, 0, self.patch_size):
+        if r == 0 and self.first_is_the_patch:
             return grid.flatten(3)  # the patch itself, whole: a view
+        (dy, dx), (y0, y1, x0, x1) = self.offsets[r], self.boxes[r]
         return shifted(grid[:, :, :, y0:y1, x0:x1], dy, dx).flatten(3)
 
     def token_products(self, x: torch.Tensor) -> torch.Tensor:
