@@ -6,9 +6,10 @@ caches off (issue 67: compiled phase 1 stacked was slower than separate runs wit
 
 bench/stacked_host.py's model and recipe (``--preset cpu``, the device loader), 8 steps of batch 8,
 ``--compile``, 2 threads, each case in a fresh process with ``TORCHINDUCTOR_FORCE_DISABLE_CACHES=1``
-(every graph compiled from nothing). Prints the run's wall seconds and dynamo's total compile
-seconds (``torch._dynamo.utils.compile_times``: tracing, AOT autograd, inductor's code generation
-and the C++ compiler), both from the process's own clock.
+(every graph compiled from nothing) and its own inductor cache folder. Prints the run's wall seconds
+and dynamo's total compile seconds (``torch._dynamo.utils.compile_times``: tracing, AOT autograd,
+inductor's code generation and the C++ compiler), both from the process's own clock, and the C++
+kernels inductor compiled (the shared libraries it wrote into that folder).
 """
 
 from __future__ import annotations
@@ -58,15 +59,17 @@ def main() -> None:
         seeds, form = int(args.one[0]), None if args.one[1] == "default" else args.one[1]
         print(json.dumps(one(seeds, form, args.data_dir)))
         return
-    env = {**os.environ, "TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"}
-    print("| phase 1, compiled, caches off | wall s | compile s |")
-    print("|---|---:|---:|")
+    print("| phase 1, compiled, caches off | wall s | compile s | C++ kernels compiled |")
+    print("|---|---:|---:|---:|")
     for name, seeds, form in [*CASES, (f"{args.seeds} seeds stacked (token form)", args.seeds, None)]:
         command = [sys.executable, __file__, "--one", str(seeds), form or "default"]
         command += ["--data-dir", args.data_dir] if args.data_dir else []
-        done = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
+        with tempfile.TemporaryDirectory() as cache:
+            env = {**os.environ, "TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1", "TORCHINDUCTOR_CACHE_DIR": cache}
+            done = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
+            kernels = sum(1 for _ in Path(cache).rglob("*.so"))
         row = json.loads(done.stdout.strip().splitlines()[-1])
-        print(f"| {name} | {row['wall_s']:.1f} | {row['compile_s']:.1f} |", flush=True)
+        print(f"| {name} | {row['wall_s']:.1f} | {row['compile_s']:.1f} | {kernels} |", flush=True)
 
 
 if __name__ == "__main__":
