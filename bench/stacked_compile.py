@@ -40,7 +40,7 @@ def one(seeds: int, form: str | None, data_dir: str | None) -> dict[str, float]:
         cfg = cfg.replace(conv_form=form) if form else cfg
         t0 = time.perf_counter()
         if seeds:
-            run_seeds(cfg.replace(seeds=tuple(range(seeds))), progress=Progress(None))
+            run_seeds(cfg.replace(seeds=tuple(range(seeds)), seeds_step="batched"), progress=Progress(None))
         else:
             run(cfg, progress=Progress(None))
         wall = time.perf_counter() - t0

@@ -2,12 +2,14 @@
 (what a user with one machine does instead), wall seconds, start-up and first epoch included.
 
     python bench/stacked_cpu.py [--seeds 2] [--epochs 10] [--phases phase1 phase2] [--compile]
+                                [--seeds-step auto|batched|interleaved]
 
 docs/training.md's example ("Several seeds in one process"): ``--preset cpu --data digits
 --in-chans 1``, phase 2 from each seed's phase-1 model, every thread of the machine for each
 process, nothing else running. Eager, or with ``--compile``: then twice, with inductor's caches
 empty (a fresh TORCHINDUCTOR_CACHE_DIR for the stack, one for the runs one after another, which
-the second run finds filled by the first) and again with each filled.
+the second run finds filled by the first) and again with each filled. ``--seeds-step``: how the
+stack steps its seeds (default auto, what ``--seeds`` does: interleaved on a CPU).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=10)
     ap.add_argument("--phases", nargs="+", default=["phase1", "phase2"])
     ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--seeds-step", default="auto", choices=("auto", "batched", "interleaved"))
     args = ap.parse_args()
     seeds = list(range(args.seeds))
     with tempfile.TemporaryDirectory() as tmp:
@@ -55,7 +58,15 @@ def main() -> None:
             stack_init = [*init, str(t / "stack-phase1" / "seed{seed}" / "conv.safetensors")] if init else []
             together = ",".join(map(str, seeds))
             stacked = train(
-                phase, args.epochs, t / f"stack-{phase}", "--seeds", together, *stack_init, cache=stack_cache
+                phase,
+                args.epochs,
+                t / f"stack-{phase}",
+                "--seeds",
+                together,
+                "--seeds-step",
+                args.seeds_step,
+                *stack_init,
+                cache=stack_cache,
             )
             apart = []
             for s in seeds:
@@ -72,7 +83,8 @@ def main() -> None:
                     )
                 )
             print(
-                f"{phase}{f' compiled, caches {caches}' if caches else ''}: {args.seeds} seeds stacked "
+                f"{phase}{f' compiled, caches {caches}' if caches else ''}: {args.seeds} seeds in one "
+                f"process ({args.seeds_step}) "
                 f"{stacked:.1f} s; one after another "
                 f"{sum(apart):.1f} s ({' + '.join(f'{a:.1f}' for a in apart)})",
                 flush=True,

@@ -67,7 +67,9 @@ def measured(phase: str, seeds: int, args: argparse.Namespace, out: Path) -> tup
     try:
         cfg = config(phase, 2, args.batch, out, args.data_dir)
         cfg = cfg.replace(device=args.device, val_samples=args.val, threads=torch.get_num_threads())
-        stacked.run_seeds(cfg.replace(seeds=tuple(range(seeds))), progress=Progress(None))
+        stacked.run_seeds(
+            cfg.replace(seeds=tuple(range(seeds)), seeds_step="batched"), progress=Progress(None)
+        )
     finally:
         stacked.Stack.validation = validation  # type: ignore[method-assign]
     return got[-1]

@@ -34,7 +34,7 @@ def one(
     cfg = config(phase, steps, batch, out, data_dir)
     stacked = seeds > 0
     if stacked:
-        cfg = cfg.replace(seeds=tuple(range(seeds)))
+        cfg = cfg.replace(seeds=tuple(range(seeds)), seeds_step="batched")
     counter = CountOps()
     with counter if count else contextlib.nullcontext():
         results = run_seeds(cfg, progress=Progress(None)) if stacked else [run(cfg, progress=Progress(None))]

@@ -138,7 +138,7 @@ def counted(phase: str, seeds: int, steps: int, args: argparse.Namespace, out: P
     inductor_metrics.reset()
     with torch.profiler.profile(activities=activities) as prof, steps_recorded():
         if seeds:
-            run_seeds(cfg.replace(seeds=tuple(range(seeds))), progress=Progress(None))
+            run_seeds(cfg.replace(seeds=tuple(range(seeds)), seeds_step="batched"), progress=Progress(None))
         else:
             run(cfg, progress=Progress(None))
     events = prof.events()

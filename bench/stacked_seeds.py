@@ -77,7 +77,8 @@ def measure(args: argparse.Namespace, phase: str, stacked: int, separate: int, t
     if stacked:
         out = tmp / f"{phase}-stack{stacked}"
         seeds = ",".join(map(str, range(stacked)))
-        done = subprocess.run(command(args, phase, out, ["--seeds", seeds]), capture_output=True, text=True)
+        flags = ["--seeds", seeds, "--seeds-step", "batched"]  # the stack this bench measures, on any device
+        done = subprocess.run(command(args, phase, out, flags), capture_output=True, text=True)
         if done.returncode:
             raise Failed(f"{phase}, {stacked} seeds stacked: exit {done.returncode}\n{done.stderr[-3000:]}")
         folders = [out / f"seed{s}" for s in range(stacked)]

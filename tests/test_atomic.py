@@ -54,6 +54,7 @@ def test_sigterm_during_a_write_leaves_nothing(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []  # no temp, no partial target
 
 
+@pytest.mark.slow
 def test_the_cli_installs_the_sigterm_cleanup(tmp_path: Path, fixture_path: Path) -> None:
     """The real command: SIGTERM while cmhsa convert writes its output."""
     code = (
@@ -78,6 +79,7 @@ def test_the_cli_installs_the_sigterm_cleanup(tmp_path: Path, fixture_path: Path
     assert temps(tmp_path) == [] and not out.exists()
 
 
+@pytest.mark.slow
 def test_a_kill_9_temp_is_removed_by_the_next_write(tmp_path: Path) -> None:
     target = tmp_path / "vit.safetensors"
     proc = start_writer(target, "no-handler")

@@ -167,6 +167,7 @@ def test_convert_killed_between_its_two_renames_is_completed_by_the_next_command
     assert invoke("inspect", out).exit_code == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_at_a_pair_s_first_rename_is_taken_after_the_pair(tmp_path: Path, sig: int) -> None:
     # catches: exit 143/130 with the new model beside the previous report

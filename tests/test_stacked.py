@@ -48,6 +48,7 @@ TINY = dict(
     amp="none",
     train_samples=256,
     val_samples=64,
+    seeds_step="batched",  # the GPU's form, held here on the CPU; Interleaved's tests name theirs
 )
 
 
@@ -151,6 +152,86 @@ def test_compiled_each_seed_is_its_compiled_separate_run_in_float64(tmp_path: Pa
         assert abs(a["metrics"][0]["train_loss"] - b["metrics"][0]["train_loss"]) < 1e-10
 
 
+# interleaved (the CPU's form): each seed's own step in turn ---------------------------------------
+
+
+def rows_without_timings(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if k not in ("epoch_seconds", "images_per_s")} for r in rows]
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        dict(phase="phase1"),
+        dict(phase="phase2", init="impulse", clip_grad=0.05, model_ema=True, model_ema_decay=0.9),
+        dict(phase="phase1", opt="lamb"),  # refused batched: interleaved, each seed keeps its optimizer
+    ],
+    ids=["phase1", "phase2-clipped-ema", "phase1-lamb"],
+)
+def test_interleaved_seeds_are_their_separate_runs_bit_for_bit(tmp_path: Path, flags: dict) -> None:
+    """Interleaved runs each seed's own step, so no rounding separates it from its run: weights,
+    EMA, moments, metrics and saved RNG states are equal, not close (Mixup, CutMix and drop path
+    on: a draw from another seed's stream would move them)."""
+    flags = {**flags, "seeds_step": "interleaved"}
+    alone = [run(config(tmp_path / f"alone{s}", seed=s, **flags), progress=QUIET) for s in (0, 1)]
+    together = run_seeds(config(tmp_path / "stack", seeds=(0, 1), **flags), progress=QUIET)
+    for s in (0, 1):
+        a, b = saved(tmp_path / f"alone{s}"), saved(tmp_path / "stack" / f"seed{s}")
+        for part in ("model", *(("ema",) if flags.get("model_ema") else ())):
+            assert all(torch.equal(a[part][k], b[part][k]) for k in a[part]), (s, part)
+        ma, mb = moments(a), moments(b)
+        assert ma.keys() == mb.keys() and all(torch.equal(ma[k], mb[k]) for k in ma)
+        assert rows_without_timings(alone[s].rows) == rows_without_timings(together[s].rows)
+        assert torch.equal(a["rng"]["torch"], b["rng"]["torch"]) and a["rng"]["python"] == b["rng"]["python"]
+
+
+@pytest.mark.parametrize(
+    ("form", "device", "steps"),
+    [
+        ("auto", "cpu", "interleaved"),
+        ("auto", "cuda", "batched"),
+        ("batched", "cpu", "batched"),
+        ("interleaved", "cuda", "interleaved"),
+    ],
+)
+def test_auto_steps_seeds_batched_on_a_gpu_and_interleaved_on_the_cpu(
+    form: str, device: str, steps: str
+) -> None:
+    from convit_convert.train.stacked import seeds_step
+
+    assert seeds_step(form, torch.device(device)) == steps
+
+
+def test_a_seeds_run_says_how_it_steps_its_seeds(tmp_path: Path) -> None:
+    said: list[str] = []
+    run_seeds(
+        config(tmp_path / "s", seeds=(0, 1), epochs=1, seeds_step="auto"), progress=Progress(said.append)
+    )
+    assert any(
+        "2 seeds in one process (0, 1; each seed's own step in turn, `seeds_step`)" in line for line in said
+    )
+
+
+@pytest.mark.slow
+def test_compiled_interleaved_seeds_run_one_graph_and_are_their_compiled_runs(tmp_path: Path) -> None:
+    """Under --compile every seed's step runs the graph compiled for the first: dynamo compiles
+    as many frames for 3 seeds as for one run (a recompile per seed would be each seed's own
+    compile, what interleaving exists to share), and each seed is its compiled run, bit for bit."""
+    from torch._dynamo.utils import counters
+
+    flags = dict(phase="phase1", compile=True, epochs=1, seeds_step="interleaved")
+    torch._dynamo.reset()
+    counters.clear()
+    run(config(tmp_path / "alone2", seed=2, **flags), progress=QUIET)
+    one = sum(counters["frames"].values())
+    torch._dynamo.reset()
+    counters.clear()
+    run_seeds(config(tmp_path / "stack", seeds=(0, 1, 2), **flags), progress=QUIET)
+    assert one > 0 and sum(counters["frames"].values()) == one, (one, dict(counters["frames"]))
+    a, b = saved(tmp_path / "alone2"), saved(tmp_path / "stack" / "seed2")
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+
+
 def test_a_seeds_folder_reads_as_its_separate_runs_but_for_the_seeds_note(tmp_path: Path) -> None:
     run(config(tmp_path / "alone1", seed=1, epochs=1), progress=QUIET)
     run_seeds(config(tmp_path / "stack", seeds=(0, 1), epochs=1), progress=QUIET)
@@ -174,9 +255,10 @@ def test_a_seeds_folder_reads_as_its_separate_runs_but_for_the_seeds_note(tmp_pa
     )
 
 
-def test_a_stacked_resume_is_bit_for_bit(tmp_path: Path) -> None:
+@pytest.mark.parametrize("form", ["batched", "interleaved"])
+def test_a_stacked_resume_is_bit_for_bit(tmp_path: Path, form: str) -> None:
     """Stopped mid-epoch 2 (8 steps/epoch) and resumed: every seed's rows and weights, exactly."""
-    flags = dict(seeds=(0, 1, 2), epochs=3, model_ema=True, model_ema_decay=0.9)
+    flags = dict(seeds=(0, 1, 2), epochs=3, model_ema=True, model_ema_decay=0.9, seeds_step=form)
     straight = run_seeds(config(tmp_path / "a", **flags), progress=QUIET)
     first = run_seeds(config(tmp_path / "b", **flags), progress=QUIET, stop_after_steps=12)
     assert [r.stopped for r in first] == ["limit"] * 3 and all(len(r.rows) == 1 for r in first)
@@ -217,7 +299,14 @@ def test_seed_n_of_a_template_init_starts_from_seed_ns_checkpoint(tmp_path: Path
         (["--seeds", "0,-1"], "--seeds must be integers separated by commas"),
         (["--seed", "1", "--seeds", "0,1"], "give --seed (one run) or --seeds (several, stacked), not both"),
         (["--seeds", "0,1", "--loader", "workers"], "use --loader device"),
-        (["--seeds", "0,1", "--opt", "lamb"], "--opt lamb: one optimizer steps the stacked weights"),
+        (
+            ["--seeds", "0,1", "--seeds-step", "batched", "--opt", "lamb"],
+            "--opt lamb: one optimizer steps the stacked weights",
+        ),
+        (
+            ["--seeds", "0,1", "--seeds-step", "fused"],
+            "--seeds-step must be one of auto, batched, interleaved",
+        ),
     ],
 )
 def test_what_cannot_be_stacked_is_refused(tmp_path: Path, flags: list[str], words: str) -> None:
@@ -557,6 +646,7 @@ def test_a_compiled_step_is_one_graph_with_static_weights_for_a_run_and_a_stack(
         assert weights[name] and not moving, (name, moving)
 
 
+@pytest.mark.slow
 def test_a_stacked_steps_gradients_leave_its_graph_in_their_weights_layout(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -2,7 +2,7 @@
 
 - the flags: ``TrainConfig`` (:mod:`convit_convert.options.training`), built from the flat flags;
 - `run.py`: a run, built (data, model, recipe, resumed state), looped over epochs, its model written;
-- `stacked.py`: ``--seeds``, several seeds of one run in one process, their steps batched;
+- `stacked.py`: ``--seeds``, several seeds of one run in one process, stepped batched or in turn;
 - `phases.py`: the model each phase trains; `recipe.py`: timm's optimizer, scheduler, Mixup, loss;
 - `augment.py`: timm's training augmentation on the device; `held.py`: datasets held on the device;
 - `mixing.py`: timm's Mixup/CutMix for a stack of seeds, each seed's draws applied to all at once;
@@ -19,8 +19,8 @@ One step, in reading order (the loop nanoGPT's train.py holds, here in one funct
 1. ``loop.train_one_epoch``: a batch from the loader (``loop.until_stopped``), one step, and a
    read-out every ``--log-every`` steps (``loop.read_out``: the only time the host waits for the
    device), then the epoch's evaluation (``loop.evaluated``); it drives a ``loop.Stepper``, the
-   run's ``Loop`` or ``--seeds``' ``stacked.Stack``, and ``run.train_epochs`` calls it until the
-   last epoch;
+   run's ``Loop`` or ``--seeds``' ``stacked.Stack`` or ``stacked.Interleaved``, and
+   ``run.train_epochs`` calls it until the last epoch;
 2. ``loop.train_one_step``: the batch to the device and augmented there (the device loader's
    ``prepare``: ``held.HeldLoader``, then ``augment.py``), Mixup/CutMix, forward under autocast,
    the loss, ``step.Tally.add``, backward, clipping, ``step.update`` (the optimizer's step,

@@ -18,8 +18,9 @@ Each epoch seeds every global RNG from (seed, epoch, rank), so an epoch's random
 depend on how the process got there (a resumed epoch restores the RNGs saved mid-epoch instead).
 
 The epoch loop drives a :class:`Stepper`: a run's :class:`Loop` is one (a stack of one seed), and
-``--seeds``' :class:`.stacked.Stack` is the other (its seeds' steps as one batched computation,
-each seed's epoch begun and ended under its own RNGs). One loop serves both.
+``--seeds``' :class:`.stacked.Stack` (its seeds' steps as one batched computation) and
+:class:`.stacked.Interleaved` (each seed's own step in turn) the others, each seed's epoch begun
+and ended under its own RNGs. One loop serves all.
 """
 
 from __future__ import annotations

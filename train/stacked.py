@@ -1,4 +1,5 @@
-"""Several seeds of one run trained together in one process, as one stacked model (``--seeds``).
+"""Several seeds of one run trained together in one process (``--seeds``): as one stacked model, or
+each seed's own step in turn.
 
     run_seeds(TrainConfig.from_flags(..., seeds=(0, 1, 2), out="runs/p1"))  # runs/p1/seed0, seed1, seed2
 
@@ -30,6 +31,14 @@ Refused, one line each: several processes, fp16's GradScaler (one loss scale per
 loader (its processes draw from the global RNGs), an optimizer whose step is not elementwise (lamb,
 lars: per-tensor norms would mix the seeds), and seeds whose runs differ in anything but the seed
 (another architecture, epoch or step).
+
+That batched step is what ``seeds_step`` "batched" runs (:class:`Stack`), and "auto" on CUDA. The
+other form, "interleaved" (:class:`Interleaved`; "auto" on the CPU), steps each seed's own
+:class:`.loop.Loop` in turn, under its RNGs: its separate run's kernels, so each seed is its run
+bit for bit (fp16 and lamb not refused: each seed keeps its own scaler and optimizer); the seeds
+share the process (start-up, data, the compiled graph). A CPU gains nothing from batching the
+seeds' arithmetic, and there the interleaved seeds took less time than the batched ones and than
+separate runs (BENCHMARKS.md "Several seeds").
 """
 
 from __future__ import annotations
@@ -85,6 +94,12 @@ STACK_CONV_FORM = "tokens"
 # BENCHMARKS.md "Several seeds"). On a GPU a small model's evaluation is bound by its launches, and
 # one forward launches for all seeds; that gain is not yet measured (the same bench on CUDA)
 BATCHED_EVALUATION = {"cuda"}
+# device types whose `seeds` runs, at `seeds_step` auto, step every seed as one batched computation
+# (Stack); elsewhere each seed's own step in turn (Interleaved). Not the CPU: there a stack's epochs
+# took longer than its seeds' own (the CPU gains nothing from batching the seeds' arithmetic) and,
+# compiled, its larger graph took longer to compile than one seed's, which the other seeds' steps
+# then reuse (BENCHMARKS.md "Several seeds"). On a GPU one batched step launches for all seeds
+BATCHED_STEP = {"cuda"}
 MAX_SEEDS = 64  # one process's stack: beyond this the batched kernels gain nothing and memory grows
 
 
@@ -154,14 +169,15 @@ def _run_seeds(
                 prepared(c, ctx, f, SeedProgress(reporter, c.seed, lead=i == 0))
                 for i, (c, f) in enumerate(zip(configs, folders, strict=True))
             ]
-            stack = Stack([loop for loop, _ in built])
+            stack = seeds_stepper([loop for loop, _ in built])
             files = [
                 RunFiles(loop, f, replaces, w)
                 for (loop, replaces), f, w in zip(built, folders, wrote, strict=True)
             ]
+            how = "one batched step" if isinstance(stack, Stack) else "each seed's own step in turn"
             reporter.log(
-                f"{len(configs)} seeds stacked in one process ({', '.join(str(c.seed) for c in configs)}): "
-                "the progress bar is the first seed's, and its images/s each seed's"
+                f"{len(configs)} seeds in one process ({', '.join(str(c.seed) for c in configs)}; {how}, "
+                "`seeds_step`): the progress bar is the first seed's, and its images/s each seed's"
             )
             seeds, batch = len(configs), configs[0].recipe.batch_size
             # an allocation that fails is said as the stack's: S seeds' weights, moments and batches
@@ -256,18 +272,38 @@ class SeedProgress(Progress):
         self.inner.end_epoch(row, label=self.label)
 
 
-def stack_refusal(loops: list[Loop]) -> str | None:
-    """Why ``loops`` (one per seed) cannot train as one stacked model; None when they can."""
+def seeds_step(form: str, device: torch.device) -> str:
+    """How a `seeds` run on ``device`` steps its seeds at `seeds_step` ``form``: "batched" or
+    "interleaved" as given; auto, batched on the devices of BATCHED_STEP, else interleaved."""
+    if form != "auto":
+        return form
+    return "batched" if device.type in BATCHED_STEP else "interleaved"
+
+
+def seeds_stepper(loops: list[Loop]) -> Seeds:
+    """The stepper of ``loops`` (one per seed): :class:`Stack` or :class:`Interleaved`, as
+    :func:`seeds_step` says."""
+    lead = loops[0]
+    batched = seeds_step(lead.cfg.runtime.seeds_step, lead.ctx.device) == "batched"
+    return Stack(loops) if batched else Interleaved(loops)
+
+
+def stack_refusal(loops: list[Loop], batched: bool = True) -> str | None:
+    """Why ``loops`` (one per seed) cannot train together in one process, as one stacked model
+    (``batched``) or each seed's step in turn; None when they can."""
     lead = loops[0]
     if lead.prepare is None:
         return "the workers loader draws in its own processes; use `loader` device (or auto)"
-    if type(lead.state.optimizer) not in FUSED:
+    if batched and type(lead.state.optimizer) not in FUSED:
         return (
             f"`opt` {lead.cfg.recipe.opt}: one optimizer steps the stacked weights, so its step must be "
-            "elementwise; use adamw, adam, sgd or momentum"
+            "elementwise; use adamw, adam, sgd or momentum (or `seeds_step` interleaved)"
         )
-    if lead.state.scaler.is_enabled():
-        return "fp16's GradScaler keeps one loss scale per run; use `amp` bf16 or none"
+    if batched and lead.state.scaler.is_enabled():
+        return (
+            "fp16's GradScaler keeps one loss scale per run; use `amp` bf16 or none (or `seeds_step` "
+            "interleaved)"
+        )
     for loop in loops[1:]:
         a, b = lead.state, loop.state
         if b.model_config != a.model_config:
@@ -348,18 +384,18 @@ def clipped_per_seed(grads: list[torch.Tensor | None], max_norm: float) -> list[
     return [None if g is None else g * scale.view(-1, *[1] * (g.dim() - 1)).to(g.dtype) for g in grads]
 
 
-class Stack:
-    """The seeds' loops and their step as one batched computation (module docstring), the
-    :class:`.loop.Stepper` the one epoch loop drives for ``--seeds``: each seed's global-RNG state,
-    swapped in around its draws; the stacked forward, loss and backward, compiled into one graph
-    under ``--compile``."""
+class Seeds:
+    """What a :class:`.loop.Stepper` of several seeds holds, however it steps them: each seed's
+    loop, and each seed's global-RNG state, swapped in around its draws."""
+
+    batched = True  # whether the step is one batched computation of every seed
 
     def __init__(self, loops: list[Loop]) -> None:
-        why = stack_refusal(loops)
+        why = stack_refusal(loops, self.batched)
         if why is not None:
-            raise CmhsaError(f"`seeds`: cannot train these seeds as one stack: {why}")
+            raise CmhsaError(f"`seeds`: cannot train these seeds together: {why}")
         lead = loops[0]
-        self.loops, self.ctx, self.dtype = loops, lead.ctx, lead.dtype
+        self.loops, self.ctx, self.dtype, self.mixup = loops, lead.ctx, lead.dtype, lead.mixup
         self.rngs = [rng_state() for _ in loops]  # each seed's, set as its epoch begins
         device = self.ctx.device
         self.index = (device.index or 0) if device.type == "cuda" else 0
@@ -368,40 +404,6 @@ class Stack:
             if device.type == "cuda"
             else (torch.default_generator, "torch")
         )
-        model = lead.state.model
-        # the model's structure for functional_call, weightless: each call is given every seed's weights
-        self.structure = MaskedForward(copy.deepcopy(model).to("meta").train())
-        # evaluation's structure, a copy of the weightless one: its convolution in the run's own
-        # form (no backward to slow down)
-        self.judge = copy.deepcopy(self.structure).eval()
-        for mixer in self.structure.modules():  # vmap makes the pixel form's conv S groups: slower
-            if isinstance(mixer, ConvMixer) and mixer.form == "auto":
-                mixer.form = STACK_CONV_FORM
-        # one batched forward evaluates several seeds where the device is one that gains by it; a
-        # stack of one evaluates as its run does
-        self.batched_validation = (
-            len(loops) > 1 and device.type in BATCHED_EVALUATION and shared_validation(loops)
-        )
-        self.names = [f"model.{n}" for n, _ in model.named_parameters()]
-        # index tables, the same for every seed (no state); every name of one shared by several
-        # blocks, as the weightless copy holds one per block
-        self.buffers = {f"model.{n}": b for n, b in model.named_buffers(remove_duplicate=False)}
-        self.params = [list(loop.state.model.parameters()) for loop in loops]
-        self.weights, self.optimizer = stacked_weights(loops, self.params)
-        self.draws = lead.mixup is not None or any(b.drop_path.drop_prob > 0 for b in model.blocks)
-        self.mixup, self.criterion, self.clip = lead.mixup, lead.criterion, lead.cfg.recipe.clip_grad
-        self.mask_dtype = self.dtype or next(model.parameters()).dtype  # the branches' output dtype
-        self.graphs = lead.cfg.runtime.compile and self.ctx.device.type == "cuda"
-        self.augment_inside = self.mixup is None  # else Mixup's numpy draws come between
-        # Mixup/CutMix applied to every seed at once (mixing.py), unless this timm hides its draws
-        self.batched_mixup = self.mixup is not None and mixing.drawable(self.mixup)
-        self.learn: Any = self.stacked_learn
-        if lead.cfg.runtime.compile:
-            # CUDA graphs on CUDA. The weights go in as arguments; being Parameters, dynamo marks
-            # them static, so each replay reads them in place, as a plain run's module parameters,
-            # instead of copying every one into the graph's memory first (a plain tensor argument's lot)
-            mode = "reduce-overhead" if self.graphs else None
-            self.learn = with_autograd_traced(torch.compile(self.stacked_learn, mode=mode))
 
     @contextlib.contextmanager
     def stream(self, i: int) -> Iterator[None]:
@@ -437,6 +439,72 @@ class Stack:
     def batches(self) -> Iterator[tuple[tuple[Any, torch.Tensor], ...]]:
         """Every seed's batch of a step, from its own loader (their raw batches: the step augments them)."""
         return zip(*(loop.train_loader.batches() for loop in self.loops), strict=True)
+
+
+class Interleaved(Seeds):
+    """Each seed's own step in turn (:func:`.loop.train_one_step`, under its RNGs): its separate
+    run's kernels, so each seed computes bit for bit what its run computes, and under ``--compile``
+    every seed's step runs the one graph compiled for the first. What the seeds share is the
+    process: its start-up, the data's loading, the compiling. The CPU's form (BATCHED_STEP)."""
+
+    batched = False
+
+    def step(self, batches: tuple[tuple[Any, torch.Tensor], ...]) -> None:
+        """One optimizer step of every seed, on its batch (``batches[i]``: seed i's inputs, labels)."""
+        for i, (loop, batch) in enumerate(zip(self.loops, batches, strict=True)):
+            with self.step_stream(i):
+                loop.step(batch)
+
+    def settle(self) -> None:
+        """Nothing to hand back: each seed's state is its own."""
+
+    def validation(self) -> list[Scored | None]:
+        """None each: every seed evaluates itself as its epoch ends."""
+        return [None] * len(self.loops)
+
+
+class Stack(Seeds):
+    """The seeds' loops and their step as one batched computation (module docstring), the
+    :class:`.loop.Stepper` the one epoch loop drives for ``--seeds`` (at ``seeds_step`` batched):
+    the stacked forward, loss and backward, compiled into one graph under ``--compile``."""
+
+    def __init__(self, loops: list[Loop]) -> None:
+        super().__init__(loops)
+        lead, device = loops[0], self.ctx.device
+        model = lead.state.model
+        # the model's structure for functional_call, weightless: each call is given every seed's weights
+        self.structure = MaskedForward(copy.deepcopy(model).to("meta").train())
+        # evaluation's structure, a copy of the weightless one: its convolution in the run's own
+        # form (no backward to slow down)
+        self.judge = copy.deepcopy(self.structure).eval()
+        for mixer in self.structure.modules():  # vmap makes the pixel form's conv S groups: slower
+            if isinstance(mixer, ConvMixer) and mixer.form == "auto":
+                mixer.form = STACK_CONV_FORM
+        # one batched forward evaluates several seeds where the device is one that gains by it; a
+        # stack of one evaluates as its run does
+        self.batched_validation = (
+            len(loops) > 1 and device.type in BATCHED_EVALUATION and shared_validation(loops)
+        )
+        self.names = [f"model.{n}" for n, _ in model.named_parameters()]
+        # index tables, the same for every seed (no state); every name of one shared by several
+        # blocks, as the weightless copy holds one per block
+        self.buffers = {f"model.{n}": b for n, b in model.named_buffers(remove_duplicate=False)}
+        self.params = [list(loop.state.model.parameters()) for loop in loops]
+        self.weights, self.optimizer = stacked_weights(loops, self.params)
+        self.draws = lead.mixup is not None or any(b.drop_path.drop_prob > 0 for b in model.blocks)
+        self.criterion, self.clip = lead.criterion, lead.cfg.recipe.clip_grad
+        self.mask_dtype = self.dtype or next(model.parameters()).dtype  # the branches' output dtype
+        self.graphs = lead.cfg.runtime.compile and self.ctx.device.type == "cuda"
+        self.augment_inside = self.mixup is None  # else Mixup's numpy draws come between
+        # Mixup/CutMix applied to every seed at once (mixing.py), unless this timm hides its draws
+        self.batched_mixup = self.mixup is not None and mixing.drawable(self.mixup)
+        self.learn: Any = self.stacked_learn
+        if lead.cfg.runtime.compile:
+            # CUDA graphs on CUDA. The weights go in as arguments; being Parameters, dynamo marks
+            # them static, so each replay reads them in place, as a plain run's module parameters,
+            # instead of copying every one into the graph's memory first (a plain tensor argument's lot)
+            mode = "reduce-overhead" if self.graphs else None
+            self.learn = with_autograd_traced(torch.compile(self.stacked_learn, mode=mode))
 
     def settle(self) -> None:
         self.share_moments()

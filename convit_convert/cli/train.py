@@ -234,10 +234,17 @@ OPTION_ROWS: list[Flag] = [
         "seeds",
         str,
         RUN,
-        "Several seeds of this run, comma-separated (0,1,2), trained together in one process as one "
-        "stacked model (every kernel carries all the seeds; whether that is faster: BENCHMARKS.md), "
-        "each in -o/--output/seedN as its own --seed N run would be; {seed} in a checkpoint --init "
-        "stands for each seed (docs/training.md: Several seeds in one process).",
+        "Several seeds of this run, comma-separated (0,1,2), trained together in one process (how: "
+        "--seeds-step), each in -o/--output/seedN as its own --seed N run would be; {seed} in a "
+        "checkpoint --init stands for each seed (docs/training.md: Several seeds in one process).",
+    ),
+    Flag(
+        "seeds_step",
+        str,
+        RUN,
+        "How --seeds steps its seeds: batched (every seed's step one batched computation), "
+        "interleaved (each seed's own step in turn, its separate run's kernels), auto: batched on "
+        "CUDA, interleaved on the CPU (BENCHMARKS.md: Several seeds in one process).",
     ),
     Flag("device", str, RUN, DEVICE_HELP),
     Flag("amp", str, RUN, "auto (bf16 on CUDA, none on CPU), bf16, fp16 or none."),

@@ -18,7 +18,15 @@ from ..errors import CmhsaError
 from ..text import json_text
 from .checked import Checked
 from .conversion import ConversionSpec
-from .values import AMPS, CONV_FORMS, DATASETS, EVAL_CROP_PCT, EVAL_INTERPOLATION, IMPULSE_OFFSETS
+from .values import (
+    AMPS,
+    CONV_FORMS,
+    DATASETS,
+    EVAL_CROP_PCT,
+    EVAL_INTERPOLATION,
+    IMPULSE_OFFSETS,
+    SEEDS_STEPS,
+)
 
 LOADERS = ("auto", "device", "workers")
 INIT_STARTS = ("mimetic", "impulse")  # phase-2 starts built without a checkpoint (convit_convert/starts.py)
@@ -193,7 +201,7 @@ class RecipeConfig(Checked):
 class RuntimeConfig(Checked):
     """How the run executes, not what it computes: a resumed run may change any of these."""
 
-    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"conv_form": CONV_FORMS}
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"conv_form": CONV_FORMS, "seeds_step": SEEDS_STEPS}
 
     out: str = "runs/run"
     device: str = "auto"
@@ -209,9 +217,12 @@ class RuntimeConfig(Checked):
     eval_every: int = 1  # epochs between evaluations (the last epoch is always evaluated)
     export_onnx: bool = False
     export_timm: bool = False  # timm's pretrained folder, out/timm/
-    # several seeds of this run trained as one stacked model, each in out/seed{N} (train/stacked.py);
+    # several seeds of this run trained together in one process, each in out/seed{N} (train/stacked.py);
     # in a seed's own config.json, the seeds it was trained beside
     seeds: tuple[int, ...] = ()
+    # how those seeds step: "batched" (one batched computation of every seed), "interleaved" (each
+    # seed's own step in turn), "auto" (batched on CUDA, interleaved on the CPU)
+    seeds_step: str = "auto"
 
 
 # The flat flags (config.json's keys, in its order) -> (group, field); None: a field of TrainConfig.

@@ -30,6 +30,7 @@ MAX_DEFAULT_WORKERS = 4  # data.default_workers: at most this many, and never mo
 EVAL_INTERPOLATION = "bicubic"  # the resize of `cmhsa eval`, of training's evaluation, of the exports
 EVAL_CROP_PCT = 0.875  # timm's default crop: a 224 px crop of a 256 px resize
 CONV_FORMS = ("auto", "pixels", "tokens")  # how phase 1's convolution computes (conv_mixer.py)
+SEEDS_STEPS = ("auto", "batched", "interleaved")  # how a `seeds` run steps its seeds (train/stacked.py)
 IMPULSE_OFFSETS = ("conversion", "random")  # --init impulse: the offsets its heads are pinned to (starts.py)
 # The largest relative error a verification or an import check accepts. float32 rounding of the
 # paper's model (d = 768, 9 heads) measures 2e-7 to 5e-7 (BENCHMARKS.md, "Exactness of the converted
