@@ -186,20 +186,21 @@ def test_interleaved_seeds_are_their_separate_runs_bit_for_bit(tmp_path: Path, f
 
 
 @pytest.mark.parametrize(
-    ("form", "device", "steps"),
+    ("form", "device", "seeds", "steps"),
     [
-        ("auto", "cpu", "interleaved"),
-        ("auto", "cuda", "batched"),
-        ("batched", "cpu", "batched"),
-        ("interleaved", "cuda", "interleaved"),
+        ("auto", "cpu", 3, "interleaved"),
+        ("auto", "cuda", 3, "batched"),
+        ("auto", "cuda", 1, "interleaved"),  # one seed: its plain run
+        ("batched", "cpu", 1, "batched"),
+        ("interleaved", "cuda", 3, "interleaved"),
     ],
 )
-def test_auto_steps_seeds_batched_on_a_gpu_and_interleaved_on_the_cpu(
-    form: str, device: str, steps: str
+def test_auto_batches_seeds_on_a_gpu_and_interleaves_them_on_the_cpu_or_alone(
+    form: str, device: str, seeds: int, steps: str
 ) -> None:
     from convit_convert.train.stacked import seeds_step
 
-    assert seeds_step(form, torch.device(device)) == steps
+    assert seeds_step(form, torch.device(device), seeds) == steps
 
 
 def test_a_seeds_run_says_how_it_steps_its_seeds(tmp_path: Path) -> None:

@@ -32,7 +32,8 @@ loader (its processes draw from the global RNGs), an optimizer whose step is not
 lars: per-tensor norms would mix the seeds), and seeds whose runs differ in anything but the seed
 (another architecture, epoch or step).
 
-That batched step is what ``seeds_step`` "batched" runs (:class:`Stack`), and "auto" on CUDA. The
+That batched step is what ``seeds_step`` "batched" runs (:class:`Stack`), and "auto" on CUDA for
+two seeds or more. The
 other form, "interleaved" (:class:`Interleaved`; "auto" on the CPU), steps each seed's own
 :class:`.loop.Loop` in turn, under its RNGs: its separate run's kernels, so each seed is its run
 bit for bit (fp16 and lamb not refused: each seed keeps its own scaler and optimizer); the seeds
@@ -94,11 +95,12 @@ STACK_CONV_FORM = "tokens"
 # BENCHMARKS.md "Several seeds"). On a GPU a small model's evaluation is bound by its launches, and
 # one forward launches for all seeds; that gain is not yet measured (the same bench on CUDA)
 BATCHED_EVALUATION = {"cuda"}
-# device types whose `seeds` runs, at `seeds_step` auto, step every seed as one batched computation
-# (Stack); elsewhere each seed's own step in turn (Interleaved). Not the CPU: there a stack's epochs
-# took longer than its seeds' own (the CPU gains nothing from batching the seeds' arithmetic) and,
-# compiled, its larger graph took longer to compile than one seed's, which the other seeds' steps
-# then reuse (BENCHMARKS.md "Several seeds"). On a GPU one batched step launches for all seeds
+# device types whose `seeds` runs of 2 seeds or more, at `seeds_step` auto, step every seed as one
+# batched computation (Stack); elsewhere each seed's own step in turn (Interleaved). Not the CPU:
+# there a stack's epochs took longer than its seeds' own (a CPU gains nothing from batching the
+# seeds' arithmetic) and, compiled, its larger graph took longer to compile than one seed's, which
+# the other seeds' steps then reuse (BENCHMARKS.md "Several seeds"). On a GPU one batched step
+# launches for all seeds
 BATCHED_STEP = {"cuda"}
 MAX_SEEDS = 64  # one process's stack: beyond this the batched kernels gain nothing and memory grows
 
@@ -272,19 +274,21 @@ class SeedProgress(Progress):
         self.inner.end_epoch(row, label=self.label)
 
 
-def seeds_step(form: str, device: torch.device) -> str:
-    """How a `seeds` run on ``device`` steps its seeds at `seeds_step` ``form``: "batched" or
-    "interleaved" as given; auto, batched on the devices of BATCHED_STEP, else interleaved."""
+def seeds_step(form: str, device: torch.device, seeds: int) -> str:
+    """How a `seeds` run of ``seeds`` seeds on ``device`` steps them at `seeds_step` ``form``:
+    "batched" or "interleaved" as given; auto, batched for two seeds or more on the devices of
+    BATCHED_STEP, else interleaved (one seed interleaved is its plain run: nothing to batch, where
+    a batched stack of one trained 0.69 to 0.75 times a plain run's images/s on an H200)."""
     if form != "auto":
         return form
-    return "batched" if device.type in BATCHED_STEP else "interleaved"
+    return "batched" if device.type in BATCHED_STEP and seeds > 1 else "interleaved"
 
 
 def seeds_stepper(loops: list[Loop]) -> Seeds:
     """The stepper of ``loops`` (one per seed): :class:`Stack` or :class:`Interleaved`, as
     :func:`seeds_step` says."""
     lead = loops[0]
-    batched = seeds_step(lead.cfg.runtime.seeds_step, lead.ctx.device) == "batched"
+    batched = seeds_step(lead.cfg.runtime.seeds_step, lead.ctx.device, len(loops)) == "batched"
     return Stack(loops) if batched else Interleaved(loops)
 
 

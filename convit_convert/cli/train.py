@@ -244,7 +244,7 @@ OPTION_ROWS: list[Flag] = [
         RUN,
         "How --seeds steps its seeds: batched (every seed's step one batched computation), "
         "interleaved (each seed's own step in turn, its separate run's kernels), auto: batched on "
-        "CUDA, interleaved on the CPU (BENCHMARKS.md: Several seeds in one process).",
+        "CUDA for 2 seeds or more, else interleaved (BENCHMARKS.md: Several seeds in one process).",
     ),
     Flag("device", str, RUN, DEVICE_HELP),
     Flag("amp", str, RUN, "auto (bf16 on CUDA, none on CPU), bf16, fp16 or none."),

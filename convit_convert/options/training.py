@@ -221,7 +221,7 @@ class RuntimeConfig(Checked):
     # in a seed's own config.json, the seeds it was trained beside
     seeds: tuple[int, ...] = ()
     # how those seeds step: "batched" (one batched computation of every seed), "interleaved" (each
-    # seed's own step in turn), "auto" (batched on CUDA, interleaved on the CPU)
+    # seed's own step in turn), "auto" (batched on CUDA for 2 seeds or more, else interleaved)
     seeds_step: str = "auto"
 
 
