@@ -276,6 +276,17 @@ def test_a_stacked_resume_is_bit_for_bit(tmp_path: Path, form: str) -> None:
         assert all(torch.equal(a["ema"][k], b["ema"][k]) for k in a["ema"])
 
 
+def test_a_stack_stopped_batched_resumes_interleaved(tmp_path: Path) -> None:
+    """`seeds_step` is a runtime choice: each seed's checkpoint is its own run's, whichever form
+    wrote it, so a resume may take the other form and finishes every seed's epochs."""
+    run_seeds(config(tmp_path / "s", seeds=(0, 1), epochs=2), progress=QUIET, stop_after_steps=4)
+    assert saved(tmp_path / "s" / "seed1")["step"] == 4
+    flags = dict(seeds=(0, 1), epochs=2, resume=True, seeds_step="interleaved")
+    done = run_seeds(config(tmp_path / "s", **flags), progress=QUIET)
+    assert [len(r.rows) for r in done] == [2, 2] and not any(r.stopped for r in done)
+    assert [saved(tmp_path / "s" / f"seed{s}")["global_step"] for s in (0, 1)] == [16, 16]
+
+
 def test_seed_n_of_a_template_init_starts_from_seed_ns_checkpoint(tmp_path: Path) -> None:
     run_seeds(config(tmp_path / "p1", seeds=(3, 4), epochs=1), progress=QUIET)
     init = str(tmp_path / "p1" / "seed{seed}" / "conv.safetensors")
