@@ -33,13 +33,12 @@ lars: per-tensor norms would mix the seeds), and seeds whose runs differ in anyt
 (another architecture, epoch or step).
 
 That batched step is what ``seeds_step`` "batched" runs (:class:`Stack`), and "auto" on CUDA for
-two seeds or more. The
-other form, "interleaved" (:class:`Interleaved`; "auto" on the CPU), steps each seed's own
-:class:`.loop.Loop` in turn, under its RNGs: its separate run's kernels, so each seed is its run
-bit for bit (fp16 and lamb not refused: each seed keeps its own scaler and optimizer); the seeds
-share the process (start-up, data, the compiled graph). A CPU gains nothing from batching the
-seeds' arithmetic, and there the interleaved seeds took less time than the batched ones and than
-separate runs (BENCHMARKS.md "Several seeds").
+two seeds or more. The other form, "interleaved" (:class:`Interleaved`; "auto" on the CPU and for
+one seed), steps each seed's own :class:`.loop.Loop` in turn, under its RNGs: its separate run's
+kernels, so each seed is its run bit for bit (fp16 and lamb not refused: each seed keeps its own
+scaler and optimizer); the seeds share the process (start-up, data, the compiled graph). A CPU
+gains nothing from batching the seeds' arithmetic, and there the interleaved seeds took less time
+than the batched ones and than separate runs (BENCHMARKS.md "Several seeds").
 """
 
 from __future__ import annotations
@@ -176,7 +175,7 @@ def _run_seeds(
                 RunFiles(loop, f, replaces, w)
                 for (loop, replaces), f, w in zip(built, folders, wrote, strict=True)
             ]
-            how = "one batched step" if isinstance(stack, Stack) else "each seed's own step in turn"
+            how = "one batched step" if stack.batched else "each seed's own step in turn"
             reporter.log(
                 f"{len(configs)} seeds in one process ({', '.join(str(c.seed) for c in configs)}; {how}, "
                 "`seeds_step`): the progress bar is the first seed's, and its images/s each seed's"
