@@ -3,6 +3,7 @@ convolutions with explicit padding, explicit loops, impulse responses."""
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import hashlib
 import importlib.util
@@ -11,6 +12,7 @@ import signal
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -88,7 +90,8 @@ def pytest_configure(config: pytest.Config) -> None:
     import torch._inductor.config as inductor
 
     inductor.compile_threads = 1
-    signal.signal(signal.SIGTERM, _interrupt)  # SIGINT: Python's KeyboardInterrupt already
+    for sig in (signal.SIGINT, signal.SIGTERM):  # KeyboardInterrupt, as Python's own SIGINT, noted
+        signal.signal(sig, _interrupt)
     from convit_convert.train import run as train_run
 
     def end_the_session(signum: int) -> None:  # after a run noted its stop
@@ -114,12 +117,11 @@ def _stop_the_session_on_a_signal(request: pytest.FixtureRequest) -> Any:
     _SIGNALS_ARE_THE_TEST[0] = request.node.get_closest_marker("sends_signals") is not None
     yield
     _SIGNALS_ARE_THE_TEST[0] = False
-    if INTERRUPTED and not _ENDING:  # the CLI's boundary made it an exit status: the session still ends
+    if _signalled() and not _ENDING:  # the CLI's boundary made it an exit status: the session still ends
         # as pytest's own interrupt (its totals and -ra's skip reasons are printed for that status
         # alone); pytest_sessionfinish then makes the exit status 128 + the signal, as a shell's
-        pytest.exit(
-            f"interrupted by {signal.Signals(INTERRUPTED[0]).name}", returncode=pytest.ExitCode.INTERRUPTED
-        )
+        name = signal.Signals(INTERRUPTED[0]).name if INTERRUPTED else "a signal"
+        pytest.exit(f"interrupted by {name}", returncode=pytest.ExitCode.INTERRUPTED)
 
 
 _ENDING: list[bool] = []  # pytest is already ending the session on an interrupt
@@ -135,6 +137,68 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     pytest has printed its totals for it."""
     if INTERRUPTED or exitstatus == pytest.ExitCode.INTERRUPTED:
         session.exitstatus = 128 + (INTERRUPTED[0] if INTERRUPTED else signal.SIGINT)
+
+
+# A test the user's interrupt cut is reported as interrupted (a skip that says so), never as a
+# failure: its subprocess may die of the same Ctrl-C before this process has raised its own
+# KeyboardInterrupt (``assert 130 == 0``), and under xdist a worker the interrupt stopped is
+# reported by the controller as "crashed while running" its test. Whether a signal came is a fact
+# of this process (INTERRUPTED, or a signal still pending); the controller also knows it from the
+# worker's exit status (2: keyboard-interrupt).
+STOPPING = (signal.SIGINT, signal.SIGTERM)
+
+
+def _signalled() -> bool:
+    return bool(INTERRUPTED or _ENDING) or any(s in signal.sigpending() for s in STOPPING)
+
+
+def _as_interrupted(report: pytest.TestReport) -> None:
+    path, line = report.location[0], report.location[1]
+    why = f"interrupted by {signal.Signals(INTERRUPTED[0]).name if INTERRUPTED else 'a signal'}"
+    report.outcome = "skipped"
+    report.longrepr = (path, 0 if line is None else line, f"Skipped: {why}: the test was cut, not failed")
+
+
+SIGNAL_GRACE = 0.5  # seconds a failed test waits for a signal still on its way to this process
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    """A failure is judged once a signal that may have caused it had time to arrive: the
+    interrupt that killed a test's subprocess can reach this process just after the test saw the
+    subprocess die (what a failing test waits: SIGNAL_GRACE; a passing one, nothing)."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed and not _signalled():
+        with contextlib.suppress(KeyboardInterrupt):  # it came: INTERRUPTED says which
+            time.sleep(SIGNAL_GRACE)
+    if report.failed and _signalled():
+        _as_interrupted(report)  # the session ends after the test (_stop_the_session_on_a_signal)
+
+
+_REPORTED: set[str] = set()  # the controller: tests whose call phase a worker reported
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Under xdist, the controller: a failure that arrives once it was itself interrupted."""
+    if report.failed and _signalled():
+        _as_interrupted(report)
+    if report.when == "call":
+        _REPORTED.add(report.nodeid)
+
+
+def pytest_handlecrashitem(crashitem: str, report: pytest.TestReport, sched: Any) -> None:
+    """xdist's controller: the test a worker was running when it stopped on the interrupt (or
+    after its call phase, already reported: then this report counts as its teardown's)."""
+    node = getattr(report, "node", None)
+    stopped = getattr(node, "workeroutput", {}).get("exitstatus") == pytest.ExitCode.INTERRUPTED
+    if not (stopped or _signalled()):
+        return
+    if crashitem in _REPORTED:
+        report.outcome, report.when, report.longrepr = "passed", "teardown", None
+    else:
+        _as_interrupted(report)
 
 
 def invoke(*args: Any, env: dict[str, str] | None = None, **kwargs: Any) -> Result:

@@ -70,3 +70,51 @@ def test_a_signal_stops_the_whole_session(tmp_path: Path, sig: signal.Signals) -
     # pytest's totals, as for any interrupted session (the probe's own test is the one interrupted)
     totals = r"\b(no tests ran|\d+ (passed|failed|skipped|deselected))\b.* in [\d.]+s"
     assert re.search(totals, out), out[-2000:]
+
+
+CUT = "CMHSA_CUT_PROBE"  # set: the probe below runs (a test whose subprocess dies of the interrupt)
+
+
+@pytest.mark.skipif(CUT not in os.environ, reason="run by test_a_test_the_interrupt_cut_is_not_a_failure")
+def test_a_subprocess_the_interrupt_kills() -> None:
+    """Ctrl-C as it sometimes lands: the test's subprocess dies of SIGINT and the test's own copy
+    of the signal arrives just after the test saw that death (a timer sends it 0.2 s later), so
+    the assertion fails first: without conftest's rule, a failure (``assert -2 == 0``)."""
+    import threading
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    time.sleep(1.0)  # the child's interpreter is up
+    child.send_signal(signal.SIGINT)
+    rc = child.wait(timeout=30)
+    threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)).start()
+    assert rc == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workers", [[], ["-n", "2"]])
+def test_a_test_the_interrupt_cut_is_not_a_failure(tmp_path: Path, workers: list[str]) -> None:
+    """The probe's session, in a process group of its own (a terminal's): it exits 130 after
+    pytest's totals, and they count no failure (the cut test is interrupted, or not run)."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            *workers,
+            f"{__file__}::test_a_subprocess_the_interrupt_kills",
+        ],
+        cwd=ROOT,
+        env={**os.environ, CUT: "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        start_new_session=True,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 130, (proc.returncode, out[-3000:])
+    totals = [line for line in out.splitlines() if re.search(r"\bin [\d.]+s\b", line)]
+    assert totals and "failed" not in totals[-1] and "error" not in totals[-1], out[-3000:]
+    assert "FAILED" not in out and "crashed" not in out, out[-3000:]

@@ -12,7 +12,10 @@ need backward()'s hooks.
 
 Every ``--log-every`` steps and at the epoch's end, one read-out (:func:`read_out`): the loss
 totals for the progress line, a non-finite loss (the run stops, naming its step) and a stop
-request (all-reduced under torchrun, so every rank stops at the same step).
+request (all-reduced under torchrun, so every rank stops at the same step). Between read-outs the
+host counts steps (a terminal's bar moves with each) and, once PROGRESS_SECONDS of wall time pass
+without a line, takes one glance (:func:`glance`: the loss so far, read without resetting it): a
+log never goes silent for long, and the device is read at most that often.
 
 Each epoch seeds every global RNG from (seed, epoch, rank), so an epoch's randomness does not
 depend on how the process got there (a resumed epoch restores the RNGs saved mid-epoch instead).
@@ -44,6 +47,7 @@ from ..api.on_data import evaluate
 from ..data import sample_seed
 from ..errors import CheckFailed
 from ..options.training import TrainConfig
+from . import progress
 from .distributed import Context, all_reduce_sum
 from .progress import Progress
 from .state import LAST, RunState, set_rng_state
@@ -188,6 +192,7 @@ def train_one_epoch(stepper: Stepper, stop: Any, stop_after_steps: int | None = 
     lead.reporter.start_epoch(st.epoch, lead.steps_per_epoch, first)
     every = max(1, cfg.runtime.log_every)
     t_last, since = time.perf_counter(), first
+    shown = progress.clock()  # when the log last had a line about this epoch
 
     def read_outs() -> bool:  # every seed's totals; True if a stop was requested (on any rank)
         return any([read_out(loop, stop, since, t_last) for loop in loops])
@@ -200,9 +205,13 @@ def train_one_epoch(stepper: Stepper, stop: Any, stop_after_steps: int | None = 
         signalled = ctx.world == 1 and stop.signal is not None  # one process: no rank to agree with
         if st.step % every == 0 or st.step == lead.steps_per_epoch or limit or signalled:
             stopping = read_outs()
-            t_last, since = time.perf_counter(), st.step
+            t_last, since, shown = time.perf_counter(), st.step, progress.clock()
             if stopping or limit:
                 return False
+        elif progress.clock() - shown >= progress.PROGRESS_SECONDS:
+            glance(lead, since, t_last)  # the lead seed's alone: one line, one read
+            shown = progress.clock()
+        lead.reporter.advance(st.step)
     if stop.signal is not None and st.step < lead.steps_per_epoch:  # the loader ended with the stop
         if st.step > since:  # the steps since the last read-out, into the totals the checkpoint saves
             read_outs()
@@ -258,6 +267,18 @@ def read_out(loop: Loop, stop: Any, since: int, t_last: float) -> bool:
     return all_reduce_sum(stopping, ctx).item() > 0
 
 
+def glance(loop: Loop, since: int, t_last: float) -> None:
+    """The progress line between read-outs: the mean loss of the steps ``since``..``state.step``
+    (the tally read, not reset: the read-outs' totals stay as they would be) and their speed."""
+    st = loop.state
+    steps = st.step - since
+    loss_sum = loop.tally.peek()
+    now = time.perf_counter()
+    images = steps * loop.cfg.recipe.batch_size * loop.ctx.world
+    lr = float(st.optimizer.param_groups[0]["lr"])
+    loop.reporter.glance(st.epoch, st.step - 1, loss_sum / steps, lr, images / max(now - t_last, 1e-9))
+
+
 def evaluates(loop: Loop) -> bool:
     """Whether the epoch the run is in ends with an evaluation: every `eval_every` and the last."""
     epoch, every = loop.state.epoch + 1, loop.cfg.runtime.eval_every
@@ -283,11 +304,26 @@ def evaluated(loop: Loop, lr: float, measured: Scored | None = None) -> dict[str
     if not evaluates(loop):  # `eval_every`: not this epoch
         return row
     if measured is None:
-        model = evaluate(st.model, loop.val_loader, ctx.device, loop.dtype, reduce)
+        batches = len(loop.val_loader)
+        model = evaluate(
+            st.model,
+            loop.val_loader,
+            ctx.device,
+            loop.dtype,
+            reduce,
+            progress=loop.reporter.counting("validating", batches),
+        )
         ema = (
             None
             if st.ema is None
-            else evaluate(st.ema.module, loop.val_loader, ctx.device, loop.dtype, reduce)
+            else evaluate(
+                st.ema.module,
+                loop.val_loader,
+                ctx.device,
+                loop.dtype,
+                reduce,
+                progress=loop.reporter.counting("validating the EMA", batches),
+            )
         )
         measured = Scored(model, ema)
     row.update(measured.model)

@@ -10,8 +10,8 @@ run, its optimizer and schedule new). Phase 2: an attention ViT from ``--init``,
 With a checkpoint (a file, or a timm folder cmhsa wrote) the architecture is the checkpoint's; model
 flags given explicitly must agree. Data with another number of classes than the checkpoint's gets a
 new head (fine-tuning, as timm's ``--pretrained`` with another ``--num-classes``): every other
-tensor is the checkpoint's. Data of other channels than the checkpoint's is refused unless
-``in_chans`` says to convert every image to the checkpoint's (PIL's conversion).
+tensor is the checkpoint's. The checkpoint also decides the channels: data of other channels is
+converted to the checkpoint's (PIL's conversion), as the run that made it converted its data.
 """
 
 from __future__ import annotations
@@ -97,24 +97,22 @@ def _check_explicit(cfg: TrainConfig, ckpt_cfg: ViTConfig, num_classes: int, pat
 HEAD = ("head.weight", "head.bias")  # the classifier: what fine-tuning on other classes makes anew
 
 
-def load_start(cfg: TrainConfig, num_classes: int, data_chans: int | None) -> Checkpoint:
+def load_start(cfg: TrainConfig, num_classes: int, data_chans: int | None, log: Any = print) -> Checkpoint:
     """The checkpoint ``init`` names (a file, or a timm folder cmhsa wrote), float32, checked
-    against the flags given (:func:`_check_explicit`) and the data: its channels must be the
-    checkpoint's unless ``in_chans`` was given as the checkpoint's (every image is then converted
-    to them, PIL's conversion: RGB to grey weighs, grey to RGB repeats); the number of classes may
-    differ (:func:`fitted_head`)."""
+    against the flags given (:func:`_check_explicit`: an explicit ``in_chans`` must be the
+    checkpoint's). The checkpoint decides the channels: data of other channels is converted to
+    them as the run that made it converted its data (PIL's conversion: RGB to grey weighs, grey to
+    RGB repeats), said in one line; the number of classes may differ (:func:`fitted_head`)."""
     ckpt = as_float32(load_checkpoint(cfg.start.init))
     _check_explicit(cfg, ckpt.config, num_classes, ckpt.path)
     have = ckpt.config.in_chans
-    convert = "in_chans" in cfg.given or (not cfg.given and cfg.model.in_chans == have)
-    if data_chans is not None and data_chans != have and not convert:
+    if data_chans is not None and data_chans != have:
         colours = {1: "grey", 3: "colour"}
-        raise CmhsaError(
-            f"takes {colours.get(have, have)} images ({have} channel{'s' * (have > 1)}) but `data` "
-            f"{cfg.data.name} is {colours.get(data_chans, data_chans)} ({data_chans}); give `in_chans` "
-            f"{have} to convert every image to the checkpoint's channels (cmhsa adapts no patch "
-            "embedding: the identity embedding's width is P² · channels)",
-            ckpt.path,
+        log(
+            f"note: the {cfg.data.name} images are {colours.get(data_chans, data_chans)} and the `init` "
+            f"checkpoint takes {have} channel{'s' * (have > 1)}: every image is converted to {have}, as the "
+            "checkpoint decides (cmhsa adapts no patch embedding; `in_chans` other than the checkpoint's "
+            "is refused)"
         )
     return ckpt
 
@@ -211,7 +209,7 @@ def build_phase_model(
         )
         return PhaseModel(model, mcfg, info)
 
-    ckpt = load_start(cfg, num_classes, data_chans)
+    ckpt = load_start(cfg, num_classes, data_chans, log)
     if ckpt.kind == "attn":
         check_trainable(cfg, dataclasses.replace(ckpt.config, num_classes=num_classes))
         model, mcfg, replaced = fitted_head(ckpt.config, ckpt.tensors, num_classes, cfg.model.drop_path)
@@ -255,7 +253,7 @@ def _phase1_from_checkpoint(
 ) -> PhaseModel:
     """Phase 1 from a conv checkpoint's weights: the checkpoint's model (a new head for other
     classes); the run is otherwise fresh (a new optimizer and schedule: :mod:`.recipe`)."""
-    ckpt = load_start(cfg, num_classes, data_chans)
+    ckpt = load_start(cfg, num_classes, data_chans, log)
     if ckpt.kind != "conv":
         raise CmhsaError(
             "is an attention checkpoint; phase 1 trains the convolutional model: continue it with "

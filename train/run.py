@@ -629,7 +629,8 @@ def describe_run(
         + (f" ({cfg.runtime.workers} workers)" if loader == "workers" else "")
         + f", {cfg.runtime.threads} threads"
     )
-    if dataset.in_chans == 1 and pm.config.in_chans == 3:
+    # from a checkpoint, phases.load_start's note says what the channels are
+    if dataset.in_chans == 1 and pm.config.in_chans == 3 and not cfg.from_checkpoint:
         reporter.log(
             f"note: the {cfg.data.name} images are grey: with 3 input channels the "
             "model sees each one three "

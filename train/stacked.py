@@ -46,7 +46,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -156,6 +156,7 @@ def _run_seeds(
 ) -> list[RunResult]:
     torch.set_num_threads(configs[0].runtime.threads)  # type: ignore[arg-type]
     reporter = progress or Progress()
+    notes = Notes([c.seed for c in configs])
     wrote: list[list[Path]] = [[] for _ in configs]
     out = Path(configs[0].runtime.out).expanduser().parent  # the folder the user gave
     made = make_folder(out, "run folder")
@@ -167,9 +168,10 @@ def _run_seeds(
                 held.enter_context(run_folder(c, ctx, w, parent)) for c, w in zip(configs, wrote, strict=True)
             ]
             built = [
-                prepared(c, ctx, f, SeedProgress(reporter, c.seed, lead=i == 0))
+                prepared(c, ctx, f, SeedProgress(reporter, c.seed, lead=i == 0, notes=notes))
                 for i, (c, f) in enumerate(zip(configs, folders, strict=True))
             ]
+            notes.flush(reporter)  # what every seed's set-up noted, once
             stack = seeds_stepper([loop for loop, _ in built])
             files = [
                 RunFiles(loop, f, replaces, w)
@@ -187,6 +189,7 @@ def _run_seeds(
                 "and batch are held at once; train fewer seeds together)"
             ):
                 results = train_epochs(stack, files, stop_after_steps)
+            notes.flush(reporter)
             if not any(r.stopped for r in results):
                 summary = seeds_summary(
                     [c.seed for c in configs], [loop.state.metrics for loop in stack.loops]
@@ -199,6 +202,7 @@ def _run_seeds(
             remove_made(made)
         raise
     finally:
+        notes.flush(reporter)  # an interrupted or failed stack still says what it noted
         reporter.close()
 
 
@@ -245,13 +249,34 @@ def seeds_line(summary: dict[str, Any], where: Path) -> str:
     )
 
 
-class SeedProgress(Progress):
-    """One seed's events into the stacked run's reporter: its lines labelled with the seed; the
-    progress bar (epoch and step events) the lead seed's alone."""
+class Notes:
+    """The seeds' notes (lines that begin ``note: ``), held until :meth:`flush`: a note every seed
+    gave is said once, unlabelled; one that some seeds gave, once per seed with its label."""
 
-    def __init__(self, inner: Progress, seed: int, lead: bool) -> None:
+    def __init__(self, seeds: list[int]) -> None:
+        self.seeds, self.held = seeds, {}  # note -> the seeds that gave it, in order of first arrival
+
+    def add(self, seed: int, note: str) -> None:
+        self.held.setdefault(note, []).append(seed)
+
+    def flush(self, reporter: Progress) -> None:
+        for note, seeds in self.held.items():
+            if sorted(set(seeds)) == sorted(self.seeds):
+                reporter.log(note)
+            else:
+                for seed in dict.fromkeys(seeds):
+                    reporter.log(f"seed {seed}: {note}")
+        self.held = {}
+
+
+class SeedProgress(Progress):
+    """One seed's events into the stacked run's reporter: its lines labelled with the seed (its
+    notes into the stack's ``notes``, said once where every seed gives them); the progress bar
+    (epoch and step events) the lead seed's alone."""
+
+    def __init__(self, inner: Progress, seed: int, lead: bool, notes: Notes | None = None) -> None:
         super().__init__(inner.write)
-        self.inner, self.label, self.lead = inner, f"seed {seed}", lead
+        self.inner, self.label, self.lead, self.seed, self.notes = inner, f"seed {seed}", lead, seed, notes
 
     def open(self, epochs: int, log_every: int) -> None:
         super().open(epochs, log_every)
@@ -259,7 +284,10 @@ class SeedProgress(Progress):
             self.inner.open(epochs, log_every)
 
     def log(self, message: str) -> None:
-        self.inner.log(f"{self.label}: {message}")
+        if self.notes is not None and message.startswith("note: "):
+            self.notes.add(self.seed, message)
+        else:
+            self.inner.log(f"{self.label}: {message}")
 
     def start_epoch(self, epoch: int, steps: int, done: int = 0) -> None:
         if self.lead:
@@ -268,6 +296,17 @@ class SeedProgress(Progress):
     def step(self, epoch: int, step: int, loss: float, lr: float, img_per_s: float) -> None:
         if self.lead:
             self.inner.step(epoch, step, loss, lr, img_per_s)
+
+    def glance(self, epoch: int, step: int, loss: float, lr: float, img_per_s: float) -> None:
+        if self.lead:
+            self.inner.glance(epoch, step, loss, lr, img_per_s)
+
+    def advance(self, steps_done: int) -> None:
+        if self.lead:
+            self.inner.advance(steps_done)
+
+    def counting(self, what: str, total: int, unit: str = "batches") -> Callable[[int], None]:
+        return self.inner.counting(f"{self.label}: {what}", total, unit)
 
     def end_epoch(self, row: dict[str, Any]) -> None:
         self.inner.end_epoch(row, label=self.label)
@@ -535,10 +574,13 @@ class Stack(Seeds):
         named = dict(zip(self.names, weights, strict=True))
         sums = torch.zeros(len(self.loops), 4, dtype=torch.float64, device=device)
         forward = vmap(self.logits, in_dims=(0, None))
+        reporter = getattr(lead.reporter, "inner", lead.reporter)  # the run's, not the lead seed's
+        count = reporter.counting(f"validating {len(self.loops)} seeds", len(lead.val_loader))
         with torch.no_grad():
             for x, y in lead.val_loader:
                 x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
                 sums += validation_totals(forward(named, x), y)  # (S, B, classes) logits -> (S, 4)
+                count(1)
         return [validation_metrics(s) for s in sums.cpu()]
 
     def logits(self, weights: dict[str, torch.Tensor], images: torch.Tensor) -> torch.Tensor:

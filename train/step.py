@@ -79,6 +79,10 @@ class Tally:
     def add(self, loss: torch.Tensor) -> None:
         self.values, self.skip = tallied(self.values, loss, self.ctx)
 
+    def peek(self) -> float:
+        """The loss summed since the last read (one device-to-host transfer), left as it is."""
+        return float(self.values[0].item())
+
     def read(self, steps: int) -> Totals:
         """The totals of the ``steps`` steps since the last read (one device-to-host transfer),
         then zeroed."""

@@ -122,10 +122,12 @@ def evaluate(
     dtype: torch.dtype | None,
     reduce: Callable[[torch.Tensor], None] | None = None,
     confusion: torch.Tensor | None = None,
+    progress: Callable[[int], None] | None = None,
 ) -> dict[str, float]:
     """Cross-entropy, top-1 and top-5 (%) over ``batches`` of (images, labels); ``reduce`` sums
     the (loss, top-1, top-5, count) totals across processes in place (training's all-reduce);
-    ``confusion`` (classes × classes, int64 on ``device``), when given, counts (true, predicted)."""
+    ``confusion`` (classes × classes, int64 on ``device``), when given, counts (true, predicted);
+    ``progress`` is called with 1 after each batch (the host's count: no device read)."""
     was_training = model.training
     model.eval()
     sums = torch.zeros(4, dtype=torch.float64, device=device)  # loss, top1, top5, count
@@ -138,6 +140,8 @@ def evaluate(
                 c = confusion.shape[0]
                 confusion.view(-1).add_(torch.bincount(y * c + logits.argmax(1), minlength=c * c))
             sums += validation_totals(logits, y)
+            if progress is not None:
+                progress(1)
     if reduce is not None:
         reduce(sums)
     model.train(was_training)
@@ -234,10 +238,16 @@ def _val_loader(
     return loader, len(spec.val), spec.classes
 
 
-def evaluate_checkpoint(path: str | Path, options: EvalOptions) -> EvalReport:
+Counting = Callable[[int], Callable[[int], None]]  # total batches -> called with 1 after each
+
+
+def evaluate_checkpoint(
+    path: str | Path, options: EvalOptions, counting: Counting | None = None
+) -> EvalReport:
     """``cmhsa eval``: top-1 / top-5 and loss on ``options.data``'s validation split of a checkpoint,
     a timm folder cmhsa wrote, or an ONNX file: one cmhsa exported runs as shipped (onnxruntime, the
-    preprocessing it records: :func:`evaluate_exported`), any other is read as a conv-phase graph."""
+    preprocessing it records: :func:`evaluate_exported`), any other is read as a conv-phase graph.
+    ``counting``, given the number of batches, returns what each batch done is counted with."""
     o = options
     onnx_model = None
     if Path(path).suffix.lower() == ".onnx":  # read once: run as shipped, or imported as a conv graph
@@ -246,7 +256,7 @@ def evaluate_checkpoint(path: str | Path, options: EvalOptions) -> EvalReport:
 
         onnx_model = load_onnx(path)
         if is_exported(onnx_model):
-            return evaluate_exported(Path(path), o, onnx_model)
+            return evaluate_exported(Path(path), o, onnx_model, counting)
     ckpt = load_checkpoint(path, onnx_model=onnx_model)
     workers = default_workers() if o.workers is None else o.workers
     dev = pick_device(o.device)
@@ -257,7 +267,8 @@ def evaluate_checkpoint(path: str | Path, options: EvalOptions) -> EvalReport:
     model, form = for_inference(ckpt.model(dtype=torch.float32).to(dev))  # fused where exact to 1e-5
     c = ckpt.config.num_classes
     confusion = torch.zeros(c, c, dtype=torch.int64, device=dev)
-    metrics = evaluate(model, loader, dev, dtype, confusion=confusion)
+    progress = None if counting is None else counting(len(loader))
+    metrics = evaluate(model, loader, dev, dtype, confusion=confusion, progress=progress)
     model_names = ckpt.classes  # the outputs are the model's: its names first
     rows, pairs = per_class(confusion, model_names or data_names)
     return EvalReport(
@@ -323,7 +334,9 @@ def calibration_from_data(
     return Calibration(x, hx, hy, f"{data}: {len(x)} training images; held out: {len(hx)} validation images")
 
 
-def evaluate_exported(path: Path, options: EvalOptions, model: Any = None) -> EvalReport:
+def evaluate_exported(
+    path: Path, options: EvalOptions, model: Any = None, counting: Counting | None = None
+) -> EvalReport:
     """An ONNX file ``cmhsa export`` wrote (``model``: as ``load_onnx`` already read it), measured as
     shipped: onnxruntime on ``options.device``'s provider, each validation image prepared as its
     ``metadata_props`` say (the steps of ``predict``), so ``crop_pct`` and ``amp`` are the file's own
@@ -364,7 +377,10 @@ def evaluate_exported(path: Path, options: EvalOptions, model: Any = None) -> Ev
         in_chans=channels,
     )
     confusion = torch.zeros(n_classes, n_classes, dtype=torch.int64)
-    metrics = evaluate(OnnxModule(exported), loader, torch.device("cpu"), None, confusion=confusion)
+    progress = None if counting is None else counting(len(loader))
+    metrics = evaluate(
+        OnnxModule(exported), loader, torch.device("cpu"), None, confusion=confusion, progress=progress
+    )
     rows, pairs = per_class(confusion, exported.names or spec.classes)
     return EvalReport(
         "onnx",

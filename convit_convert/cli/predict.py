@@ -12,6 +12,7 @@ from rich.table import Table
 from ..options.operations import PredictOptions
 from .common import console, path_opt, safe
 from .options import device_option
+from .progress import counted
 
 app = typer.Typer()
 SHOWN = 50  # images the console table shows; --output holds all of them
@@ -48,8 +49,6 @@ def predict_command(
     """The most probable classes of each image, by the names the model records.
 
     Images are prepared as cmhsa eval prepares its own (the same top-1)."""
-    from rich.progress import Progress
-
     from ..api.common import read_paths
     from ..api.predict import check_predictions_path, image_files, predict_images, write_predictions
     from ..io.outputs import held_outputs
@@ -62,9 +61,8 @@ def predict_command(
             reads = [*read_paths(model), *images]
             (target,) = held.enter_context(held_outputs(output, reads=reads))
         files = image_files(images)  # listed once: the bar's total, then the predictions
-        with Progress(console=console, transient=True, disable=len(files) < 2 * batch_size) as bar:
-            task = bar.add_task("predicting", total=len(files))
-            r = predict_images(model, files, options, lambda n: bar.advance(task, n))
+        with counted("predicting", len(files), "images", quick=2 * batch_size) as count:
+            r = predict_images(model, files, options, count)
         print_predictions(r)
         if target is not None:
             write_predictions(r, target)

@@ -11,7 +11,9 @@ that were typed and disagree.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, NamedTuple, Optional
 
@@ -117,7 +119,13 @@ OPTION_ROWS: list[Flag] = [
     ),
     Flag("preset", str, MODEL, preset_help()),
     Flag("img_size", int, MODEL, "Image size (the data is resized to it)."),
-    Flag("in_chans", int, MODEL, "Image channels: 3 (RGB) or 1 (grayscale); every image is converted to it."),
+    Flag(
+        "in_chans",
+        int,
+        MODEL,
+        "Image channels: 3 (RGB) or 1 (grayscale); every image is converted to it. With --init the "
+        "checkpoint decides (default: its channels; another value is refused).",
+    ),
     Flag("patch_size", int, MODEL, "Patch size P."),
     Flag(
         "hidden_chans",
@@ -303,8 +311,9 @@ OPTION_ROWS: list[Flag] = [
         "log_every",
         int,
         RUN,
-        "Steps between read-outs of the loss from the device: log lines, the "
-        "progress bar, stop requests under torchrun.",
+        "Steps between read-outs of the loss from the device (log lines, stop requests under "
+        "torchrun); a log also gets a line, and the bar its loss, every 10 s of wall time between "
+        "them (one device read), and the bar moves with every step.",
     ),
     Flag(
         "eval_every",
@@ -466,18 +475,24 @@ def eval_command(
     from rich.table import Table
 
     from ..api.on_data import evaluate_checkpoint
+    from .progress import counted
 
     if data is None:
         raise CmhsaError(missing_data("eval"))
-    r = evaluate_checkpoint(
-        checkpoint, EvalOptions(data, data_dir, download, batch_size, device, amp, workers, crop_pct, seed)
-    )
+    options = EvalOptions(data, data_dir, download, batch_size, device, amp, workers, crop_pct, seed)
+    with contextlib.ExitStack() as bars:
+
+        def counting(batches: int) -> Callable[[int], None]:
+            return bars.enter_context(counted("evaluating", batches, "batches", quick=2))
+
+        r = evaluate_checkpoint(checkpoint, options, counting)
     title, table = f"{safe(str(checkpoint))} on {data} (val, {r.images} images)", Table()
-    for col in ("kind", "top-1 %", "top-5 %", "loss"):
+    top5 = len(r.classes) > 5  # top-5 of 5 classes or fewer is 100 % whatever the model does
+    for col in ("kind", "top-1 %", *(("top-5 %",) if top5 else ()), "loss"):
         table.add_column(col, justify="right")
     kind = r.kind if r.form == "conv" else f"{r.kind}, {r.form} form"  # attention runs fused where exact
     kind = f"{r.kind}, {r.form}" if r.kind == "onnx" else kind  # the runtime and its provider
-    table.add_row(kind, f"{r.top1:.2f}", f"{r.top5:.2f}", f"{r.val_loss:.4f}")
+    table.add_row(kind, f"{r.top1:.2f}", *((f"{r.top5:.2f}",) if top5 else ()), f"{r.val_loss:.4f}")
     print_titled(title, table)
     print_per_class(r)
 
