@@ -413,6 +413,25 @@ def build_data(
     return spec
 
 
+VALIDATION = {  # each dataset's validation split, as a model card says where its top-1 came from
+    "digits": "cmhsa's fixed 20% of the digits, held out of training",
+    "fashion-mnist": "Fashion-MNIST's official 10,000 test images",
+    "cifar10": "CIFAR-10's official 10,000 test images",
+    "cifar100": "CIFAR-100's official 10,000 test images",
+    "imagefolder": "the image folder's own val/",
+    "synthetic": "cmhsa's generated validation images",
+}
+
+
+def validation_split(name: str, holdout: int | None = None, val_samples: int | None = None) -> str:
+    """Where a run's validation images came from, in words: ``holdout`` training images cmhsa held
+    out, or the dataset's own validation split (its first ``val_samples``)."""
+    if holdout is not None:
+        return f"{holdout:,} of {name}'s training images, held out of training by cmhsa"
+    split = VALIDATION.get(name, f"{name}'s validation split")
+    return split if val_samples is None else f"the first {val_samples:,} of {split}"
+
+
 def _subset_size(flag: str, count: int, split: Dataset, name: str) -> int:
     """The split's size, once ``count`` (flag ``flag``) is checked to fit in it."""
     n = len(split)  # type: ignore[arg-type]

@@ -39,11 +39,11 @@ from .errors import CmhsaError, article
 from .io.checkpoint import Checkpoint
 from .io.folder import Folder, make_folder, remove_made
 from .io.journal import check_settled
-from .io.model_card import CARD
 from .io.outputs import Target, check_apart
 from .io.timm_folder import (
     CONFIG,
     CONFIG_ARG,
+    FILES,
     WEIGHTS,
     config_from_arg,
     folder_config,
@@ -343,11 +343,7 @@ def export_timm_folder(
         try:
             with Folder.open(path) as held:
                 reads = [checkpoint.path if isinstance(checkpoint, Checkpoint) else checkpoint]
-                for name in (
-                    WEIGHTS,
-                    CONFIG,
-                    CARD,
-                ):  # never over the model it exports (DIR/model.safetensors)
+                for name in FILES:  # never over the model it exports (DIR/model.safetensors)
                     check_apart(Target(held, name), reads)
                 return export_timm_folder(checkpoint, held, seed, license_id)
         except BaseException:

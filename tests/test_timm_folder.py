@@ -20,7 +20,7 @@ from convit_convert.api.convert import convert_file
 from convit_convert.errors import CmhsaError
 from convit_convert.io.folder import Folder
 from convit_convert.io.model_card import CARD
-from convit_convert.io.timm_folder import CONFIG, WEIGHTS, write_timm_folder
+from convit_convert.io.timm_folder import CONFIG, MODELING, WEIGHTS, write_timm_folder
 
 FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "conv_digits.safetensors"
 
@@ -49,14 +49,15 @@ def test_a_folder_loads_in_timm_as_the_same_model_both_kinds_two_sizes(tmp_path:
     """Each model written by `cmhsa export --format timm`, then loaded by timm from the folder as a
     timm user would: logits equal, bit for bit, to cmhsa's model from the original file on the
     same images (the same weights in the same model), and the folder holds exactly timm's two
-    files and the model card, config.json naming the architecture, classes and features."""
+    files, the model card and the model for transformers, config.json naming the architecture,
+    classes and features."""
     from convit_convert.api import load_checkpoint
 
     for name, src in checkpoints(tmp_path).items():
         folder = tmp_path / name.replace(" ", "-")
         r = invoke(["export", str(src), "--format", "timm", "-o", str(folder)])
         assert r.exit_code == 0, (name, r.output)
-        assert sorted(p.name for p in folder.iterdir()) == sorted([CONFIG, WEIGHTS, CARD])
+        assert sorted(p.name for p in folder.iterdir()) == sorted([CONFIG, WEIGHTS, CARD, MODELING])
         ckpt = load_checkpoint(src)
         config = json.loads((folder / CONFIG).read_text())
         assert config["architecture"] == f"cmhsa_{ckpt.kind}"
@@ -218,7 +219,7 @@ def test_export_license_sets_both_places_and_is_checked(tmp_path: Path) -> None:
     assert ModelCard.load(tmp_path / "f" / CARD).data.to_dict()["license"] == "apache-2.0"
     pcfg = json.loads((tmp_path / "f" / "config.json").read_text())["pretrained_cfg"]
     assert pcfg["license"] == "apache-2.0"
-    assert "the training data's is `cc-by-4.0`" in (tmp_path / "f" / CARD).read_text()
+    assert "by the data it would be `cc-by-4.0`" in (tmp_path / "f" / CARD).read_text()
     for bad in ("MIT", "mit\nlicense: other", "", "x" * 65):
         r = invoke("export", FIXTURE, "--format", "timm", "--license", bad, "-o", tmp_path / "g")
         one_error_line(r, 2, "--license", "is empty" if bad == "" else "is not a licence id")
@@ -231,10 +232,12 @@ def test_the_card_installs_cmhsa_from_its_source_never_by_a_bare_name(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """cmhsa is on no package index: the card never says `pip install cmhsa` (someone else could
-    register the name). With a source URL in the installed metadata ([project.urls] Source) it installs
-    from there; without one, from the source the model was exported with. Before its code block it
-    says to install cmhsa and import convit_convert.timm, and it names the ONNX route (failed on
-    81f8851: "pip install cmhsa" in the code block, no word on the import)."""
+    register the name). Its first route needs no cmhsa (transformers, trust_remote_code). The cmhsa
+    route installs from the source URL in the installed metadata ([project.urls] Source) where there
+    is one; without one it says so, with no command (`pip install -e .` failed where the card is
+    read). Before that code block it says to install cmhsa and import convit_convert.timm, and it
+    names the ONNX route (failed on 81f8851: "pip install cmhsa" in the code block, no word on the
+    import)."""
     from convit_convert.io import model_card
 
     for url in (None, "https://example.org/cmhsa"):
@@ -247,10 +250,12 @@ def test_the_card_installs_cmhsa_from_its_source_never_by_a_bare_name(
         text = (folder / CARD).read_text()
         assert "pip install cmhsa" not in text
         use = text.split("## Use", 1)[1]
-        before_code = use.split("```python", 1)[0]
+        first, cmhsa_route = use.split("```python", 1)[0], use.split("```", 2)[2]
+        assert "trust_remote_code=True" in use.split("```", 2)[1] and "no cmhsa" in first
+        before_code = cmhsa_route.split("```python", 1)[0]
         assert "import convit_convert.timm" in before_code and "Unknown model" in before_code
         if url is None:
-            assert "`pip install -e .` in its folder" in before_code
+            assert "records no address for its source" in before_code and "pip install" not in before_code
         else:
             assert f'pip install "cmhsa @ git+{url}"' in before_code and url in text.split("## How", 1)[0]
         assert "runs with onnxruntime alone" in text and "arxiv.org/abs/2111.01353" in text
@@ -279,3 +284,43 @@ def test_a_source_url_the_card_shows_is_an_https_address_and_nothing_else(monkey
     ]:
         monkeypatch.setattr(metadata, "metadata", lambda name, u=url: Meta([f"Source, {u}"]))
         assert model_card.source_url() == shown, url
+
+
+def test_a_fine_tuned_models_card_says_what_it_started_from(tmp_path: Path) -> None:
+    """The shipped digits model (CC BY 4.0 data) fine-tuned on a 3-class image folder (licence
+    unknown), started from a Hub download (huggingface_hub's cache layout): the card names the start
+    (file, sha256, the Hub id as front matter's base_model) and its data with that data's licence,
+    declares `unknown` (what the image folder's licence leaves), and calls the validation images
+    the folder's own val/, never "held out" (failed on 5c13d3f: license unknown, no word of the
+    digits data, no base_model)."""
+    import hashlib
+
+    from huggingface_hub import ModelCard
+    from PIL import Image
+
+    snapshot = tmp_path / "hub" / "models--alice--cmhsa-digits" / "snapshots" / "0123abc"
+    assert invoke("export", FIXTURE, "--format", "timm", "-o", snapshot).exit_code == 0
+    for split in ("train", "val"):
+        for i, name in enumerate(("a", "b", "c")):
+            (tmp_path / "three" / split / name).mkdir(parents=True)
+            for j in range(4):
+                Image.new("L", (32, 32), 60 * i + j).save(tmp_path / "three" / split / name / f"{j}.png")
+    flags = ["--data", "imagefolder", "--data-dir", tmp_path / "three", "--epochs", "1", "--batch-size", "4"]
+    r = invoke("train", "phase1", *flags, "--device", "cpu", "--init", snapshot, "-o", tmp_path / "r")
+    assert r.exit_code == 0, r.output
+    assert (
+        invoke(
+            "export", tmp_path / "r" / "conv.safetensors", "--format", "timm", "-o", tmp_path / "t"
+        ).exit_code
+        == 0
+    )
+    card = ModelCard.load(tmp_path / "t" / CARD)
+    meta = card.data.to_dict()
+    assert meta["license"] == "unknown" and meta["base_model"] == "alice/cmhsa-digits"
+    made = card.text.split("## How it was made", 1)[1].split("##", 1)[0]
+    sha = hashlib.sha256((snapshot / WEIGHTS).read_bytes()).hexdigest()
+    assert f"sha256 {sha}" in made and "`alice/cmhsa-digits`" in made
+    assert "a model trained on scikit-learn's digits" in made and "CC BY 4.0" in made
+    assert "the image folder's own val/" in made and "held out" not in made
+    licence = card.text.split("## Training data and licence", 1)[1].split("##", 1)[0]
+    assert "an image folder, whose licence cmhsa cannot know" in licence and "CC BY 4.0" in licence

@@ -437,6 +437,7 @@ def test_cli_phase1_phase2_eval_plot(tmp_path: Path) -> None:
         "README.md",
         "config.json",
         "model.safetensors",
+        "modeling_cmhsa.py",
     ]
     cfg = json.loads((tmp_path / "p1" / "config.json").read_text())
     assert cfg["kind"] == "conv" and cfg["model"]["kernel_size"] == 3 and cfg["aa"] == "rand-m9-mstd0.5-inc1"

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -117,6 +118,23 @@ def load_start(cfg: TrainConfig, num_classes: int, data_chans: int | None, log: 
     return ckpt
 
 
+def start_record(ckpt: Checkpoint, init: str) -> dict[str, Any]:
+    """What a run records of the model it starts from (``cmhsa.init``, the model card's): the file
+    and its sha256, the data that model was trained on and that data's licence, and the Hub model
+    it is a download of (huggingface_hub's cache layout), where known."""
+    from ..io.model_card import data_license, trained_data
+    from ..io.timm_folder import hub_id_of
+
+    record: dict[str, Any] = {"init": init, "init_kind": ckpt.kind, "init_sha256": sha256_file(ckpt.path)}
+    data = trained_data(ckpt.metadata)
+    if data is not None:
+        record["init_data"], record["init_license"] = data, data_license(ckpt.metadata)[0]
+    hub = hub_id_of(Path(init).expanduser().resolve()) if Path(init).exists() else None
+    if hub is not None:
+        record["init_hub_id"] = hub
+    return record
+
+
 def fitted_head(
     model_cfg: ViTConfig, tensors: dict[str, torch.Tensor], num_classes: int, drop_path: float, **kw: Any
 ) -> tuple[VisionTransformer, ViTConfig, list[str]]:
@@ -213,7 +231,7 @@ def build_phase_model(
     if ckpt.kind == "attn":
         check_trainable(cfg, dataclasses.replace(ckpt.config, num_classes=num_classes))
         model, mcfg, replaced = fitted_head(ckpt.config, ckpt.tensors, num_classes, cfg.model.drop_path)
-        info = {"init": str(cfg.start.init), "init_kind": "attn", "init_sha256": sha256_file(ckpt.path)}
+        info = start_record(ckpt, str(cfg.start.init))
         return PhaseModel(model, mcfg, {**info, **said_replaced(ckpt, num_classes, replaced, log)})
     # the model the conversion will make, sized before anything of its size is built
     check_trainable(cfg, cfg.conversion.plan(ckpt.config).config)
@@ -237,9 +255,7 @@ def build_phase_model(
             f"({worst.region}) > `verify_tol` {cfg.conversion.tol:g}; not training from it"
         )
     info = {
-        "init": str(cfg.start.init),
-        "init_kind": "conv",
-        "init_sha256": sha256_file(ckpt.path),
+        **start_record(ckpt, str(cfg.start.init)),
         "verify_worst_rel": worst.rel,
         "verify_tol": cfg.conversion.tol,
         "verify_criterion": result.criterion,
@@ -265,5 +281,5 @@ def _phase1_from_checkpoint(
         ckpt.config, ckpt.tensors, num_classes, cfg.model.drop_path, conv_form=cfg.runtime.conv_form
     )
     log(f"starting from {ckpt.path}'s weights: a fresh run (new optimizer and schedule, warm-up included)")
-    info = {"init": str(cfg.start.init), "init_kind": "conv", "init_sha256": sha256_file(ckpt.path)}
+    info = start_record(ckpt, str(cfg.start.init))
     return PhaseModel(model, mcfg, {**info, **said_replaced(ckpt, num_classes, replaced, log)})

@@ -36,15 +36,15 @@ from ..data import (
     default_workers,
     epoch_sampler,
     image_mode,
+    validation_split,
 )
 from ..errors import CmhsaError
 from ..io.checkpoint import Checkpoint, save_model
 from ..io.folder import Folder, make_folder, remove_made
 from ..io.lock import LOCK_NAME, locked_folder
-from ..io.model_card import CARD
 from ..io.outputs import Target
 from ..io.paths import parse_json
-from ..io.timm_folder import CONFIG, WEIGHTS
+from ..io.timm_folder import FILES, WEIGHTS
 from ..labels import to_metadata
 from ..model import VisionTransformer
 from ..options.training import RUNTIME_FIELDS, TrainConfig
@@ -338,7 +338,7 @@ def run_files(phases: tuple[str, ...] = tuple(OUTPUT)) -> list[str]:
     names = [LAST, "metrics.csv", "config.json", PENDING_REMOVAL, *models]
     names += [n.replace(".safetensors", s) for n in models for s in ("-ema.safetensors", ".onnx")]
     names += [n.replace(".safetensors", ".onnx.report.json") for n in models]
-    return names + [f"{TIMM_FOLDER}/{n}" for n in (WEIGHTS, CONFIG, CARD)]
+    return names + [f"{TIMM_FOLDER}/{n}" for n in FILES]
 
 
 def run_outputs(folder: Folder) -> list[str]:
@@ -813,12 +813,13 @@ class RunFiles:
             result.model_path = loop.out / OUTPUT[cfg.phase]
             last = st.metrics[-1] if st.metrics else {}
             figures = {k: last[k] for k in ("epoch", "top1", "top5", "val_loss") if k in last}
+            split = (cfg.data.name, cfg.data.holdout, cfg.data.val_samples)
             meta = {
                 "cmhsa.trained": f"{cfg.phase} {cfg.data.name}, {cfg.recipe.epochs} epochs",
                 "cmhsa.init": json_text(st.init, indent=None),
-                "cmhsa.result": json_text(
-                    {"data": cfg.data.name, **figures}, indent=None
-                ),  # the model card's figures
+                "cmhsa.result": json_text(  # the model card's figures, and where they were measured
+                    {"data": cfg.data.name, "split": validation_split(*split), **figures}, indent=None
+                ),
                 **to_metadata(loop.classes),
             }
             # into the folder this run holds, by name: never through a path its tree could redirect

@@ -40,18 +40,32 @@ DATA_LICENSES = {
 NOT_RECORDED = ("unknown", "not recorded in the weights' metadata")
 # a repository's address as a card may show it: https, no space, quote, backtick or bracket
 SOURCE_URL = re.compile(r"https://[A-Za-z0-9.-]+(/[A-Za-z0-9._~%+@/-]*)?")
+HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}")  # user/name
 LICENSE_ID = re.compile(r"[a-z0-9][a-z0-9.+-]{0,63}")  # the Hub's licence ids: cc-by-4.0, mit, other
 
 
-def data_license(metadata: dict[str, str]) -> tuple[str, str]:
-    """The licence id a card declares by default for weights with ``metadata``, and the training
-    data as the card names it: from the dataset the run recorded (``cmhsa.result``'s ``data``, or
-    the second word of ``cmhsa.trained``, "phase1 digits, 30 epochs", which older runs wrote alone)."""
+def trained_data(metadata: dict[str, str]) -> str | None:
+    """The dataset the run that made the weights recorded (``cmhsa.result``'s ``data``, or the
+    second word of ``cmhsa.trained``, "phase1 digits, 30 epochs", which older runs wrote alone):
+    a text, or None (absent, or not a text)."""
     data = _json(metadata, "cmhsa.result").get("data")
     if data is None and isinstance(metadata.get("cmhsa.trained"), str):
         words = metadata["cmhsa.trained"].replace(",", " ").split()
         data = words[1] if len(words) > 1 else None
-    return DATA_LICENSES.get(data, NOT_RECORDED) if isinstance(data, str) else NOT_RECORDED
+    return data if isinstance(data, str) else None
+
+
+def data_license(metadata: dict[str, str]) -> tuple[str, str]:
+    """The licence id a card declares by default for weights with ``metadata``, and the training
+    data as the card names it, from :func:`trained_data`. Weights fine-tuned from another model
+    (``cmhsa.init``'s ``init_license``, recorded by `cmhsa train --init`) owe both datasets: the
+    one licence where both are the same, else ``unknown`` where either is, else ``other``."""
+    data = trained_data(metadata)
+    own = DATA_LICENSES.get(data, NOT_RECORDED) if data is not None else NOT_RECORDED
+    start = _json(metadata, "cmhsa.init").get("init_license")
+    if not isinstance(start, str) or not LICENSE_ID.fullmatch(start) or start == own[0]:
+        return own
+    return ("unknown" if "unknown" in (start, own[0]) else "other"), own[1]
 
 
 def check_license(license_id: str) -> str:
@@ -83,11 +97,14 @@ def source_url() -> str | None:
 
 def install_line(url: str | None) -> str:
     """How a reader gets cmhsa: from its source repository; it is on no package index, so never
-    ``pip install cmhsa`` (which would install whatever someone else registered under the name)."""
+    ``pip install cmhsa`` (which would install whatever someone else registered under the name),
+    and, where the installed cmhsa records no source address, no command at all (none would work
+    where the card is read)."""
     if url is None:
         return (
-            "cmhsa is on no package index (a package of that name there would be someone else's): "
-            "install it from the source this model was exported with, `pip install -e .` in its folder."
+            "cmhsa is on no package index (a package of that name there would be someone else's), "
+            "and this folder records no address for its source: install cmhsa from a copy of its "
+            "source code, as its own README says."
         )
     return f'cmhsa is on no package index: install it from its source, `pip install "cmhsa @ git+{url}"`.'
 
@@ -117,15 +134,21 @@ def model_card(
     image, io.timm_folder.preprocessing; ``license_id``: the weights' licence, by default the
     training data's, :func:`data_license`; ``url``: cmhsa's source repository, :func:`source_url`)."""
     result, init = _json(metadata, "cmhsa.result"), _json(metadata, "cmhsa.init")
-    data = result.get("data")
+    data = trained_data(metadata)
+    start_data = init.get("init_data") if isinstance(init.get("init_data"), str) else None
+    hub_id = init.get("init_hub_id")
+    hub_id = hub_id if isinstance(hub_id, str) and HUB_ID.fullmatch(hub_id) else None
     default_license, data_named = data_license(metadata)
     license_id = check_license(license_id or default_license)
     arch = "cmhsa_attn" if cfg.kind == "attn" else "cmhsa_conv"
     yaml = ["---", "library_name: timm", f"license: {license_id}", "pipeline_tag: image-classification"]
     yaml += ["tags:"]
     yaml += [f"- {t}" for t in ("image-classification", "timm", "cmhsa", "vision-transformer", arch)]
-    if data in HUB_DATASETS:
-        yaml += ["datasets:", f"- {HUB_DATASETS[data]}"]
+    datasets = list(dict.fromkeys(HUB_DATASETS[d] for d in (data, start_data) if d in HUB_DATASETS))
+    if datasets:
+        yaml += ["datasets:", *(f"- {d}" for d in datasets)]
+    if hub_id is not None:  # the Hub's convention for a model fine-tuned from one of its models
+        yaml += [f"base_model: {hub_id}"]
     top1 = card_number(result.get("top1"), 0, 100)  # a figure from a file: only a real percentage
     if top1 is not None:
         yaml += ["metrics:", "- accuracy"]
@@ -149,20 +172,26 @@ def model_card(
     if "cmhsa.trained" in metadata:
         made.append(f"- Trained by `cmhsa train`: {markdown_safe(metadata['cmhsa.trained'])}.")
     if init.get("init") is not None:  # a file by its name (and hash), never a local path
-        start = markdown_safe(str(init["init"]).replace("\\", "/").rsplit("/", 1)[-1])
+        start = markdown_safe(str(init["init"]).replace("\\", "/").rstrip("/").rsplit("/", 1)[-1])
         sha = init.get("init_sha256")
         made.append(
             f"- Start: {start}"
             + (f" (sha256 {markdown_safe(sha, 64)})" if isinstance(sha, str) else "")
+            + (f", the Hub's `{hub_id}`" if hub_id else "")
+            + (
+                f", a model trained on {DATA_LICENSES.get(start_data, (None, markdown_safe(start_data)))[1]}"
+                if start_data is not None
+                else ""
+            )
             + "."
         )
     if top1 is not None:
         epoch = card_number(result.get("epoch"), 0, 10**9, digits=0)
         at = f" after epoch {epoch}" if epoch is not None else ""
-        made.append(
-            f"- Validation top-1 {top1}%{at}, on {markdown_safe(data)}'s validation split as "
-            "`cmhsa train` held it out (the run's metrics.csv)."
-        )
+        split = result.get("split")
+        where = f"{markdown_safe(data)}'s validation images"
+        where = markdown_safe(split, 120) if isinstance(split, str) else where
+        made.append(f"- Validation top-1 {top1}%{at}, on {where} (the run's metrics.csv).")
     if "cmhsa.source_sha256" in metadata:
         made.append(
             "- Converted exactly (Theorem 1) by `cmhsa convert` from the convolutional model with "
@@ -170,16 +199,22 @@ def model_card(
         )
     lines += made or ["- Not recorded in the weights' metadata (not written by `cmhsa train`)."]
     same = license_id == default_license
+    started = (
+        f" They were fine-tuned from a model trained on "
+        f"{DATA_LICENSES.get(start_data, (None, markdown_safe(start_data)))[1]}, so they owe both."
+        if start_data not in (None, data)
+        else ""
+    )
+    whose = "the training data's licence" if not started else "what both datasets' licences allow"
     lines += [
         "",
         "## Training data and licence",
         "",
-        f"Training data: {data_named}. These weights are declared `{license_id}`"
+        f"Training data: {data_named}.{started} These weights are declared `{license_id}`"
         + (
-            " here, the training data's licence, as `cmhsa export` sets it by default (`--license ID` "
-            "sets another)."
+            f" here, {whose}, as `cmhsa export` sets it by default (`--license ID` sets another)."
             if same
-            else f", set by `cmhsa export --license`; the training data's is `{default_license}`."
+            else f", set by `cmhsa export --license`; by the data it would be `{default_license}`."
         ),
     ]
     names = from_metadata(metadata, cfg.num_classes)
@@ -201,9 +236,24 @@ def model_card(
         "",
         "## Use",
         "",
-        f"You need cmhsa and timm. {install_line(url)} Then `import convit_convert.timm` before "
+        "With transformers alone (torch, transformers and Pillow; no cmhsa): the folder carries its "
+        "model's code, `modeling_cmhsa.py`, which `trust_remote_code=True` runs (read it first: it "
+        "imports torch and transformers only, and reads no file itself).",
+        "",
+        "```python",
+        "from PIL import Image",
+        "from transformers import AutoModelForImageClassification, pipeline",
+        "",
+        "# this folder's path, or its Hub name once uploaded",
+        'folder = "PATH/TO/THIS/FOLDER"',
+        'classify = pipeline("image-classification", model=folder, trust_remote_code=True)',
+        'print(classify(Image.open("image.png")))',
+        "model = AutoModelForImageClassification.from_pretrained(folder, trust_remote_code=True)",
+        "```",
+        "",
+        f"With cmhsa and timm: {install_line(url)} Then `import convit_convert.timm` before "
         "`timm.create_model`: it registers `cmhsa_conv` and `cmhsa_attn` with timm (without it timm "
-        "says `Unknown model`, and transformers' pipeline asks to upgrade timm).",
+        "says `Unknown model`); `cmhsa predict` and `cmhsa eval` read the folder as it is.",
         "",
         "```python",
         "import timm",
@@ -216,9 +266,10 @@ def model_card(
         "transform = timm.data.create_transform(**config)",
         "```",
         "",
-        "Files: `model.safetensors` (the weights, cmhsa's checkpoint format: `cmhsa inspect` reads it) "
-        "and `config.json` (timm's: the architecture, `model_args` with the whole cmhsa config, "
-        "`pretrained_cfg`, whose `license` is the card's). Without cmhsa or torch: `cmhsa export "
+        "Files: `model.safetensors` (the weights, cmhsa's checkpoint format: `cmhsa inspect` reads it), "
+        "`config.json` (timm's: the architecture, `model_args` with the whole cmhsa config, "
+        "`pretrained_cfg`, whose `license` is the card's; its `auto_map` names `modeling_cmhsa.py`'s "
+        "classes for transformers) and `modeling_cmhsa.py`. Without torch: `cmhsa export "
         "model.safetensors -o model.onnx` writes an ONNX file that runs with onnxruntime alone, its "
         "preprocessing in its metadata.",
         "",

@@ -7,7 +7,15 @@ reads (timm >= 1.0.16, after ``import convit_convert.timm``) and the Hugging Fac
                             "num_features": 48, "model_args": {"cmhsa_config": {...}},
                             "pretrained_cfg": {"input_size": [1, 28, 28], "mean": [...], ...}}
     DIR/README.md           the model card (io/model_card.py): the Hub's metadata, how it was
-                            made, its input, the import line
+                            made, its input, how to run it
+    DIR/modeling_cmhsa.py   the model for transformers, with no cmhsa installed
+                            (convit_convert/shipped/modeling_cmhsa.py, copied as it is), which
+                            config.json's ``auto_map`` names: ``trust_remote_code=True`` loads it
+
+One config.json serves both: timm reads its ``architecture``, ``model_args`` and ``pretrained_cfg``
+and ignores ``auto_map``; transformers reads a timm config.json as its TimmWrapper's (the route
+after ``import convit_convert.timm``) unless ``trust_remote_code=True`` picks ``auto_map``'s classes.
+It has no ``model_type``: with one, transformers would no longer take the folder for timm's.
 
 ``model_args`` carries the model's whole cmhsa config, so any size cmhsa supports is rebuilt as it
 was; ``pretrained_cfg`` is how the model wants its input (timm's ``resolve_data_config`` reads it).
@@ -27,11 +35,19 @@ from ..text import json_text
 from .atomic import atomic_names
 from .checkpoint import read_metadata, write_checkpoint
 from .folder import Folder
-from .model_card import CARD, check_license, data_license, model_card, source_url
+from .model_card import CARD, HUB_ID, check_license, data_license, model_card, source_url
 from .outputs import Target
 from .paths import parse_json, read_text
 
 WEIGHTS, CONFIG = "model.safetensors", "config.json"
+MODELING = "modeling_cmhsa.py"  # the model for transformers, shipped in the folder
+SHIPPED = Path(__file__).resolve().parent.parent / "shipped" / MODELING
+# transformers' Auto classes -> the shipped file's classes (``trust_remote_code=True``)
+AUTO_MAP = {
+    "AutoConfig": "modeling_cmhsa.CmhsaConfig",
+    "AutoModelForImageClassification": "modeling_cmhsa.CmhsaForImageClassification",
+    "AutoImageProcessor": "modeling_cmhsa.CmhsaImageProcessor",
+}
 ARCHITECTURES = {"conv": "cmhsa_conv", "attn": "cmhsa_attn"}  # timm's registered names, by kind
 CONFIG_ARG = "cmhsa_config"  # the model_args key holding the cmhsa config
 
@@ -96,7 +112,7 @@ def timm_config(
     }
     if classes is not None:
         doc["label_names"] = list(classes)
-    return {**doc, "model_args": {CONFIG_ARG: cfg.to_dict()}, "pretrained_cfg": pcfg}
+    return {**doc, "model_args": {CONFIG_ARG: cfg.to_dict()}, "pretrained_cfg": pcfg, "auto_map": AUTO_MAP}
 
 
 def write_timm_folder(
@@ -106,20 +122,25 @@ def write_timm_folder(
     metadata: dict[str, str] | None = None,
     license_id: str | None = None,
 ) -> list[Path]:
-    """Write the held ``folder``'s three files together (all or none): the weights, timm's
-    config.json and the model card README.md (io/model_card.py, from ``metadata``); ``state_dict``:
+    """Write the held ``folder``'s four files together (all or none): the weights, timm's
+    config.json, the model card README.md (io/model_card.py, from ``metadata``) and the model for
+    transformers (:data:`MODELING`); ``state_dict``:
     every tensor of the model (timm loads it strictly); ``license_id``: the weights' licence in both
     the card and ``pretrained_cfg`` (default: the training data's). The paths written."""
     classes = from_metadata(metadata or {}, cfg.num_classes, folder.show(WEIGHTS))
     license_id = check_license(license_id or data_license(metadata or {})[0])
     text = model_card(cfg, metadata or {}, cfg.num_params(), preprocessing(cfg), license_id, source_url())
     doc = json_text(timm_config(cfg, classes, license_id)) + "\n"
-    targets = [Target(folder, WEIGHTS), Target(folder, CONFIG), Target(folder, CARD)]
-    with atomic_names(*targets) as (tmp_weights, tmp_config, tmp_card):
+    targets = [Target(folder, name) for name in FILES]
+    with atomic_names(*targets) as (tmp_weights, tmp_config, tmp_card, tmp_code):
         write_checkpoint(tmp_weights, cfg, state_dict, metadata, folder.show(WEIGHTS))
         tmp_config.write_text(doc, encoding="utf-8")
         tmp_card.write_text(text, encoding="utf-8")
+        tmp_code.write_bytes(SHIPPED.read_bytes())
     return [t.show() for t in targets]
+
+
+FILES = (WEIGHTS, CONFIG, CARD, MODELING)  # what a timm folder cmhsa writes holds
 
 
 # pretrained_cfg's keys timm adds to a folder's (local-dir:, hf-hub:) before a model is built
@@ -166,9 +187,15 @@ def check_folder_config(doc: Any, where: object, added: tuple[str, ...] = ()) ->
         )
     cfg = config_from_arg(args[CONFIG_ARG], kind, where)
     top = {"architecture", "num_classes", "num_features", "label_names", "model_args", "pretrained_cfg"}
-    unknown = sorted(set(doc) - top)
+    unknown = sorted(set(doc) - top - {"auto_map"})
     if unknown:
         raise CmhsaError(f"config.json holds {_shown(unknown[0])}, which cmhsa never writes", where)
+    if "auto_map" in doc and doc["auto_map"] != AUTO_MAP:  # older folders have none
+        raise CmhsaError(
+            f"config.json's auto_map is not the one cmhsa writes ({_shown(doc['auto_map'])}): transformers "
+            "would run other code than the folder's model; not a folder cmhsa wrote",
+            where,
+        )
     if "label_names" in doc:
         check_class_names(doc["label_names"], cfg.num_classes, where)
     written = timm_config(cfg)
@@ -246,6 +273,18 @@ def check_label_names(doc: dict[str, Any], metadata: dict[str, str], cfg: ViTCon
             "transformers would show one set and cmhsa another; not a folder cmhsa wrote",
             path / CONFIG,
         )
+
+
+def hub_id_of(path: Path) -> str | None:
+    """The Hub model a folder is a download of, where its path is huggingface_hub's cache layout
+    (``.../models--USER--NAME/snapshots/REVISION/``), else None. Read from the path, never fetched."""
+    parts = Path(path).parts
+    for i, part in enumerate(parts[:-2]):
+        if part.startswith("models--") and parts[i + 1] == "snapshots" and part.count("--") == 2:
+            _, user, name = part.split("--")
+            hub = f"{user}/{name}"
+            return hub if HUB_ID.fullmatch(hub) else None
+    return None
 
 
 def config_from_arg(value: Any, kind: str, where: object) -> ViTConfig:
