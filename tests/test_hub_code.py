@@ -2,8 +2,8 @@
 to cmhsa's own model: the same parameter names and logits to float32 rounding for both kinds and
 every option (sink on and off, hard and gated pinning, grey and colour, linear and identity patch
 embedding, non-square images), its image processor the same pixels as ``cmhsa predict``'s, its
-imports torch and transformers alone; and, in a Python where cmhsa cannot be imported, the
-folder runs in transformers (``trust_remote_code=True``) as cmhsa runs it."""
+imports torch and transformers alone; and, in a Python where cmhsa, timm and torchvision cannot
+be imported, the folder runs in transformers (``trust_remote_code=True``) as cmhsa runs it."""
 
 from __future__ import annotations
 
@@ -140,24 +140,22 @@ def test_the_shipped_file_imports_torch_and_transformers_alone() -> None:
     assert hub.CmhsaConfig.model_type == "cmhsa"
 
 
-# In the child: convit_convert cannot be imported, timm's registry holds no cmhsa model, and each
-# folder is loaded as a Hub user loads it. It writes what it found as JSON.
+# In the child: neither cmhsa nor timm nor torchvision can be imported (None in sys.modules: what
+# an absent package looks like to `import` and to transformers' find_spec checks), so a Hub user
+# with torch, transformers and Pillow alone; each folder is loaded as they load it. It writes what
+# it found as JSON.
 CHILD = r"""
 import json, sys
-class NoCmhsa:
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] == "convit_convert":
-            raise ImportError("cmhsa is not installed here")
-sys.meta_path.insert(0, NoCmhsa())
+for absent in ("convit_convert", "timm", "torchvision"):
+    sys.modules[absent] = None
 try:
     import convit_convert
     sys.exit("convit_convert imported")
 except ImportError:
     pass
-import timm, torch
+import torch
 from PIL import Image
 from transformers import AutoModelForImageClassification, pipeline
-assert not timm.list_models("cmhsa*"), timm.list_models("cmhsa*")
 job = json.load(open(sys.argv[1]))
 out = {}
 for name, folder in job["folders"].items():
