@@ -3,8 +3,9 @@ carried by every file that holds the model (a checkpoint's ``cmhsa.classes`` met
 config.json, an ONNX file's ``metadata_props``, a timm folder's ``pretrained_cfg.label_names``, the
 model card). A name may come from anyone's folder, so names are checked where they enter: one
 string each, at most MAX_NAME_CHARS, valid text a file can hold (:func:`check_name`: NFC, no
-control, format, surrogate, private-use, unassigned or invisible character, no space but U+0020
-and none at either end), no two alike, one per class, at most MAX_NAMES_BYTES together as JSON.
+character ``text.hidden`` classifies as one a reader cannot see (controls, format, surrogate,
+private-use, unassigned, default-ignorable, blank glyphs), no space but U+0020 and none at
+either end), no two alike, one per class, at most MAX_NAMES_BYTES together as JSON.
 Shown through ``text.py`` like any foreign string. No torch."""
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections.abc import Mapping, Sequence
 
 from .errors import CmhsaError
 from .io.paths import parse_json
-from .text import json_text
+from .text import hidden, json_text
 
 KEY = "cmhsa.classes"  # the checkpoint metadata key; an ONNX file's metadata_props says "classes"
 MAX_NAME_CHARS = 256  # a folder name is at most 255 bytes on the file systems cmhsa runs on
@@ -35,10 +36,8 @@ FASHION_MNIST = (
 )
 
 
-# Unicode categories no class name holds: controls, format characters (zero-width and bidi marks
-# among them), surrogates (text no encoder writes), private use, unassigned, line and paragraph
-# separators
-REFUSED_CATEGORIES = {
+# how a refusal names what ``text.hidden`` found, by the character's general category
+CATEGORY_WORDS = {
     "Cc": "a control character",
     "Cf": "a format character (invisible: zero-width or bidi)",
     "Cs": "a lone surrogate (not text any file can hold)",
@@ -47,22 +46,17 @@ REFUSED_CATEGORIES = {
     "Zl": "a line separator",
     "Zp": "a paragraph separator",
 }
-# invisible characters of other categories (Unicode's Default_Ignorable_Code_Point beyond Cf):
-# the combining grapheme joiner, Hangul fillers, Khmer inherent vowels, variation selectors
-INVISIBLE = {0x034F, 0x115F, 0x1160, 0x17B4, 0x17B5, 0x3164, 0xFFA0}
-INVISIBLE_RANGES = ((0x180B, 0x180F), (0xFE00, 0xFE0F), (0xE0100, 0xE01EF))
 
 
 def _refused(ch: str) -> str | None:
-    """Why the character ``ch`` may not be in a class name (None: it may)."""
-    code = ord(ch)
+    """Why the character ``ch`` may not be in a class name (None: it may): one that no reader can
+    see for what it is (:func:`text.hidden`, the classification every sink shows escaped), or a
+    space other than U+0020."""
     category = unicodedata.category(ch)
-    if category in REFUSED_CATEGORIES:
-        return REFUSED_CATEGORIES[category]
+    if hidden(ch):
+        return CATEGORY_WORDS.get(category, "an invisible character (default-ignorable, or a blank glyph)")
     if category == "Zs" and ch != " ":
         return "a space other than U+0020"
-    if code in INVISIBLE or any(lo <= code <= hi for lo, hi in INVISIBLE_RANGES):
-        return "an invisible character"
     return None
 
 

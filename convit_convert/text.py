@@ -1,40 +1,97 @@
 """Text from outside (a path, a file's contents, a run folder's name, a class name) made safe for
-where it is shown, each sink through one function: a terminal (:func:`terminal_safe`), a
-matplotlib label (:func:`label_safe`), a Markdown model card (:func:`markdown_safe`, and
-:func:`card_number` for a figure read from a file), a CSV file (:func:`csv_text`: a spreadsheet
-runs no cell as a formula) and a JSON file (:func:`json_text`: `cat` of it moves no cursor).
-``tests/test_foreign_text.py`` fails if a module writes CSV or JSON text any other way."""
+where it is shown. One classification decides what a reader could not see or that would act on
+the reader's screen (:func:`hidden`, by Unicode property: the general categories Cc, Cf, Cs, Co,
+Cn, Zl and Zp, every ``Default_Ignorable_Code_Point``, and the characters the Unicode Character
+Database names as blank glyphs); every sink shows those characters as escapes (:func:`shown`),
+each sink through one function: a terminal (:func:`terminal_safe`), a matplotlib label
+(:func:`label_safe`), a Markdown model card (:func:`markdown_safe`, :func:`card_number` for a
+figure read from a file, :func:`yaml_text` for its front matter), a CSV file (:func:`csv_text`: a
+spreadsheet runs no cell as a formula) and a JSON file (:func:`json_text`: `cat` of it moves no
+cursor). Class names are checked by the same classification (labels.py).
+``tests/test_foreign_text.py`` fails if a module writes CSV, JSON or YAML text any other way."""
 
 from __future__ import annotations
 
 import csv
+import functools
 import html
 import io
 import json
 import math
 import re
-from collections.abc import Iterable, Sequence
+import unicodedata
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-# C0 controls (newline and tab included: a foreign string is one line wherever it is shown),
-# DEL, C1, and the bidi overrides and isolates that reorder what follows them
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+import regex
+
+# What a reader cannot see, or what acts on a terminal, by property (the `regex` package's Unicode
+# tables, kept current with Unicode): controls (newline and tab included: a foreign string is one
+# line wherever it is shown), format characters (zero-width, bidi, tags, the soft hyphen), lone
+# surrogates (what undecodable bytes in a file name become), private use, unassigned, the line
+# and paragraph separators, and every default-ignorable code point (Hangul fillers, variation
+# selectors, the combining grapheme joiner); and the blank glyphs (_blank_glyphs).
+_PROPERTIES = r"\p{Cc}\p{Cf}\p{Cs}\p{Co}\p{Cn}\p{Zl}\p{Zp}\p{Default_Ignorable_Code_Point}"
+
+
 # what would start a link, image, code, emphasis or table cell (a value is never at a line's start)
 _MARKDOWN = re.compile(r"([\\`*_\[\]()|~])")
 
 
+@functools.lru_cache(maxsize=1)
+def _blank_glyphs() -> str:
+    """The characters the Unicode Character Database names as blank glyphs: a letter or mark named
+    a FILLER (the Hangul and Khitan fillers) and a symbol named a PATTERN BLANK (U+2800). Unicode has
+    no property for "renders as nothing"; its names are the maintained source (planes 0 to 3, where
+    letters, marks and symbols are assigned: 50 ms, once, on first use)."""
+    found = []
+    for code in range(0x40000):
+        name = unicodedata.name(chr(code), "")
+        if (name.endswith(" FILLER") and unicodedata.category(chr(code))[0] in "LM") or (
+            name.endswith(" PATTERN BLANK") and unicodedata.category(chr(code)) == "So"
+        ):
+            found.append(chr(code))
+    return "".join(found)
+
+
+@functools.lru_cache(maxsize=1)
+def _hidden() -> Any:
+    return regex.compile(f"[{_PROPERTIES}{regex.escape(_blank_glyphs())}]")
+
+
+def hidden(ch: str) -> bool:
+    """The one classification of a foreign character: True if no reader could see it for what it
+    is, or a terminal would act on it (module docstring)."""
+    return _hidden().fullmatch(ch) is not None
+
+
+def escape(ch: str) -> str:
+    """``ch`` as text anyone can read: \\xNN, \\uXXXX or \\UXXXXXXXX; an undecodable byte of a
+    file name (Python's surrogate escape, U+DC80..U+DCFF) as the byte it was, \\xNN."""
+    code = ord(ch)
+    if 0xDC80 <= code <= 0xDCFF:
+        return f"\\x{code - 0xDC00:02x}"
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
+
+
+def shown(text: str, keep: str = "", as_: Callable[[str], str] = escape) -> str:
+    """``text`` with every :func:`hidden` character (but those in ``keep``) replaced by ``as_(ch)``."""
+    return _hidden().sub(lambda m: m.group() if m.group() in keep else as_(m.group()), text)
+
+
 def terminal_safe(text: str) -> str:
-    """``text`` on one line with every control character (escape sequences, newlines, tabs, bidi
-    overrides) shown as \\xNN: a string cannot move the cursor, set the title, hide text or start a
-    line of its own that looks like cmhsa's (``error: ...``)."""
-    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+    """``text`` on one line with every hidden character (escape sequences, newlines, tabs, bidi
+    overrides, zero-width and blank characters, undecodable bytes) shown as an escape: a string
+    cannot move the cursor, set the title, hide text, pass for another or start a line of its own
+    that looks like cmhsa's (``error: ...``)."""
+    return shown(text)
 
 
 def printed_safe(text: str) -> str:
-    """What a console writes, made terminal-safe at the last step: every control character but the
-    newlines of its own layout shown as \\xNN (the console's guard behind :func:`terminal_safe`,
+    """What a console writes, made terminal-safe at the last step: every hidden character but the
+    newlines of its own layout shown as an escape (the console's guard behind :func:`terminal_safe`,
     for a value a caller forgot to escape)."""
-    return _CONTROL.sub(lambda m: m.group() if m.group() == "\n" else f"\\x{ord(m.group()):02x}", text)
+    return shown(text, keep="\n")
 
 
 def lines_safe(text: str) -> str:
@@ -96,15 +153,17 @@ def csv_text(rows: Iterable[Sequence[object]], number_format: str = "") -> str:
     return buf.getvalue()
 
 
-# JSON escapes C0 itself; what it leaves raw with ensure_ascii=False and a terminal would act on:
-# DEL, C1, the bidi controls, the line separators, and lone surrogates (which no encoder writes)
-_JSON_RAW = re.compile(r"[\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
+def _json_escape(ch: str) -> str:
+    """A hidden character as JSON's own escape (UTF-16 units: a character past U+FFFF as its pair)."""
+    units = ch.encode("utf-16-be", "surrogatepass")
+    return "".join(f"\\u{int.from_bytes(units[i : i + 2], 'big'):04x}" for i in range(0, len(units), 2))
 
 
 def json_text(doc: Any, indent: int | None = 2, compact: bool = False, sort_keys: bool = False) -> str:
     """``doc`` as JSON text for a file (``indent``; ``compact``: no spaces), readable UTF-8 with
-    every character a terminal would act on written as a ``\\uXXXX`` escape: the same JSON to a
-    parser, inert to `cat`."""
+    every :func:`hidden` character written as a ``\\uXXXX`` escape: the same JSON to a parser,
+    inert to `cat`, and no name that reads as another (json.dumps escapes the controls inside
+    strings itself, so a raw newline left is the layout's own)."""
     text = json.dumps(
         doc,
         indent=None if compact else indent,
@@ -113,4 +172,24 @@ def json_text(doc: Any, indent: int | None = 2, compact: bool = False, sort_keys
         sort_keys=sort_keys,
         default=str,
     )
-    return _JSON_RAW.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
+    return shown(text, keep="\n", as_=_json_escape)
+
+
+def yaml_text(doc: dict[str, Any]) -> str:
+    """``doc`` as a YAML block (a model card's front matter) by a YAML emitter, every string
+    written so that reading it back gives that string (``"no"``, ``"0x1f"``, ``"1.5"`` stay text)
+    and hidden characters escaped by the emitter; nothing reaches it by string formatting."""
+    import yaml
+
+    def clean(v: Any) -> Any:
+        if isinstance(v, str):
+            return shown(v)
+        if isinstance(v, dict):
+            return {clean(k): clean(x) for k, x in v.items()}
+        if isinstance(v, list | tuple):
+            return [clean(x) for x in v]
+        return v
+
+    return yaml.safe_dump(
+        clean(doc), sort_keys=False, allow_unicode=True, default_flow_style=False, width=10**6
+    )

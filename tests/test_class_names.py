@@ -120,6 +120,13 @@ UNREADABLE_NAMES = {
     "a newline": ("x\nerror: fake", "U+000A, a control character"),
     "a no-break space": ("one\u00a0two", "a space other than U+0020"),
     "a Hangul filler": ("\u3164", "an invisible character"),
+    # was (5c13d3f): accepted beside "one", as a second class that reads as the first
+    "a blank Braille pattern": ("one\u2800", "U+2800, an invisible character"),
+    "a Khitan filler": ("one\U00016fe4", "U+16FE4, an invisible character"),
+    "a tag character": ("one\U000e0041", "U+E0041, a format character"),
+    "a soft hyphen": ("on\u00ade", "U+00AD, a format character"),
+    "an Arabic letter mark": ("one\u061c", "U+061C, a format character"),
+    "a variation selector": ("one\ufe0f", "U+FE0F, an invisible character"),
     "a trailing space": ("one ", "begins or ends with a space"),
     "a decomposed accent": ("cafe\u0301", "not in Unicode's NFC form"),
 }

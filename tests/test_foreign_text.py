@@ -239,10 +239,18 @@ def package() -> dict[str, str]:
 
 # (module that may call it, owner, names): the one function of each kind
 ONE_WAY = {
-    "JSON and CSV text for a file": (
+    "JSON, CSV and YAML text for a file": (
         "convit_convert/text.py",
-        [("json", {"dump", "dumps"}), ("csv", {"writer", "DictWriter"})],
+        [
+            ("json", {"dump", "dumps"}),
+            ("csv", {"writer", "DictWriter"}),
+            ("yaml", {"dump", "safe_dump", "dump_all", "safe_dump_all", "emit"}),
+        ],
     ),
+    # the one classification of foreign characters: text.hidden, over the `regex` package's Unicode
+    # properties; no other module asks unicodedata what a character is but labels.py, which only
+    # words the refusal text.hidden decided
+    "a foreign character's kind": ("convit_convert/text.py", [("regex", {"compile", "sub", "match"})]),
     "JSON from a file": ("convit_convert/io/paths.py", [("json", {"load", "loads"})]),
     "an image file": ("convit_convert/io/images.py", [("Image", {"open"})]),
 }
@@ -316,3 +324,111 @@ def test_a_class_named_like_an_error_line_begins_no_line_of_eval_s_report(monkey
     lines = buf.getvalue().splitlines()
     assert "error: fake" in buf.getvalue()
     assert not [line for line in lines if line.lstrip().startswith("error")]
+
+
+# one classification, by Unicode property --------------------------------------------------------
+
+# a sample of each kind text.hidden classifies, by property (was, on 5c13d3f: every one but the
+# controls and bidi marks reached the CSV, JSON and console raw, and U+2800 and U+16FE4 passed the
+# class-name check)
+HIDDEN_KINDS = {
+    "zero-width space (Cf)": "\u200b",
+    "left-to-right mark (Cf)": "\u200e",
+    "right-to-left mark (Cf)": "\u200f",
+    "Arabic letter mark (Cf)": "\u061c",
+    "byte order mark (Cf)": "\ufeff",
+    "tag latin capital A (Cf)": "\U000e0041",
+    "soft hyphen (Cf)": "\u00ad",
+    "private use (Co)": "\ue000",
+    "unassigned (Cn)": "\u0378",
+    "line separator (Zl)": "\u2028",
+    "Hangul filler (default-ignorable)": "\u3164",
+    "variation selector (default-ignorable)": "\ufe0f",
+    "blank Braille pattern (blank glyph)": "\u2800",
+    "Khitan filler (blank glyph)": "\U00016fe4",
+    "undecodable byte (surrogate escape)": "\udcff",
+}
+
+
+@pytest.mark.parametrize("kind", HIDDEN_KINDS)
+def test_every_sink_escapes_each_kind_the_classification_finds(kind: str) -> None:
+    from convit_convert.text import hidden, yaml_text
+
+    ch = HIDDEN_KINDS[kind]
+    assert hidden(ch)
+    value = f"a{ch}b"
+    for sink in (terminal_safe, label_safe, markdown_safe, lambda v: csv_text([[v]]), json_text, yaml_text):
+        out = sink({"k": value}) if sink is yaml_text else sink(value)
+        assert ch not in out, (kind, sink)
+        out.encode("utf-8")  # writable: no lone surrogate left
+    assert json.loads(json_text(value)) == value  # the same string to a parser
+
+
+def test_the_classification_keeps_what_readers_see() -> None:
+    from convit_convert.text import hidden
+
+    for ch in "aZ09 -_.é中ㄱ가Ωя€→😀\u0301":  # letters, digits, space, CJK, Hangul, emoji, a combining accent
+        assert not hidden(ch), repr(ch)
+
+
+def test_image_names_that_are_not_utf8_or_hold_invisible_characters(tmp_path: Path) -> None:
+    """predict's CSV, JSON and console show each name with its invisible characters and undecodable
+    bytes escaped, so `a\\u200bb.png` never reads as `ab.png`. Was (5c13d3f): exit 3 on a
+    non-UTF-8 name (the CSV), and U+200B, U+200E, U+200F, U+061C, U+FEFF, U+E0041, U+00AD raw."""
+    import os
+
+    from PIL import Image
+
+    images = tmp_path / "images"
+    images.mkdir()
+    stems = ["a\u200bb", "c\u200ed", "e\u200ff", "g\u061ch", "i\ufeffj", "k\U000e0041l", "m\u00adn"]
+    for i, stem in enumerate(stems):
+        Image.new("L", (8, 8), 20 * i).save(images / f"{stem}.png")
+    Image.new("L", (8, 8), 200).save(os.fsdecode(os.path.join(os.fsencode(images), b"\xff\xfebad.png")))
+    for out in (tmp_path / "p.csv", tmp_path / "p.json"):
+        r = invoke("predict", FIXTURE, images, "-o", out)
+        assert r.exit_code == 0, r.output
+        raw = out.read_text(encoding="utf-8")
+        assert not any(ch in raw for stem in stems for ch in stem if ch not in "abcdefghijklmn")
+        assert "ab.png" not in raw and "\\xff\\xfebad.png" in raw if out.suffix == ".csv" else True
+    assert "a\\u200bb.png" in r.output and "\\xff\\xfebad.png" in r.output
+    doc = json.loads((tmp_path / "p.json").read_text())
+    assert {Path(p["image"]).name for p in doc["predictions"]} >= {"a\u200bb.png", "\udcff\udcfebad.png"}
+
+
+@pytest.mark.parametrize("fmt", ["png", "svg", "pdf"])
+def test_plot_of_a_run_folder_whose_name_is_not_utf8(tmp_path: Path, tiny_run: Path, fmt: str) -> None:
+    """Was (5c13d3f): exit 3 for png, svg and pdf (matplotlib's set_text on a surrogate)."""
+    import os
+    import shutil
+
+    pytest.importorskip("matplotlib")
+    run = os.fsdecode(os.path.join(os.fsencode(tmp_path), b"run\xff\xfe"))
+    shutil.copytree(tiny_run, run, ignore=shutil.ignore_patterns(".cmhsa.lock"))
+    r = invoke("plot", run, "-o", tmp_path / f"c.{fmt}")
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / f"c.{fmt}").stat().st_size > 1000
+
+
+def test_no_yaml_is_written_by_string_formatting() -> None:
+    """A model card's front matter comes from text.yaml_text (a YAML emitter): no module but text.py
+    imports yaml, and model_card.py builds no line of the form `key: value` itself."""
+    for rel, source in package().items():
+        tree = ast.parse(source)
+        imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        if rel != "convit_convert/text.py":
+            assert "yaml" not in imported, rel
+    card = package()["convit_convert/io/model_card.py"]
+    assert "yaml_text(" in card
+    assert not re.search(r'"(license|library_name|base_model|datasets|tags): ', card)
+
+
+def test_no_module_keeps_its_own_list_of_characters() -> None:
+    """No character class of controls, zero-width or bidi characters outside text.py: a second
+    list is the next value not on it."""
+    pattern = re.compile(r"\\(x00|u200b|u202a|u2066)-|^INVISIBLE", re.M)  # a range of them, or a set
+    offenders = [
+        rel for rel, source in package().items() if rel != "convit_convert/text.py" and pattern.search(source)
+    ]
+    assert offenders == []

@@ -152,3 +152,96 @@ def test_a_window_sized_by_a_pixel_is_refused_by_inspect_before_it_runs(tmp_path
     # was: 219 bytes reached 3.86 GB, then "tensor 'x' has no known type"
     path = graph_with("HannWindow", tmp_path / "hann.onnx", batch="batch")
     one_error_line(invoke("inspect", path), 2, "node 'op' (HannWindow)", "follow from the input's shape")
+
+
+def test_a_declared_shape_is_a_claim_not_a_fact(tmp_path: Path) -> None:
+    """Was (5c13d3f): a graph whose value_info and output declare small fixed shapes while a
+    HannWindow and a OneHot inside take their size from a pixel passed check_runnable (inspect and
+    convert reached 3.86 GB). Every declared shape but the input's is removed before inference."""
+    import onnx
+
+    for op, declared in (("HannWindow", [4]), ("OneHot", [2, 4])):
+        model = onnx.load(graph_with(op, tmp_path / f"{op}.onnx"))
+        model.graph.value_info.extend([helper.make_tensor_value_info("out", F, declared)])
+        path = tmp_path / f"{op}-declared.onnx"
+        path.write_bytes(model.SerializeToString())
+        with pytest.raises(CmhsaError) as e:
+            check_runnable(model, path, batch=1)
+        assert f"node 'op' ({op})" in e.value.message, e.value.message
+        r = invoke("inspect", path)
+        assert r.exit_code == 2 and f"node 'op' ({op})" in r.stderr, r.output[-500:]
+
+
+def exported_with_ballast(tmp_path: Path, tensors: int) -> Path:
+    """The digits fixture exported by cmhsa (so predict and eval run it as shipped), with
+    ``tensors`` float64 ConstantOfShape nodes of 2^27 elements each (1 GiB, within the per-tensor
+    bound) kept alive by the output: a few hundred bytes that need ``tensors`` GiB to run."""
+    import onnx
+
+    from conftest import FIXTURE
+
+    assert invoke("export", FIXTURE, "-o", tmp_path / "m.onnx").exit_code == 0
+    model = onnx.load(tmp_path / "m.onnx")
+    g = model.graph
+    logits = g.output[0].name
+    g.initializer.append(helper.make_tensor("ballast_shape", I64, [1], [2**27]))
+    prev = logits
+    for i in range(tensors):
+        g.node.append(
+            helper.make_node(
+                "ConstantOfShape",
+                ["ballast_shape"],
+                [f"b{i}"],
+                value=helper.make_tensor("v", TensorProto.DOUBLE, [1], [0.0]),
+            )
+        )
+        g.node.append(helper.make_node("ReduceMax", [f"b{i}"], [f"s{i}"], keepdims=0))
+        g.node.append(helper.make_node("CastLike", [f"s{i}", prev], [f"c{i}"]))
+        g.node.append(helper.make_node("Add", [prev, f"c{i}"], [f"a{i}"]))
+        prev = f"a{i}"
+    g.node.append(helper.make_node("Identity", [prev], ["kept"]))
+    g.output[0].name = "kept"
+    path = tmp_path / "ballast.onnx"
+    path.write_bytes(model.SerializeToString())
+    return path
+
+
+def test_predict_and_eval_hold_an_onnx_file_to_the_memory_its_graph_needs(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """Was (5c13d3f): predict and eval on such a file ran until killed (open_exported dropped the
+    total check_runnable returned), where inspect, convert and verify refused it. Every onnxruntime
+    session is made by load.ort_session, which sizes the graph and holds the total to memory."""
+    from conftest import FIXTURE
+    from convit_convert import resources
+
+    path = exported_with_ballast(tmp_path, 3)
+    monkeypatch.setattr(resources, "available_memory", lambda: 2 * 2**30)
+    digit = FIXTURE.parent / "digits" / "3.png"
+    one_error_line(invoke("predict", path, digit), 2, str(path), "would need about", "GiB")
+    one_error_line(invoke("eval", path, "--data", "digits"), 2, str(path), "would need about", "GiB")
+
+
+def test_no_onnx_run_without_the_total_size_check() -> None:
+    """The mechanism: onnxruntime's InferenceSession is made in one place, load.ort_session, whose
+    body sizes the graph (check_runnable, from the graph with its declared shapes removed) and holds
+    the total to memory (check_fits) before it; its batch is a required keyword, so no caller can
+    skip saying what it runs. And shapes.at_batch, where every size is inferred from, drops the
+    declared shapes."""
+    import ast
+    import inspect
+
+    from conftest import ROOT
+    from convit_convert.onnx import load, shapes
+
+    made = [
+        p.relative_to(ROOT).as_posix()
+        for p in [*(ROOT / "convit_convert").rglob("*.py"), *(ROOT / "train").rglob("*.py")]
+        if "InferenceSession(" in p.read_text()
+    ]
+    assert made == ["convit_convert/onnx/load.py"], made
+    body = ast.parse(inspect.getsource(load.ort_session))
+    calls = [n.func.id for n in ast.walk(body) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)]
+    assert calls.index("check_runnable") < len(calls) and "check_fits" in calls
+    assert inspect.signature(load.ort_session).parameters["batch"].default is inspect.Parameter.empty
+    assert "del fixed.graph.value_info[:]" in inspect.getsource(shapes.at_batch)

@@ -229,3 +229,53 @@ def test_resume_marks_from_a_config_anyone_wrote_are_bounded(tmp_path: Path) -> 
     assert marks[0] == 1.5 and len(marks) == MAX_MARKS
     fig, _ = curves_figure([run])
     assert fig is not None
+
+
+def test_a_chain_of_a_thousand_runs_is_followed_in_linear_time(tmp_path: Path) -> None:
+    """Was (5c13d3f): `cmhsa plot r0 ... r999`, each run's config.json naming the previous run's
+    model as its start, ended in RecursionError (exit 3) after about 90 s. Now one stat per model
+    file and start, each chain followed iteratively: run i is drawn after the i runs before it."""
+    import time
+
+    from convit_convert.train.plot import epoch_offsets
+
+    runs = []
+    for i in range(1000):
+        run = tmp_path / f"r{i}"
+        run.mkdir()
+        (run / "vit.safetensors").write_bytes(b"model")
+        if i:
+            start = {"phase": "phase2", "init_info": {"init": str(runs[-1] / "vit.safetensors")}}
+            (run / "config.json").write_text(json.dumps(start))
+        runs.append(run)
+    t0 = time.perf_counter()
+    offsets = epoch_offsets(runs, {run: 2.0 for run in runs})
+    assert time.perf_counter() - t0 < 20  # 1000 runs; the quadratic search it replaced took ~90 s
+    assert [offsets[run][0] for run in runs] == [2.0 * i for i in range(1000)]
+    assert offsets[runs[5]][1] == runs[4] and offsets[runs[0]][1] is None
+    # a cycle no real runs make: drawn, from epoch 1 where it closes
+    (runs[0] / "config.json").write_text(
+        json.dumps({"phase": "phase2", "init_info": {"init": str(runs[2] / "vit.safetensors")}})
+    )
+    cyc = epoch_offsets(runs[:3], {run: 2.0 for run in runs[:3]})
+    assert sorted(v for v, _ in cyc.values()) == [0.0, 2.0, 4.0]
+
+
+def test_metrics_files_are_read_within_one_budget_for_the_whole_plot(tmp_path: Path) -> None:
+    """Was (5c13d3f): a 128 MiB metrics.csv (within the per-file limit) took 3.3 GB and 57 s, and
+    two seeds passed 4 GB. Rows are read one at a time, their known columns only, against one
+    budget for every run of the plot: past it, one line naming the file."""
+    from conftest import one_error_line
+    from convit_convert.train import plot
+
+    big = tmp_path / "big"
+    big.mkdir()
+    head = "epoch,train_loss,val_loss,top1,top5,lr,epoch_seconds,images_per_s,unknown_column"
+    rows = (f"{e},1,1,50,90,0.001,1,100,x" for e in range(1, plot.MAX_PLOT_ROWS + 2))
+    (big / "metrics.csv").write_text(head + "\n" + "\n".join(rows) + "\n")
+    r = invoke("plot", big, "-o", tmp_path / "c.png")
+    one_error_line(r, 2, str(big / "metrics.csv"), f"past {plot.MAX_PLOT_ROWS:,} rows")
+    half = plot.MAX_PLOT_ROWS // 2 + 1
+    runs = [metrics(tmp_path / f"s{i}", half) for i in range(2)]  # each within it, both not
+    one_error_line(invoke("plot", *runs, "-o", tmp_path / "d.png"), 2, f"past {plot.MAX_PLOT_ROWS:,} rows")
+    assert not (tmp_path / "c.png").exists() and not (tmp_path / "d.png").exists()

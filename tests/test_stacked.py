@@ -688,3 +688,20 @@ def test_a_stacked_steps_gradients_leave_its_graph_in_their_weights_layout(
     copies.update(kernels.eager_step(e) for e in events if e.name == "aten::contiguous")
     del copies[None]
     assert len(copies) == 8 and median(copies.values()) == 0, copies
+
+
+@pytest.mark.parametrize("kind", ["folder", "FIFO", "link"])
+def test_a_seeds_json_cmhsa_cannot_write_is_refused_before_the_first_step(tmp_path: Path, kind: str) -> None:
+    """Was (5c13d3f): RUN/seeds.json a folder or a FIFO was found only after every seed had trained
+    (exit 2 at the end). A stack checks all of its outputs before its first step, as a run does."""
+    import os
+
+    out = tmp_path / "s"
+    out.mkdir()
+    place = out / "seeds.json"
+    {"folder": place.mkdir, "FIFO": lambda: os.mkfifo(place), "link": lambda: place.symlink_to(tmp_path)}[
+        kind
+    ]()
+    r = invoke("train", "phase1", *TINY_FLAGS, "--seeds", "0,1", "--epochs", "50", "-o", out)
+    one_error_line(r, 2, str(place))
+    assert not (out / "seed0" / "metrics.csv").exists()  # no step was taken

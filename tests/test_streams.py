@@ -171,7 +171,7 @@ def test_onnxruntime_s_own_log_lines_never_reach_stderr(tmp_path: Path) -> None:
         "[h.make_tensor_value_info('y', T.FLOAT, [1])], [w])\n"
         "m = h.make_model(g, opset_imports=[h.make_opsetid('', 17)])\n"
         "m.ir_version = 8\n"
-        "ort_session(m, Path('x.onnx'))\n"
+        "ort_session(m, Path('x.onnx'), batch=1)\n"
         "import onnxruntime\n"
         "onnxruntime.InferenceSession(m.SerializeToString(), providers=['CPUExecutionProvider'])\n"
     )

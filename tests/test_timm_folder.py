@@ -220,9 +220,12 @@ def test_export_license_sets_both_places_and_is_checked(tmp_path: Path) -> None:
     pcfg = json.loads((tmp_path / "f" / "config.json").read_text())["pretrained_cfg"]
     assert pcfg["license"] == "apache-2.0"
     assert "by the data it would be `cc-by-4.0`" in (tmp_path / "f" / CARD).read_text()
-    for bad in ("MIT", "mit\nlicense: other", "", "x" * 65):
+    # was (5c13d3f): null, no, off, yes, true, 0x1f, 123, 1.5 accepted and written unquoted, so
+    # the front matter read None, False, True, 31, 123, 1.5 where config.json said the string
+    bads = ("MIT", "mit\nlicense: other", "", "x" * 65, "null", "no", "off", "yes", "true", "0x1f", "123")
+    for bad in (*bads, "1.5", "mit OR apache-2.0", "licenseref-mine"):
         r = invoke("export", FIXTURE, "--format", "timm", "--license", bad, "-o", tmp_path / "g")
-        one_error_line(r, 2, "--license", "is empty" if bad == "" else "is not a licence id")
+        one_error_line(r, 2, "--license", "is empty" if bad == "" else "is not a known licence id")
         assert not (tmp_path / "g").exists()
     r = invoke("export", FIXTURE, "--license", "mit", "-o", tmp_path / "m.onnx")
     one_error_line(r, 2, "--license is for --format timm")
@@ -324,3 +327,74 @@ def test_a_fine_tuned_models_card_says_what_it_started_from(tmp_path: Path) -> N
     assert "the image folder's own val/" in made and "held out" not in made
     licence = card.text.split("## Training data and licence", 1)[1].split("##", 1)[0]
     assert "an image folder, whose licence cmhsa cannot know" in licence and "CC BY 4.0" in licence
+
+
+@pytest.mark.parametrize("license_id", ["mit", "cc-by-4.0", "other", "unknown", "gpl-3.0"])
+def test_the_front_matter_reads_back_as_config_json_says(tmp_path: Path, license_id: str) -> None:
+    """The card's front matter is written by a YAML emitter: read back by a YAML parser (and by
+    huggingface_hub) it gives config.json's licence, the string."""
+    import json
+
+    import yaml
+
+    r = invoke("export", FIXTURE, "--format", "timm", "--license", license_id, "-o", tmp_path / "f")
+    assert r.exit_code == 0, r.output
+    front = yaml.safe_load((tmp_path / "f" / CARD).read_text().split("---\n")[1])
+    doc = json.loads((tmp_path / "f" / CONFIG).read_text())
+    assert front["license"] == doc["pretrained_cfg"]["license"] == license_id
+    assert front["tags"][:2] == ["image-classification", "timm"]
+
+
+@pytest.mark.parametrize(
+    "metadata",
+    [
+        {"cmhsa.result": '{"data": ["digits"], "top1": 1}'},  # was: TypeError unhashable, exit 3
+        {"cmhsa.result": '{"data": {"a": 1}}'},
+        {"cmhsa.result": '{"data": "syn\\ud800", "top1": 50.0}'},  # was: UnicodeEncodeError, exit 3
+        {"cmhsa.init": '{"init": "ran\\ud800dom", "init_data": ["x"], "init_hub_id": 3}'},
+        {"cmhsa.init": '{"init": "a", "init_license": "no\\nlicense: mit", "init_data": "digits"}'},
+    ],
+)
+def test_metadata_of_the_wrong_type_or_text_reaches_no_sink_raw(tmp_path: Path, metadata: dict) -> None:
+    """Metadata values are type-checked where they are read, and text goes through text.py: the
+    export succeeds, the card is valid UTF-8, its front matter is YAML whose licence is a known id."""
+    import yaml
+
+    from convit_convert.api import load_checkpoint, save_checkpoint
+
+    ckpt = load_checkpoint(FIXTURE)
+    save_checkpoint(tmp_path / "m.safetensors", ckpt.config, ckpt.tensors, metadata)
+    r = invoke("export", tmp_path / "m.safetensors", "--format", "timm", "-o", tmp_path / "f")
+    assert r.exit_code == 0, r.output
+    text = (tmp_path / "f" / CARD).read_bytes().decode("utf-8")
+    front = yaml.safe_load(text.split("---\n")[1])
+    assert front["license"] in ("unknown", "other", "cc-by-4.0", "mit")
+    assert "\ud800" not in text and "\n" not in front["license"]
+
+
+@pytest.mark.parametrize(("field_name", "value"), [("num_classes", 5), ("depth", 1000), ("kernel_size", 3)])
+def test_a_config_json_that_disagrees_with_its_weights_is_refused_naming_both(
+    tmp_path: Path, field_name: str, value: int
+) -> None:
+    """Was (5c13d3f): a self-consistent config.json saying num_classes 5 (or depth 1000) beside
+    weights of 10 classes and depth 4 was accepted by predict, eval and train phase1 --init (which
+    used the weights' config), where timm refused it. One source of truth: one line naming both."""
+    import json
+
+    folder = tmp_path / "t"
+    assert invoke("export", FIXTURE, "--format", "timm", "-o", folder).exit_code == 0
+    doc = json.loads((folder / CONFIG).read_text())
+    doc["model_args"]["cmhsa_config"][field_name] = value
+    if field_name == "num_classes":  # every field that follows from it, too: self-consistent
+        doc["num_classes"] = doc["pretrained_cfg"]["num_classes"] = value
+    (folder / CONFIG).write_text(json.dumps(doc))
+    digit = FIXTURE.parent / "digits" / "3.png"
+    for args in (
+        ("predict", folder, digit),
+        ("eval", folder, "--data", "digits"),
+        ("train", "phase1", "--data", "digits", "--epochs", "1", "--init", folder, "-o", tmp_path / "r"),
+    ):
+        r = invoke(*args)
+        line = one_error_line(r, 2, str(folder / CONFIG), field_name, WEIGHTS)
+        assert "config.json" in line and str(value) in line, line
+    assert not (tmp_path / "r").exists()

@@ -84,9 +84,33 @@ def mean_rows(runs: list[list[dict[str, float]]]) -> list[dict[str, float]]:
     return out
 
 
-def read_metrics(run: Path) -> list[dict[str, float]]:
+# what one `cmhsa plot` reads of metrics.csv files, all of them together (any number of runs, each
+# of up to MAX_SEED_RUNS seeds): 64 seeds of 3,000 epochs fit; a file of a million rows does not
+MAX_PLOT_ROWS = 200_000
+MAX_PLOT_BYTES = 256 * 2**20
+
+
+class Budget:
+    """What the metrics.csv files of one plot may take together: rows and bytes, counted as read."""
+
+    def __init__(self, rows: int = MAX_PLOT_ROWS, nbytes: int = MAX_PLOT_BYTES) -> None:
+        self.rows, self.nbytes = rows, nbytes
+
+    def take(self, rows: int, nbytes: int, path: Path) -> None:
+        self.rows, self.nbytes = self.rows - rows, self.nbytes - nbytes
+        if self.rows < 0 or self.nbytes < 0:
+            raise CmhsaError(
+                f"takes the metrics.csv files of this plot past {MAX_PLOT_ROWS:,} rows or "
+                f"{MAX_PLOT_BYTES // 2**20} MiB together (no run cmhsa trains writes that many epochs); "
+                "plot fewer runs",
+                path,
+            )
+
+
+def read_metrics(run: Path, budget: Budget | None = None) -> list[dict[str, float]]:
     """metrics.csv of a run folder: its known columns as numbers (others are ignored), every value
-    finite and within ±LARGEST; CmhsaError otherwise."""
+    finite and within ±LARGEST; CmhsaError otherwise. Read row by row, each row's known columns
+    only, counted against ``budget`` (a plot's, shared by its runs) as they are read."""
     path = run / "metrics.csv"
     if not os.path.lexists(path):
         seeds = seed_folders(run)
@@ -96,12 +120,20 @@ def read_metrics(run: Path) -> list[dict[str, float]]:
             )
         raise CmhsaError("has no metrics.csv (not a training run folder?)", run)
     check_settled(path)
+    budget = Budget() if budget is None else budget
     text = read_text(path, what="metrics.csv")
+    budget.take(0, len(text), path)
+    parsed: list[dict[str, float]] = []
     try:
-        rows = list(csv.DictReader(io.StringIO(text, newline="")))
-        parsed = [{k: float(v) for k, v in r.items() if _column(k) and v not in (None, "")} for r in rows]
+        reader = csv.reader(io.StringIO(text, newline=""))
+        header = next(reader, [])
+        known = [(i, k) for i, k in enumerate(header) if _column(k)]
+        for row in reader:
+            budget.take(1, 0, path)
+            parsed.append({k: float(row[i]) for i, k in known if i < len(row) and row[i] != ""})
     except (ValueError, TypeError, csv.Error) as e:
         raise CmhsaError(f"malformed metrics.csv ({type(e).__name__}: {str(e)[:120]})", path) from None
+    del text
     bad = next((v for r in parsed for v in r.values() if not abs(v) <= LARGEST), None)
     if bad is not None:
         raise CmhsaError(f"metrics.csv holds {bad!r}, not a metric (finite, within ±{LARGEST:g})", path)
@@ -220,22 +252,42 @@ def epoch_offsets(runs: list[Path], last_epoch: dict[Path, float]) -> dict[Path,
     """Per run, the epochs drawn before its own and the run it continues: a phase-2 run that
     started from a model another of ``runs`` wrote (phase 1's conv.safetensors, say) is drawn
     after that run's last epoch, as two-phase training happened; any other run from epoch 1."""
+    # each run's model files by identity (device, inode): one stat each, then one per start
+    written: dict[tuple[int, int], Path] = {}
+    for run in runs:
+        for name in MODEL_FILES:
+            with contextlib.suppress(OSError):
+                st = os.stat(run / name)
+                written.setdefault((st.st_dev, st.st_ino), run)
     parent: dict[Path, Path] = {}
     for run in runs:
         init = _started_from(run)
-        for other in runs if init else []:
-            for name in MODEL_FILES if other is not run else ():
-                with contextlib.suppress(OSError):
-                    if os.path.samefile(init, other / name):
-                        parent[run] = other
+        with contextlib.suppress(OSError):
+            st = os.stat(init) if init else None
+            other = written.get((st.st_dev, st.st_ino)) if st is not None else None
+            if other is not None and other is not run:
+                parent[run] = other
 
-    def offset(run: Path, seen: tuple[Path, ...] = ()) -> float:
-        before = parent.get(run)
-        if before is None or before in seen:  # a cycle cannot come from real runs; drawn from 1
-            return 0.0
-        return offset(before, (*seen, run)) + last_epoch[before]
-
-    return {run: (offset(run), parent.get(run)) for run in runs}
+    # each chain followed once, iteratively (no recursion, however long): a run's offset is its
+    # parent's plus the parent's last epoch; where a chain closes on itself (no real runs make a
+    # cycle), the run it closes on is drawn from epoch 1
+    offsets: dict[Path, float] = {}
+    for run in runs:
+        chain: list[Path] = []
+        on_chain: set[Path] = set()
+        node: Path | None = run
+        while node is not None and node not in offsets:
+            if node in on_chain:
+                offsets[node] = 0.0
+                break
+            chain.append(node)
+            on_chain.add(node)
+            node = parent.get(node)
+        for member in reversed(chain):
+            before = parent.get(member)
+            if member not in offsets:
+                offsets[member] = offsets[before] + last_epoch[before] if before in offsets else 0.0
+    return {run: (offsets[run], parent.get(run)) for run in runs}
 
 
 def run_labels(runs: list[Path]) -> list[str]:
@@ -261,7 +313,8 @@ def curves_figure(runs: list[Path]) -> tuple[Any, list[str]]:
             raise CmhsaError(f"is given twice (also as {first}); give each run once", run)
     # a `seeds` run's folder is drawn as its seeds (thin) and their mean (one line, the run's colour)
     members = {run: seed_runs(run) or [run] for run in runs}
-    per_member = {m: read_metrics(m) for ms in members.values() for m in ms}
+    budget = Budget()  # every run's metrics.csv together
+    per_member = {m: read_metrics(m, budget) for ms in members.values() for m in ms}
     data = {
         run: per_member[ms[0]] if len(ms) == 1 else mean_rows([per_member[m] for m in ms])
         for run, ms in members.items()

@@ -164,6 +164,9 @@ def _run_seeds(
         # every seed's folder entered by its name in the user's (never through a link, only this
         # user's folder), held and locked for the whole run
         with Folder.open(out) as parent, contextlib.ExitStack() as held:
+            # every output of the stack checked before its first step, as a single run's are: a
+            # seeds.json that is a folder, a FIFO or a link is refused now, not after training
+            parent.check_replaceable(SEEDS_JSON)
             folders = [
                 held.enter_context(run_folder(c, ctx, w, parent)) for c, w in zip(configs, wrote, strict=True)
             ]

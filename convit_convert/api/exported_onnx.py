@@ -146,7 +146,7 @@ def open_exported(path: Path, batch_size: int, device: str = "cpu", model: Any =
     read as untrusted input, its graph checked as runnable at the batch it will run, and an
     onnxruntime session on ``device``'s provider (``onnx.load.providers_for``: CUDA where
     onnxruntime-gpu is installed)."""
-    from ..onnx.load import check_runnable, load_onnx, ort_session, providers_for
+    from ..onnx.load import load_onnx, ort_session, providers_for
     from ..options.checked import check_device_name
 
     check_device_name(device)
@@ -159,8 +159,7 @@ def open_exported(path: Path, batch_size: int, device: str = "cpu", model: Any =
     )
     static = dims[0].HasField("dim_value")
     batch = dims[0].dim_value if static else batch_size
-    check_runnable(model, path, batch)
-    session = ort_session(model, path, providers_for(device))
+    session = ort_session(model, path, providers_for(device), batch=batch)  # sized and held to memory
     return ExportedOnnx(path, pre, batch, static, session, inp.name, model.graph.output[0].name, props)
 
 

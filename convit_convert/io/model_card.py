@@ -13,7 +13,7 @@ from typing import Any
 from ..config import ViTConfig
 from ..errors import CmhsaError
 from ..labels import from_metadata
-from ..text import card_number, markdown_safe
+from ..text import card_number, markdown_safe, yaml_text
 from .paths import parse_json
 
 CARD = "README.md"
@@ -68,13 +68,27 @@ def data_license(metadata: dict[str, str]) -> tuple[str, str]:
     return ("unknown" if "unknown" in (start, own[0]) else "other"), own[1]
 
 
+NOT_SPDX = ("other", "unknown")  # the Hub's two licence ids that name no licence
+
+
 def check_license(license_id: str) -> str:
-    """A licence id as the Hub's front matter takes it (lower case: ``mit``, ``cc-by-4.0``,
-    ``apache-2.0``, ``other``); anything else is refused."""
-    if not isinstance(license_id, str) or not LICENSE_ID.fullmatch(license_id):
+    """A known licence id as the Hub's front matter takes it: an SPDX licence identifier in lower
+    case (``mit``, ``cc-by-4.0``, ``apache-2.0``; SPDX's list as the installed ``packaging`` has
+    it), or ``other`` or ``unknown``; anything else (``no``, ``null``, ``0x1f``, a licence
+    expression or reference) is refused."""
+    from packaging.licenses import InvalidLicenseExpression, canonicalize_license_expression
+
+    known = isinstance(license_id, str) and LICENSE_ID.fullmatch(license_id) is not None
+    if known and license_id not in NOT_SPDX:
+        try:
+            spdx = canonicalize_license_expression(license_id)
+            known = spdx.lower() == license_id and " " not in spdx and "licenseref" not in license_id
+        except InvalidLicenseExpression:
+            known = False
+    if not known:
         raise CmhsaError(
-            f"`license` {license_id!r} is not a licence id as the Hugging Face Hub writes one (lower "
-            "case letters, digits, '.', '+', '-': mit, cc-by-4.0, apache-2.0, other)"
+            f"`license` {license_id!r} is not a known licence id: an SPDX identifier in lower case as "
+            "the Hugging Face Hub writes one (mit, cc-by-4.0, apache-2.0), other or unknown"
         )
     return license_id
 
@@ -141,18 +155,20 @@ def model_card(
     default_license, data_named = data_license(metadata)
     license_id = check_license(license_id or default_license)
     arch = "cmhsa_attn" if cfg.kind == "attn" else "cmhsa_conv"
-    yaml = ["---", "library_name: timm", f"license: {license_id}", "pipeline_tag: image-classification"]
-    yaml += ["tags:"]
-    yaml += [f"- {t}" for t in ("image-classification", "timm", "cmhsa", "vision-transformer", arch)]
+    front: dict[str, Any] = {
+        "library_name": "timm",
+        "license": license_id,
+        "pipeline_tag": "image-classification",
+        "tags": ["image-classification", "timm", "cmhsa", "vision-transformer", arch],
+    }
     datasets = list(dict.fromkeys(HUB_DATASETS[d] for d in (data, start_data) if d in HUB_DATASETS))
     if datasets:
-        yaml += ["datasets:", *(f"- {d}" for d in datasets)]
+        front["datasets"] = datasets
     if hub_id is not None:  # the Hub's convention for a model fine-tuned from one of its models
-        yaml += [f"base_model: {hub_id}"]
+        front["base_model"] = hub_id
     top1 = card_number(result.get("top1"), 0, 100)  # a figure from a file: only a real percentage
     if top1 is not None:
-        yaml += ["metrics:", "- accuracy"]
-    yaml.append("---")
+        front["metrics"] = ["accuracy"]
     heads = f", {cfg.num_heads} heads" if cfg.kind == "attn" else ""
     lines = [
         f"# {arch}: {KINDS[cfg.kind]}",
@@ -274,4 +290,4 @@ def model_card(
         "preprocessing in its metadata.",
         "",
     ]
-    return "\n".join(yaml) + "\n\n" + "\n".join(lines)
+    return "---\n" + yaml_text(front) + "---\n\n" + "\n".join(lines)

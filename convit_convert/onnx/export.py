@@ -182,7 +182,7 @@ def check_export(
             "try another `opset` or `exporter`",
             path,
         ) from None
-    session = ort_session(proto, path, providers)
+    session = ort_session(proto, path, providers, batch=max(CHECK_BATCHES))
     result = ExportCheck(
         passed=True,
         tol=tol,

@@ -24,7 +24,7 @@ def check_import(
 ) -> dict[str, Any]:
     """Run the ONNX file in onnxruntime and the rebuilt PyTorch model on the same ``batch`` random
     images; CmhsaError unless max|Δ| / max|onnxruntime| <= tol. Returns what was measured."""
-    session = ort_session(model, path)
+    session = ort_session(model, path, batch=batch)
     x = random_input(model, batch, seed)
     ref = run_session(session, None, {model.graph.input[0].name: x}, path)[0]
     with torch.no_grad():

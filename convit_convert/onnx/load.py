@@ -22,6 +22,7 @@ from typing import Any
 from ..errors import CmhsaError, first_line
 from ..io.journal import check_settled
 from ..io.paths import check_input_file
+from ..resources import check_fits
 from .shapes import shape_known
 
 # element types cmhsa reads weights and images in (onnx.TensorProto.FLOAT / DOUBLE)
@@ -324,10 +325,19 @@ def ort_session(
     providers: list[str] | None = None,
     threads: int = 0,
     optimize: bool = True,
+    *,
+    batch: int,
+    kept: int = 1,
 ) -> Any:
-    """An onnxruntime InferenceSession for a checked ModelProto (``path`` names it in errors).
-    ``threads`` 0 lets onnxruntime choose; ``optimize=False`` runs the graph as written."""
+    """An onnxruntime InferenceSession for a checked ModelProto (``path`` names it in errors), the
+    one way cmhsa makes one: only for a graph :func:`check_runnable` sizes at ``batch`` whose node
+    outputs together (times ``kept``: a caller that fetches every intermediate holds them all)
+    fit in the memory available now, a one-line CmhsaError otherwise. ``threads`` 0 lets
+    onnxruntime choose; ``optimize=False`` runs the graph as written."""
     import onnxruntime as ort
+
+    need = kept * check_runnable(model, Path(path), batch)
+    check_fits(need, f"running the graph at batch {batch} (every node's outputs together)", path)
 
     ort.set_default_logger_severity(4)  # its log lines (colour escapes) never reach stderr: errors raise
     opts = ort.SessionOptions()

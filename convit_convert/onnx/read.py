@@ -31,9 +31,8 @@ import numpy as np
 
 from ..config import LIMITS
 from ..errors import CmhsaError
-from ..resources import check_fits
 from .graph import FLAT_OPS, LAYOUT_OPS, LINEAR_OPS, GraphReader, Linear, Norm, attr, describe
-from .load import DOUBLE, FLOAT, check_runnable, ort_session, run_session
+from .load import DOUBLE, FLOAT, ort_session, run_session
 
 
 @dataclass
@@ -82,11 +81,9 @@ def _concrete_run(model: Any, path: Path, batch: int, seed: int) -> tuple[str, s
             if o and o != out and types.get(o):
                 probe.graph.output.append(helper.make_tensor_value_info(o, types[o], None))
                 names.append(o)
-    _, c, h, w = _input_info(model, path)
-    # every intermediate comes back: their sizes, known before the run (a crafted shape is refused
-    # here, before onnxruntime allocates it)
-    check_fits(2 * check_runnable(model, path, batch), f"running the graph at {c}x{h}x{w}", path)
-    session = ort_session(probe, path, optimize=False)
+    # every intermediate comes back: their sizes, known before the run and held to the memory
+    # available twice over (a crafted shape is refused here, before onnxruntime allocates it)
+    session = ort_session(probe, path, optimize=False, batch=batch, kept=2)
     x = random_input(model, batch, seed)
     results = run_session(session, [out, *names], {inp: x}, path)
     return inp, out, dict(zip([out, *names], results, strict=True))

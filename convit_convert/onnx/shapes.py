@@ -29,11 +29,18 @@ MAX_ROUNDS = 16  # inference and folding alternate until nothing new is known
 
 
 def at_batch(model: Any, batch: int) -> Any:
-    """A copy of ``model`` whose declared image input has ``batch`` for a symbolic first dimension."""
+    """A copy of ``model`` whose declared image input has ``batch`` for a symbolic first dimension,
+    and no other declared shape: a file's ``value_info`` and output shapes are claims, not facts
+    (a small declared output can hide a node sized by a pixel value), so every size below the input
+    is inferred from the graph alone."""
     import onnx
 
     fixed = onnx.ModelProto()
     fixed.CopyFrom(model)
+    del fixed.graph.value_info[:]
+    for out in fixed.graph.output:
+        if out.type.HasField("tensor_type"):
+            out.type.tensor_type.ClearField("shape")
     init = {t.name for t in fixed.graph.initializer}
     for i in fixed.graph.input:
         if i.name not in init and i.type.HasField("tensor_type") and i.type.tensor_type.shape.dim:
