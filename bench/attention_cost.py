@@ -15,9 +15,9 @@ import statistics
 import time
 
 import torch
+from sizes import add_size_flag, conv_config
 
 from convit_convert.analysis import attention_stats
-from convit_convert.config import ViTConfig
 from convit_convert.construct import convert_state_dict
 from convit_convert.model import VisionTransformer
 from convit_convert.options.conversion import ConversionSpec
@@ -28,16 +28,17 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--batches", type=int, default=3)
     ap.add_argument("--pinning", default="hard")
+    add_size_flag(ap)
     args = ap.parse_args()
     torch.set_num_threads(2)
     torch.manual_seed(0)
-    cfg = ViTConfig.build()
+    cfg = conv_config(args)
     plan = ConversionSpec(pinning=args.pinning).plan(cfg)
     sd, acfg = convert_state_dict(VisionTransformer(cfg).state_dict(), plan), plan.config
     model = VisionTransformer(acfg)
     model.load_state_dict(sd)
     model.eval()
-    batches = [torch.randn(args.batch, 3, 224, 224) for _ in range(args.batches)]
+    batches = [torch.randn(args.batch, 3, *cfg.img_size) for _ in range(args.batches)]
     with torch.no_grad():
         model(batches[0])  # warm-up
     plain, stats = [], []
@@ -52,9 +53,8 @@ def main() -> None:
         stats.append(time.perf_counter() - t)
     p, s = statistics.median(plain), statistics.median(stats)
     n = args.batch * args.batches
-    print(
-        f"paper-size attention model, pinning {args.pinning}, {n} images, batch {args.batch}, 2 threads, CPU"
-    )
+    size = "tiny" if args.tiny else "paper-size"
+    print(f"{size} attention model, pinning {args.pinning}, {n} images, batch {args.batch}, 2 threads, CPU")
     print(f"plain forward {p:.2f} s, attention_stats {s:.2f} s: {s / p:.2f}x (rounds: {plain} / {stats})")
 
 

@@ -1,6 +1,6 @@
 """Conversion cost and exactness on the paper's model.
 
-    python bench/convert.py [--repeats 5] [--out bench/out]
+    python bench/convert.py [--repeats 5] [--out bench/out] [--tiny]
 
 The paper's phase-1 model: 224 px, P = 16, hidden_chans 3 (identity embedding, d = 768), depth 6,
 MLP 3072, K = 5, 100 classes, random weights with non-trivial LayerNorm affines and biases.
@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+from sizes import add_size_flag, conv_config
 
 from convit_convert.api import load_checkpoint, save_checkpoint
 from convit_convert.config import ViTConfig
@@ -38,9 +39,9 @@ from convit_convert.options.conversion import ConversionSpec
 from convit_convert.verify import verify_models
 
 
-def paper_conv(path: Path) -> None:
+def paper_conv(path: Path, cfg: ViTConfig) -> None:
     torch.manual_seed(0)
-    model = VisionTransformer(ViTConfig.build())
+    model = VisionTransformer(cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith("bias"):
@@ -75,6 +76,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", type=Path, default=Path("bench/out"))
+    add_size_flag(ap)
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     src, dst, floor_dst = (
@@ -82,7 +84,7 @@ def main() -> None:
         args.out / "vit.safetensors",
         args.out / "floor.safetensors",
     )
-    paper_conv(src)
+    paper_conv(src, conv_config(args))
 
     from typer.testing import CliRunner
 

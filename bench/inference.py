@@ -16,15 +16,17 @@ import platform
 import time
 
 import torch
+from sizes import add_size_flag, conv_config
 
-from convit_convert.config import ViTConfig
 from convit_convert.deploy import fuse_attention
 from convit_convert.model import VisionTransformer
+
+SIDE = [224]  # the images' side: the paper's, or the tiny model's with --tiny
 
 
 def images_per_s(model: torch.nn.Module, batch: int, iters: int, warmup: int = 2) -> tuple[float, float]:
     """(mean images/s, best images/s) over ``iters`` timed forward passes."""
-    x = torch.randn(batch, 3, 224, 224)
+    x = torch.randn(batch, 3, SIDE[0], SIDE[0])
     model.eval()
     times = []
     with torch.inference_mode():
@@ -42,8 +44,12 @@ def gflops(model: torch.nn.Module, batch: int) -> float:
     from torch.utils.flop_counter import FlopCounterMode
 
     with torch.inference_mode(), FlopCounterMode(display=False) as fc:
-        model(torch.randn(1, 3, 224, 224))
+        model(torch.randn(1, 3, SIDE[0], SIDE[0]))
     return fc.get_total_flops() / 2 / 1e9
+
+
+# with --tiny, DeiT-base's architecture at the tiny model's size (so the table still has its row)
+TINY_DEIT = {"img_size": 16, "patch_size": 4, "embed_dim": 48, "depth": 1, "num_heads": 3}
 
 
 def main() -> None:
@@ -51,13 +57,15 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--iters", type=int, default=5)
+    add_size_flag(ap)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
 
     import timm
 
-    cfg = ViTConfig.build()  # the paper's model
+    cfg = conv_config(args)  # the paper's model
+    SIDE[0] = cfg.img_size[0]
     models = {
         "ConvViT (phase 1, K=5)": VisionTransformer(cfg),
         "AttnViT 9 heads, qk_dim 768 (paper)": VisionTransformer(cfg.with_attention(9)),
@@ -67,7 +75,10 @@ def main() -> None:
             VisionTransformer(cfg.with_attention(9, qk_dim=64))
         ),
         "timm deit_base_patch16_224": timm.create_model(
-            "deit_base_patch16_224", pretrained=False, num_classes=100
+            "deit_base_patch16_224",
+            pretrained=False,
+            num_classes=cfg.num_classes,
+            **(TINY_DEIT if args.tiny else {}),
         ),
     }
     results = {}

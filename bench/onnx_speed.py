@@ -25,6 +25,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import torch
+from sizes import add_size_flag, conv_config
 
 from convit_convert.config import ViTConfig
 from convit_convert.construct import convert_state_dict
@@ -42,8 +43,8 @@ def mean_seconds(fn: Callable[[], object], iters: int, warmup: int = 3) -> float
     return (time.perf_counter() - t) / iters
 
 
-def models() -> dict[str, Callable[[], VisionTransformer]]:
-    cfg = ViTConfig.build()  # the paper's CMHSA-5
+def models(cfg: ViTConfig) -> dict[str, Callable[[], VisionTransformer]]:
+    """The models of conv config ``cfg`` (the paper's CMHSA-5, or --tiny's), by key."""
     conv = VisionTransformer(cfg).eval()
 
     def attn(qk: int) -> Callable[[], VisionTransformer]:
@@ -78,18 +79,21 @@ def main() -> None:
         "--forms", nargs="+", default=["fused", "trained"], help="Attention models' export forms."
     )
     ap.add_argument("--models", nargs="+", default=["conv", "attn768", "attn64"])
+    add_size_flag(ap)
     args = ap.parse_args()
+    cfg = conv_config(args)
+    side = cfg.img_size[0]
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     rows = []
     providers = None
     for key in args.models:
-        name, build = models()[key]
+        name, build = models(cfg)[key]
         eager: dict[int, float] = {}
         model = build()
         with torch.inference_mode():
             for b in args.batches:
-                x = torch.randn(b, 3, 224, 224)
+                x = torch.randn(b, 3, side, side)
                 eager[b] = b / mean_seconds(lambda m=model, x=x: m(x), args.iters)
         del model
         forms = args.forms if key != "conv" else ["fused"]  # a conv model has one form
@@ -102,7 +106,7 @@ def main() -> None:
             providers = session.get_providers()
             size = len(ex.data) / 1e6
             for b in args.batches:
-                x = np.random.default_rng(0).standard_normal((b, 3, 224, 224)).astype(np.float32)
+                x = np.random.default_rng(0).standard_normal((b, 3, side, side)).astype(np.float32)
                 ips = b / mean_seconds(
                     lambda s=session, x=x: s.run(["logits"], {"pixel_values": x}), args.iters
                 )

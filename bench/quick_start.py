@@ -2,7 +2,7 @@
 order, in a fresh clone, timed one by one (wall seconds), with an empty home folder so that no
 cache a previous run left (matplotlib's font cache, torch's compile cache) helps.
 
-    python bench/quick_start.py CLONE [--json OUT.json]
+    python bench/quick_start.py CLONE [--json OUT.json] [--only N]
 
 CLONE: a fresh clone whose ``.venv`` is installed as the README's "Install" says, its ``runs/``
 empty or absent (the install line makes it; one holding anything, or a link, is refused, never
@@ -43,9 +43,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("clone", type=Path)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--only", type=int, default=None, help="the first N commands (a test that it runs)")
     args = ap.parse_args()
     clone = args.clone.resolve()
-    commands = quick_start_commands((clone / "README.md").read_text(encoding="utf-8"))
+    commands = quick_start_commands((clone / "README.md").read_text(encoding="utf-8"))[: args.only]
     runs = clone / "runs"
     if runs.is_symlink() or (runs.exists() and (not runs.is_dir() or any(runs.iterdir()))):
         raise SystemExit(

@@ -57,7 +57,7 @@ def command(args: argparse.Namespace, phase: str, out: Path, seed_flags: list[st
         "--train-samples",
         str(args.train_samples),
         "--val-samples",
-        "1000",
+        str(args.val_samples),
         "--epochs",
         str(args.epochs),
         "--eval-every",
@@ -125,6 +125,7 @@ def main() -> None:
     ap.add_argument("--separate", type=int, nargs="*", default=[3])
     ap.add_argument("--train-samples", type=int, default=30720)
     ap.add_argument("--epochs", type=int, default=3)
+    ap.add_argument("--val-samples", type=int, default=1000, help="validation images, at the last epoch")
     ap.add_argument("--out", type=Path, default=Path("bench/results/stacked_seeds.json"))
     args = ap.parse_args()
     rows = []

@@ -112,7 +112,7 @@ def ceilings(args: argparse.Namespace) -> list[str]:
         lines.append(
             f"{name}: bare training step {train:.0f} images/s, forward {fwd:.0f} images/s (batch 128)"
         )
-    spec = build_data("fashion-mnist", args.data_dir, (28, 28), train_samples=4096)
+    spec = build_data("fashion-mnist", args.data_dir, (28, 28), train_samples=args.train_samples)
     images, labels = hold(spec.train, 1, torch.device(args.device))
     mean, std = channel_stats(1)
     for recipe in ("deit", "experiments"):
@@ -121,7 +121,7 @@ def ceilings(args: argparse.Namespace) -> list[str]:
         loader = HeldLoader(images, labels, sampler, aug, seed=0)
         lines.append(
             f"device loader, recipe {recipe}: augmentation alone "
-            f"{rate(lambda loader=loader: list(loader), 4096, 3):.0f} images/s"
+            f"{rate(lambda loader=loader: list(loader), args.train_samples, 3):.0f} images/s"
         )
     return lines
 

@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+from sizes import add_size_flag, conv_config
 from timm.loss import SoftTargetCrossEntropy
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -34,10 +35,9 @@ H100_BF16_TFLOPS = 989.0  # dense bf16 peak of an H100 SXM
 PHASE1 = "phase 1: ConvViT, K=5"
 
 
-def models() -> dict[str, tuple[ViTConfig, dict[str, str]]]:
-    """name -> (config, VisionTransformer keywords): phase 1 in each conv form (conv_mixer.py), then
-    the phase-2 variants."""
-    conv = ViTConfig.build()
+def models(conv: ViTConfig) -> dict[str, tuple[ViTConfig, dict[str, str]]]:
+    """name -> (config, VisionTransformer keywords): phase 1 of ``conv`` in each conv form
+    (conv_mixer.py), then the phase-2 variants."""
     return {
         f"{PHASE1}, pixels (F.conv2d)": (conv, {"conv_form": "pixels"}),
         f"{PHASE1}, tokens (W^O products)": (conv, {"conv_form": "tokens"}),
@@ -122,6 +122,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--peak-tflops", type=float, default=H100_BF16_TFLOPS)
     ap.add_argument("--only", nargs="*", default=[], help="models whose name holds one of these words")
+    add_size_flag(ap)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     dev = torch.device(args.device)
@@ -135,7 +136,7 @@ def main() -> None:
         f"threads {args.threads}, {args.steps} timed steps after {args.warmup} warm-up"
     )
     results, useful = {}, {}
-    for name, (cfg, forms) in models().items():
+    for name, (cfg, forms) in models(conv_config(args)).items():
         if args.only and not any(o in name for o in args.only):
             continue
         torch.manual_seed(0)

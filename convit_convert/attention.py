@@ -6,7 +6,7 @@ optional sink per head (a key that attends to nothing) and optional gated pinnin
 ``form`` picks, per instance and once at construction, how the two products q k^T and P·V are
 computed: "padded" (heads split out of the projections, keys padded to an aligned length, one
 batched product each) or "by_head" (the custom per-head ops of :mod:`convit_convert.kernels`, no
-layout copies). Both compute the same function; bench/train_forms.py compares their speed.
+layout copies). Both compute the same function; bench/investigations/train_forms.py compares their speed.
 """
 
 from __future__ import annotations
@@ -218,7 +218,8 @@ def values_padded(weights: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 PADDED = AttentionForm(logits_padded, values_padded)
 # Per-head products read and written in place by custom ops (convit_convert.kernels): no copies.
 BY_HEAD = AttentionForm(head_logits, head_values)
-# The forms by name. "padded" is the default until a GPU has compared the two (bench/train_forms.py):
+# The forms by name. "padded" is the default until a GPU has compared the two
+# (bench/investigations/train_forms.py):
 # on the CPU, BY_HEAD took 0.90x (qk_dim 64) and 0.72x (qk_dim 768) PADDED's time per training step
 # at the paper's size, but 1.06-1.28x on the README digits demo's model (its per-head calls dominate).
 AttentionFormName = Literal["padded", "by_head"]

@@ -18,7 +18,7 @@ ways, the same function either way (``form``):
   (:func:`convit_convert.taps.project`), so the kernel's gradient is two small dense products, not
   a scatter of 10^6 entries onto 75 taps.
 
-``"auto"`` (the default) picks per device, by measurement (BENCHMARKS.md, "Phase 1's two forms"):
+``"auto"`` (the default) picks per device, by measurement (BENCHMARKS.md, "Training on a CPU", "... GPU"):
 "tokens" on CUDA, "pixels" on the CPU. The parameters are ``conv.weight`` (C, C, K, K) and
 ``conv.bias`` (C) in every form, so checkpoints and the conversion do not depend on it.
 """

@@ -537,7 +537,7 @@ def cpus() -> int:
 def default_workers() -> int:
     """Workers of the workers loader when `workers` is not given: up to 4, never more than the CPUs
     this process may use (PyTorch warns above that). On 2 CPUs, 0, 1 and 2 workers ran the same
-    in-memory data within this VM's run-to-run spread (BENCHMARKS.md, 'Small-data training')."""
+    in-memory data within this VM's run-to-run spread (BENCHMARKS.md, 'Training on a CPU')."""
     return min(MAX_DEFAULT_WORKERS, cpus())
 
 
@@ -545,10 +545,10 @@ def default_threads() -> int:
     """torch CPU threads when `threads` is not given: ``OMP_NUM_THREADS`` where it is a whole number
     of at least 1 (torchrun sets it to 1 for several processes per node; two of the test suite's
     workers on 2 cores set it too), never more than the CPUs this process may use; otherwise every
-    one of those CPUs (BENCHMARKS.md, 'Small-data training': on 2 cores, 2 threads trained 1.3x
+    one of those CPUs (BENCHMARKS.md, 'Training on a CPU': on 2 cores, 2 threads trained 1.3x
     (phase 1) and 1.7x (phase 2) faster than 1 with the device loader). Oversubscribed, torch's
     threads wait on each other: two tiny runs at once on 2 cores took 15 to 73 s each with 2
-    threads each, 10 s with 1 (BENCHMARKS.md, 'Two runs sharing two cores')."""
+    threads each, 10 s with 1 (BENCHMARKS.md, 'Investigations')."""
     given = os.environ.get("OMP_NUM_THREADS", "").strip()
     if given.isascii() and given.isdigit() and len(given) <= 6 and int(given) >= 1:
         return min(int(given), cpus())

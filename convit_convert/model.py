@@ -11,7 +11,7 @@ the file format's (docs/FORMAT.md), e.g. ``blocks.0.conv.weight``, ``blocks.0.at
 Token layout: patches in row-major order; a patch is flattened channel-last, feature index
 (py·P + px)·C + c. The conv mixer lives in :mod:`convit_convert.conv_mixer`: by default it runs as
 Theorem 1's token products on CUDA (two tensor-core products per block) and as ``F.conv2d`` on the
-pixel view on the CPU, each the faster there as BENCHMARKS.md measures ("Phase 1's two forms");
+pixel view on the CPU, each the faster there (BENCHMARKS.md, "Training on a CPU", "... on a GPU");
 ``conv_form`` picks one everywhere, for checking. The attention mixer lives in
 :mod:`convit_convert.attention`; the forms swapped in for deployment (export, fused inference) in
 :mod:`convit_convert.deploy`.

@@ -30,7 +30,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # `pytest -n 2` (README, "Tests")
     # two workers on 2 cores: a thread each, in this process and (OMP_NUM_THREADS, which cmhsa's
     # default --threads and torch honour) in every run and subprocess a test starts. Two threads
     # each wait on each other: two tiny runs at once took 15 to 73 s each, 10 s with one thread
-    # each (bench/shared_cores.py)
+    # each (BENCHMARKS.md, "Investigations": two runs sharing two cores)
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
 # the hundreds of `python` processes the tests start (commands, arms, loader workers) each compile

@@ -245,3 +245,15 @@ def test_no_onnx_run_without_the_total_size_check() -> None:
     assert calls.index("check_runnable") < len(calls) and "check_fits" in calls
     assert inspect.signature(load.ort_session).parameters["batch"].default is inspect.Parameter.empty
     assert "del fixed.graph.value_info[:]" in inspect.getsource(shapes.at_batch)
+
+
+def test_an_export_checked_in_memory_is_sized_too() -> None:
+    """export_and_check without a path (bench/onnx_speed.py's call) goes through ort_session's size
+    check like every other run (it failed there on Path(None) when the check moved into it)."""
+    import torch
+
+    from conftest import conv_model
+    from convit_convert.onnx.export import export_and_check
+
+    ex = export_and_check(conv_model(dtype=torch.float32), exporter="legacy")
+    assert ex.check.passed, ex.check

@@ -665,14 +665,14 @@ def test_a_stacked_steps_gradients_leave_its_graph_in_their_weights_layout(
     """vmap's backward returns some stacked gradients permuted. Laid out inside the compiled step,
     that is one more output layout; after it, each was a copy of its own (one more launch on a GPU,
     outside the CUDA graph): 14 a step in phase 2 compiled by inductor, 13 here, counted by
-    bench/stacked_kernels.py's rule (ops the step dispatches outside the compiled region). None
+    bench/investigations/stacked_kernels.py's rule (ops the step dispatches outside the compiled region). None
     now, on the median step. Traced with
     the eager backend, as in the graph-break test."""
     from collections import Counter
     from statistics import median
 
     monkeypatch.syspath_prepend(str(ROOT / "bench"))
-    kernels = bench_script("stacked_kernels")
+    kernels = bench_script("investigations/stacked_kernels")
     compile_ = torch.compile
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, **{**kw, "backend": "eager"}))
     torch._dynamo.reset()

@@ -169,7 +169,7 @@ def test_compiled_step_trains_as_the_eager_one(tmp_path: Path) -> None:
     thread). Training moved every
     weight tensor but the zero-gradient conv bias by far more (> 1e-6 absolute, checked).
     (Not on digits: their flat backgrounds make constant tokens, where LayerNorm magnifies the
-    rounding into differences of 30% of the largest gradient, bench/compile_gradients.py.)
+    rounding into differences of 30% of the largest gradient, BENCHMARKS.md, "Investigations".)
     Drop path 0.3: the compiled step is given the masks the eager forward draws; drawn inside the
     graph (inductor's generator), they differ, and so do the weights (measured: 4e-3)."""
     kw = dict(data="synthetic", train_samples=32, opt="sgd", lr=0.05, drop_path=0.3)

@@ -498,7 +498,7 @@ def build(
             reporter.log(
                 "compile: torch.compile builds the step's kernels during the first steps, before any "
                 "progress shows (on a CPU about a minute the first time, seconds once torch has cached "
-                "them: BENCHMARKS.md, 'Compiling the step on a CPU'; on CPU it pays back only over long runs)"
+                "them: BENCHMARKS.md, 'Training on a CPU'; on CPU it pays back only over long runs)"
             )
     return Loop(
         cfg=cfg,

@@ -90,7 +90,7 @@ from .step import FUSED, assign_gradients, laid_out, tallied, update, with_autog
 STACK_CONV_FORM = "tokens"
 # device types whose stacks evaluate every seed in one batched forward (Stack.validation). Not the
 # CPU: there vmap's eager forward took 1.2 to 2.9 times the seeds' own evaluations (its linear
-# layers' bias adds are passes over memory a plain forward fuses; bench/stacked_eval.py,
+# layers' bias adds are passes over memory a plain forward fuses; bench/investigations/stacked_eval.py,
 # BENCHMARKS.md "Several seeds"). On a GPU a small model's evaluation is bound by its launches, and
 # one forward launches for all seeds; that gain is not yet measured (the same bench on CUDA)
 BATCHED_EVALUATION = {"cuda"}

@@ -95,8 +95,8 @@ def backward(loss: torch.Tensor, params: list[torch.Tensor], ctx: Context) -> No
     """``loss.backward()`` for ``params``, with ``.grad`` empty before: under DDP exactly that (its
     hooks all-reduce the gradients in backward()); otherwise the same gradients from
     ``torch.autograd.grad``, handed to ``.grad`` as backward() leaves them, without its
-    per-parameter accumulation (26 / 48 fewer aten ops a step in phase 1 / 2, BENCHMARKS.md "Host
-    work per training step")."""
+    per-parameter accumulation (fewer aten ops a step: BENCHMARKS.md, "Host work per training
+    step")."""
     if ctx.distributed:
         loss.backward()
     else:

@@ -336,7 +336,7 @@ def ort_session(
     onnxruntime choose; ``optimize=False`` runs the graph as written."""
     import onnxruntime as ort
 
-    need = kept * check_runnable(model, Path(path), batch)
+    need = kept * check_runnable(model, path, batch)  # type: ignore[arg-type]  (path: for messages)
     check_fits(need, f"running the graph at batch {batch} (every node's outputs together)", path)
 
     ort.set_default_logger_severity(4)  # its log lines (colour escapes) never reach stderr: errors raise

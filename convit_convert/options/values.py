@@ -33,8 +33,8 @@ CONV_FORMS = ("auto", "pixels", "tokens")  # how phase 1's convolution computes 
 SEEDS_STEPS = ("auto", "batched", "interleaved")  # how a `seeds` run steps its seeds (train/stacked.py)
 IMPULSE_OFFSETS = ("conversion", "random")  # --init impulse: the offsets its heads are pinned to (starts.py)
 # The largest relative error a verification or an import check accepts. float32 rounding of the
-# paper's model (d = 768, 9 heads) measures 2e-7 to 5e-7 (BENCHMARKS.md, "Exactness of the converted
-# model"); an inexact construction (no sink at the border) is off by 1e-2 and more.
+# paper's model (d = 768, 9 heads) measures 2e-7 to 5e-7 (BENCHMARKS.md, "Conversion"); an
+# inexact construction (no sink at the border) is off by 1e-2 and more.
 DEFAULT_TOL = 1e-5
 DEVICE_NAME = re.compile(r"auto|cpu|cuda(?::(\d{1,4}))?")  # group 1: the GPU's index
 AMPS = ("auto", "bf16", "fp16", "none")

@@ -1,9 +1,9 @@
 """Kernels per compiled training step of S stacked seeds (``--seeds``) against a plain run, counted
 by torch's profiler (issue 67's "kernels per compiled step"): what a GPU pays a launch for.
 
-    python bench/stacked_kernels.py [--device cpu] [--stacks 0 1 6] [--batch 8] [--conv-form F]
+    python bench/investigations/stacked_kernels.py [--device cpu] [--stacks 0 1 6] [--batch 8] [--conv-form F]
                                     [--data-dir DIR]
-    python bench/stacked_kernels.py --device cuda --batch 256 ...
+    python bench/investigations/stacked_kernels.py --device cuda --batch 256 ...
 
 bench/stacked_host.py's model and recipe (``--preset cpu``, drop path 0.1; phase 2 from impulse
 init, gated), the device loader, ``--compile``, the default AMP; a stack of 0 is a plain run (no
@@ -42,16 +42,20 @@ import contextlib
 import logging
 import os
 import statistics
+import sys
 import tempfile
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from pathlib import Path as _Path
 from typing import NamedTuple
 
 import torch
 import torch._inductor.compile_fx as compile_fx
 import torch._inductor.config as inductor_config
 import torch._inductor.metrics as inductor_metrics
+
+sys.path.insert(0, str(_Path(__file__).resolve().parent.parent))  # bench/: the benchmarks these read
 from ops_per_step import config
 from torch._dynamo.utils import counters
 

@@ -2,7 +2,7 @@
 as a stack of seeds (convit_convert/conv_mixer.py; issue 67: what a stacked phase-1 step spends
 in its mixers).
 
-    python bench/token_mixer.py [--batch 8] [--seeds 2] [--rounds 5] [--device cpu]
+    python bench/investigations/token_mixer.py [--batch 8] [--seeds 2] [--rounds 5] [--device cpu]
 
 One ConvMixer (C 3, K 5, P 16, a 14 x 14 grid: 768 features), float32, input (B, 196, 768); a
 step is the mixer's output, the mean of its square, and the backward to the weights and the
@@ -31,13 +31,19 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
+# the mixer's sizes: the paper's (C 3, K 5, P 16 on a 14 x 14 grid: 768 features), or --tiny's
+SIZES = {"paper": (3, 5, 16, (14, 14)), "tiny": (3, 3, 4, (4, 4))}
+SIZE = ["paper"]
+
+
 def stacked_step(
     m: ConvMixer, seeds: int, batch: int, g: torch.Generator, device: torch.device
 ) -> Callable[[], None]:
     """The step of ``seeds`` copies of ``m`` stacked, each on its own input, as ``--seeds`` runs them."""
     params = {k: torch.stack([p.detach()] * seeds).requires_grad_() for k, p in m.named_parameters()}
     buffers = dict(m.named_buffers())
-    xs = torch.randn(seeds, batch, 196, 768, generator=g).to(device)
+    c, _, p, (gh, gw) = SIZES[SIZE[0]]
+    xs = torch.randn(seeds, batch, gh * gw, p * p * c, generator=g).to(device)
 
     def one(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         return functional_call(m, (p, buffers), (x,))
@@ -48,10 +54,11 @@ def stacked_step(
 def cases(batch: int, seeds: int, device: torch.device) -> dict[str, Callable[[], None]]:
     """Each row's step, as a closure over its own mixer and input."""
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(batch, 196, 768, generator=g).to(device).requires_grad_()
+    c, k, p, (gh, gw) = SIZES[SIZE[0]]
+    x = torch.randn(batch, gh * gw, p * p * c, generator=g).to(device).requires_grad_()
     out: dict[str, Callable[[], None]] = {}
     for form in ("pixels", "tokens"):
-        m = ConvMixer(3, 5, 1, (14, 14), 16, form=form).to(device)
+        m = ConvMixer(c, k, 1, (gh, gw), p, form=form).to(device)
         out[f"{form} form"] = lambda m=m: m(x).square().mean().backward()
         if form == "tokens":
             out["tokens: W^O alone"] = lambda m=m: m.token_weight().square().sum().backward()
@@ -66,7 +73,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument(
+        "--tiny", action="store_true", help="a tiny mixer: checks the script runs, measures nothing"
+    )
     args = ap.parse_args()
+    SIZE[0] = "tiny" if args.tiny else "paper"
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     steps = cases(args.batch, args.seeds, device)

@@ -1,9 +1,10 @@
 """A stack's evaluation (``--seeds``): every seed in one batched forward (``Stack.validation``)
 against each seed's own evaluation one after another, wall seconds on one device.
 
-    python bench/stacked_eval.py [--device cpu] [--seeds 2 6] [--val 2048] [--batch 256] [--data-dir DIR]
+    python bench/investigations/stacked_eval.py [--device cpu] [--seeds 2 6] [--val 2048]
+                                                [--batch 256] [--data-dir DIR]
 
-bench/stacked_host.py's model (``--preset cpu``, Fashion-MNIST, the device loader; phase 2 from
+bench/ops_per_step.py's model (``--preset cpu``, Fashion-MNIST, the device loader; phase 2 from
 impulse init, gated), a stack trained for 2 steps, then at its epoch's end its validation split of
 ``--val`` images evaluated both ways, 3 times each (the median; the first of the six calls also
 warms the device): the batched forward (what ``train.stacked.BATCHED_EVALUATION``'s devices run)
@@ -16,13 +17,17 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from pathlib import Path as _Path
 from typing import Any
 
 import torch
+
+sys.path.insert(0, str(_Path(__file__).resolve().parent.parent))  # bench/: the benchmarks these read
 from ops_per_step import config
 
 from convit_convert.api.on_data import evaluate

@@ -1,8 +1,9 @@
 """Forms of the training attention's products, timed in training steps of the paper-size phase-2 model.
 
-    PYTHONPATH=. python bench/train_forms.py --device cuda [--batch 128] [--no-compile] [--profile]
-    PYTHONPATH=. python bench/train_forms.py                # CPU: batch 8, 2 threads, eager
-    PYTHONPATH=. python bench/train_forms.py --model digits # the README demo's model: batch 64, 20 steps
+    PYTHONPATH=. python bench/investigations/train_forms.py --device cuda [--batch 128] [--no-compile]
+                                                            [--profile]
+    PYTHONPATH=. python bench/investigations/train_forms.py                 # CPU: batch 8, 2 threads
+    PYTHONPATH=. python bench/investigations/train_forms.py --model digits  # README demo's: batch 64
 
 Each form is a convit_convert.attention.AttentionForm (chosen per model by ``VisionTransformer(cfg,
 attention_form=name)``): "padded" splits the heads out of the (B, N, h·e) projections, pads the keys
@@ -20,9 +21,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
+from pathlib import Path as _Path
 
 import torch
-from gpu_suite import print_top_kernels  # bench/, beside this script
+
+sys.path.insert(0, str(_Path(__file__).resolve().parent.parent))  # bench/: the benchmarks these read
+from gpu_suite import print_top_kernels
 from train_step import H100_BF16_TFLOPS, time_steps
 
 from convit_convert.attention import FORMS

@@ -1,0 +1,179 @@
+"""Where two-phase training starts to pay: every scale measured, read together from the raw runs.
+
+    python experiments/crossover.py [--plot experiments/results/crossover.png] [--json OUT.json]
+
+The scales (Fashion-MNIST, the `--preset cpu` model at depth 2: 28 px, P 4, d 48, K 5; top-1 on
+the 10k validation images at each run's last epoch):
+
+- 1,000 images, E = 200, 2 seeds, CPU, batch 64 (experiments/init_comparison.py's restart run:
+  results/init_comparison_cpu_e200_n1000_restart.json, each final model evaluated on the 10k);
+- 4,000 images, E = 200, 2 seeds, CPU, and 16,000 images, E = 100, 2 seeds, CPU, batch 256
+  (experiments/plateau_stacked.py: results/plateau_e200_n4000_cpu/, results/plateau_e100_n16000_cpu/);
+- 60,000 images, E = 200, 3 seeds, an H100, batch 256 (plateau_stacked.py:
+  results/plateau_e200_n60000_h100/).
+
+For each scale: each start's top-1 (mean ± half-range over its seeds), and two-phase's gain over
+its phase-1 half taken apart by the restart control, each step a difference per seed (the seeds
+pair: each seed's arms start from its own phase-1 half), mean ± half-range: the restart (phase 1
+restarted at phase 2's rate and warm-up, no conversion, over the half), the reparameterisation
+(hard pinning, the same convolution in attention's parameters, over the restart), attention's
+freedom (gated over hard), and phase 1 alone over gated. With --plot, top-1 against training
+images (log scale), one line per start with its seeds' range; --json writes the figure's points.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+from convit_convert.train.arms import metrics_rows
+
+RESULTS = Path(__file__).resolve().parent / "results"
+# start -> the arm folder (plateau_stacked.py) or run name (init_comparison.py) that holds it
+STARTS = {
+    "phase 1 only": "p1",
+    "phase-1 half": "half-p1",
+    "phase 1, restarted": "p1-restart",
+    "two-phase, hard pinning": "hard",
+    "two-phase, gated pinning": "gated",
+    "phase 2 only, impulse init": "impulse",
+}
+# (label, training images, epochs, seeds' source: a plateau_stacked folder or init_comparison JSON)
+SCALES = [
+    ("1k", 1000, 200, "init_comparison_cpu_e200_n1000_restart.json"),
+    ("4k", 4000, 200, "plateau_e200_n4000_cpu"),
+    ("16k", 16000, 100, "plateau_e100_n16000_cpu"),
+    ("60k", 60000, 200, "plateau_e200_n60000_h100"),
+]
+# two-phase's gain over its half, taken apart: (step, from, to)
+STEPS = [
+    ("restart", "phase-1 half", "phase 1, restarted"),
+    ("reparameterisation", "phase 1, restarted", "two-phase, hard pinning"),
+    ("attention", "two-phase, hard pinning", "two-phase, gated pinning"),
+    ("phase 1 alone − gated", "two-phase, gated pinning", "phase 1 only"),
+]
+
+
+def seeds_top1(source: str, epochs: int) -> dict[str, list[float]]:
+    """start -> each seed's top-1 at its last epoch (seeds in order), for the arms that finished."""
+    path = RESULTS / source
+    out: dict[str, list[float]] = {}
+    if path.suffix == ".json":
+        runs = json.loads(path.read_text())["runs"]
+        seeds = sorted({name.split("/")[0] for name in runs})
+        for start, arm in STARTS.items():
+            tops = [runs[f"{s}/{arm}"]["final"]["top1"] for s in seeds if f"{s}/{arm}" in runs]
+            if len(tops) == len(seeds):
+                out[start] = tops
+        return out
+    for start, arm in STARTS.items():
+        folders = sorted((path / arm).glob("seed*"), key=lambda f: int(f.name[4:]))
+        tops = []
+        for folder in folders:
+            rows = metrics_rows(folder)
+            planned = epochs // 2 if arm in ("half-p1", "p1-restart", "hard", "gated") else epochs
+            if len(rows) < planned or "top1" not in rows[-1]:
+                break  # not finished: the start is left out at this scale
+            tops.append(float(rows[-1]["top1"]))
+        if folders and len(tops) == len(folders):
+            out[start] = tops
+    return out
+
+
+def spread(values: list[float]) -> tuple[float, float]:
+    """(mean, half-range), as every table of EXPERIMENTS.md reports seeds."""
+    return statistics.mean(values), (max(values) - min(values)) / 2
+
+
+def shown(values: list[float] | None, sign: bool = False) -> str:
+    if not values:
+        return "–"
+    mean, half = spread(values)
+    return f"{mean:+.2f} ± {half:.2f}" if sign else f"{mean:.2f} ± {half:.2f}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--plot", type=Path, default=None, help="draw the figure here (PNG)")
+    ap.add_argument("--json", type=Path, default=None, help="write the figure's points here")
+    args = ap.parse_args()
+    scales = [(label, n, e, seeds_top1(src, e)) for label, n, e, src in SCALES]
+
+    print(
+        "| start | "
+        + " | ".join(f"{label} (E {e}, {len(next(iter(t.values()), []))} seeds)" for label, _, e, t in scales)
+        + " |"
+    )
+    print("|---|" + "---:|" * len(scales))
+    for start in STARTS:
+        print(f"| {start} | " + " | ".join(shown(t.get(start)) for *_, t in scales) + " |")
+    print()
+    print("| step of two-phase's gain | " + " | ".join(label for label, *_ in scales) + " |")
+    print("|---|" + "---:|" * len(scales))
+    for step, a, b in STEPS:
+        cells = []
+        for *_, t in scales:
+            pair = [y - x for x, y in zip(t[a], t[b], strict=True)] if a in t and b in t else None
+            cells.append(shown(pair, sign=True))
+        print(f"| {step} ({b} − {a}) | " + " | ".join(cells) + " |")
+
+    points = {
+        start: [
+            {
+                "images": n,
+                "epochs": e,
+                "mean": spread(t[start])[0],
+                "min": min(t[start]),
+                "max": max(t[start]),
+            }
+            for _, n, e, t in scales
+            if start in t
+        ]
+        for start in STARTS
+        if start != "phase-1 half"
+    }
+    if args.json is not None:
+        args.json.write_text(json.dumps(points, indent=1) + "\n")
+    if args.plot is not None:
+        plot(points, args.plot)
+
+
+def plot(points: dict[str, list[dict]], path: Path) -> None:
+    """Top-1 against training images, log scale, each start's seeds' range as a band."""
+    from convit_convert.train.plot import pyplot
+
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(8, 5))
+    styles = {"phase 1 only": "o-", "phase 1, restarted": "s:", "phase 2 only, impulse init": "^--"}
+    for start, pts in points.items():
+        if not pts:
+            continue
+        xs = [p["images"] for p in pts]
+        (line,) = ax.plot(xs, [p["mean"] for p in pts], styles.get(start, "D-"), label=start, linewidth=1.5)
+        ax.fill_between(
+            xs, [p["min"] for p in pts], [p["max"] for p in pts], color=line.get_color(), alpha=0.2
+        )
+        for p in pts:  # each seed's range at a scale, also where a start has one scale only
+            ax.vlines(p["images"], p["min"], p["max"], color=line.get_color(), linewidth=1)
+    ax.set_xscale("log")
+    ax.set_xticks([1000, 4000, 16000, 60000], ["1k", "4k", "16k", "60k"])
+    ax.set_xlabel("training images (log scale)")
+    ax.set_ylabel("top-1 % at the last epoch (10k validation images)")
+    ax.set_title("Fashion-MNIST, depth 2: which start leads, by training set size")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    fig.text(
+        0.01,
+        0.01,
+        "E = 200 (16k: E = 100); 1k: batch 64, others 256; 1k-16k CPU, 60k an H100; two-phase: E/2 + E/2",
+        fontsize=7,
+    )
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
