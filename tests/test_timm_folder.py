@@ -5,6 +5,7 @@ the folder's data config is `cmhsa eval`'s transform; a folder with a bad config
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -168,13 +169,26 @@ def test_a_trained_models_folder_has_a_model_card_the_hub_reads(tmp_path: Path) 
     text = card.text
     assert "Trained by `cmhsa train`: phase2 digits, 1 epochs." in text
     assert "Start: impulse." in text
-    assert f"Validation top-1 {top1:.2f}% after epoch 1, on digits" in text
+    held_out = "on cmhsa's fixed 20% of the digits, held out of training (the run's metrics.csv)"
+    assert f"Validation top-1 {top1:.2f}% after epoch 1, {held_out}" in text
     assert "Grey (PIL mode L) images, [1, 16, 16]" in text
-    code = text.split("```python\n", 1)[1].split("```", 1)[0]
-    code = code.replace("PATH/TO/THIS/FOLDER", str(run / "timm"))
-    code += "assert model.num_classes == 10 and config['input_size'] == (1, 16, 16)\n"
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-2000:]
+    # every code block runs as written: transformers' (no cmhsa), then timm's
+    blocks = [b.split("```", 1)[0] for b in text.split("```python\n")[1:]]
+    assert len(blocks) == 2 and "trust_remote_code=True" in blocks[0] and "timm.create_model" in blocks[1]
+    from PIL import Image
+
+    Image.new("L", (16, 16), 128).save(tmp_path / "image.png")
+    checks = [
+        "assert model.config.num_classes == 10\n",
+        "assert model.num_classes == 10 and config['input_size'] == (1, 16, 16)\n",
+    ]
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
+    for code, check in zip(blocks, checks, strict=True):
+        code = code.replace("PATH/TO/THIS/FOLDER", str(run / "timm")) + check
+        p = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env
+        )
+        assert p.returncode == 0, p.stderr[-2000:]
 
 
 @pytest.mark.parametrize(
