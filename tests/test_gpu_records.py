@@ -66,7 +66,7 @@ def test_the_plateau_table_in_experiments_md_is_the_raw_runs(tmp_path: Path) -> 
         "two-phase, gated, no warm-up in phase 2",
     }
     doc = (ROOT / "EXPERIMENTS.md").read_text(encoding="utf-8").replace("**", "")
-    section = doc.split("### At a plateau on all 60,000 images", 1)[1].split("\n### ", 1)[0]
+    section = doc.split("### At a plateau: 200 epochs", 1)[1].split("\n### ", 1)[0]
     for name, (seeds, mean) in rows.items():
         assert f"| {seeds} | {mean} |" in section, (name, seeds, mean)
 
