@@ -101,11 +101,11 @@ def main() -> None:
     args = ap.parse_args()
     scales = [(label, n, e, seeds_top1(src, e)) for label, n, e, src in SCALES]
 
-    print(
-        "| start | "
-        + " | ".join(f"{label} (E {e}, {len(next(iter(t.values()), []))} seeds)" for label, _, e, t in scales)
-        + " |"
-    )
+    def header(label: str, e: int, tops: dict[str, list[float]]) -> str:
+        seeds = len(next(iter(tops.values()), []))
+        return f"{label} (E {e}, {seeds} seeds)" if seeds else f"{label} (E {e}, not run)"
+
+    print("| start | " + " | ".join(header(label, e, t) for label, _, e, t in scales) + " |")
     print("|---|" + "---:|" * len(scales))
     for start in STARTS:
         print(f"| {start} | " + " | ".join(shown(t.get(start)) for *_, t in scales) + " |")
@@ -127,6 +127,12 @@ def main() -> None:
                 "mean": spread(t[start])[0],
                 "min": min(t[start]),
                 "max": max(t[start]),
+                # against phase 1 alone, seed by seed (a seed's arms train on the same subset)
+                "vs_phase1": (
+                    [y - x for x, y in zip(t["phase 1 only"], t[start], strict=True)]
+                    if "phase 1 only" in t
+                    else None
+                ),
             }
             for _, n, e, t in scales
             if start in t
@@ -141,29 +147,42 @@ def main() -> None:
 
 
 def plot(points: dict[str, list[dict]], path: Path) -> None:
-    """Top-1 against training images, log scale, each start's seeds' range as a band."""
+    """Left: top-1 against training images (log scale), each start's seeds' range as a band.
+    Right: each start against phase 1 alone, seed by seed (mean and range): above 0 it leads."""
     from convit_convert.train.plot import pyplot
 
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, (ax, rel) = plt.subplots(1, 2, figsize=(13, 5))
     styles = {"phase 1 only": "o-", "phase 1, restarted": "s:", "phase 2 only, impulse init": "^--"}
     for start, pts in points.items():
         if not pts:
             continue
-        xs = [p["images"] for p in pts]
-        (line,) = ax.plot(xs, [p["mean"] for p in pts], styles.get(start, "D-"), label=start, linewidth=1.5)
-        ax.fill_between(
-            xs, [p["min"] for p in pts], [p["max"] for p in pts], color=line.get_color(), alpha=0.2
-        )
+        xs, style = [p["images"] for p in pts], styles.get(start, "D-")
+        (line,) = ax.plot(xs, [p["mean"] for p in pts], style, label=start, linewidth=1.5)
+        colour = line.get_color()
+        ax.fill_between(xs, [p["min"] for p in pts], [p["max"] for p in pts], color=colour, alpha=0.2)
         for p in pts:  # each seed's range at a scale, also where a start has one scale only
-            ax.vlines(p["images"], p["min"], p["max"], color=line.get_color(), linewidth=1)
-    ax.set_xscale("log")
-    ax.set_xticks([1000, 4000, 16000, 60000], ["1k", "4k", "16k", "60k"])
-    ax.set_xlabel("training images (log scale)")
+            ax.vlines(p["images"], p["min"], p["max"], color=colour, linewidth=1)
+        diffs = [(p["images"], p["vs_phase1"]) for p in pts if p["vs_phase1"] is not None]
+        if start == "phase 1 only" or not diffs:
+            continue
+        mid = [statistics.mean(d) for _, d in diffs]
+        span = [[m - min(d) for m, (_, d) in zip(mid, diffs, strict=True)]]
+        span.append([max(d) - m for m, (_, d) in zip(mid, diffs, strict=True)])
+        rel.errorbar([x for x, _ in diffs], mid, yerr=span, fmt=style, color=colour, label=start, capsize=3)
+    rel.axhline(0.0, color="0.3", linewidth=1)
+    for a in (ax, rel):
+        a.set_xscale("log")
+        a.set_xticks([1000, 4000, 16000, 60000], ["1k", "4k", "16k", "60k"])
+        a.set_xlabel("training images (log scale)")
+        a.grid(alpha=0.3)
     ax.set_ylabel("top-1 % at the last epoch (10k validation images)")
-    ax.set_title("Fashion-MNIST, depth 2: which start leads, by training set size")
-    ax.grid(alpha=0.3)
+    ax.set_title("Each start's top-1, its seeds' range shaded")
+    rel.set_ylabel("top-1 points over phase 1 alone, seed by seed")
+    rel.set_title("Against phase 1 alone: above 0, the start leads")
     ax.legend(fontsize=8, loc="lower right")
+    rel.legend(fontsize=8, loc="lower right")
+    fig.suptitle("Fashion-MNIST, depth 2: where two-phase training starts to pay")
     fig.text(
         0.01,
         0.01,

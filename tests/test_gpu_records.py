@@ -184,3 +184,28 @@ def test_the_restart_sections_per_seed_numbers_and_shares_are_the_raw_runs() -> 
         ]
         want = row + " " + " | ".join(f"{d:+.2f}".replace("-", "\u2212") for d in steps) + " |"
         assert want in section, (want, [ln for ln in section.splitlines() if ln.startswith(row)])
+
+
+def test_the_crossover_tables_and_figure_are_the_raw_runs(tmp_path: Path) -> None:
+    """experiments/crossover.py recomputes, from every scale's raw runs (experiments/results/), the
+    table of starts and the table of two-phase's gain taken apart: each row it prints stands in
+    EXPERIMENTS.md's section "Where does two-phase start to pay?", and the figure's points are
+    the committed experiments/results/crossover.json."""
+    import json
+
+    points = tmp_path / "points.json"
+    r = subprocess.run(
+        [sys.executable, "experiments/crossover.py", "--json", str(points)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = [line for line in r.stdout.splitlines() if line.startswith("| ")]
+    doc = (ROOT / "EXPERIMENTS.md").read_text(encoding="utf-8").replace("**", "")
+    section = doc.split("## Where does two-phase start to pay?", 1)[1].split("\n## ", 1)[0]
+    assert len(rows) >= 10 and all(row in section for row in rows), [r for r in rows if r not in section]
+    committed = ROOT / "experiments" / "results" / "crossover.json"
+    assert json.loads(points.read_text()) == json.loads(committed.read_text())
+    assert "results/crossover.png" in section and (committed.parent / "crossover.png").stat().st_size > 10_000
