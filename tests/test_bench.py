@@ -121,3 +121,21 @@ def test_the_gpu_call_names_scripts_that_are_there() -> None:
     named = set(re.findall(r"python (?:bench/)?(?:investigations/)?([a-z_]+\.py)", text))
     assert named == {"token_mixer.py", "stacked_kernels.py", "stacked_eval.py", "stacked_seeds.py"}
     assert "bench/stacked_seeds.py" in text and all(list(BENCH.rglob(n)) for n in named)
+
+
+def test_every_script_is_named_in_benchmarks_md_and_no_other_is() -> None:
+    """BENCHMARKS.md names every script bench/ holds (its headline table, a section or its
+    Investigations); a bench/ path it names that is not there is a removed probe, which it may
+    name only with the commit it ran at ("git show COMMIT:bench/NAME.py")."""
+    import re
+
+    text = (ROOT / "BENCHMARKS.md").read_text(encoding="utf-8")
+    scripts = {
+        p.relative_to(ROOT).as_posix()
+        for p in BENCH.rglob("*")
+        if p.suffix in (".py", ".sh") and "results" not in p.relative_to(BENCH).parts  # a call's raw files
+    }
+    assert all(s in text for s in scripts), sorted(s for s in scripts if s not in text)
+    named = set(re.findall(r"bench/[a-z_/]+\.(?:py|sh)", text)) - {"bench/NAME.py"}
+    gone = named - scripts
+    assert "git show COMMIT:bench/NAME.py" in text and all(f"`{g}" in text for g in gone), gone
