@@ -69,7 +69,7 @@ def seeds_top1(source: str, epochs: int) -> dict[str, list[float]]:
                 out[start] = tops
         return out
     for start, arm in STARTS.items():
-        folders = sorted((path / arm).glob("seed*"), key=lambda f: int(f.name[4:]))
+        folders = sorted((f for f in (path / arm).glob("seed*") if f.is_dir()), key=lambda f: int(f.name[4:]))
         tops = []
         for folder in folders:
             rows = metrics_rows(folder)
@@ -118,6 +118,20 @@ def main() -> None:
             pair = [y - x for x, y in zip(t[a], t[b], strict=True)] if a in t and b in t else None
             cells.append(shown(pair, sign=True))
         print(f"| {step} ({b} − {a}) | " + " | ".join(cells) + " |")
+
+    # how near its plateau each scale's phase 1 alone ended: top-1 at its last epoch against at
+    # four fifths of its epochs (the plateau_stacked.py scales: evaluated every 5 epochs)
+    gains = []
+    for label, _, e, src in SCALES:
+        folders = sorted(f for f in (RESULTS / src / "p1").glob("seed*") if f.is_dir())
+        per_seed = []
+        for folder in folders:
+            top1 = {int(r["epoch"]): float(r["top1"]) for r in metrics_rows(folder) if "top1" in r}
+            if e in top1 and e * 4 // 5 in top1:
+                per_seed.append(top1[e] - top1[e * 4 // 5])
+        if per_seed and len(per_seed) == len(folders):
+            gains.append(f"{label} {shown(per_seed, sign=True)}")
+    print("\nphase 1 only, top-1 gained over the last fifth of its epochs: " + ", ".join(gains))
 
     points = {
         start: [

@@ -183,6 +183,10 @@ def test_a_trained_models_folder_has_a_model_card_the_hub_reads(tmp_path: Path) 
         "assert model.num_classes == 10 and config['input_size'] == (1, 16, 16)\n",
     ]
     env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
+    try:  # the hub extra's transformers; the dependency floors' environment cannot import it
+        from transformers import AutoModelForImageClassification, pipeline  # noqa: F401
+    except ImportError:
+        blocks, checks = blocks[1:], checks[1:]
     for code, check in zip(blocks, checks, strict=True):
         code = code.replace("PATH/TO/THIS/FOLDER", str(run / "timm")) + check
         p = subprocess.run(
