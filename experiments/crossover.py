@@ -119,19 +119,22 @@ def main() -> None:
             cells.append(shown(pair, sign=True))
         print(f"| {step} ({b} − {a}) | " + " | ".join(cells) + " |")
 
-    # how near its plateau each scale's phase 1 alone ended: top-1 at its last epoch against at
-    # four fifths of its epochs (the plateau_stacked.py scales: evaluated every 5 epochs)
-    gains = []
-    for label, _, e, src in SCALES:
-        folders = sorted(f for f in (RESULTS / src / "p1").glob("seed*") if f.is_dir())
-        per_seed = []
-        for folder in folders:
-            top1 = {int(r["epoch"]): float(r["top1"]) for r in metrics_rows(folder) if "top1" in r}
-            if e in top1 and e * 4 // 5 in top1:
-                per_seed.append(top1[e] - top1[e * 4 // 5])
-        if per_seed and len(per_seed) == len(folders):
-            gains.append(f"{label} {shown(per_seed, sign=True)}")
-    print("\nphase 1 only, top-1 gained over the last fifth of its epochs: " + ", ".join(gains))
+    # how near its plateau each scale's phase 1 alone and gated two-phase ended: top-1 at the last
+    # epoch against at four fifths of E (the plateau_stacked.py scales, evaluated every 5 epochs;
+    # gated's phase 2 counts its own E/2 epochs, so four fifths of E is its epoch E/2 - E/5)
+    for start, arm in (("phase 1 only", "p1"), ("two-phase, gated pinning", "gated")):
+        gains = []
+        for label, _, e, src in SCALES:
+            last = e if arm == "p1" else e // 2
+            folders = sorted(f for f in (RESULTS / src / arm).glob("seed*") if f.is_dir())
+            per_seed = []
+            for folder in folders:
+                top1 = {int(r["epoch"]): float(r["top1"]) for r in metrics_rows(folder) if "top1" in r}
+                if last in top1 and last - e // 5 in top1:
+                    per_seed.append(top1[last] - top1[last - e // 5])
+            if per_seed and len(per_seed) == len(folders):
+                gains.append(f"{label} {shown(per_seed, sign=True)}")
+        print(f"\n{start}, top-1 gained over the last fifth of E: " + ", ".join(gains))
 
     points = {
         start: [
