@@ -17,7 +17,8 @@ its phase-1 half taken apart by the restart control, each step a difference per 
 pair: each seed's arms start from its own phase-1 half), mean ± half-range: the restart (phase 1
 restarted at phase 2's rate and warm-up, no conversion, over the half), the reparameterisation
 (hard pinning, the same convolution in attention's parameters, over the restart), attention's
-freedom (gated over hard), and phase 1 alone over gated. With --plot, top-1 against training
+freedom (gated over hard), and phase 1 alone over gated; then how far phase 1 alone and the
+two-phase arms still climbed over the last fifth and the last tenth of E. With --plot, top-1 against training
 images (log scale), one line per start with its seeds' range; --json writes the figure's points.
 """
 
@@ -119,22 +120,27 @@ def main() -> None:
             cells.append(shown(pair, sign=True))
         print(f"| {step} ({b} − {a}) | " + " | ".join(cells) + " |")
 
-    # how near its plateau each scale's phase 1 alone and gated two-phase ended: top-1 at the last
-    # epoch against at four fifths of E (the plateau_stacked.py scales, evaluated every 5 epochs;
-    # gated's phase 2 counts its own E/2 epochs, so four fifths of E is its epoch E/2 - E/5)
-    for start, arm in (("phase 1 only", "p1"), ("two-phase, gated pinning", "gated")):
-        gains = []
-        for label, _, e, src in SCALES:
+    # how near its plateau each arm ended: top-1 at its last epoch against at four fifths and at
+    # nine tenths of E (the plateau_stacked.py scales, evaluated every 5 epochs; a two-phase arm's
+    # phase 2 counts its own E/2 epochs, so four fifths of E is its epoch E/2 - E/5)
+    print()
+    print("| top-1 gained over the last fifth / tenth of E | " + " | ".join(s[0] for s in SCALES) + " |")
+    print("|---|" + "---:|" * len(SCALES))
+    for start in ("phase 1 only", "two-phase, hard pinning", "two-phase, gated pinning"):
+        arm = STARTS[start]
+        cells = []
+        for _, _, e, src in SCALES:
             last = e if arm == "p1" else e // 2
             folders = sorted(f for f in (RESULTS / src / arm).glob("seed*") if f.is_dir())
-            per_seed = []
+            fifth, tenth = [], []
             for folder in folders:
                 top1 = {int(r["epoch"]): float(r["top1"]) for r in metrics_rows(folder) if "top1" in r}
-                if last in top1 and last - e // 5 in top1:
-                    per_seed.append(top1[last] - top1[last - e // 5])
-            if per_seed and len(per_seed) == len(folders):
-                gains.append(f"{label} {shown(per_seed, sign=True)}")
-        print(f"\n{start}, top-1 gained over the last fifth of E: " + ", ".join(gains))
+                if {last, last - e // 5, last - e // 10} <= set(top1):
+                    fifth.append(top1[last] - top1[last - e // 5])
+                    tenth.append(top1[last] - top1[last - e // 10])
+            whole = folders and len(fifth) == len(folders)
+            cells.append(f"{shown(fifth, sign=True)} / {shown(tenth, sign=True)}" if whole else "–")
+        print(f"| {start} | " + " | ".join(cells) + " |")
 
     points = {
         start: [

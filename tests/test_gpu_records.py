@@ -1,4 +1,5 @@
-"""The GPU results the docs quote are the raw files' (experiments/results/, bench/results/)."""
+"""The measured results the docs quote are the raw files' (experiments/results/, bench/results/):
+the GPU runs, and the CPU scales read beside them."""
 
 from __future__ import annotations
 
@@ -34,15 +35,24 @@ def test_the_60k_table_in_experiments_md_is_the_raw_runs(tmp_path: Path) -> None
 PLATEAU = ROOT / "experiments" / "results" / "plateau_e200_n60000_h100"
 
 
-def plateau_report(tmp_path: Path) -> dict[str, tuple[str, str]]:
-    """experiments/plateau_stacked.py --report on a copy of the H100 plateau runs' raw files (it
-    writes results.json beside them): setting -> (top-1 per seed, mean ± half-range), for the
-    settings that ran."""
+# the CPU scales between 1k and 60k (experiments/plateau_stacked.py): README column -> (raw runs, flags)
+CPU_SCALES = {
+    "4k": ("plateau_e200_n4000_cpu", ("--epochs", "200", "--train-samples", "4000", "--seeds", "0", "1")),
+    "16k": ("plateau_e100_n16000_cpu", ("--epochs", "100", "--train-samples", "16000", "--seeds", "0", "1")),
+}
+
+
+def plateau_report(
+    tmp_path: Path, raw_runs: Path = PLATEAU, flags: tuple[str, ...] = ("--figure2",)
+) -> dict[str, tuple[str, str]]:
+    """experiments/plateau_stacked.py --report on a copy of a plateau run's raw files (it writes
+    results.json beside them; the H100 run's by default): setting -> (top-1 per seed, mean ±
+    half-range), for the settings that ran."""
     import shutil
 
-    raw = shutil.copytree(PLATEAU, tmp_path / "plateau")
+    raw = shutil.copytree(raw_runs, tmp_path / raw_runs.name)
     r = subprocess.run(
-        [sys.executable, "experiments/plateau_stacked.py", "--report", "--figure2", "--out", str(raw)],
+        [sys.executable, "experiments/plateau_stacked.py", "--report", "--out", str(raw), *flags],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -79,9 +89,10 @@ def _raw_rows(md: str) -> dict[str, str]:
 
 @pytest.mark.slow
 def test_readmes_start_table_is_the_experiments_raw_results(tmp_path: Path) -> None:
-    """README's "Which start should I use?" table, cell for cell, is the raw results of the four
-    scales: the 1k depth-2 and depth-6 runs' result files, the 60k 40-epoch report's output and the
-    plateau report's ("–": not run). Rows are matched by the setting each experiment names."""
+    """README's "Which start should I use?" tables, cell for cell, are the raw results of every
+    scale: the 1k depth-2 and depth-6 runs' result files, the CPU scales' and the 60k plateau's
+    reports (plateau_stacked.py --report), the 60k 40-epoch report's output ("–": not run). Rows are
+    matched by the setting each experiment names."""
     results = ROOT / "experiments" / "results"
     d2 = _raw_rows((results / "init_comparison_cpu_e200_n1000.md").read_text(encoding="utf-8"))
     d6_md = (results / "tuned_comparison_d6.md").read_text(encoding="utf-8")
@@ -97,46 +108,59 @@ def test_readmes_start_table_is_the_experiments_raw_results(tmp_path: Path) -> N
     gpu = {k: v for k, v in (ln.split("|")[1:4:2] for ln in r.stdout.splitlines() if ln.startswith("| "))}
     gpu = {k.strip(): v.strip().replace("**", "") for k, v in gpu.items()}
     plateau = {k: mean for k, (_, mean) in plateau_report(tmp_path).items()}
-    settings = {  # README's row -> the experiments' names of it (depth 2, depth 6, 60k, 60k at 200)
-        "phase 1 only": ("phase 1 only",) * 4,
+    cpu = [  # 4k, 16k: their own runs' report
+        {k: mean for k, (_, mean) in plateau_report(tmp_path, results / src, flags).items()}
+        for src, flags in CPU_SCALES.values()
+    ]
+    both = ("phase 1 only", "two-phase, gated pinning", "two-phase, hard pinning")
+    settings = {  # README's row -> its name in each column (1k d2, 1k d6, 4k, 16k, 60k, 60k at 200)
+        "phase 1 only": ("phase 1 only",) * 6,
         "--init impulse": (
             "phase 2 only, impulse init (conversion's offsets)",
             "phase 2 only, impulse init",
             "phase 2 only, impulse init",
+            "phase 2 only, impulse init",
+            "phase 2 only, impulse init",
             None,
         ),
-        "--init mimetic": ("phase 2 only, mimetic init", None, None, None),
-        "gated": ("two-phase, gated pinning",) * 4,
+        "--init mimetic": ("phase 2 only, mimetic init", None, None, None, None, None),
+        "gated": ("two-phase, gated pinning",) * 6,
         "hard pinning": (
             "two-phase, hard pinning",
             "two-phase, hard pinning (the paper's)",
             "two-phase, hard pinning",
             "two-phase, hard pinning",
+            "two-phase, hard pinning",
+            "two-phase, hard pinning",
         ),
-        "--init random": ("phase 2 only, random init",) * 3 + (None,),
+        "--init random": ("phase 2 only, random init",) * 2 + (None, None, "phase 2 only, random init", None),
     }
+    assert all(n in c for c in cpu for n in both), "the CPU scales lack a start README shows"
     table, restart = _readme_tables()
     assert len(table) == len(settings)
     for line in table:
         start, *cells = (c.strip() for c in line.strip("|").split("|"))
         names = next(v for k, v in settings.items() if k in start)
-        want = [raw[n] if n else "–" for raw, n in zip((d2, d6, gpu, plateau), names, strict=True)]
+        columns = (d2, d6, *cpu, gpu, plateau)
+        want = [raw.get(n, "–") if n else "–" for raw, n in zip(columns, names, strict=True)]
         assert cells == want, (start, cells, want)
-    # the restart control's table: one session per column, its own raw files
+    # the restart control's table: one session per column, its own raw files (4k, 16k: the table's)
     d2 = _raw_rows((results / "init_comparison_cpu_e200_n1000_restart.md").read_text(encoding="utf-8"))
     d6_md = (results / "tuned_comparison_d6_restart.md").read_text(encoding="utf-8")
     d6 = _raw_rows("| setting |" + d6_md.split("| setting |", 1)[1])
+    restarted = "phase 1, restarted (phase 2's rate and warm-up, no conversion)"
     settings = {
-        "phase 1 only": ("phase 1 only",) * 2,
-        "restarted": ("phase 1, restarted (phase 2's rate and warm-up, no conversion)",) * 2,
-        "hard pinning": ("two-phase, hard pinning", "two-phase, hard pinning (the paper's)"),
-        "gated": ("two-phase, gated pinning",) * 2,
+        "phase 1 only": ("phase 1 only",) * 4,
+        "restarted": (restarted,) * 4,
+        "hard pinning": ("two-phase, hard pinning", "two-phase, hard pinning (the paper's)") + both[2:] * 2,
+        "gated": ("two-phase, gated pinning",) * 4,
     }
     assert len(restart) == len(settings)
     for line in restart:
         start, *cells = (c.strip() for c in line.strip("|").split("|"))
         names = next(v for k, v in settings.items() if k in start)
-        assert cells == [d2[names[0]], d6[names[1]]], (start, cells)
+        want = [raw[n] for raw, n in zip((d2, d6, *cpu), names, strict=True)]
+        assert cells == want, (start, cells, want)
 
 
 def _readme_tables() -> list[list[str]]:
@@ -186,11 +210,13 @@ def test_the_restart_sections_per_seed_numbers_and_shares_are_the_raw_runs() -> 
         assert want in section, (want, [ln for ln in section.splitlines() if ln.startswith(row)])
 
 
+@pytest.mark.slow  # a subprocess reading every scale's raw runs
 def test_the_crossover_tables_and_figure_are_the_raw_runs(tmp_path: Path) -> None:
     """experiments/crossover.py recomputes, from every scale's raw runs (experiments/results/), the
-    table of starts and the table of two-phase's gain taken apart: each row it prints stands in
-    EXPERIMENTS.md's section "Where does two-phase start to pay?", and the figure's points are
-    the committed experiments/results/crossover.json."""
+    table of starts, the table of two-phase's gain taken apart and the plateau check: each row it
+    prints stands in EXPERIMENTS.md's section "Where does two-phase start to pay?", the gain's
+    rows in the opening answer too, and the figure's points are the committed
+    experiments/results/crossover.json."""
     import json
 
     points = tmp_path / "points.json"
@@ -205,7 +231,12 @@ def test_the_crossover_tables_and_figure_are_the_raw_runs(tmp_path: Path) -> Non
     rows = [line for line in r.stdout.splitlines() if line.startswith("| ")]
     doc = (ROOT / "EXPERIMENTS.md").read_text(encoding="utf-8").replace("**", "")
     section = doc.split("## Where does two-phase start to pay?", 1)[1].split("\n## ", 1)[0]
-    assert len(rows) >= 10 and all(row in section for row in rows), [r for r in rows if r not in section]
+    assert len(rows) >= 15 and all(row in section for row in rows), [r for r in rows if r not in section]
+    opening = doc.split("### The answer, by the size of the training set", 1)[1].split("\n### ", 1)[0]
+    steps = [
+        row for row in rows if row.startswith(("| restart (", "| reparameterisation (", "| attention ("))
+    ]
+    assert len(steps) == 3 and all(row in opening for row in steps), [r for r in steps if r not in opening]
     committed = ROOT / "experiments" / "results" / "crossover.json"
     assert json.loads(points.read_text()) == json.loads(committed.read_text())
     assert "results/crossover.png" in section and (committed.parent / "crossover.png").stat().st_size > 10_000

@@ -609,6 +609,7 @@ def test_without_randaugment_a_batchs_parameters_are_all_on_the_images_device(aa
     assert on_cpu == (set() if aa == "none" else {"ra_op", "ra_apply", "ra_arg"})
 
 
+@pytest.mark.slow  # compiles a step (dynamo's explain) for each phase
 @pytest.mark.parametrize(
     "flags",
     [dict(phase="phase1", conv_form="tokens"), dict(phase="phase2", init="impulse")],

@@ -159,6 +159,7 @@ def test_compiled_step_is_one_graph(tmp_path: Path, monkeypatch, phase: str) -> 
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
 
 
+@pytest.mark.slow  # compiles a step
 def test_compiled_step_trains_as_the_eager_one(tmp_path: Path) -> None:
     """Phase 1 on synthetic images, 8 steps of SGD (an update linear in the gradients, so rounding
     stays rounding; Adam's first steps are about lr·sign(g), which turns a rounding-sized gradient
