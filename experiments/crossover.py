@@ -57,6 +57,20 @@ STEPS = [
 ]
 
 
+HALVES = ("half-p1", "p1-restart", "hard", "gated")  # arms that run E/2 epochs (two-phase's halves)
+
+
+def arm_epochs(arm: str, epochs: int) -> int:
+    """The epochs an arm of a setting of E epochs runs: E/2 for a half, E for the others."""
+    return epochs // 2 if arm in HALVES else epochs
+
+
+def seed_folders(source: str, arm: str) -> list[Path]:
+    """A plateau_stacked.py arm's seed folders, in seed order (files beside them left out)."""
+    found = (f for f in (RESULTS / source / arm).glob("seed*") if f.is_dir())
+    return sorted(found, key=lambda f: int(f.name[4:]))
+
+
 def seeds_top1(source: str, epochs: int) -> dict[str, list[float]]:
     """start -> each seed's top-1 at its last epoch (seeds in order), for the arms that finished."""
     path = RESULTS / source
@@ -70,12 +84,11 @@ def seeds_top1(source: str, epochs: int) -> dict[str, list[float]]:
                 out[start] = tops
         return out
     for start, arm in STARTS.items():
-        folders = sorted((f for f in (path / arm).glob("seed*") if f.is_dir()), key=lambda f: int(f.name[4:]))
+        folders = seed_folders(source, arm)
         tops = []
         for folder in folders:
             rows = metrics_rows(folder)
-            planned = epochs // 2 if arm in ("half-p1", "p1-restart", "hard", "gated") else epochs
-            if len(rows) < planned or "top1" not in rows[-1]:
+            if len(rows) < arm_epochs(arm, epochs) or "top1" not in rows[-1]:
                 break  # not finished: the start is left out at this scale
             tops.append(float(rows[-1]["top1"]))
         if folders and len(tops) == len(folders):
@@ -130,8 +143,8 @@ def main() -> None:
         arm = STARTS[start]
         cells = []
         for _, _, e, src in SCALES:
-            last = e if arm == "p1" else e // 2
-            folders = sorted(f for f in (RESULTS / src / arm).glob("seed*") if f.is_dir())
+            last = arm_epochs(arm, e)
+            folders = seed_folders(src, arm)
             fifth, tenth = [], []
             for folder in folders:
                 top1 = {int(r["epoch"]): float(r["top1"]) for r in metrics_rows(folder) if "top1" in r}
