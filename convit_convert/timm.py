@@ -168,6 +168,14 @@ def _from_folder(
     cfg = config_from_arg(folder_args, kind, where)
     _architecture_fixed(kwargs, "folder", where)
     _agrees_with_timm(cfg, source, where)
+    if pretrained and source.get("hf_hub_id") and not source.get("file"):
+        # the local-dir: route checked config.json against the weights before timm parsed it; a Hub
+        # download has its weights now: the same check (timm's own cached download, then its loader)
+        from huggingface_hub import hf_hub_download  # timm's own dependency, its cache
+
+        repo, _, revision = source["hf_hub_id"].partition("@")
+        weights = hf_hub_download(repo, WEIGHTS, revision=revision or None, cache_dir=cache_dir)
+        folder_config(Path(weights).parent)  # its config.json, beside the weights, timm fetched first
     with torch.device(device) if device is not None else contextlib.nullcontext():
         model = VisionTransformer(cfg, drop_path_rate)
     if pretrained:

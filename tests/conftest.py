@@ -218,6 +218,26 @@ def bench_script(name: str) -> ModuleType:
     return module
 
 
+def hub_cache(
+    cache: Path, repo: str, folder: Path, commit: str = "0123456789abcdef0123456789abcdef01234567"
+) -> Path:
+    """``folder``'s files laid out in ``cache`` as huggingface_hub keeps a download of ``repo``
+    (ORG/NAME) at ``commit``: blobs by their sha256, the snapshot's files linked to them, refs/main
+    naming the commit. The snapshot's folder. Nothing is downloaded."""
+    root = cache / ("models--" + repo.replace("/", "--"))
+    snapshot = root / "snapshots" / commit
+    (root / "blobs").mkdir(parents=True, exist_ok=True)
+    snapshot.mkdir(parents=True)
+    (root / "refs").mkdir(exist_ok=True)
+    (root / "refs" / "main").write_text(commit)
+    for f in folder.iterdir():
+        data = f.read_bytes()
+        blob = root / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.write_bytes(data)
+        (snapshot / f.name).symlink_to(os.path.relpath(blob, snapshot))
+    return snapshot
+
+
 def in_a_process(*argv: object, **run: Any) -> subprocess.CompletedProcess:
     """``python ARGV...`` in a fresh interpreter, for what only a process of its own shows (its
     streams' encoding, its start-up, its own signals): output captured as text, from the

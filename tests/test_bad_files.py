@@ -660,7 +660,7 @@ def _huge(c: dict) -> None:  # 650 bytes, each size within its own bound: ~540 G
     [
         (_top_num_classes, "says num_classes 5 but its model_args"),
         (_input_size, "says input_size [3, 224, 224]"),
-        (_million_classes, "size mismatch for head"),
+        (_million_classes, "says num_classes 1000000 but model.safetensors holds"),  # before timm builds
         (_huge, "more than cmhsa loads"),
     ],
     ids=["top-level num_classes", "input_size", "10^6 classes", "600 GB"],

@@ -55,6 +55,10 @@ GUARDED = {
     ),
     ("train/mixing.py", "getattr(mixup, '_params_per_batch')"): "called only where drawable() found it",
     ("timm.py", "from timm.models._builder"): "imported in _features: features_only alone needs it",
+    ("shipped/modeling_cmhsa.py", "getattr(p, '_is_hf_initialized', False)"): (
+        "getattr with a default: under a transformers without the flag a tensor the weights lack is "
+        "initialised, then transformers' own report refuses it (the early refusal alone is lost)"
+    ),
     ("timm.py", "from timm.models._features"): "likewise",
     ("timm.py", "from timm.models import _factory, _hub"): (
         "imported in a try; each loader wrapped only where getattr finds it callable (_create checks "

@@ -271,15 +271,19 @@ def test_the_card_installs_cmhsa_from_its_source_never_by_a_bare_name(
         text = (folder / CARD).read_text()
         assert "pip install cmhsa" not in text
         use = text.split("## Use", 1)[1]
-        first, cmhsa_route = use.split("```python", 1)[0], use.split("```", 2)[2]
-        assert "trust_remote_code=True" in use.split("```", 2)[1] and "no cmhsa" in first
+        first, transformers_route = use.split("```python", 1)[0], use.split("```", 2)[1]
+        assert "trust_remote_code=True" in transformers_route and "no cmhsa" in first
+        warning, cmhsa_route = use.split("```", 2)[2].split("With timm", 1)
+        assert "pip install timm" in warning and "Pass `trust_remote_code=True`" in warning
         before_code = cmhsa_route.split("```python", 1)[0]
         assert "import convit_convert.timm" in before_code and "Unknown model" in before_code
+        assert "No module named 'convit_convert'" in before_code
         if url is None:
             assert "records no address for its source" in before_code and "pip install" not in before_code
         else:
             assert f'pip install "cmhsa @ git+{url}"' in before_code and url in text.split("## How", 1)[0]
-        assert "runs with onnxruntime alone" in text and "arxiv.org/abs/2111.01353" in text
+        assert "For onnxruntime alone" in text and "arxiv.org/abs/2111.01353" in text
+        assert "a reference implementation of the paper" in text
 
 
 def test_a_source_url_the_card_shows_is_an_https_address_and_nothing_else(monkeypatch) -> None:
@@ -307,35 +311,38 @@ def test_a_source_url_the_card_shows_is_an_https_address_and_nothing_else(monkey
         assert model_card.source_url() == shown, url
 
 
-def test_a_fine_tuned_models_card_says_what_it_started_from(tmp_path: Path) -> None:
+def test_a_fine_tuned_models_card_says_what_it_started_from(tmp_path: Path, monkeypatch) -> None:
     """The shipped digits model (CC BY 4.0 data) fine-tuned on a 3-class image folder (licence
-    unknown), started from a Hub download (huggingface_hub's cache layout): the card names the start
+    unknown), started from a Hub download in huggingface_hub's cache: the card names the start
     (file, sha256, the Hub id as front matter's base_model) and its data with that data's licence,
     declares `unknown` (what the image folder's licence leaves), and calls the validation images
-    the folder's own val/, never "held out" (failed on 5c13d3f: license unknown, no word of the
-    digits data, no base_model)."""
+    the folder's own val/, never "held out". The same folder copied elsewhere under a Hub-like path
+    is a local start: no base_model (on 82c50c3 a path named models--openai--... made one)."""
     import hashlib
 
-    from huggingface_hub import ModelCard
+    from huggingface_hub import ModelCard, constants
     from PIL import Image
 
-    snapshot = tmp_path / "hub" / "models--alice--cmhsa-digits" / "snapshots" / "0123abc"
-    assert invoke("export", FIXTURE, "--format", "timm", "-o", snapshot).exit_code == 0
+    from conftest import hub_cache
+
+    assert invoke("export", FIXTURE, "--format", "timm", "-o", tmp_path / "exported").exit_code == 0
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    snapshot = hub_cache(tmp_path / "hub", "alice/cmhsa-digits", tmp_path / "exported")
+    copy = hub_cache(tmp_path / "elsewhere", "openai/clip-vit-large-patch14", tmp_path / "exported")
     for split in ("train", "val"):
         for i, name in enumerate(("a", "b", "c")):
             (tmp_path / "three" / split / name).mkdir(parents=True)
             for j in range(4):
                 Image.new("L", (32, 32), 60 * i + j).save(tmp_path / "three" / split / name / f"{j}.png")
     flags = ["--data", "imagefolder", "--data-dir", tmp_path / "three", "--epochs", "1", "--batch-size", "4"]
-    r = invoke("train", "phase1", *flags, "--device", "cpu", "--init", snapshot, "-o", tmp_path / "r")
-    assert r.exit_code == 0, r.output
-    assert (
-        invoke(
-            "export", tmp_path / "r" / "conv.safetensors", "--format", "timm", "-o", tmp_path / "t"
-        ).exit_code
-        == 0
-    )
-    card = ModelCard.load(tmp_path / "t" / CARD)
+    for start, run in ((snapshot, "r"), (copy, "c")):
+        r = invoke("train", "phase1", *flags, "--device", "cpu", "--init", start, "-o", tmp_path / run)
+        assert r.exit_code == 0, r.output
+        r = invoke(
+            "export", tmp_path / run / "conv.safetensors", "--format", "timm", "-o", tmp_path / f"t{run}"
+        )
+        assert r.exit_code == 0, r.output
+    card = ModelCard.load(tmp_path / "tr" / CARD)
     meta = card.data.to_dict()
     assert meta["license"] == "unknown" and meta["base_model"] == "alice/cmhsa-digits"
     made = card.text.split("## How it was made", 1)[1].split("##", 1)[0]
@@ -345,6 +352,8 @@ def test_a_fine_tuned_models_card_says_what_it_started_from(tmp_path: Path) -> N
     assert "the image folder's own val/" in made and "held out" not in made
     licence = card.text.split("## Training data and licence", 1)[1].split("##", 1)[0]
     assert "an image folder, whose licence cmhsa cannot know" in licence and "CC BY 4.0" in licence
+    copied = ModelCard.load(tmp_path / "tc" / CARD)
+    assert "base_model" not in copied.data.to_dict() and "openai" not in copied.text
 
 
 @pytest.mark.parametrize("license_id", ["mit", "cc-by-4.0", "other", "unknown", "gpl-3.0"])
@@ -360,7 +369,8 @@ def test_the_front_matter_reads_back_as_config_json_says(tmp_path: Path, license
     front = yaml.safe_load((tmp_path / "f" / CARD).read_text().split("---\n")[1])
     doc = json.loads((tmp_path / "f" / CONFIG).read_text())
     assert front["license"] == doc["pretrained_cfg"]["license"] == license_id
-    assert front["tags"][:2] == ["image-classification", "timm"]
+    assert front["library_name"] == "transformers"  # the route that runs without cmhsa
+    assert front["tags"][:2] == ["image-classification", "custom_code"]
 
 
 @pytest.mark.parametrize(

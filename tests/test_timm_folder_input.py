@@ -18,12 +18,13 @@ import timm
 import torch
 
 import convit_convert.timm as cmhsa_timm
-from conftest import FIXTURE
+from conftest import FIXTURE, invoke
 from convit_convert.api import load_checkpoint
 from convit_convert.errors import CmhsaError
 from convit_convert.timm import export_timm_folder
 
 DELETE = object()
+DIGITS = sorted((FIXTURE.parent / "digits").glob("*.png"))
 CC = ("model_args", "cmhsa_config")
 
 # (path into config.json, new value); each case holds alone
@@ -55,6 +56,12 @@ CASES: dict[str, tuple[tuple[str, ...], Any]] = {
     "num_features a string": (("num_features",), "x"),
     "an unknown top-level key": (("evil",), 1),
     "license 1000 characters": (("pretrained_cfg", "license"), "x" * 1000),
+    # the same tensor shapes, another model: refused by the weights' own config (loaded on 82c50c3)
+    "norm_eps": ((*CC, "norm_eps"), 1e-5),
+    "dilation": ((*CC, "dilation"), 2),
+    "img_size": ((*CC, "img_size"), [64, 64]),
+    "id2label not the classes": (("id2label",), {"0": "zero"}),
+    "architectures another model": (("architectures",), ["ViTForImageClassification"]),
 }
 HARMLESS = {"top num_classes missing"}
 
@@ -93,8 +100,10 @@ def test_a_hostile_config_is_one_error_or_the_file_s_model(tmp_path: Path, folde
         return
     with pytest.raises(CmhsaError) as e:
         timm.create_model(f"local-dir:{d}", pretrained=True)
-    assert "config" in e.value.message and len(e.value.message) < 400
+    assert len(e.value.message) < 400 and "\n" not in e.value.message
     assert e.value.path == str(d / "config.json")
+    r = invoke("predict", d, DIGITS[0])  # cmhsa's own route: the same refusal
+    assert r.exit_code == 2 and "config.json" in r.output, r.output
 
 
 @pytest.mark.parametrize(
@@ -115,13 +124,26 @@ def test_an_unreadable_config_is_one_error(tmp_path: Path, folder: Path, text: s
 def test_a_hub_folder_is_checked_before_timm_parses_it(
     tmp_path: Path, folder: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """hf-hub: the same check, on the config.json timm downloads (here: a local copy; no network)."""
-    from timm.models import _hub
+    """hf-hub: the same checks, on the config.json timm downloads, and of it against the weights,
+    from a huggingface_hub cache laid out as it lays one (offline: nothing is downloaded)."""
+    from huggingface_hub import constants
 
-    d = edited(folder, tmp_path / "d", ("model_args", "device"), "meta")
-    monkeypatch.setattr(_hub, "download_from_hf", lambda model_id, filename, **kw: str(d / filename))
-    with pytest.raises(CmhsaError, match="model_args must hold"):
-        timm.create_model("hf-hub:someone/cmhsa-digits", pretrained=True)
+    from conftest import hub_cache
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    for key, value, said in (("device", "meta", "model_args must hold"), ("norm_eps", 1e-5, "says norm_eps")):
+        path = ("model_args", key) if key == "device" else (*CC, key)
+        d = edited(folder, tmp_path / key, path, value)
+        hub_cache(tmp_path / "hub", f"someone/cmhsa-{key}", d)
+        with pytest.raises(CmhsaError, match=said):
+            timm.create_model(f"hf-hub:someone/cmhsa-{key}", pretrained=True)
+    hub_cache(tmp_path / "hub", "someone/cmhsa-digits", folder)
+    model = timm.create_model("hf-hub:someone/cmhsa-digits", pretrained=True).eval()
+    ref = load_checkpoint(FIXTURE).model(torch.float32).eval()
+    x = torch.randn(2, 1, 32, 32)
+    with torch.inference_mode():
+        assert torch.equal(model(x), ref(x))
 
 
 def test_another_architecture_s_folder_is_timm_s_to_read(tmp_path: Path) -> None:

@@ -122,14 +122,17 @@ def start_record(ckpt: Checkpoint, init: str) -> dict[str, Any]:
     """What a run records of the model it starts from (``cmhsa.init``, the model card's): the file
     and its sha256, the data that model was trained on and that data's licence, and the Hub model
     it is a download of (huggingface_hub's cache layout), where known."""
+    from ..io.hub import hub_id_of, is_hub_name, parse_hub_name
     from ..io.model_card import data_license, trained_data
-    from ..io.timm_folder import hub_id_of
 
     record: dict[str, Any] = {"init": init, "init_kind": ckpt.kind, "init_sha256": sha256_file(ckpt.path)}
     data = trained_data(ckpt.metadata)
     if data is not None:
         record["init_data"], record["init_license"] = data, data_license(ckpt.metadata)[0]
-    hub = hub_id_of(Path(init).expanduser().resolve()) if Path(init).exists() else None
+    if is_hub_name(init):
+        hub = parse_hub_name(init)[0]
+    else:
+        hub = hub_id_of(Path(init).expanduser()) if Path(init).expanduser().is_dir() else None
     if hub is not None:
         record["init_hub_id"] = hub
     return record

@@ -814,11 +814,13 @@ class RunFiles:
             last = st.metrics[-1] if st.metrics else {}
             figures = {k: last[k] for k in ("epoch", "top1", "top5", "val_loss") if k in last}
             split = (cfg.data.name, cfg.data.holdout, cfg.data.val_samples)
+            subset = {"train_samples": cfg.data.train_samples} if cfg.data.train_samples else {}
             meta = {
                 "cmhsa.trained": f"{cfg.phase} {cfg.data.name}, {cfg.recipe.epochs} epochs",
                 "cmhsa.init": json_text(st.init, indent=None),
                 "cmhsa.result": json_text(  # the model card's figures, and where they were measured
-                    {"data": cfg.data.name, "split": validation_split(*split), **figures}, indent=None
+                    {"data": cfg.data.name, "split": validation_split(*split), **subset, **figures},
+                    indent=None,
                 ),
                 **to_metadata(loop.classes),
             }

@@ -48,8 +48,8 @@ class Inspection:
 
 
 def inspect_file(path: Path, geometry: Geometry | None = None) -> Inspection:
-    """Kind, config, size and hash of a model file (a bare state dict read as ``geometry`` says);
-    for attention, each head's pinned offset."""
+    """Kind, config, size and hash of a model file or a timm folder's weights (a bare state dict
+    read as ``geometry`` says); for attention, each head's pinned offset."""
     ckpt = load_checkpoint(path, geometry)
     cfg = ckpt.config
     pinned = None
@@ -64,4 +64,4 @@ def inspect_file(path: Path, geometry: Geometry | None = None) -> Inspection:
     gates = None
     if cfg.pinning == "gated":
         gates = [ckpt.tensors[f"blocks.{i}.attn.gate"].clamp(0, 1).tolist() for i in range(cfg.depth)]
-    return Inspection(ckpt, file_facts(path), hc, pinned, gates)
+    return Inspection(ckpt, file_facts(ckpt.path), hc, pinned, gates)

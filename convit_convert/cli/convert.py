@@ -260,8 +260,8 @@ def inspect(
     ckpt: Annotated[
         Path,
         path_arg(
-            "A checkpoint: cmhsa .safetensors, an ONNX file (read by its graph), or "
-            "a bare state dict (.safetensors/.pt/.pth) with --img-size and "
+            "A checkpoint: cmhsa .safetensors, a timm folder, an ONNX file (read by its graph), "
+            "or a bare state dict (.safetensors/.pt/.pth) with --img-size and "
             "--patch-size."
         ),
     ],

@@ -44,7 +44,9 @@ class Checkpoint:
     config: ViTConfig
     tensors: dict[str, torch.Tensor]
     metadata: dict[str, str] = field(default_factory=dict)
-    source: str = "cmhsa"  # "cmhsa" (metadata present), "state dict" (config inferred) or "onnx"
+    # "cmhsa" (metadata present), "transformers" (a timm folder's config.json describes it), "state
+    # dict" (config inferred) or "onnx"
+    source: str = "cmhsa"
     import_report: dict[str, Any] | None = None  # ONNX input: how the graph was read and checked
 
     @property
@@ -300,9 +302,13 @@ def check_geometry(
         )
 
 
-def load_tensor_checkpoint(path: str | Path, geometry: Geometry | None = None) -> Checkpoint:
-    """Load and validate a tensor file. Files with cmhsa metadata describe themselves; a bare
-    conv-phase state dict needs ``geometry``'s ``img_size`` and ``patch_size`` (the rest is inferred)."""
+def load_tensor_checkpoint(
+    path: str | Path, geometry: Geometry | None = None, described: ViTConfig | None = None
+) -> Checkpoint:
+    """Load and validate a tensor file. Files with cmhsa metadata describe themselves; one without,
+    in a timm folder whose config.json ``described`` it (transformers' ``save_pretrained``), is
+    that model; a bare conv-phase state dict needs ``geometry``'s ``img_size`` and ``patch_size``
+    (the rest is inferred)."""
     path = Path(path)
     g = geometry or Geometry()
     img_size, patch_size = g.img_size, g.patch_size
@@ -331,6 +337,9 @@ def load_tensor_checkpoint(path: str | Path, geometry: Geometry | None = None) -
             if key in metadata and not isinstance(parse_json(metadata[key], path, f"metadata {key}"), dict):
                 raise CmhsaError(f"metadata {key} is not a JSON object", path)
         source = "cmhsa"
+    elif described is not None:
+        cfg, source = described, "transformers"
+        check_geometry(cfg, img_size, patch_size, path, "folder's config.json")
     else:
         if img_size is None or patch_size is None:
             raise CmhsaError(

@@ -155,11 +155,13 @@ def model_card(
     default_license, data_named = data_license(metadata)
     license_id = check_license(license_id or default_license)
     arch = "cmhsa_attn" if cfg.kind == "attn" else "cmhsa_conv"
+    # the Hub's convention for a model whose code travels with it: transformers runs it with
+    # trust_remote_code=True and nothing else installed; timm needs cmhsa to know the architecture
     front: dict[str, Any] = {
-        "library_name": "timm",
+        "library_name": "transformers",
         "license": license_id,
         "pipeline_tag": "image-classification",
-        "tags": ["image-classification", "timm", "cmhsa", "vision-transformer", arch],
+        "tags": ["image-classification", "custom_code", "cmhsa", "vision-transformer", "timm", arch],
     }
     datasets = list(dict.fromkeys(HUB_DATASETS[d] for d in (data, start_data) if d in HUB_DATASETS))
     if datasets:
@@ -175,8 +177,8 @@ def model_card(
         "",
         "Made with cmhsa"
         + (f" ({url})" if url else "")
-        + ", the tool of the paper [*Can Vision Transformers Perform Convolution?*]"
-        "(https://arxiv.org/abs/2111.01353): "
+        + ", a reference implementation of the paper [*Can Vision Transformers Perform Convolution?*]"
+        "(https://arxiv.org/abs/2111.01353), not its authors' code: "
         f"depth {cfg.depth}, width {cfg.embed_dim}, {cfg.patch_size}×{cfg.patch_size} patches, "
         f"{cfg.kernel_size}×{cfg.kernel_size} kernel{heads}; {num_params:,} parameters; "
         f"{cfg.num_classes} classes.",
@@ -221,17 +223,27 @@ def model_card(
         if start_data not in (None, data)
         else ""
     )
-    whose = "the training data's licence" if not started else "what both datasets' licences allow"
+    subset = card_number(result.get("train_samples"), 1, 10**9, digits=0)
+    subset = (
+        f" A seeded subset of {subset} of its training images (`--train-samples {subset}`)." if subset else ""
+    )
+    if not same:
+        declared = f", set by `cmhsa export --license`; by the data it would be `{default_license}`."
+    elif license_id == "unknown":
+        declared = (
+            ": a licence cmhsa cannot know (the data's is not recorded or not known), as `cmhsa export` "
+        )
+        declared += "declares it by default (`--license ID` sets one you know)."
+    elif license_id == "other":
+        declared = ": the two datasets' licences differ, so no one licence is named; read both."
+    else:
+        whose = "the training data's licence" if not started else "the licence both datasets share"
+        declared = f" here, {whose}, as `cmhsa export` sets it by default (`--license ID` sets another)."
     lines += [
         "",
         "## Training data and licence",
         "",
-        f"Training data: {data_named}.{started} These weights are declared `{license_id}`"
-        + (
-            f" here, {whose}, as `cmhsa export` sets it by default (`--license ID` sets another)."
-            if same
-            else f", set by `cmhsa export --license`; by the data it would be `{default_license}`."
-        ),
+        f"Training data: {data_named}.{subset}{started} These weights are declared `{license_id}`{declared}",
     ]
     names = from_metadata(metadata, cfg.num_classes)
     if names is not None:  # output i is class names[i]; anyone's folder names: inert text, bounded
@@ -258,18 +270,26 @@ def model_card(
         "",
         "```python",
         "from PIL import Image",
-        "from transformers import AutoModelForImageClassification, pipeline",
+        "from transformers import AutoImageProcessor, AutoModelForImageClassification, pipeline",
         "",
         "# this folder's path, or its Hub name once uploaded",
         'folder = "PATH/TO/THIS/FOLDER"',
         'classify = pipeline("image-classification", model=folder, trust_remote_code=True)',
         'print(classify(Image.open("image.png")))',
+        "",
+        "processor = AutoImageProcessor.from_pretrained(folder, trust_remote_code=True)",
         "model = AutoModelForImageClassification.from_pretrained(folder, trust_remote_code=True)",
+        'logits = model(**processor(Image.open("image.png"))).logits',
         "```",
         "",
-        f"With cmhsa and timm: {install_line(url)} Then `import convit_convert.timm` before "
-        "`timm.create_model`: it registers `cmhsa_conv` and `cmhsa_attn` with timm (without it timm "
-        "says `Unknown model`); `cmhsa predict` and `cmhsa eval` read the folder as it is.",
+        "Without `trust_remote_code=True`, transformers takes the folder for a timm model and asks "
+        "for timm (`pip install timm`, then `pip install -U timm`): neither helps, as timm knows "
+        "cmhsa's architectures only through cmhsa. Pass `trust_remote_code=True`.",
+        "",
+        f"With timm, cmhsa must be installed (timm alone says `No module named 'convit_convert'` or "
+        f"`Unknown model`): {install_line(url)} Then `import convit_convert.timm` before "
+        "`timm.create_model` registers `cmhsa_conv` and `cmhsa_attn`; `cmhsa predict` and "
+        "`cmhsa eval` read the folder as it is.",
         "",
         "```python",
         "import timm",
@@ -282,12 +302,12 @@ def model_card(
         "transform = timm.data.create_transform(**config)",
         "```",
         "",
-        "Files: `model.safetensors` (the weights, cmhsa's checkpoint format: `cmhsa inspect` reads it), "
-        "`config.json` (timm's: the architecture, `model_args` with the whole cmhsa config, "
-        "`pretrained_cfg`, whose `license` is the card's; its `auto_map` names `modeling_cmhsa.py`'s "
-        "classes for transformers) and `modeling_cmhsa.py`. Without torch: `cmhsa export "
-        "model.safetensors -o model.onnx` writes an ONNX file that runs with onnxruntime alone, its "
-        "preprocessing in its metadata.",
+        "Files: `model.safetensors` (the weights, cmhsa's checkpoint format), `config.json` (timm's: "
+        "the architecture, `model_args` with the whole cmhsa config, `pretrained_cfg`, whose "
+        "`license` is the card's; its `auto_map` names `modeling_cmhsa.py`'s classes for "
+        "transformers) and `modeling_cmhsa.py`. For onnxruntime alone, an ONNX file with its "
+        "preprocessing in its metadata is made once, where cmhsa is installed: `cmhsa export "
+        "model.safetensors -o model.onnx`.",
         "",
     ]
     return "---\n" + yaml_text(front) + "---\n\n" + "\n".join(lines)

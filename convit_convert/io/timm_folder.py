@@ -23,21 +23,25 @@ was; ``pretrained_cfg`` is how the model wants its input (timm's ``resolve_data_
 
 from __future__ import annotations
 
+import hashlib
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..config import ViTConfig
 from ..errors import CmhsaError
-from ..labels import check_class_names, from_metadata
+from ..labels import check_class_names, from_metadata, to_metadata
+from ..notices import notice
 from ..options.values import EVAL_CROP_PCT, EVAL_INTERPOLATION
 from ..text import json_text
+from ..version import __version__
 from .atomic import atomic_names
-from .checkpoint import read_metadata, write_checkpoint
+from .checkpoint import CONFIG_KEY, KIND_KEY, read_metadata, write_checkpoint
 from .folder import Folder
-from .model_card import CARD, HUB_ID, check_license, data_license, model_card, source_url
+from .model_card import CARD, check_license, data_license, model_card, source_url
 from .outputs import Target
-from .paths import parse_json, read_text
+from .paths import open_regular, parse_json, read_text
 
 WEIGHTS, CONFIG = "model.safetensors", "config.json"
 MODELING = "modeling_cmhsa.py"  # the model for transformers, shipped in the folder
@@ -187,17 +191,23 @@ def check_folder_config(doc: Any, where: object, added: tuple[str, ...] = ()) ->
         )
     cfg = config_from_arg(args[CONFIG_ARG], kind, where)
     top = {"architecture", "num_classes", "num_features", "label_names", "model_args", "pretrained_cfg"}
-    unknown = sorted(set(doc) - top - {"auto_map"})
+    unknown = sorted(set(doc) - top - {"auto_map"} - set(TRANSFORMERS_KEYS))
     if unknown:
-        raise CmhsaError(f"config.json holds {_shown(unknown[0])}, which cmhsa never writes", where)
-    if "auto_map" in doc and doc["auto_map"] != AUTO_MAP:  # older folders have none
         raise CmhsaError(
-            f"config.json's auto_map is not the one cmhsa writes ({_shown(doc['auto_map'])}): transformers "
+            f"config.json holds {_shown(unknown[0])}, which neither cmhsa nor transformers' save_pretrained "
+            "writes",
+            where,
+        )
+    auto_map = doc.get("auto_map", {})  # older folders have none
+    if not isinstance(auto_map, dict) or not auto_map.items() <= AUTO_MAP.items():
+        raise CmhsaError(
+            f"config.json's auto_map is not the one cmhsa writes ({_shown(auto_map)}): transformers "
             "would run other code than the folder's model; not a folder cmhsa wrote",
             where,
         )
     if "label_names" in doc:
         check_class_names(doc["label_names"], cfg.num_classes, where)
+    check_transformers_keys(doc, cfg, where)
     written = timm_config(cfg)
     for key in ("num_classes", "num_features"):
         if key in doc and _plain(doc[key]) != _plain(written[key]):
@@ -232,28 +242,160 @@ def check_folder_config(doc: Any, where: object, added: tuple[str, ...] = ()) ->
     return cfg
 
 
+def check_transformers_keys(doc: dict[str, Any], cfg: ViTConfig, where: object) -> None:
+    """What transformers' ``save_pretrained`` adds to config.json (the shipped model's config) must
+    describe the same model: its class and type cmhsa's, its class names the folder's (or the
+    outputs' numbers where the folder names none), its options of the values it takes."""
+    for key, allowed in TRANSFORMERS_KEYS.items():
+        if key in doc and not allowed(doc[key]):
+            raise CmhsaError(
+                f"config.json's {key} is {_shown(doc[key])}, not what the shipped model writes", where
+            )
+    id2label = doc.get("id2label")
+    if id2label is not None:
+        names = doc.get("label_names") or [str(i) for i in range(cfg.num_classes)]
+        if not isinstance(id2label, dict) or id2label != {str(i): n for i, n in enumerate(names)}:
+            raise CmhsaError(
+                "config.json's id2label does not name the classes its label_names do (or, without them, "
+                "the outputs' numbers): transformers would show other names than cmhsa",
+                where,
+            )
+
+
+def _is_text(limit: int) -> Any:
+    return lambda v: isinstance(v, str) and len(v) <= limit
+
+
+# config.json keys transformers' save_pretrained writes for the shipped model, with the values each may hold
+TRANSFORMERS_KEYS: dict[str, Any] = {
+    "architectures": lambda v: v == ["CmhsaForImageClassification"],
+    "model_type": lambda v: v == "cmhsa",
+    "transformers_version": _is_text(40),
+    "dtype": lambda v: v in ("float32", "float16", "bfloat16", "float64"),
+    "torch_dtype": lambda v: v in ("float32", "float16", "bfloat16", "float64"),
+    "id2label": lambda v: isinstance(v, dict),  # checked against the class names
+    "label2id": lambda v: v is None or isinstance(v, dict),
+    "drop_path_rate": lambda v: isinstance(v, int | float) and not isinstance(v, bool) and 0 <= v < 1,
+    "problem_type": lambda v: (
+        v in (None, "regression", "single_label_classification", "multi_label_classification")
+    ),
+    "output_hidden_states": lambda v: isinstance(v, bool),
+    "return_dict": lambda v: isinstance(v, bool),
+}
+
 MAX_CONFIG_BYTES = 2**20  # a cmhsa config.json is about 1 KB
+
+
+@dataclass(frozen=True)
+class FolderModel:
+    """A timm folder as every route reads it: the model its config.json describes (checked against
+    the weights' own config where they record one), its class names, and the weights' metadata
+    (cmhsa's, or, for a folder transformers' save_pretrained wrote, made from config.json)."""
+
+    config: ViTConfig
+    classes: tuple[str, ...] | None
+    metadata: dict[str, str]
+    saved_by: str  # "cmhsa", or "transformers" (weights without cmhsa's metadata)
 
 
 def folder_config(path: Path) -> ViTConfig | None:
     """The timm folder ``path``'s config.json read as untrusted input (bounded, a regular file)
-    and checked as cmhsa writes it (:func:`check_folder_config`); None for a folder of another
-    architecture. What timm's loaders (``convit_convert.timm``) and ``cmhsa predict`` both ask."""
+    and checked as cmhsa writes it (:func:`check_folder_config`), and against the weights where
+    they are there (:func:`read_folder`); None for a folder of another architecture. What timm's
+    loaders (``convit_convert.timm``) and every cmhsa command ask."""
     where = Path(path) / CONFIG
     doc = parse_json(read_text(where, MAX_CONFIG_BYTES, "timm config.json"), where, "config.json")
     cfg = check_folder_config(doc, where)
     weights = Path(path) / WEIGHTS
     if cfg is not None and weights.exists():  # a Hub download fetches config.json first
-        check_label_names(doc, read_metadata(weights), cfg, Path(path))
+        check_weights(doc, cfg, where, weights)
     return cfg
 
 
-def check_label_names(doc: dict[str, Any], metadata: dict[str, str], cfg: ViTConfig, path: Path) -> None:
+def read_folder(path: Path) -> FolderModel:
+    """The model a timm folder holds, for every route that reads one (cmhsa's commands, timm's
+    loaders): config.json checked (:func:`folder_config`), then the weights' own config and class
+    names held to it (:func:`check_weights`); a note where the folder's modeling_cmhsa.py is not
+    the file cmhsa ships (transformers would run it; cmhsa never does)."""
+    path = Path(path)
+    cfg = folder_config(path)
+    if cfg is None:
+        raise CmhsaError("is a timm folder of another architecture than cmhsa's", path)
+    if not (path / WEIGHTS).is_file():
+        raise CmhsaError(f"is a timm folder without {WEIGHTS}", path)
+    doc = parse_json(
+        read_text(path / CONFIG, MAX_CONFIG_BYTES, "timm config.json"), path / CONFIG, "config.json"
+    )
+    metadata = read_metadata(path / WEIGHTS)
+    note_modeling_file(path)
+    if KIND_KEY in metadata:
+        return FolderModel(cfg, from_metadata(metadata, cfg.num_classes, path / WEIGHTS), metadata, "cmhsa")
+    names = doc.get("label_names")
+    names = tuple(names) if names else None
+    return FolderModel(cfg, names, to_metadata(names), "transformers")
+
+
+def check_weights(doc: dict[str, Any], cfg: ViTConfig, config: Path, weights: Path) -> None:
+    """config.json (``doc``, describing ``cfg``) must describe the model its weights hold where the
+    weights record one (cmhsa's metadata: timm builds from the first, cmhsa from the second), and
+    name its classes as they do; weights without cmhsa's metadata (transformers' save_pretrained)
+    take config.json's. Every route that reads a folder asks this (timm's loaders too)."""
+    metadata = read_metadata(weights)
+    if KIND_KEY not in metadata:
+        return
+    held = ViTConfig.from_json(metadata.get(CONFIG_KEY, "null"), metadata[KIND_KEY], weights)
+    check_one_truth(cfg, held, config, weights)
+    check_label_names(doc, metadata, cfg, config, weights)
+
+
+def check_one_truth(said: ViTConfig, held: ViTConfig, config: Path, weights: Path) -> None:
+    """A timm folder's config.json must describe the model its weights hold: a one-line
+    CmhsaError naming both files and the first field where they differ."""
+    if said == held:
+        return
+    a, b = said.to_dict(), held.to_dict()
+    field_name = next((k for k in a if a.get(k) != b.get(k)), "kind")
+    show = (lambda v: str(v)[:40]) if field_name != "kind" else None
+    one, two = (said.kind, held.kind) if show is None else (show(a.get(field_name)), show(b.get(field_name)))
+    raise CmhsaError(
+        f"says {field_name} {one} but {weights.name} holds a model of {field_name} {two}: timm would "
+        "build one model and cmhsa another; not a folder cmhsa wrote",
+        config,
+    )
+
+
+# sha256 of the modeling_cmhsa.py each earlier cmhsa release shipped -> that release
+SHIPPED_BEFORE = {"9266a368a014daac7ef835797cf29fc485ca23ec6ede18eeeb8f0684ff7c4972": "0.1.0"}
+MAX_MODELING_BYTES = 2**20
+
+
+def note_modeling_file(path: Path) -> None:
+    """A note, where the folder's modeling_cmhsa.py is not the file this cmhsa ships: which release
+    shipped it, if one did. transformers runs that file with ``trust_remote_code=True``; cmhsa
+    reads the folder's config.json and weights only, never the file."""
+    code = path / MODELING
+    if not code.exists():
+        return
+    with open_regular(code, MAX_MODELING_BYTES, "modeling_cmhsa.py") as f:
+        text = f.read(MAX_MODELING_BYTES + 1)
+    if text == SHIPPED.read_bytes():
+        return
+    release = SHIPPED_BEFORE.get(hashlib.sha256(text).hexdigest())
+    which = f"it is the file cmhsa {release} shipped" if release else "no cmhsa release shipped this file"
+    notice(
+        f"{code} is not the file this cmhsa ({__version__}) ships ({which}): transformers "
+        "runs it with trust_remote_code=True, so read it before you do; cmhsa never runs it"
+    )
+
+
+def check_label_names(
+    doc: dict[str, Any], metadata: dict[str, str], cfg: ViTConfig, config: Path, weights: Path
+) -> None:
     """One source of a timm folder's class names: the weights' (``cmhsa.classes``, what ``cmhsa
     predict`` and ``eval`` read). config.json's ``label_names`` (what timm and transformers'
     pipeline read) must be those names, or absent with them, and ``pretrained_cfg``'s, if there,
     too; else one line naming the folder's config.json and the first class that differs."""
-    names = from_metadata(metadata, cfg.num_classes, path / WEIGHTS)
+    names = from_metadata(metadata, cfg.num_classes, weights)
     pcfg = doc.get("pretrained_cfg") if isinstance(doc.get("pretrained_cfg"), dict) else {}
     said = {"label_names": doc.get("label_names")}
     if pcfg.get("label_names") is not None:
@@ -271,20 +413,8 @@ def check_label_names(doc: dict[str, Any], metadata: dict[str, str], cfg: ViTCon
         raise CmhsaError(
             f"config.json's {field_name} are not the class names {WEIGHTS} records ({detail}): timm and "
             "transformers would show one set and cmhsa another; not a folder cmhsa wrote",
-            path / CONFIG,
+            config,
         )
-
-
-def hub_id_of(path: Path) -> str | None:
-    """The Hub model a folder is a download of, where its path is huggingface_hub's cache layout
-    (``.../models--USER--NAME/snapshots/REVISION/``), else None. Read from the path, never fetched."""
-    parts = Path(path).parts
-    for i, part in enumerate(parts[:-2]):
-        if part.startswith("models--") and parts[i + 1] == "snapshots" and part.count("--") == 2:
-            _, user, name = part.split("--")
-            hub = f"{user}/{name}"
-            return hub if HUB_ID.fullmatch(hub) else None
-    return None
 
 
 def config_from_arg(value: Any, kind: str, where: object) -> ViTConfig:
