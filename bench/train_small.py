@@ -77,7 +77,8 @@ def ceilings(args: argparse.Namespace) -> list[str]:
     from timm.loss import SoftTargetCrossEntropy
 
     from convit_convert.config import ViTConfig
-    from convit_convert.data import EpochSampler, build_data, channel_stats
+    from convit_convert.data import build_data
+    from convit_convert.loaders import EpochSampler, channel_stats
     from convit_convert.model import VisionTransformer
     from convit_convert.train.augment import augment_spec
     from convit_convert.train.held import HeldLoader, hold

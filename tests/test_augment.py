@@ -18,8 +18,8 @@ import torch
 from PIL import Image
 from scipy import stats
 
-from convit_convert.data import EpochSampler, build_transform, channel_stats
 from convit_convert.errors import CmhsaError
+from convit_convert.loaders import EpochSampler, build_transform, channel_stats
 from convit_convert.options.training import TrainConfig
 from convit_convert.train import augment as A
 from convit_convert.train.held import HeldEvalLoader, HeldLoader, eval_view
@@ -308,7 +308,8 @@ def test_augmented_images_match_timms_in_distribution(aa: str) -> None:
     mean, spread and mean horizontal gradient (how sharp the images are), 1,000 images each.
     Tolerances from the batch path's own draw-to-draw spread on these images (6 seeds: mean
     σ 0.015, spread σ 0.8%): 0.05 and 3% are about 2.5-3 σ of the difference of two draws."""
-    from convit_convert.data import Seeded, build_data
+    from convit_convert.data import build_data
+    from convit_convert.loaders import Seeded
     from convit_convert.train.held import hold
 
     spec = build_data("digits", None, (28, 28))
@@ -330,8 +331,8 @@ def test_auto_loader_holds_what_fits_and_says_why_not(tmp_path) -> None:
     """`loader` auto: one-size image folders are held (as PIL converts them: grey from RGB by
     PIL's weights), mixed sizes and unsupported augmentation fall back to workers with a reason."""
     from convit_convert.data import build_data
+    from convit_convert.train.build import choose_loader
     from convit_convert.train.held import hold
-    from convit_convert.train.run import choose_loader
 
     rng = np.random.default_rng(0)
     for split in ("train", "val"):
@@ -360,7 +361,7 @@ def test_the_posterize_fix_stays_in_cmhsa_s_transforms() -> None:
 
     from timm.data import auto_augment
 
-    from convit_convert.data import _posterize, build_transform
+    from convit_convert.loaders import _posterize, build_transform
 
     before = dict(auto_augment.NAME_TO_OP)
     recipe = SimpleNamespace(

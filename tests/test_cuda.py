@@ -227,7 +227,7 @@ def test_device_loader_on_cuda_matches_cpu() -> None:
     RandAugment, crop, flip; erasing off, its normals come from each device's own generator):
     the same parameters, so every pixel within one grey level (resampling and rounding order
     differ between devices), nearly all exactly equal."""
-    from convit_convert.data import EpochSampler, channel_stats
+    from convit_convert.loaders import EpochSampler, channel_stats
     from convit_convert.train.augment import augment_spec
     from convit_convert.train.held import HeldLoader
 

@@ -387,7 +387,7 @@ ENTRY_POINTS = {
     "convit_convert/timm.py": {"export_timm_folder"},
     "convit_convert/data.py": {"cifar"},  # torchvision's --download into the folder the user named
     "convit_convert/io/journal.py": {"scan"},  # reads a folder's journals, writes nothing
-    "train/run.py": {"run_folder"},
+    "train/run_folder.py": {"run_folder"},
     "train/stacked.py": {"_run_seeds"},
     "train/plot.py": {"plot_runs", "plot_attention"},
     "train/arms.py": {"_launch", "_child"},  # the experiments' runner: an arm's folder

@@ -331,7 +331,7 @@ def test_the_shipped_processor_gives_cmhsa_predicts_pixels() -> None:
     """timm's evaluation transform (what ``cmhsa predict`` runs), pixel for pixel, on grey and
     colour images smaller, larger and of other shapes than the model's, for square and non-square
     models."""
-    from convit_convert.data import build_transform
+    from convit_convert.loaders import build_transform
 
     shapes = [(5, 9), (40, 17), (8, 8), (31, 64), (100, 100)]
     for size, chans in (((28, 28), 1), ((12, 8), 3), ((32, 32), 3)):

@@ -595,7 +595,7 @@ def test_without_randaugment_a_batchs_parameters_are_all_on_the_images_device(aa
     then pays a launch per kernel: on an H100, 4.0 ms a step at 1 and 3 seeds alike). Without
     RandAugment every field is on the images' device (the meta device here stands for a GPU); with
     it, RandAugment's choices stay on the CPU, where its per-op selection reads them."""
-    from convit_convert.data import EpochSampler, channel_stats
+    from convit_convert.loaders import EpochSampler, channel_stats
     from convit_convert.train.augment import PARAM_FIELDS, augment_spec
 
     mean, std = channel_stats(1)

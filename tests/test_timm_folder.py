@@ -80,9 +80,9 @@ def test_a_folder_loads_in_timm_as_the_same_model_both_kinds_two_sizes(tmp_path:
 
 def test_the_folders_data_config_is_cmhsa_evals_transform(tmp_path: Path) -> None:
     """timm's resolve_data_config + create_transform on the loaded model against the transform
-    `cmhsa eval` applies (convit_convert.data.build_transform, eval), on an RGB image of another size:
+    `cmhsa eval` applies (convit_convert.loaders.build_transform, eval), on an RGB image of another size:
     the same tensor."""
-    from convit_convert.data import build_transform
+    from convit_convert.loaders import build_transform
     from convit_convert.options.training import TrainConfig
 
     small = conv_model(seed=3, dtype=torch.float32, patch_embed="linear", in_chans=3)

@@ -24,12 +24,14 @@ import torch
 from safetensors.torch import load_file
 
 import convit_convert.data as cdata
+import convit_convert.loaders as cloaders
 from conftest import TINY_RUN, invoke, one_error_line, tiny_config
 from convit_convert.cli.common import as_flags
-from convit_convert.data import EpochSampler, build_data, build_loader, build_transform
+from convit_convert.data import build_data
 from convit_convert.errors import CheckFailed, CmhsaError
+from convit_convert.loaders import EpochSampler, build_loader, build_transform
 from convit_convert.options.training import TrainConfig
-from convit_convert.train import run as engine
+from convit_convert.train import build as engine
 from convit_convert.train.progress import Progress
 from convit_convert.train.recipe import build_recipe, scaled_lrs
 from convit_convert.train.run import run
@@ -299,14 +301,14 @@ def test_default_workers_follow_the_machine(tmp_path: Path, monkeypatch) -> None
     more than the CPUs, else every CPU."""
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    assert cdata.default_workers() == 2 and cdata.default_threads() == 2
+    assert cloaders.default_workers() == 2 and cloaders.default_threads() == 2
     wrong = ("0", "-1", "", "x", "1.5", "\u0661", "9" * 40)  # \u0661: an Arabic-Indic 1
     for given, threads in [("1", 1), (" 1 ", 1), ("2", 2), ("64", 2), *((w, 2) for w in wrong)]:
         monkeypatch.setenv("OMP_NUM_THREADS", given)
-        assert cdata.default_threads() == threads, given
+        assert cloaders.default_threads() == threads, given
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)))
-    assert cdata.default_workers() == 4
+    assert cloaders.default_workers() == 4
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
     cfg = tiny_config(tmp_path / "run", TINY, epochs=1, **PLAIN).replace(workers=None)
     run(cfg)

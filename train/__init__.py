@@ -1,7 +1,8 @@
 """Two-phase training (the paper's Section 4), installed as ``convit_convert.train``:
 
 - the flags: ``TrainConfig`` (:mod:`convit_convert.options.training`), built from the flat flags;
-- `run.py`: a run, built (data, model, recipe, resumed state), looped over epochs, its model written;
+- `run.py`: a run, looped over epochs, its model written; `build.py`: a run built from its config
+  (data, model, recipe, resumed state); `run_folder.py`: the run's held folder and the names it writes;
 - `stacked.py`: ``--seeds``, several seeds of one run in one process, stepped batched or in turn;
 - `phases.py`: the model each phase trains; `recipe.py`: timm's optimizer, scheduler, Mixup, loss;
 - `augment.py`: timm's training augmentation on the device; `held.py`: datasets held on the device;
@@ -28,6 +29,6 @@ One step, in reading order (the loop nanoGPT's train.py holds, here in one funct
 3. with ``--compile``, ``step.CompiledStep.__call__`` computes the middle (augmentation to
    gradients) as one graph.
 
-``run.build`` makes those objects once, each passed by keyword into a ``loop.Loop``:
-``run.data_and_model``, ``recipe.build_recipe`` (timm's optimizer, scheduler, Mixup, loss),
-``state.RunState`` (``run.resume_state`` when resuming), ``step.CompiledStep``."""
+``build.build`` makes those objects once, each passed by keyword into a ``loop.Loop``:
+``build.data_and_model``, ``recipe.build_recipe`` (timm's optimizer, scheduler, Mixup, loss),
+``state.RunState`` (``build.resume_state`` when resuming), ``step.CompiledStep``."""

@@ -35,7 +35,7 @@ from ..io.paths import parse_json, read_text
 from ..options.training import TrainConfig
 from ..options.values import check
 from ..text import terminal_safe
-from .run import OUTPUT
+from .run_folder import OUTPUT
 from .stacked import seed_folder
 from .state import LAST
 

@@ -1,9 +1,9 @@
 """Datasets held as one uint8 tensor on the training device: a batch is an index gather, augmented
 as a batch (:mod:`.augment`); no per-sample Python and no worker processes.
 
-The training loader keeps :class:`.data.EpochSampler`'s order (so a run's batches are the workers
-path's batches) and draws the augmentation of 64 steps' global batches at once from a generator
-seeded by (seed, epoch, chunk), of which each rank takes its rows: the result does not depend on
+The training loader keeps :class:`convit_convert.loaders.EpochSampler`'s order (so a run's batches
+are the workers path's batches) and draws the augmentation of 64 steps' global batches at once
+from a generator seeded by (seed, epoch, chunk), of which each rank takes its rows: the result does not depend on
 the number of processes, and a run stopped at any step resumes bit for bit (the chunk is drawn
 again). The validation split is
 resized and centre-cropped once, as timm's eval transform does (torchvision's antialiased resize),
@@ -21,9 +21,10 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, Subset
 
-from ..data import ArrayImages, EpochSampler, sample_seed
+from ..data import ArrayImages
 from ..errors import CmhsaError
 from ..io.images import open_image, read_image
+from ..loaders import EpochSampler, sample_seed
 from .augment import PARAM_FIELDS, AugmentSpec, Params, augment, grey, normalise, sample_params
 
 MAX_BYTES = 2 << 30  # hold at most 2 GiB of decoded images; larger sets use the workers loader
@@ -99,7 +100,7 @@ def holdable(ds: Dataset, in_chans: int) -> str | None:
 
 def hold(ds: Dataset, in_chans: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(N, C, H, W) uint8 images converted to ``in_chans`` as PIL converts them, and (N,) int64
-    labels, on ``device``. The caller has asked :func:`holdable` (``run.choose_loader`` does)."""
+    labels, on ``device``. The caller has asked :func:`holdable` (``build.choose_loader`` does)."""
     src = _array_source(ds)
     if src is None:
         raise CmhsaError(

@@ -44,8 +44,8 @@ from torch import nn
 from ..analysis import attention_stats
 from ..api.common import autocast
 from ..api.on_data import evaluate
-from ..data import sample_seed
 from ..errors import CheckFailed
+from ..loaders import sample_seed
 from ..options.training import TrainConfig
 from . import progress
 from .distributed import Context, all_reduce_sum
@@ -65,7 +65,7 @@ class Scored:
 
 @dataclass(kw_only=True)
 class Loop:
-    """What every step and epoch uses, built once (by keyword) by :func:`.run.build`."""
+    """What every step and epoch uses, built once (by keyword) by :func:`.build.build`."""
 
     cfg: TrainConfig
     ctx: Context

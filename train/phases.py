@@ -26,10 +26,10 @@ import torch
 from ..api import as_float32, convert_checkpoint, load_checkpoint
 from ..config import ViTConfig
 from ..conv_mixer import AUTO_FORM, token_form_bytes
-from ..data import image_mode
 from ..errors import CheckFailed, CmhsaError
 from ..io.checkpoint import Checkpoint
 from ..io.report import sha256_file
+from ..loaders import image_mode
 from ..model import ATTENTION_PARAMS, VisionTransformer
 from ..options.training import TrainConfig
 from ..resources import check_fits

@@ -8,8 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..data import build_transform
 from ..errors import CmhsaError
+from ..loaders import build_transform
 from ..model import ATTENTION_PARAMS
 from ..options.training import INIT_STARTS, TrainConfig
 from ..starts import check_start

@@ -5,7 +5,7 @@ each seed's own step in turn.
 
 Small models leave a GPU idle: S processes time-slice it, while one process whose every kernel
 carries S seeds could fill it. Each seed is built exactly as its own ``cmhsa train --seed N --out
-OUT/seedN`` run builds it (:func:`.run.build`: data subset and order, initialisation, optimizer,
+OUT/seedN`` run builds it (:func:`.build.build`: data subset and order, initialisation, optimizer,
 schedule, EMA, loader, run folder, checkpoints, exports). Then every parameter becomes one
 ``nn.Parameter`` with the seeds on a leading axis, each seed's parameters its slices
 (:func:`stacked_weights`), and the step is shared: the S forwards, losses and backwards run as one
@@ -68,19 +68,13 @@ from ..resources import sized_by
 from ..text import json_text
 from . import mixing
 from .augment import Params
+from .build import resolved_config
 from .distributed import Context, setup, teardown
 from .held import HeldBatch, HeldEvalLoader
 from .loop import Loop, Scored
 from .progress import Progress
-from .run import (
-    RunFiles,
-    RunResult,
-    deterministic_kernels,
-    prepared,
-    resolved_config,
-    run_folder,
-    train_epochs,
-)
+from .run import RunFiles, RunResult, deterministic_kernels, prepared, train_epochs
+from .run_folder import run_folder
 from .state import numpy_state, rng_state, saved_numpy_state, set_rng_state
 from .step import FUSED, assign_gradients, laid_out, tallied, update, with_autograd_traced
 

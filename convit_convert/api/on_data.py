@@ -17,11 +17,12 @@ from torch.utils.data import DataLoader, Subset
 from ..analysis import AttentionReport, attention_stats
 from ..approximate import Calibration
 from ..config import ViTConfig
-from ..data import DataSpec, build_data, build_loader, build_transform, default_workers, image_mode
+from ..data import DataSpec, build_data
 from ..deploy import for_inference
 from ..errors import CmhsaError
 from ..io.checkpoint import Checkpoint
 from ..labels import name_of
+from ..loaders import build_loader, build_transform, default_workers, image_mode
 from ..options.operations import AttentionOptions, CalibrationSource, EvalOptions
 from ..options.values import EVAL_CROP_PCT
 from .common import amp_dtype, autocast, load_checkpoint, pick_device

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..data import build_transform, folders_once, image_mode, is_image_name
+from ..data import folders_once, is_image_name
 from ..deploy import for_inference
 from ..errors import CmhsaError
 from ..io.atomic import atomic_text
@@ -23,6 +23,7 @@ from ..io.images import read_image
 from ..io.outputs import Target
 from ..io.paths import stat_input
 from ..labels import name_of
+from ..loaders import build_transform, image_mode
 from ..options.operations import PredictOptions
 from ..options.values import EVAL_CROP_PCT
 from ..resources import sized_by

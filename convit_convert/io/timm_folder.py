@@ -60,7 +60,7 @@ def pretrained_cfg(cfg: ViTConfig, file: str | None = None, license_id: str = "m
     """timm's description of how a model wants its input (what ``cmhsa eval`` does: bicubic resize
     to size / 0.875, centre crop, ImageNet's mean and std), where its head is, and the weights'
     licence (the model card's: io/model_card.data_license)."""
-    from ..data import channel_stats
+    from ..loaders import channel_stats
 
     mean, std = channel_stats(cfg.in_chans)
     # no first conv to adapt to other in_chans when the patch embedding is the identity (the paper's)

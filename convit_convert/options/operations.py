@@ -100,7 +100,7 @@ class HeadsQuery(Checked):
 @dataclass(frozen=True)
 class EvalOptions(Checked):
     """``cmhsa eval``: ``data``'s validation split in batches of ``batch_size``, preprocessed as the
-    model's evaluation transform (``crop_pct``); ``workers`` None: data.default_workers()."""
+    model's evaluation transform (``crop_pct``); ``workers`` None: loaders.default_workers()."""
 
     CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"data": DATASETS, "amp": AMPS}
 

@@ -83,7 +83,7 @@ def flags_of(group: str) -> dict[str, str]:
 
 
 # The flags whose default is a rule, not a value: the rule in words, beside the code that applies it
-# (from_flags, peak_lr, attn_lr_scale, data.default_threads); --help shows these
+# (from_flags, peak_lr, attn_lr_scale, loaders.default_threads); --help shows these
 DEFAULT_RULES = {
     "lr": "{} from scratch (phase 1; phase 2 from random, impulse or mimetic), {} from a checkpoint "
     "(--init: phase 2's, the paper's, or phase 1 restarted); --preset cpu: {}, {}".format(
@@ -208,8 +208,8 @@ class RuntimeConfig(Checked):
     compile: bool = False
     conv_form: str = "auto"  # phase 1's convolution: "pixels", "tokens", or "auto" (conv_mixer.py)
     deterministic: bool = False  # deterministic CUDA kernels; a resume in another environment refused
-    workers: int | None = None  # workers loader only; default: data.default_workers
-    threads: int | None = None  # torch CPU threads; default: data.default_threads
+    workers: int | None = None  # workers loader only; default: loaders.default_workers
+    threads: int | None = None  # torch CPU threads; default: loaders.default_threads
     resume: bool = False
     overwrite: bool = False  # start anew in a folder holding another run's outputs (replacing them)
     keep: int = 0
