@@ -3,11 +3,10 @@ as a batch (:mod:`.augment`); no per-sample Python and no worker processes.
 
 The training loader keeps :class:`convit_convert.loaders.EpochSampler`'s order (so a run's batches
 are the workers path's batches) and draws the augmentation of 64 steps' global batches at once
-from a generator seeded by (seed, epoch, chunk), of which each rank takes its rows: the result does not depend on
-the number of processes, and a run stopped at any step resumes bit for bit (the chunk is drawn
-again). The validation split is
-resized and centre-cropped once, as timm's eval transform does (torchvision's antialiased resize),
-so an epoch's evaluation costs a forward pass.
+from a generator seeded by (seed, epoch, chunk), of which each rank takes its rows: the result
+does not depend on the number of processes, and a run stopped at any step resumes bit for bit
+(the chunk is drawn again). The validation split is resized and centre-cropped once, as timm's
+eval transform does (torchvision's antialiased resize), so an epoch's evaluation costs a forward pass.
 """
 
 from __future__ import annotations
