@@ -17,7 +17,7 @@ typer, rich, safetensors, scikit-learn, pytest): run it from the repository root
   phase 1 in both conv forms (pixels: F.conv2d; tokens: Theorem 1's products; MFU also on the
   convolution's own FLOPs), phase 2 (qk_dim 768 and 64) and timm's DeiT-base / DeiT-small.
 - infer: inference images/s, attention model as trained and fused, against DeiT-base / -small.
-- step: issue 41's figures: the EXPERIMENTS.md model's images/s at batch 256 and 1024, eager and
+- step: the EXPERIMENTS.md model's images/s at batch 256 and 1024, eager and
   compiled, both phases (phase 1 in both conv forms), and the wall time of six init-comparison
   arms run at once.
 - e2e: phase 1 -> convert -> verify -> phase 2 -> eval -> ONNX export on scikit-learn's digits.
@@ -420,7 +420,7 @@ def conv_flops(rows: list[dict[str, Any]], batch: int, peak: float | None) -> No
 
 
 def train_goals(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """The issue's goals, from the measured rows (None where a row is missing)."""
+    """The GPU goals BENCHMARKS.md states, from the measured rows (None where a row is missing)."""
 
     def get(label: str, compiled: bool, key: str) -> float | None:
         for r in rows:
@@ -441,7 +441,7 @@ def train_goals(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "phase2_qk64_over_phase1_step (goal <= 3)": None if not (p1_t and p2_t) else p2_t / p1_t,
             "phase2_qk768_over_phase1_step": None if not (p1_t and p2_768) else p2_768 / p1_t,
         }
-        for form, v in p1.items():  # issue 49: phase 1 >= 2.5x phase 2 qk_dim 64 and >= 2x DeiT-base
+        for form, v in p1.items():  # the goal: phase 1 >= 2.5x phase 2 qk_dim 64 and >= 2x DeiT-base
             goals[tag][f"phase1_{form}_over_phase2_qk64 (goal >= 2.5 compiled)"] = (
                 None if not (v and p2) else v / p2
             )
@@ -589,7 +589,7 @@ E2E_FLAGS = [
 ]
 
 
-STEP_ARMS = ("p1", "half-p1", "gated", "hard", "impulse", "random")  # issue 41's six init-comparison arms
+STEP_ARMS = ("p1", "half-p1", "gated", "hard", "impulse", "random")  # the init comparison's six arms
 
 
 def step_section(

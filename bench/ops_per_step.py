@@ -1,4 +1,4 @@
-"""The host's work per training step: aten ops dispatched and CPU steps/s (issue 41's instrument).
+"""The host's work per training step: aten ops dispatched, host reads of device values, and CPU steps/s.
 
     python bench/ops_per_step.py [--batch 8] [--data-dir DIR]
 
@@ -25,25 +25,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from convit_convert.options.training import TrainConfig
+from convit_convert.train.profiling import HOST_READ, OpCounter
 from convit_convert.train.progress import Progress
 from convit_convert.train.run import run
-
-HOST_READ = "aten._local_scalar_dense"  # what .item(), float() and bool() of a tensor dispatch
-
-
-class CountOps(TorchDispatchMode):
-    """Every aten op dispatched while active, by name."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[str(func.overloadpacket)] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def config(phase: str, steps: int, batch: int, out: Path, data_dir: str | None) -> TrainConfig:
@@ -100,7 +86,7 @@ def parts_counted() -> Iterator[Counter[str]]:
             real = getattr(owner, attr)
 
             def counted(*a, _real=real, _part=part, **k):
-                counter = CountOps()
+                counter = OpCounter()
                 with counter:
                     out = _real(*a, **k)
                 totals[_part] += sum(counter.ops.values())
@@ -120,7 +106,7 @@ def one_run(cfg: TrainConfig, count: str | None) -> tuple[Counter[str], float]:
     of ``cfg``. The parts are counted in runs of their own (their wrappers shift the total by a
     few ops)."""
     if count == "ops":
-        with CountOps() as counter:
+        with OpCounter() as counter:
             result = run(cfg, progress=Progress(None))
         return counter.ops, float(result.rows[-1]["epoch_seconds"])
     if count == "parts":
@@ -138,7 +124,7 @@ def model_ops(cfg: TrainConfig, batch: int) -> int:
     model = build_phase_model(cfg, 10, lambda _: None).model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     x = torch.randn(batch, cfg.model.in_chans, cfg.model.img_size, cfg.model.img_size)
-    counter = CountOps()
+    counter = OpCounter()
     with counter:
         torch.autograd.grad(model(x).sum(), params, allow_unused=True)
     return sum(counter.ops.values())

@@ -1,5 +1,5 @@
 """Images/s of S seeds trained as one stacked model in one process (``--seeds``) against S separate
-processes sharing the device, for phase 1 and phase 2 (issue 57's measurement).
+processes sharing the device, for phase 1 and phase 2.
 
     python bench/stacked_seeds.py --device cuda --compile --data-dir DIR [--stacks 1 3 6] [--separate 3]
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import gzip
 import hashlib
-import importlib.util
 import os
 import signal
 import stat
@@ -14,7 +13,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -208,14 +206,6 @@ def invoke(*args: Any, env: dict[str, str] | None = None, **kwargs: Any) -> Resu
         raise KeyboardInterrupt("the test session was interrupted")
     words = [str(w) for a in args for w in (a if isinstance(a, (list, tuple)) else (a,))]
     return CliRunner().invoke(app, words, env=env, **kwargs)
-
-
-def bench_script(name: str) -> ModuleType:
-    """bench/``name``.py, loaded as a module (a script beside the benchmarks, not a package)."""
-    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return module
 
 
 def hub_cache(

@@ -1,7 +1,9 @@
 """A run you can watch: a line (or a bar's update) at least every PROGRESS_SECONDS of wall time, not
-only every ``--log-every`` steps; the device read for it at most that often; validation, ``eval``
-and ``predict`` counted too; a ``--seeds`` run's shared notes said once. The clock is the test's
-(``train.progress.clock``), so no test waits."""
+only every ``--log-every`` steps; the device read for it at most that often; each line's estimate of
+the rest of the epoch and of the run, validations included; validation, ``eval`` and ``predict``
+counted too; a ``--seeds`` run's lines and shared notes said once; on a terminal, bars that keep
+their width, refresh their time with every step and leave when the run ends. The clock is the
+test's (``train.progress.clock``), so no test waits."""
 
 from __future__ import annotations
 
@@ -9,17 +11,17 @@ import io
 import itertools
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 from rich.console import Console
 
-from conftest import FIXTURE, TINY_RUN, bench_script, invoke, tiny_config
-from convit_convert.cli.progress import RichProgress
+from conftest import FIXTURE, TINY_RUN, invoke, tiny_config
+from convit_convert.cli.progress import BAR_CELLS, Bars
 from convit_convert.train import progress as progress_module
-from convit_convert.train.progress import PROGRESS_SECONDS, Paced, Progress
+from convit_convert.train.profiling import HOST_READ, OpCounter
+from convit_convert.train.progress import PROGRESS_SECONDS, Estimate, Pace, Paced, Progress, StepLine
 from convit_convert.train.run import run
-
-CountOps = bench_script("ops_per_step").CountOps
 
 
 def ticking(monkeypatch: pytest.MonkeyPatch, seconds: float) -> list[float]:
@@ -35,94 +37,136 @@ def ticking(monkeypatch: pytest.MonkeyPatch, seconds: float) -> list[float]:
     return seen
 
 
-STEP = re.compile(r"^epoch 1/1 step (\d+)/(\d+) .* about (\d+) s to go$")
+STEP_LINE = re.compile(r"^epoch 1/1 step (\d+)/(\d+) .* about ([\d.]+) (?:s|min) to go; the run about")
+
+
+def quiet_run(out: Path, **flags) -> dict:
+    """The tiny run's flags on the CPU, one epoch, no warm-up: 16 steps."""
+    return dict(device="cpu", workers=0, epochs=1, warmup_epochs=0) | flags
 
 
 def test_an_epoch_shorter_than_log_every_still_says_where_it_is(tmp_path: Path, monkeypatch) -> None:
-    """16 steps, `--log-every` 1000: before, one line at the epoch's end, "about 0 s to go". With
-    each clock read 4 s apart the epoch passes PROGRESS_SECONDS within a few steps: lines come
-    before its end, each with the step, images/s and a nonzero estimate of the rest."""
+    """16 steps, `--log-every` 1000: with each clock read 4 s apart the epoch passes
+    PROGRESS_SECONDS within a few steps: lines come before its end, each with the step, images/s
+    and a nonzero estimate of the rest of the epoch and of the run."""
     ticking(monkeypatch, 4.0)
     lines: list[str] = []
-    run(
-        tiny_config(tmp_path / "r", log_every=1000, device="cpu", workers=0, epochs=1, warmup_epochs=0),
-        progress=Progress(lines.append),
-    )
-    steps = [STEP.match(line) for line in lines]
+    run(tiny_config(tmp_path / "r", log_every=1000, **quiet_run(tmp_path)), progress=Progress(lines.append))
+    steps = [STEP_LINE.match(line) for line in lines]
     early = [m for m in steps if m and int(m.group(1)) < int(m.group(2))]
     assert early, lines
-    assert all(int(m.group(3)) > 0 for m in early), lines
-    assert any("img/s" in line and "loss " in line for line in lines if STEP.match(line))
+    assert all(float(m.group(3)) > 0 for m in early), lines
+    assert any("img/s" in line and "loss " in line for line in lines if STEP_LINE.match(line))
 
 
-def test_no_glance_within_progress_seconds(tmp_path: Path, monkeypatch) -> None:
-    """A clock that stands still: a 16-step epoch reads the device only at its end, as before
-    (host reads counted as aten::_local_scalar_dense, as test_step's per-step check counts them),
-    and prints its one step line there."""
-    monkeypatch.setattr(progress_module, "clock", lambda: 0.0)
-    counts, lines = {}, []
-    for glances, seconds in (("still", None), ("ticking", 4.0)):
-        if seconds is not None:
-            ticking(monkeypatch, seconds)
-        counter, said = CountOps(), []
-        with counter:
-            run(
-                tiny_config(tmp_path / glances, device="cpu", workers=0, epochs=1, warmup_epochs=0),
-                progress=Progress(said.append),
-            )
-        counts[glances], lines = counter.ops["aten._local_scalar_dense"], [*lines, said]
-    assert len([line for line in lines[0] if STEP.match(line)]) == 1
-    glanced = len([line for line in lines[1] if STEP.match(line)]) - 1
-    assert glanced > 0 and counts["ticking"] == counts["still"] + glanced  # one read per glance
+def glanced_run(
+    tmp_path: Path, name: str, monkeypatch, seconds: float | None
+) -> tuple[list[str], int, object]:
+    """A 16-step epoch under a clock that stands still (None) or ticks ``seconds`` a read: its lines,
+    its host reads, its result."""
+    if seconds is None:
+        monkeypatch.setattr(progress_module, "clock", lambda: 0.0)
+    else:
+        ticking(monkeypatch, seconds)
+    counter, lines = OpCounter(), []
+    with counter:
+        result = run(tiny_config(tmp_path / name, **quiet_run(tmp_path)), progress=Progress(lines.append))
+    return lines, counter.ops[HOST_READ], result
 
 
-def test_a_glance_does_not_change_the_run(tmp_path: Path, monkeypatch) -> None:
-    """The glance reads the loss tally without resetting it: the epoch's training loss and the
-    weights are the same with glances after every step and with none."""
+def test_a_glance_reads_the_device_once_and_changes_nothing(tmp_path: Path, monkeypatch) -> None:
+    """A clock that stands still: a 16-step epoch reads the device only at its end and prints its
+    one step line there. A clock past PROGRESS_SECONDS at every read: a glance after every step,
+    each one line and one host read more, and the run's loss and weights are the same."""
     from safetensors.torch import load_file
 
-    monkeypatch.setattr(progress_module, "clock", lambda: 0.0)
-    still = run(
-        tiny_config(tmp_path / "still", device="cpu", workers=0, epochs=1, warmup_epochs=0),
-        progress=Progress(None),
-    )
-    ticking(monkeypatch, PROGRESS_SECONDS)
-    glanced = run(
-        tiny_config(tmp_path / "glanced", device="cpu", workers=0, epochs=1, warmup_epochs=0),
-        progress=Progress(None),
-    )
-    assert still.rows[-1]["train_loss"] == glanced.rows[-1]["train_loss"]
-    a, b = (
+    still, still_reads, a = glanced_run(tmp_path, "still", monkeypatch, None)
+    ticks, tick_reads, b = glanced_run(tmp_path, "ticking", monkeypatch, PROGRESS_SECONDS)
+    assert len([line for line in still if STEP_LINE.match(line)]) == 1
+    glances = len([line for line in ticks if STEP_LINE.match(line)]) - 1
+    assert glances == 15, ticks  # every step but the last, whose read-out is the epoch's
+    assert tick_reads == still_reads + glances  # one read per glance
+    assert a.rows[-1]["train_loss"] == b.rows[-1]["train_loss"]
+    wa, wb = (
         load_file(tmp_path / "still" / "conv.safetensors"),
-        load_file(tmp_path / "glanced" / "conv.safetensors"),
+        load_file(tmp_path / "ticking" / "conv.safetensors"),
     )
-    assert all((a[k] == b[k]).all() for k in a)
+    assert all((wa[k] == wb[k]).all() for k in wa)
 
 
 def test_a_stack_glances_once_for_all_its_seeds(tmp_path: Path, monkeypatch) -> None:
-    """`--seeds`: one line per glance or read-out (the lead seed's), never one per seed."""
+    """`--seeds`: one step line per glance or read-out (the lead seed's), never one per seed: with a
+    glance after every step, one line per step of the 16."""
     from convit_convert.train.stacked import run_seeds
 
-    ticking(monkeypatch, 4.0)
+    ticking(monkeypatch, PROGRESS_SECONDS)
     lines: list[str] = []
-    cfg = tiny_config(tmp_path / "s", seeds=(0, 1, 2), device="cpu", workers=0, epochs=1, warmup_epochs=0)
-    run_seeds(cfg, progress=Progress(lines.append))
-    step_lines = [line for line in lines if " step " in line and "/16 " in line]
-    assert step_lines and not any(line.startswith("seed ") for line in step_lines), lines
+    run_seeds(
+        tiny_config(tmp_path / "s", seeds=(0, 1, 2), **quiet_run(tmp_path)), progress=Progress(lines.append)
+    )
+    step_lines = [line for line in lines if re.search(r"\bstep \d+/16\b", line)]
+    assert [int(re.search(r"step (\d+)/", line).group(1)) for line in step_lines] == list(range(1, 17)), lines
+
+
+def test_a_step_line_says_the_rest_of_the_epoch_and_of_the_run_validations_included(monkeypatch) -> None:
+    """3 epochs of 100 steps, the 2nd and 3rd evaluated: the epoch's rest from its pace; the run's
+    from it and the later epochs, their validations timed by the last one (said apart until one
+    has run); a resumed epoch's pace from the steps it ran; a new epoch's first estimate from the
+    last epoch's pace, never its "0 s to go"."""
+    clock = [100.0]
+    monkeypatch.setattr(progress_module, "clock", lambda: clock[0])
+    pace = Pace(epochs=3, steps=100, evaluates=lambda epoch: epoch >= 1)
+    pace.start_epoch(0, 0)
+    assert pace.estimate(0).epoch_left is None  # nothing timed yet
+    clock[0] += 30.0
+    first = pace.estimate(10)  # 3 s a step: 90 more steps, then 2 epochs of 100
+    assert (first.epoch_left, first.run_left, first.validations) == (270.0, 870.0, False)
+    assert (
+        first.text() == "30 s in this epoch, about 4.5 min to go; the run about 14.5 min and its validations"
+    )
+    clock[0] += 270.0
+    pace.end_steps(100)
+    pace.validated(20.0)  # not this epoch's (it has none), but the time a validation takes
+    pace.start_epoch(1, 80)  # resumed at step 80, with the last epoch's pace to begin with
+    opening = pace.estimate(80)
+    assert opening.epoch_left == 3.0 * 20 + 20.0 and opening.validations
+    clock[0] += 10.0
+    resumed = pace.estimate(90)  # 1 s a step now: 10 steps, a validation, then an epoch and its validation
+    assert (resumed.epoch_left, resumed.run_left) == (30.0, 30.0 + 100.0 + 20.0)
+    assert resumed.text() == "10 s in this epoch, about 30 s to go; the run about 2.5 min"
+    line = StepLine(1, 3, 90, 100, 0.5, 1e-3, 64.0, resumed)
+    assert line.text().startswith("epoch 2/3 step 90/100  loss 0.5000  lr 1.00e-03  64.0 img/s  10 s in")
+
+
+def test_a_step_longer_than_the_progress_interval_is_said_once(tmp_path: Path, monkeypatch) -> None:
+    """Each step 12 s on the clock: one note that a line comes after every step, then a line per step."""
+    from convit_convert.train.loop import Loop
+
+    clock, step = [0.0], Loop.step
+
+    def slow(self: Loop, batch: Any) -> None:
+        clock[0] += 12.0
+        step(self, batch)
+
+    monkeypatch.setattr(progress_module, "clock", lambda: clock[0])
+    monkeypatch.setattr(Loop, "step", slow)
+    lines: list[str] = []
+    run(tiny_config(tmp_path / "r", **quiet_run(tmp_path)), progress=Progress(lines.append))
+    notes = [line for line in lines if "longer than the 10 s between progress lines" in line]
+    assert len(notes) == 1 and notes[0].startswith("note: a step takes 12 s here"), lines
+    assert len([line for line in lines if STEP_LINE.match(line)]) == 16
 
 
 def test_validation_that_takes_long_says_how_far_it_is(tmp_path: Path, monkeypatch) -> None:
     ticking(monkeypatch, 4.0)
     lines: list[str] = []
     run(
-        tiny_config(
-            tmp_path / "r", device="cpu", workers=0, epochs=1, warmup_epochs=0, val_samples=128, batch_size=16
-        ),
+        tiny_config(tmp_path / "r", **quiet_run(tmp_path, val_samples=128, batch_size=16)),
         progress=Progress(lines.append),
     )
     assert any(
         re.match(r"validating: \d+/8 batches, [\d.]+ batches/s, about \d+ s to go", line) for line in lines
-    ), lines
+    )
 
 
 def test_a_count_says_nothing_for_quick_work_and_a_line_per_interval_for_slow(monkeypatch) -> None:
@@ -138,20 +182,58 @@ def test_a_count_says_nothing_for_quick_work_and_a_line_per_interval_for_slow(mo
     assert seen[-1] - seen[0] >= 50
 
 
-def test_on_a_terminal_the_bar_moves_with_every_step() -> None:
-    console = Console(file=io.StringIO(), force_terminal=True, width=120)
-    p = RichProgress(console)
-    p.open(epochs=1, log_every=1000)
-    p.start_epoch(0, steps=16)
-    for done in range(1, 4):
-        p.advance(done)
-        assert p.bars.tasks[1].completed == done  # type: ignore[union-attr]
+def bar_rows(bars: Bars) -> list[str]:
+    """The bars' rows as a 100-column terminal shows them now."""
+    screen = Console(file=io.StringIO(), width=100, record=True)
+    screen.print(bars.bars.make_tasks_table(bars.bars.tasks))  # type: ignore[union-attr]
+    return [row for row in screen.export_text().splitlines() if row.strip()]
+
+
+def test_on_a_terminal_the_bars_keep_their_width_and_refresh_their_time(monkeypatch) -> None:
+    """On a 100-column terminal: each bar keeps BAR_CELLS cells when the step text appears (the text
+    is cut, not the bar), no column of rich's own time; the epoch's rest refreshes with every step
+    between read-outs; epoch 2 opens without epoch 1's last estimate; a validation's bar comes and
+    goes; the bars leave the screen at the end."""
+    clock = [0.0]
+    monkeypatch.setattr(progress_module, "clock", lambda: clock[0])
+    console = Console(file=io.StringIO(), force_terminal=True, width=100)
+    bars = Bars(console)
+    p = Progress(bars)
+    p.open(epochs=2, log_every=1000)
+    pace = Pace(2, 16, lambda epoch: True)
+    pace.start_epoch(0, 0)
+    p.start_epoch(0, 16, 0, pace.estimate(0))
+    clock[0] = 4.0
+    line = StepLine(0, 2, 2, 16, 0.1234, 1e-3, 123.4, pace.estimate(2))
+    p.step(line)
+    info = bars.bars.tasks[1].fields["info"]  # type: ignore[union-attr]
+    assert info.startswith("loss 0.1234  lr 1.00e-03  123.4 img/s  about 28 s to go"), info
+    for done in range(3, 6):
+        clock[0] = 2.0 * done
+        p.moved(done, pace.estimate(done))
+        assert bars.bars.tasks[1].completed == done  # type: ignore[union-attr]
+    assert bars.bars.tasks[1].fields["info"].endswith("about 22 s to go")  # type: ignore[union-attr]
+    rows = bar_rows(bars)
+    assert len(rows) == 2, rows
+    for row in rows:  # the description's 8 cells and a space, the bar, then done/total
+        bar, after = row[9 : 9 + BAR_CELLS], row[9 + BAR_CELLS :]
+        assert len(row) <= 100 and set(bar) <= set("━╸╺ ") and re.match(r" +\d+/\d+ ", after), row
+        assert not re.search(r"\d:\d\d", row), row  # no rich time column
     count = p.counting("validating", 8)
     count(3)
-    assert [t.completed for t in p.bars.tasks if t.description == "validating"] == [3]  # type: ignore[union-attr]
+    assert [t.completed for t in bars.bars.tasks if t.description == "validating"] == [3]  # type: ignore[union-attr]
     count(5)
-    assert [t for t in p.bars.tasks if t.description == "validating"] == []  # type: ignore[union-attr]
+    assert [t for t in bars.bars.tasks if t.description == "validating"] == []  # type: ignore[union-attr]
+    clock[0] = 32.0  # 16 steps in 32 s
+    pace.end_steps(16)
+    pace.validated(2.0)
+    pace.start_epoch(1, 0)
+    p.start_epoch(1, 16, 0, pace.estimate(0))
+    opening = bars.bars.tasks[1].fields["info"]  # type: ignore[union-attr]
+    assert opening == "about 34 s to go", opening  # the last epoch's pace, and the validation
+    assert bars.bars.live.transient  # type: ignore[union-attr]  # rich erases them when they stop
     p.close()
+    assert bars.bars is None
 
 
 def test_eval_in_a_log_says_how_far_it_is(monkeypatch) -> None:
@@ -173,13 +255,22 @@ def test_predict_in_a_log_says_how_far_it_is(tmp_path: Path, monkeypatch) -> Non
 
 
 def test_a_note_every_seed_gives_is_said_once(tmp_path: Path) -> None:
-    """Grey digits on 3 channels: the note is each seed's, and the run says it once, unlabelled."""
+    """Grey digits on 3 channels: the note is each seed's, and the run says it once, unlabelled; a
+    note only one seed gives keeps its label."""
     flags = ["--data", "digits", "--train-samples", "128", "--img-size", "16", "--patch-size", "4"]
     flags += ["--depth", "1", "--kernel-size", "3", "--epochs", "1", "--batch-size", "32", "--device", "cpu"]
     r = invoke("train", "phase1", *flags, "--seeds", "0,1", "-o", tmp_path / "s")
     assert r.exit_code == 0, r.output
     grey = [line for line in r.output.splitlines() if "images are grey" in line]
     assert len(grey) == 1 and grey[0].startswith("note: "), grey
+    said: list[str] = []
+    run = Progress(said.append)
+    one, two = run.for_seed(0, lead=True), run.for_seed(1, lead=False)
+    for view in (one, two):
+        view.log("note: every seed's")
+    two.log("note: seed 1's alone")
+    run.flush_notes(2)
+    assert said == ["note: every seed's", "seed 1: note: seed 1's alone"]
 
 
 def test_evals_table_shows_top5_only_for_more_than_5_classes(tmp_path: Path) -> None:
@@ -203,3 +294,4 @@ def test_evals_table_shows_top5_only_for_more_than_5_classes(tmp_path: Path) -> 
 
 
 assert TINY_RUN["log_every"] > 16  # the tiny run's epoch is shorter than its --log-every
+assert Estimate(1.0, None, None, False).text() == "1 s in this epoch"

@@ -18,10 +18,11 @@ from typing import Any
 import pytest
 import torch
 
-from conftest import ROOT, TINY_FLAGS, bench_script, invoke, one_error_line
+from conftest import TINY_FLAGS, invoke, one_error_line
 from convit_convert.errors import CheckFailed, CmhsaError
 from convit_convert.options.training import TrainConfig
 from convit_convert.train import held
+from convit_convert.train.profiling import STEP, OpCounter, eager_step, steps_recorded
 from convit_convert.train.progress import Progress
 from convit_convert.train.run import run
 from convit_convert.train.stacked import run_seeds, seed_configs
@@ -499,12 +500,11 @@ def test_a_run_and_a_stack_train_through_the_one_epoch_loop() -> None:
 def ops_per_step(tmp_path: Path, seeds: int, **flags: Any) -> float:
     """Aten ops dispatched per training step of a stack of ``seeds`` (bench/ops_per_step.py's
     counter): the slope between 1-epoch runs of 2 and 6 steps, so set-up and evaluation cancel."""
-    count_ops = bench_script("ops_per_step").CountOps
     counts = []
     for steps in (2, 6):
         cfg = config(tmp_path / f"s{seeds}-{steps}", seeds=tuple(range(seeds)), epochs=1, **flags)
         cfg = cfg.replace(train_samples=steps * cfg.recipe.batch_size)
-        with count_ops() as counter:
+        with OpCounter() as counter:
             run_seeds(cfg, progress=QUIET)
         counts.append(sum(counter.ops.values()))
     return (counts[1] - counts[0]) / 4
@@ -535,13 +535,12 @@ def test_a_stacks_evaluation_is_one_batched_forward_of_every_seed(
     from convit_convert.train import stacked
 
     monkeypatch.setattr(stacked, "BATCHED_EVALUATION", {"cpu"})
-    count_ops = bench_script("ops_per_step").CountOps
     counted: dict[int, float] = {}
     validation = stacked.Stack.validation
 
-    def measured(self: Any) -> list:
-        with count_ops() as counter:
-            scores = validation(self)
+    def measured(self: Any, checked: Any) -> list:
+        with OpCounter() as counter:
+            scores = validation(self, checked)
         counted[len(self.loops)] = sum(counter.ops.values())
         assert all((s is not None and s.ema is not None) == (len(scores) > 1) for s in scores)
         return scores
@@ -666,14 +665,12 @@ def test_a_stacked_steps_gradients_leave_its_graph_in_their_weights_layout(
     """vmap's backward returns some stacked gradients permuted. Laid out inside the compiled step,
     that is one more output layout; after it, each was a copy of its own (one more launch on a GPU,
     outside the CUDA graph): 14 a step in phase 2 compiled by inductor, 13 here, counted by
-    bench/investigations/stacked_kernels.py's rule (ops the step dispatches outside the compiled region). None
+    train/profiling.py's rule (ops the step dispatches outside the compiled region). None
     now, on the median step. Traced with
     the eager backend, as in the graph-break test."""
     from collections import Counter
     from statistics import median
 
-    monkeypatch.syspath_prepend(str(ROOT / "bench"))
-    kernels = bench_script("investigations/stacked_kernels")
     compile_ = torch.compile
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, **{**kw, "backend": "eager"}))
     torch._dynamo.reset()
@@ -681,12 +678,12 @@ def test_a_stacked_steps_gradients_leave_its_graph_in_their_weights_layout(
         phase="phase2", init="impulse", clip_grad=0.05, mixup=0.0, cutmix=0.0, compile=True, epochs=1
     )
     cpu = [torch.profiler.ProfilerActivity.CPU]
-    with torch.profiler.profile(activities=cpu) as prof, kernels.steps_recorded():
+    with torch.profiler.profile(activities=cpu) as prof, steps_recorded():
         run_seeds(config(tmp_path / "stack", seeds=(0, 1), **flags), progress=QUIET)
     torch._dynamo.reset()
     events = prof.events()
-    copies = Counter({e.id: 0 for e in events if e.name == kernels.STEP})
-    copies.update(kernels.eager_step(e) for e in events if e.name == "aten::contiguous")
+    copies = Counter({e.id: 0 for e in events if e.name == STEP})
+    copies.update(eager_step(e) for e in events if e.name == "aten::contiguous")
     del copies[None]
     assert len(copies) == 8 and median(copies.values()) == 0, copies
 

@@ -17,16 +17,15 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from conftest import ROOT, bench_script
+from conftest import ROOT
 from convit_convert.options.training import TrainConfig
 from convit_convert.train import run as engine
 from convit_convert.train.distributed import Context
 from convit_convert.train.loop import train_one_step
+from convit_convert.train.profiling import OpCounter
 from convit_convert.train.progress import Progress
 from convit_convert.train.run import run
 from convit_convert.train.step import Tally, assign_gradients, fusable
-
-CountOps = bench_script("ops_per_step").CountOps  # bench/ops_per_step.py's op counter
 
 
 def small(tmp_path: Path, name: str, phase: str = "phase1", **kw) -> TrainConfig:
@@ -60,7 +59,7 @@ def test_training_reads_nothing_from_the_device_per_step(tmp_path: Path, phase: 
     loss and the stop flag every step (2 per step)."""
     reads = {}
     for steps in (16, 48):
-        counter = CountOps()
+        counter = OpCounter()
         with counter:
             run(small(tmp_path, f"{phase}-{steps}", phase, train_samples=4 * steps), progress=Progress(None))
         reads[steps] = counter.ops["aten._local_scalar_dense"]

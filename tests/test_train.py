@@ -701,25 +701,3 @@ def test_holdout_is_training_images_the_subset_left_out(tmp_path: Path) -> None:
     ):
         with pytest.raises(CmhsaError, match=msg):
             cdata.build_data("fashion-mnist", data, **kw)
-
-
-def test_a_step_line_says_the_epoch_s_time_so_far_and_the_expected_rest(monkeypatch) -> None:
-    """A long epoch is never silent but for a bar: each step line says how long the epoch has run
-    and, from its pace so far, how long the rest will take (a resumed epoch's pace counts only the
-    steps it ran). The clock is the test's."""
-    from convit_convert.train import progress as progress_module
-
-    clock = [100.0]
-    monkeypatch.setattr(progress_module.time, "monotonic", lambda: clock[0])
-    lines: list[str] = []
-    p = Progress(lines.append)
-    p.open(epochs=2, log_every=10)
-    p.start_epoch(0, steps=100)
-    clock[0] += 30.0
-    p.step(0, 9, loss=1.0, lr=1e-3, img_per_s=50.0)  # 10 steps in 30 s: 90 more take 270 s
-    assert lines[-1].endswith("30 s in this epoch, about 4.5 min to go"), lines[-1]
-    p.start_epoch(1, steps=100, done=80)  # resumed at step 80
-    clock[0] += 10.0
-    p.step(1, 89, loss=1.0, lr=1e-3, img_per_s=50.0)  # 10 steps in 10 s: 10 more take 10 s
-    assert lines[-1].startswith("epoch 2/2 step 90/100")
-    assert "10 s in this epoch, about 10 s to go" in lines[-1]

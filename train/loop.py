@@ -30,8 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import random
-import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -86,10 +85,14 @@ class Loop:
     classes: tuple[str, ...] | None = None  # the outputs' names, where the data names them (labels.py)
     tally: Tally = field(init=False)  # the losses since the last read-out, on the device
     params: list[torch.Tensor] = field(init=False)  # what the optimizer updates
+    pace: progress.Pace = field(init=False)  # the run's time, for every progress line's estimate
+    said_slow: bool = field(init=False, default=False)  # the note that one step outlasts a progress interval
 
     def __post_init__(self) -> None:
         self.tally = Tally(self.ctx)
         self.params = [p for p in self.state.model.parameters() if p.requires_grad]
+        epochs = self.cfg.recipe.epochs
+        self.pace = progress.Pace(epochs, self.steps_per_epoch, lambda epoch: eval_due(self, epoch))
 
     # the run as the epoch loop's Stepper: a stack of one, at no cost ---------------------------
 
@@ -111,8 +114,8 @@ class Loop:
     def settle(self) -> None:
         """Nothing to hand back: the run's state is its own."""
 
-    def validation(self) -> list[Scored | None]:
-        """Nothing measured ahead: the run evaluates itself as its epoch ends (:func:`evaluated`)."""
+    def validation(self, checked: Any = None) -> list[Scored | None]:
+        """Nothing measured ahead: the run evaluates itself as its epoch ends (:func:`epoch_metrics`)."""
         return [None]
 
 
@@ -141,9 +144,10 @@ class Stepper(Protocol):
         """Each seed's state made its own again (after an epoch or a stop, before a save)."""
         ...
 
-    def validation(self) -> list[Scored | None]:
+    def validation(self, checked: Any) -> list[Scored | None]:
         """At an evaluated epoch's end, each seed's validation scores where the stepper measured
-        them itself (a stack: every seed in one batched forward); None: the seed's own evaluation."""
+        them itself (a stack: every seed in one batched forward); None: the seed's own evaluation.
+        ``checked``: what its count of batches goes through (:func:`stoppable`)."""
         ...
 
 
@@ -174,53 +178,96 @@ def train_one_step(loop: Loop, inputs: Any, labels: torch.Tensor) -> None:
     st.scheduler.step_update(num_updates=st.global_step)
 
 
+class ValidationCut(Exception):
+    """A stop request arrived during a validation: the epoch's steps are done and saved, its
+    validation is redone when the run resumes."""
+
+
 def train_one_epoch(stepper: Stepper, stop: Any, stop_after_steps: int | None = None) -> bool:
     """Train the epoch the run is in, from its step on, every seed of ``stepper`` in lockstep;
     evaluate each and append its epoch's row to its ``state.metrics``. False if a stop request (or
-    ``stop_after_steps``) ended it early, with ``state.step`` the steps done. Nothing is read from
-    the device between read-outs (every ``log_every`` steps and the epoch's last): a stop request
-    is acted on at the next one (at the next step with one process); a non-finite loss in any seed
-    stops them all there."""
+    ``stop_after_steps``) ended it early, with ``state.step`` the steps done; a stop during the
+    validation ends it there (its steps all done, the validation redone on resume). Nothing is read
+    from the device between read-outs (every ``log_every`` steps and the epoch's last) but a glance
+    each PROGRESS_SECONDS: a stop request is acted on at the next one (at the next step with one
+    process); a non-finite loss in any seed stops them all there."""
     loops = stepper.loops
     lead = loops[0]
-    cfg, ctx, st = lead.cfg, lead.ctx, lead.state
+    cfg, ctx, st, pace = lead.cfg, lead.ctx, lead.state, lead.pace
     lrs = []
     for i, loop in enumerate(loops):  # each seed's epoch begins under its own RNGs
         with stepper.stream(i):
             lrs.append(begin_epoch(loop))
     first = st.step
-    lead.reporter.start_epoch(st.epoch, lead.steps_per_epoch, first)
+    pace.start_epoch(st.epoch, first)
+    lead.reporter.start_epoch(st.epoch, lead.steps_per_epoch, first, pace.estimate(first))
     every = max(1, cfg.runtime.log_every)
-    t_last, since = time.perf_counter(), first
-    shown = progress.clock()  # when the log last had a line about this epoch
+    since = first
+    t_last = last_line = t_step = progress.clock()  # the last read-out, line, and step's end
 
-    def read_outs() -> bool:  # every seed's totals; True if a stop was requested (on any rank)
-        return any([read_out(loop, stop, since, t_last) for loop in loops])
+    def read_outs(now: float) -> bool:  # every seed's totals; True if a stop was requested (on any rank)
+        return any([read_out(loop, stop, since, t_last, now) for loop in loops])
 
     for step, batch in enumerate(until_stopped(stepper.batches(), stop), start=first):
         stepper.step(batch)
         for loop in loops:
             loop.state.step = step + 1
+        now = progress.clock()
+        if now - t_step > progress.PROGRESS_SECONDS and not lead.said_slow:
+            lead.said_slow = True
+            lead.reporter.log(
+                f"note: a step takes {progress.duration(now - t_step)} here, longer than the "
+                f"{progress.PROGRESS_SECONDS:.0f} s between progress lines: a line after every step"
+            )
+        t_step = now
         limit = stop_after_steps is not None and st.global_step >= stop_after_steps
         signalled = ctx.world == 1 and stop.signal is not None  # one process: no rank to agree with
         if st.step % every == 0 or st.step == lead.steps_per_epoch or limit or signalled:
-            stopping = read_outs()
-            t_last, since, shown = time.perf_counter(), st.step, progress.clock()
+            stopping = read_outs(now)
+            since, t_last, last_line = st.step, now, now
             if stopping or limit:
                 return False
-        elif progress.clock() - shown >= progress.PROGRESS_SECONDS:
-            glance(lead, since, t_last)  # the lead seed's alone: one line, one read
-            shown = progress.clock()
-        lead.reporter.advance(st.step)
+        elif now - last_line >= progress.PROGRESS_SECONDS:
+            glance(lead, since, t_last, now)  # the lead seed's alone: one line, one read
+            last_line = now
+        lead.reporter.moved(st.step, pace.estimate(st.step))
     if stop.signal is not None and st.step < lead.steps_per_epoch:  # the loader ended with the stop
         if st.step > since:  # the steps since the last read-out, into the totals the checkpoint saves
-            read_outs()
+            read_outs(progress.clock())
         return False
-    measured = stepper.validation() if evaluates(lead) else [None] * len(loops)
-    for i, loop in enumerate(loops):  # each seed's evaluation, under its own RNGs
+    pace.end_steps(st.step)
+    began = progress.clock()
+    checked = stoppable(stop, ctx)
+    try:
+        measured = stepper.validation(checked) if eval_due(lead) else [None] * len(loops)
+        rows = []
+        for i, loop in enumerate(loops):  # each seed's evaluation, under its own RNGs
+            with stepper.stream(i):
+                rows.append(epoch_metrics(loop, lrs[i], measured[i], checked))
+    except ValidationCut:
+        return False
+    if eval_due(lead):
+        pace.validated(progress.clock() - began)
+    for i, loop in enumerate(loops):  # every seed's epoch ends only once every seed's is measured
         with stepper.stream(i):
-            end_epoch(loop, lrs[i], measured[i])
+            end_epoch(loop, rows[i])
     return True
+
+
+def stoppable(stop: Any, ctx: Context) -> Callable[[Callable[[int], None]], Callable[[int], None]]:
+    """What makes a validation's count end it at a stop request (:class:`ValidationCut`), after the
+    batch that saw it: a validation is answered within a batch, not at its end. One process only:
+    under torchrun every rank's validation sums are reduced at its end, so each finishes it."""
+
+    def checked(count: Callable[[int], None]) -> Callable[[int], None]:
+        def counted(n: int) -> None:
+            count(n)
+            if stop.signal is not None and ctx.world == 1:
+                raise ValidationCut
+
+        return counted
+
+    return checked
 
 
 def begin_epoch(loop: Loop) -> float:
@@ -236,16 +283,35 @@ def begin_epoch(loop: Loop) -> float:
     return st.optimizer.param_groups[0]["lr"]
 
 
-def end_epoch(loop: Loop, lr: float, measured: Scored | None = None) -> None:
-    """The scheduler's epoch step, the epoch's metrics row (evaluation, or the ``measured`` scores),
-    the counters at the next epoch."""
+def end_epoch(loop: Loop, row: dict[str, Any]) -> None:
+    """The epoch's metrics row (:func:`epoch_metrics`) kept, the scheduler's epoch step, the counters
+    at the next epoch."""
     st = loop.state
     st.scheduler.step(st.epoch + 1)
-    st.metrics.append(evaluated(loop, lr, measured))
+    st.metrics.append(row)
     st.epoch, st.step, st.rng = st.epoch + 1, 0, None
 
 
-def read_out(loop: Loop, stop: Any, since: int, t_last: float) -> bool:
+def step_line(loop: Loop, since: int, t_last: float, now: float, loss_sum: float) -> progress.StepLine:
+    """The progress line's numbers after the steps ``since``..``state.step`` (whose losses sum to
+    ``loss_sum``, timed from ``t_last`` to ``now``): what a read-out and a glance both show."""
+    st = loop.state
+    steps = max(st.step - since, 1)
+    images = steps * loop.cfg.recipe.batch_size * loop.ctx.world
+    lr = float(st.optimizer.param_groups[0]["lr"])
+    return progress.StepLine(
+        st.epoch,
+        loop.cfg.recipe.epochs,
+        st.step,
+        loop.steps_per_epoch,
+        loss_sum / steps,
+        lr,
+        images / max(now - t_last, 1e-9),
+        loop.pace.estimate(st.step),
+    )
+
+
+def read_out(loop: Loop, stop: Any, since: int, t_last: float, now: float) -> bool:
     """The device's totals for the steps ``since``..``state.step`` into ``state.partial`` and the
     progress line (the one host read of a stretch of steps); a non-finite loss among them stops the
     run. True if a stop was requested (on any rank)."""
@@ -254,41 +320,40 @@ def read_out(loop: Loop, stop: Any, since: int, t_last: float) -> bool:
     totals = loop.tally.read(steps)
     if totals.bad_step is not None:
         raise CheckFailed(non_finite_message(totals.loss_sum, st.epoch, since + totals.bad_step, loop.out))
-    now = time.perf_counter()
-    images = steps * loop.cfg.recipe.batch_size * ctx.world
+    line = step_line(loop, since, t_last, now, totals.loss_sum)
     st.partial["loss_sum"] += totals.loss_sum
     st.partial["seconds"] += now - t_last
-    st.partial["images"] += images
-    lr = float(st.optimizer.param_groups[0]["lr"])
-    loop.reporter.step(st.epoch, st.step - 1, totals.loss_sum / steps, lr, images / max(now - t_last, 1e-9))
+    st.partial["images"] += steps * loop.cfg.recipe.batch_size * ctx.world
+    loop.reporter.step(line)
     if not ctx.distributed:
         return stop.signal is not None
     stopping = torch.tensor(float(stop.signal is not None), device=ctx.device)
     return all_reduce_sum(stopping, ctx).item() > 0
 
 
-def glance(loop: Loop, since: int, t_last: float) -> None:
+def glance(loop: Loop, since: int, t_last: float, now: float) -> None:
     """The progress line between read-outs: the mean loss of the steps ``since``..``state.step``
     (the tally read, not reset: the read-outs' totals stay as they would be) and their speed."""
-    st = loop.state
-    steps = st.step - since
-    loss_sum = loop.tally.peek()
-    now = time.perf_counter()
-    images = steps * loop.cfg.recipe.batch_size * loop.ctx.world
-    lr = float(st.optimizer.param_groups[0]["lr"])
-    loop.reporter.glance(st.epoch, st.step - 1, loss_sum / steps, lr, images / max(now - t_last, 1e-9))
+    loop.reporter.step(step_line(loop, since, t_last, now, loop.tally.peek()), glance=True)
 
 
-def evaluates(loop: Loop) -> bool:
-    """Whether the epoch the run is in ends with an evaluation: every `eval_every` and the last."""
-    epoch, every = loop.state.epoch + 1, loop.cfg.runtime.eval_every
-    return epoch % every == 0 or epoch == loop.cfg.recipe.epochs
+def eval_due(loop: Loop, epoch: int | None = None) -> bool:
+    """Whether the epoch ``epoch`` (0-based; default: the one the run is in) ends with an
+    evaluation: every `eval_every` and the last."""
+    epoch = (loop.state.epoch if epoch is None else epoch) + 1
+    return epoch % loop.cfg.runtime.eval_every == 0 or epoch == loop.cfg.recipe.epochs
 
 
-def evaluated(loop: Loop, lr: float, measured: Scored | None = None) -> dict[str, Any]:
+def epoch_metrics(
+    loop: Loop,
+    lr: float,
+    measured: Scored | None = None,
+    checked: Callable[[Callable[[int], None]], Callable[[int], None]] = lambda count: count,
+) -> dict[str, Any]:
     """The finished epoch's metrics.csv row: its training loss and speed; at an evaluated epoch
-    (:func:`evaluates`) the validation split's loss and top-1/top-5 (and the EMA's), or the
-    ``measured`` ones, and for attention models what the heads attend to."""
+    (:func:`eval_due`) the validation split's loss and top-1/top-5 (and the EMA's), or the
+    ``measured`` ones, and for attention models what the heads attend to. ``checked``: what each
+    validation's count goes through (:func:`stoppable`)."""
     st, ctx = loop.state, loop.ctx
 
     def reduce(sums: torch.Tensor) -> None:  # every rank's validation share summed
@@ -301,31 +366,17 @@ def evaluated(loop: Loop, lr: float, measured: Scored | None = None) -> dict[str
         "epoch_seconds": st.partial["seconds"],
         "images_per_s": st.partial["images"] / max(st.partial["seconds"], 1e-9),
     }
-    if not evaluates(loop):  # `eval_every`: not this epoch
+    if not eval_due(loop):  # `eval_every`: not this epoch
         return row
     if measured is None:
         batches = len(loop.val_loader)
-        model = evaluate(
-            st.model,
-            loop.val_loader,
-            ctx.device,
-            loop.dtype,
-            reduce,
-            progress=loop.reporter.counting("validating", batches),
-        )
-        ema = (
-            None
-            if st.ema is None
-            else evaluate(
-                st.ema.module,
-                loop.val_loader,
-                ctx.device,
-                loop.dtype,
-                reduce,
-                progress=loop.reporter.counting("validating the EMA", batches),
-            )
-        )
-        measured = Scored(model, ema)
+
+        def scores(model: nn.Module, what: str) -> dict[str, float]:
+            count = checked(loop.reporter.counting(what, batches))
+            return evaluate(model, loop.val_loader, ctx.device, loop.dtype, reduce, progress=count)
+
+        ema = None if st.ema is None else scores(st.ema.module, "validating the EMA")
+        measured = Scored(scores(st.model, "validating"), ema)
     row.update(measured.model)
     if measured.ema is not None:
         em = measured.ema

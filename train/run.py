@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -30,7 +31,7 @@ from ..io.outputs import Target
 from ..labels import to_metadata
 from ..options.training import TrainConfig
 from ..options.values import EVAL_CROP_PCT, EVAL_INTERPOLATION
-from ..text import csv_text, json_text
+from ..text import csv_text, json_text, terminal_safe
 from .build import build, resolved_config, resumed_config, unmeant_choices
 from .distributed import Context, barrier, setup, teardown
 from .held import HeldEvalLoader
@@ -64,21 +65,37 @@ class RunResult:
 
 
 class StopRequest:
-    """SIGINT/SIGTERM set a flag the loop reads after each step; a second Ctrl-C aborts at once.
-    ``also``, when set, is called after a signal is noted (a test session ends itself there on a
-    signal from outside, which a run would otherwise take as its own stop)."""
+    """SIGINT/SIGTERM: the first asks the run to stop, said at once in one line on stderr; the loop
+    acts on it after the current step (a validation, after its current batch), saves and stops,
+    resumable. A second SIGINT abandons the run at once, its line saying what that leaves
+    (``abandons()``). Where there is nothing to save (``finishing``: the model written, its
+    exports under way) the first SIGINT stops at once and says what is kept. ``also``, when set, is
+    called after a signal is noted (a test session ends itself there on a signal from outside,
+    which a run would otherwise take as its own stop)."""
 
     also: ClassVar[Callable[[int], None] | None] = None
 
-    def __init__(self) -> None:
+    def __init__(self, abandons: Callable[[], str] = lambda: "the run is abandoned") -> None:
         self.signal: str | None = None
+        self.abandons = abandons
+        self.finishing: str | None = None  # what is kept, once the model is written
         self._old: dict[int, Any] = {}
 
     def _handle(self, signum: int, frame: Any) -> None:
         signals.note(signum)
-        if self.signal is not None and signum == signal.SIGINT:
+        name = signal.Signals(signum).name
+        if self.finishing is not None:
+            say_now(f"{name}: stopped while exporting; {self.finishing}")
             raise KeyboardInterrupt
-        self.signal = signal.Signals(signum).name
+        if self.signal is not None and signum == signal.SIGINT:
+            say_now(f"second {name}: {self.abandons()}")
+            raise KeyboardInterrupt
+        if self.signal is None:
+            say_now(
+                f"{name}: stopping after the current step (a validation: after its current batch), then "
+                "saving the run to resume; Ctrl-C again abandons it"
+            )
+        self.signal = name
         if StopRequest.also is not None:
             StopRequest.also(signum)
 
@@ -94,6 +111,18 @@ class StopRequest:
         finally:
             for s, h in self._old.items():
                 signal.signal(s, h)
+
+
+def say_now(line: str) -> None:
+    """One line on stderr from a signal handler, whatever the main thread was writing (a write of
+    its own cut short: then straight to the file descriptor)."""
+    text = terminal_safe(line) + "\n"
+    try:
+        sys.stderr.write(text)
+        sys.stderr.flush()
+    except (RuntimeError, OSError, ValueError):  # a reentrant call into the stream, or it is closed
+        with contextlib.suppress(OSError):
+            os.write(2, text.encode("utf-8", "backslashreplace"))
 
 
 def metrics_text(rows: list[dict[str, Any]]) -> str:
@@ -239,6 +268,7 @@ class RunFiles:
         # the previous run's files the first save does not replace (timm/config.json is not config.json)
         kept = (LAST, "metrics.csv", "config.json", PENDING_REMOVAL)
         self.pending = [n for n in replaces or [] if n not in kept]
+        self.saved_at: tuple[int, int] | None = None  # (epoch, step) of the last checkpoint this run saved
 
     def save(self) -> None:
         loop, st, ctx = self.loop, self.loop.state, self.loop.ctx
@@ -251,6 +281,7 @@ class RunFiles:
 
             def committed() -> None:
                 self.wrote.append(loop.out / LAST)
+                self.saved_at = (st.epoch, st.step)
                 if self.pending:
                     remove_replaced(self.folder, self.pending)
                     self.pending.clear()
@@ -269,8 +300,9 @@ class RunFiles:
         )
         return self.result
 
-    def finished(self) -> RunResult:
-        """The trained model (and its EMA) as safetensors, and the exports asked for."""
+    def finished(self, stop: StopRequest | None = None) -> RunResult:
+        """The trained model (and its EMA) as safetensors, and the exports asked for (a ``stop``
+        request during them stops at once: the model is written)."""
         loop, result = self.loop, self.result
         cfg, ctx, st = loop.cfg, loop.ctx, loop.state
         if ctx.is_main:
@@ -306,6 +338,8 @@ class RunFiles:
                     "or two (the loss agrees to about 4 digits); `loader` workers measures as eval does"
                 )
             if cfg.runtime.export_onnx or cfg.runtime.export_timm:
+                if stop is not None:
+                    stop.finishing = f"{result.model_path} is written; export it with `cmhsa export`"
                 export_trained(loop, result, meta, self.folder, saved)
         barrier(ctx)
         return result
@@ -332,7 +366,7 @@ def train_epochs(
     seed saved into its own folder after each (``files[i]``, under its own RNGs, which its
     checkpoint keeps); then every seed's trained model. At a stop, each seed saved where it is."""
     lead = stepper.loops[0]
-    stop = StopRequest()
+    stop = StopRequest(lambda: abandoned(files))
     with stop.installed(), worker_deaths_at_fetch():
         while lead.state.epoch < lead.cfg.recipe.epochs:
             finished = train_one_epoch(stepper, stop, stop_after_steps)
@@ -347,4 +381,22 @@ def train_epochs(
                 loop.reporter.end_epoch(loop.state.metrics[-1])
                 with stepper.stream(i):
                     f.save()
-    return [f.finished() for f in files]
+        return [f.finished(stop) for f in files]
+
+
+def abandoned(files: list[RunFiles]) -> str:
+    """What abandoning the run now leaves: each seed's last checkpoint, or nothing where none was saved."""
+    saved = [f for f in files if f.saved_at is not None]
+    if not saved:
+        return (
+            "the run is abandoned before its first checkpoint: nothing of it is saved, and the run "
+            "folder is left as it was before the run"
+        )
+    f = saved[0]
+    epoch, step = f.saved_at  # type: ignore[misc]
+    at = f"after epoch {epoch}" if step == 0 else f"at epoch {epoch + 1}, step {step}"
+    others = f" (and {len(saved) - 1} other seeds')" if len(saved) > 1 else ""
+    return (
+        f"the run is abandoned without a save: its last checkpoint, {f.result.out / LAST}{others} {at}, "
+        "stays; continue from it with the same command and `resume`"
+    )

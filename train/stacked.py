@@ -46,7 +46,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -150,7 +150,6 @@ def _run_seeds(
 ) -> list[RunResult]:
     torch.set_num_threads(configs[0].runtime.threads)  # type: ignore[arg-type]
     reporter = progress or Progress()
-    notes = Notes([c.seed for c in configs])
     wrote: list[list[Path]] = [[] for _ in configs]
     out = Path(configs[0].runtime.out).expanduser().parent  # the folder the user gave
     made = make_folder(out, "run folder")
@@ -165,10 +164,10 @@ def _run_seeds(
                 held.enter_context(run_folder(c, ctx, w, parent)) for c, w in zip(configs, wrote, strict=True)
             ]
             built = [
-                prepared(c, ctx, f, SeedProgress(reporter, c.seed, lead=i == 0, notes=notes))
+                prepared(c, ctx, f, reporter.for_seed(c.seed, lead=i == 0))
                 for i, (c, f) in enumerate(zip(configs, folders, strict=True))
             ]
-            notes.flush(reporter)  # what every seed's set-up noted, once
+            reporter.flush_notes(len(configs))  # what every seed's set-up noted, once
             stack = seeds_stepper([loop for loop, _ in built])
             files = [
                 RunFiles(loop, f, replaces, w)
@@ -186,7 +185,7 @@ def _run_seeds(
                 "and batch are held at once; train fewer seeds together)"
             ):
                 results = train_epochs(stack, files, stop_after_steps)
-            notes.flush(reporter)
+            reporter.flush_notes(len(configs))
             if not any(r.stopped for r in results):
                 summary = seeds_summary(
                     [c.seed for c in configs], [loop.state.metrics for loop in stack.loops]
@@ -199,7 +198,7 @@ def _run_seeds(
             remove_made(made)
         raise
     finally:
-        notes.flush(reporter)  # an interrupted or failed stack still says what it noted
+        reporter.flush_notes(len(configs))  # an interrupted or failed stack still says what it noted
         reporter.close()
 
 
@@ -244,69 +243,6 @@ def seeds_line(summary: dict[str, Any], where: Path) -> str:
         f"last epoch (mean ± half-range), best {best['mean']:.2f} ± {best['half_range']:.2f}; each "
         f"seed's in {where}"
     )
-
-
-class Notes:
-    """The seeds' notes (lines that begin ``note: ``), held until :meth:`flush`: a note every seed
-    gave is said once, unlabelled; one that some seeds gave, once per seed with its label."""
-
-    def __init__(self, seeds: list[int]) -> None:
-        self.seeds, self.held = seeds, {}  # note -> the seeds that gave it, in order of first arrival
-
-    def add(self, seed: int, note: str) -> None:
-        self.held.setdefault(note, []).append(seed)
-
-    def flush(self, reporter: Progress) -> None:
-        for note, seeds in self.held.items():
-            if sorted(set(seeds)) == sorted(self.seeds):
-                reporter.log(note)
-            else:
-                for seed in dict.fromkeys(seeds):
-                    reporter.log(f"seed {seed}: {note}")
-        self.held = {}
-
-
-class SeedProgress(Progress):
-    """One seed's events into the stacked run's reporter: its lines labelled with the seed (its
-    notes into the stack's ``notes``, said once where every seed gives them); the progress bar
-    (epoch and step events) the lead seed's alone."""
-
-    def __init__(self, inner: Progress, seed: int, lead: bool, notes: Notes | None = None) -> None:
-        super().__init__(inner.write)
-        self.inner, self.label, self.lead, self.seed, self.notes = inner, f"seed {seed}", lead, seed, notes
-
-    def open(self, epochs: int, log_every: int) -> None:
-        super().open(epochs, log_every)
-        if self.lead:
-            self.inner.open(epochs, log_every)
-
-    def log(self, message: str) -> None:
-        if self.notes is not None and message.startswith("note: "):
-            self.notes.add(self.seed, message)
-        else:
-            self.inner.log(f"{self.label}: {message}")
-
-    def start_epoch(self, epoch: int, steps: int, done: int = 0) -> None:
-        if self.lead:
-            self.inner.start_epoch(epoch, steps, done)
-
-    def step(self, epoch: int, step: int, loss: float, lr: float, img_per_s: float) -> None:
-        if self.lead:
-            self.inner.step(epoch, step, loss, lr, img_per_s)
-
-    def glance(self, epoch: int, step: int, loss: float, lr: float, img_per_s: float) -> None:
-        if self.lead:
-            self.inner.glance(epoch, step, loss, lr, img_per_s)
-
-    def advance(self, steps_done: int) -> None:
-        if self.lead:
-            self.inner.advance(steps_done)
-
-    def counting(self, what: str, total: int, unit: str = "batches") -> Callable[[int], None]:
-        return self.inner.counting(f"{self.label}: {what}", total, unit)
-
-    def end_epoch(self, row: dict[str, Any]) -> None:
-        self.inner.end_epoch(row, label=self.label)
 
 
 def seeds_step(form: str, device: torch.device, seeds: int) -> str:
@@ -497,7 +433,7 @@ class Interleaved(Seeds):
     def settle(self) -> None:
         """Nothing to hand back: each seed's state is its own."""
 
-    def validation(self) -> list[Scored | None]:
+    def validation(self, checked: Any) -> list[Scored | None]:
         """None each: every seed evaluates itself as its epoch ends."""
         return [None] * len(self.loops)
 
@@ -548,14 +484,15 @@ class Stack(Seeds):
     def settle(self) -> None:
         self.share_moments()
 
-    def validation(self) -> list[Scored | None]:
+    def validation(self, checked: Any) -> list[Scored | None]:
         """Every seed's validation scores (and its EMA's) from one batched forward of all seeds
         per validation batch, where their validation images are the same (:func:`shared_validation`)
         and the device is in BATCHED_EVALUATION; else None each (each seed evaluates alone). What
         each seed's own evaluation computes (:func:`convit_convert.api.on_data.evaluate`), up to
-        the batched kernels' rounding."""
+        the batched kernels' rounding. ``checked``: what the count of batches goes through."""
         if not self.batched_validation:
             return [None] * len(self.loops)
+        self.checked = checked
         model = self.judged(self.weights)
         if self.loops[0].state.ema is None:
             return [Scored(m, None) for m in model]
@@ -571,8 +508,8 @@ class Stack(Seeds):
         named = dict(zip(self.names, weights, strict=True))
         sums = torch.zeros(len(self.loops), 4, dtype=torch.float64, device=device)
         forward = vmap(self.logits, in_dims=(0, None))
-        reporter = getattr(lead.reporter, "inner", lead.reporter)  # the run's, not the lead seed's
-        count = reporter.counting(f"validating {len(self.loops)} seeds", len(lead.val_loader))
+        run = Progress(lead.reporter.display)  # the run's line, not the lead seed's
+        count = self.checked(run.counting(f"validating {len(self.loops)} seeds", len(lead.val_loader)))
         with torch.no_grad():
             for x, y in lead.val_loader:
                 x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)

@@ -1,5 +1,5 @@
 """Kernels per compiled training step of S stacked seeds (``--seeds``) against a plain run, counted
-by torch's profiler (issue 67's "kernels per compiled step"): what a GPU pays a launch for.
+by torch's profiler ("kernels per compiled step"): what a GPU pays a launch for.
 
     python bench/investigations/stacked_kernels.py [--device cpu] [--stacks 0 1 6] [--batch 8] [--conv-form F]
                                     [--data-dir DIR]
@@ -38,14 +38,12 @@ On CUDA, after the table, each case's 12 longest GPU kernels per step (by the sa
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import os
 import statistics
 import sys
 import tempfile
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from pathlib import Path as _Path
 from typing import NamedTuple
@@ -59,16 +57,12 @@ sys.path.insert(0, str(_Path(__file__).resolve().parent.parent))  # bench/: the 
 from ops_per_step import config
 from torch._dynamo.utils import counters
 
-from convit_convert.train.loop import Loop
+from convit_convert.train.profiling import GRAPH_CALL, NOT_KERNELS, STEP, eager_step, steps_recorded
 from convit_convert.train.progress import Progress
 from convit_convert.train.run import run
-from convit_convert.train.stacked import Stack, run_seeds
+from convit_convert.train.stacked import run_seeds
 
-GRAPH_CALL = "## Call CompiledFxGraph"  # the profiler's record around one call of a compiled graph
-COMPILED = ("Torch-Compiled Region", GRAPH_CALL)  # records whose ops ran inside the compiled step
-STEP = "bench::step"  # this bench's record around one step of a run or a stack
 MATMULS = ("aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm")
-NOT_KERNELS = ("aten::empty", "aten::as_strided", "aten::view", "aten::resize", "aten::set_", "aten::alias")
 
 
 class Counted(NamedTuple):
@@ -83,42 +77,6 @@ class Counted(NamedTuple):
     graph_skips: int  # compiled graphs inductor ran without CUDA graphs
     device_kernels: Counter[str]  # the GPU events' ms by name, all steps together
     moved_mb: float  # bytes the compiled graph's generated kernels move per call, by inductor's count
-
-
-@contextlib.contextmanager
-def steps_recorded() -> Iterator[None]:
-    """Every step of a run (:class:`Loop`) or a stack (:class:`Stack`) under a profiler record."""
-    originals = {cls: cls.step for cls in (Loop, Stack)}
-
-    def recorded(step):
-        def wrapped(self, batch):
-            with torch.profiler.record_function(STEP):
-                return step(self, batch)
-
-        return wrapped
-
-    for cls, step in originals.items():
-        cls.step = recorded(step)  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        for cls, step in originals.items():
-            cls.step = step  # type: ignore[method-assign]
-
-
-def eager_step(e) -> int | None:
-    """The id of the step record under which ``e`` is an aten op the step dispatched itself,
-    outside the compiled graph; None for any other event."""
-    if not e.name.startswith("aten::") or e.name.startswith(NOT_KERNELS):
-        return None
-    p = e.cpu_parent
-    while p is not None:
-        if p.name.startswith("aten::") or p.name.startswith(COMPILED):
-            return None
-        if p.name == STEP:
-            return p.id
-        p = p.cpu_parent
-    return None
 
 
 def eager_ops_per_step(events: list) -> tuple[int, float]:

@@ -1,5 +1,5 @@
 """One phase-1 token mixer's forward and backward at the paper's size, in both conv forms, alone and
-as a stack of seeds (convit_convert/conv_mixer.py; issue 67: what a stacked phase-1 step spends
+as a stack of seeds (convit_convert/conv_mixer.py: what a stacked phase-1 step spends
 in its mixers).
 
     python bench/investigations/token_mixer.py [--batch 8] [--seeds 2] [--rounds 5] [--device cpu]

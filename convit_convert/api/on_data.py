@@ -132,20 +132,22 @@ def evaluate(
     was_training = model.training
     model.eval()
     sums = torch.zeros(4, dtype=torch.float64, device=device)  # loss, top1, top5, count
-    with torch.no_grad():
-        for x, y in batches:
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            with autocast(device, dtype):
-                logits = model(x).float()
-            if confusion is not None:
-                c = confusion.shape[0]
-                confusion.view(-1).add_(torch.bincount(y * c + logits.argmax(1), minlength=c * c))
-            sums += validation_totals(logits, y)
-            if progress is not None:
-                progress(1)
+    try:  # a count may end the evaluation (a training run's stop request): the mode comes back
+        with torch.no_grad():
+            for x, y in batches:
+                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                with autocast(device, dtype):
+                    logits = model(x).float()
+                if confusion is not None:
+                    c = confusion.shape[0]
+                    confusion.view(-1).add_(torch.bincount(y * c + logits.argmax(1), minlength=c * c))
+                sums += validation_totals(logits, y)
+                if progress is not None:
+                    progress(1)
+    finally:
+        model.train(was_training)
     if reduce is not None:
         reduce(sums)
-    model.train(was_training)
     return validation_metrics(sums)
 
 

@@ -418,16 +418,16 @@ def seed_list(text: str) -> tuple[int, ...]:
 
 def _run_training(cfg: TrainConfig) -> None:
     """Bad input exits 2 and a run that cannot go on exits 1 (cli/boundary.py renders both)."""
-    from .progress import RichProgress
+    from .progress import run_progress
 
     if cfg.runtime.seeds:  # several seeds stacked in one process: a result per seed
         from ..train.stacked import run_seeds
 
-        results = run_seeds(cfg, progress=RichProgress(console))
+        results = run_seeds(cfg, progress=run_progress(console))
     else:
         from ..train.run import run
 
-        results = [run(cfg, progress=RichProgress(console))]
+        results = [run(cfg, progress=run_progress(console))]
     stopped = next((r.stopped for r in results if r.stopped in ("SIGINT", "SIGTERM")), None)
     if stopped is not None:
         import signal
