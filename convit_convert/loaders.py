@@ -98,15 +98,49 @@ def default_workers() -> int:
 def default_threads() -> int:
     """torch CPU threads when `threads` is not given: ``OMP_NUM_THREADS`` where it is a whole number
     of at least 1 (torchrun sets it to 1 for several processes per node; two of the test suite's
-    workers on 2 cores set it too), never more than the CPUs this process may use; otherwise every
-    one of those CPUs (BENCHMARKS.md, 'Training on a CPU': on 2 cores, 2 threads trained 1.3x
-    (phase 1) and 1.7x (phase 2) faster than 1 with the device loader). Oversubscribed, torch's
-    threads wait on each other: two tiny runs at once on 2 cores took 15 to 73 s each with 2
-    threads each, 10 s with 1 (BENCHMARKS.md, 'Investigations')."""
+    workers on 2 cores set it too), never more than the CPUs this process may use; otherwise those
+    CPUs less the threads other work keeps running on them at this process's priority or above
+    (:func:`busy_elsewhere`), at least 1. torch's threads wait on each other at every operation:
+    where another process takes a CPU from one of them, the others wait too. On the 2-core VM with
+    two busy processes beside it a quick-start run took 1.5 to 5 times as long on 2 threads as on 1;
+    idle, or beside work of lower priority (``nice``), 2 threads were the faster (BENCHMARKS.md,
+    "Threads on a busy machine")."""
     given = os.environ.get("OMP_NUM_THREADS", "").strip()
     if given.isascii() and given.isdigit() and len(given) <= 6 and int(given) >= 1:
         return min(int(given), cpus())
-    return cpus()
+    busy = busy_elsewhere()
+    return cpus() if busy is None else max(1, cpus() - busy)
+
+
+def busy_elsewhere(samples: int = 3, apart: float = 0.02) -> int | None:
+    """Threads of other processes running or ready to run, at this process's priority or above (a
+    ``nice`` value no higher), the median of ``samples`` looks ``apart`` seconds apart: what would
+    share the CPUs with a run's threads. None where /proc does not tell (not Linux)."""
+    import glob
+    import statistics
+    import time
+
+    me, ours = str(os.getpid()), os.getpriority(os.PRIO_PROCESS, 0)
+    counts = []
+    for i in range(samples):
+        if i:
+            time.sleep(apart)
+        running = 0
+        for stat in glob.glob("/proc/[0-9]*/task/[0-9]*/stat"):
+            if stat.split("/", 3)[2] == me:
+                continue
+            try:
+                with open(stat, "rb") as f:
+                    fields = f.read(1024).rpartition(b")")[2].split()
+            except OSError:  # the thread ended meanwhile
+                continue
+            # after "pid (comm)": state is the first field, nice the seventeenth
+            if len(fields) > 16 and fields[0] == b"R" and int(fields[16]) <= ours:
+                running += 1
+        counts.append(running)
+    if not glob.glob("/proc/[0-9]*/task"):
+        return None
+    return round(statistics.median(counts))
 
 
 def build_transform(

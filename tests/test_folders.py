@@ -356,11 +356,11 @@ def test_a_seed_folder_swapped_for_a_link_mid_run_is_never_written_through(
     elsewhere.mkdir()
     finished = RunFiles.finished
 
-    def swapped_first(self: RunFiles) -> object:
+    def swapped_first(self: RunFiles, stop: object = None) -> object:
         if self.folder.path.name == "seed1" and not (out / "moved").exists():
             os.rename(out / "seed1", out / "moved")  # what the run holds, under another name
             (out / "seed1").symlink_to(elsewhere)
-        return finished(self)
+        return finished(self, stop)
 
     monkeypatch.setattr(RunFiles, "finished", swapped_first)
     flags = ["--seeds", "0,1", "--model-ema", "--export-onnx", "--export-timm", "-o", out]

@@ -55,6 +55,9 @@ GUARDED = {
     ),
     ("train/mixing.py", "getattr(mixup, '_params_per_batch')"): "called only where drawable() found it",
     ("timm.py", "from timm.models._builder"): "imported in _features: features_only alone needs it",
+    ("train/profiling.py", "from torch.utils._python_dispatch"): (
+        "imported in a try; only the tests and bench/ count ops with it (no command imports it)"
+    ),
     ("shipped/modeling_cmhsa.py", "getattr(p, '_is_hf_initialized', False)"): (
         "getattr with a default: under a transformers without the flag a tensor the weights lack is "
         "initialised, then transformers' own report refuses it (the early refusal alone is lost)"

@@ -298,10 +298,13 @@ def test_resume_with_a_new_lr_uses_it_and_says_so(tmp_path: Path) -> None:
 def test_default_workers_follow_the_machine(tmp_path: Path, monkeypatch) -> None:
     """No more workers than CPUs (PyTorch warns above that): 2 on a 2-core machine, at most 4;
     threads: OMP_NUM_THREADS where it is a whole number of at least 1 (torchrun sets it), never
-    more than the CPUs, else every CPU."""
+    more than the CPUs, else the CPUs other work at this priority leaves idle, at least 1."""
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    assert cloaders.default_workers() == 2 and cloaders.default_threads() == 2
+    for busy, threads in ((0, 2), (1, 1), (5, 1), (None, 2)):  # None: no /proc to tell
+        monkeypatch.setattr(cloaders, "busy_elsewhere", lambda busy=busy: busy)
+        assert cloaders.default_threads() == threads, busy
+    assert cloaders.default_workers() == 2
     wrong = ("0", "-1", "", "x", "1.5", "\u0661", "9" * 40)  # \u0661: an Arabic-Indic 1
     for given, threads in [("1", 1), (" 1 ", 1), ("2", 2), ("64", 2), *((w, 2) for w in wrong)]:
         monkeypatch.setenv("OMP_NUM_THREADS", given)

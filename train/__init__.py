@@ -10,7 +10,8 @@
 - `loop.py`: the training loop, from a batch to the optimizer's update, and each epoch's
   evaluation; `step.py`: what its step leans on (the device-side tally and skip, the compiled form);
 - `state.py`: what a checkpoint holds; `distributed.py`: torchrun's processes, or one;
-- `progress.py`: a run's progress as events; `arms.py`: an experiment's runs in parallel;
+- `progress.py`: a run's progress, its numbers computed once and its events written by a display;
+  `profiling.py`: what counts a step's work; `arms.py`: an experiment's runs in parallel;
 - `plot.py`: ``cmhsa plot``'s curves and ``cmhsa attention``'s heat maps.
 
 The data sources are :mod:`convit_convert.data`'s (evaluation: :mod:`convit_convert.api.on_data`).
@@ -19,7 +20,7 @@ One step, in reading order (the loop nanoGPT's train.py holds, here in one funct
 
 1. ``loop.train_one_epoch``: a batch from the loader (``loop.until_stopped``), one step, and a
    read-out every ``--log-every`` steps (``loop.read_out``: the only time the host waits for the
-   device), then the epoch's evaluation (``loop.evaluated``); it drives a ``loop.Stepper``, the
+   device), then the epoch's evaluation (``loop.epoch_metrics``); it drives a ``loop.Stepper``, the
    run's ``Loop`` or ``--seeds``' ``stacked.Stack`` or ``stacked.Interleaved``, and
    ``run.train_epochs`` calls it until the last epoch;
 2. ``loop.train_one_step``: the batch to the device and augmented there (the device loader's

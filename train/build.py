@@ -4,6 +4,7 @@ the run's first line and its config.json."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ from ..loaders import (
     build_loader,
     build_transform,
     channel_stats,
-    default_threads,
+    cpus,
     default_workers,
     epoch_sampler,
     image_mode,
@@ -62,10 +63,9 @@ def resolved_config(cfg: TrainConfig) -> TrainConfig:
             raise CmhsaError("`out` names an existing file; give a folder for the run", out)
     except OSError as e:
         raise CmhsaError(f"cannot check the run folder ({e.strerror})", out) from None
-    return cfg.replace(  # this run's defaults, resolved in its own copy
-        workers=default_workers() if cfg.runtime.workers is None else cfg.runtime.workers,
-        threads=default_threads() if cfg.runtime.threads is None else cfg.runtime.threads,
-    )
+    # this run's default workers, resolved in its own copy (its threads once a resume's are known:
+    # run.run_threads)
+    return cfg.replace(workers=default_workers() if cfg.runtime.workers is None else cfg.runtime.workers)
 
 
 def resumed_config(cfg: TrainConfig, saved: dict[str, Any], out: Path, log: Any) -> tuple[TrainConfig, bool]:
@@ -318,7 +318,7 @@ def describe_run(
         f"amp {str(dtype).removeprefix('torch.') if dtype else 'none'}; {steps_per_epoch} steps/epoch; "
         f"loader {loader}"
         + (f" ({cfg.runtime.workers} workers)" if loader == "workers" else "")
-        + f", {cfg.runtime.threads} threads"
+        + f", {threads_said(cfg)}"
     )
     # from a checkpoint, phases.load_start's note says what the channels are
     if dataset.in_chans == 1 and pm.config.in_chans == 3 and not cfg.from_checkpoint:
@@ -327,6 +327,16 @@ def describe_run(
             "model sees each one three "
             "times over (--in-chans 1: the same information, a third of the input)"
         )
+
+
+def threads_said(cfg: TrainConfig) -> str:
+    """``2 threads``; where the default took fewer than the CPUs this process may use, why."""
+    n, free = cfg.runtime.threads, cpus()
+    said = f"{n} thread{'s' * (n != 1)}"  # type: ignore[operator]
+    given = (cfg.given and "threads" in cfg.given) or os.environ.get("OMP_NUM_THREADS")
+    if n < free and not given and not cfg.runtime.resume:  # type: ignore[operator]
+        said += f" (of {free} CPUs: other work kept the rest busy as the run began; `threads` sets them)"
+    return said
 
 
 def config_doc(

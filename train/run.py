@@ -29,6 +29,7 @@ from ..io.checkpoint import Checkpoint, save_model
 from ..io.folder import Folder
 from ..io.outputs import Target
 from ..labels import to_metadata
+from ..loaders import cpus, default_threads
 from ..options.training import TrainConfig
 from ..options.values import EVAL_CROP_PCT, EVAL_INTERPOLATION
 from ..text import csv_text, json_text, terminal_safe
@@ -48,7 +49,7 @@ from .run_folder import (
     remove_replaced,
     run_folder,
 )
-from .state import LAST, read_checkpoint
+from .state import LAST, plain_records, read_checkpoint
 
 if TYPE_CHECKING:
     from ..timm import TimmFolderReport
@@ -176,7 +177,6 @@ def _run(
     cfg: TrainConfig, ctx: Context, progress: Progress | None, stop_after_steps: int | None
 ) -> RunResult:
     cfg = resolved_config(cfg)
-    torch.set_num_threads(cfg.runtime.threads)
     reporter = (progress or Progress()) if ctx.is_main else Progress(None)  # one per run: open() sets it up
     wrote: list[Path] = []  # what this run has saved into `out` (train() adds to it)
     try:
@@ -201,10 +201,25 @@ def prepared(cfg: TrainConfig, ctx: Context, folder: Folder, reporter: Progress)
         finish_removal(folder)
     else:
         replaces = previous_run(folder, cfg.runtime.overwrite, init)
+    cfg = cfg.replace(threads=run_threads(cfg, saved))
+    torch.set_num_threads(cfg.runtime.threads)  # type: ignore[arg-type]
     reporter.open(cfg.recipe.epochs, cfg.runtime.log_every)
     for line in [] if saved else unmeant_choices(cfg):
         reporter.log(line)
     return build(cfg, ctx, out, saved, reschedule, reporter), replaces
+
+
+def run_threads(cfg: TrainConfig, saved: dict[str, Any] | None) -> int:
+    """The run's torch CPU threads: `threads` where given; a resumed run's own (its last
+    environment's: results depend on the count, and a resume that kept it repeats the run bit for
+    bit); else this machine's default now (:func:`convit_convert.loaders.default_threads`)."""
+    if cfg.runtime.threads is not None:
+        return cfg.runtime.threads
+    history = (saved or {}).get("environments")
+    last = history[-1].get("threads") if plain_records(history) and history else None
+    if isinstance(last, int) and not isinstance(last, bool) and 1 <= last <= 4 * cpus():
+        return last
+    return default_threads()
 
 
 def export_trained(

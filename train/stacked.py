@@ -148,7 +148,6 @@ def run_seeds(
 def _run_seeds(
     configs: list[TrainConfig], ctx: Context, progress: Progress | None, stop_after_steps: int | None
 ) -> list[RunResult]:
-    torch.set_num_threads(configs[0].runtime.threads)  # type: ignore[arg-type]
     reporter = progress or Progress()
     wrote: list[list[Path]] = [[] for _ in configs]
     out = Path(configs[0].runtime.out).expanduser().parent  # the folder the user gave

@@ -81,13 +81,32 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def cpu_name() -> str:
+    """The processor's model, as /proc/cpuinfo names it (else the platform's word for it): two CPUs
+    of one code path (AVX-512) but another model can still round differently (oneDNN picks kernels
+    by the model: a rerun of the same run elsewhere parted after 8 epochs)."""
+    import platform
+
+    try:
+        with open("/proc/cpuinfo", "rb") as f:
+            for line in f.read(1 << 16).decode("utf-8", "replace").splitlines():
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and value.strip():
+                    return " ".join(value.split())[:120]
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
 def environment(device: torch.device | str = "cpu", world: int = 1) -> dict[str, Any]:
     """Where a run computes, as far as it changes the numbers: torch's CPU threads (reductions are
-    summed in another order with another count), the CPU code path torch picked (AVX-512 or AVX2
-    kernels round differently), the device, the process count and the library versions."""
+    summed in another order with another count), the processor and the CPU code path torch picked
+    (AVX-512 or AVX2 kernels round differently), the device, the process count and the library
+    versions."""
     import timm
 
     return {
+        "cpu": cpu_name(),
         "threads": torch.get_num_threads(),
         "device": torch.device(device).type,
         "world_size": world,

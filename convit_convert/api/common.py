@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +100,21 @@ def save_checkpoint(
     Python API's door, as a command's); return its sha256."""
     with held_outputs(path) as (target,):
         return save_model(target, cfg, tensors, extra_metadata)
+
+
+@contextlib.contextmanager
+def cpu_threads(threads: int | None) -> Iterator[int]:
+    """torch's CPU threads set to ``threads`` (None: :func:`convit_convert.loaders.default_threads`,
+    the CPUs other work leaves free) while an operation runs, as many as it gets; restored after."""
+    from ..loaders import default_threads
+
+    before = torch.get_num_threads()
+    n = default_threads() if threads is None else threads
+    torch.set_num_threads(n)
+    try:
+        yield n
+    finally:
+        torch.set_num_threads(before)
 
 
 def pick_device(name: str, local_rank: int = 0) -> torch.device:

@@ -141,7 +141,9 @@ class ExportedOnnx:
         return out
 
 
-def open_exported(path: Path, batch_size: int, device: str = "cpu", model: Any = None) -> ExportedOnnx:
+def open_exported(
+    path: Path, batch_size: int, device: str = "cpu", model: Any = None, threads: int = 0
+) -> ExportedOnnx:
     """``path`` loaded (bounded; ``model``: as ``load_onnx`` already returned it), its preprocessing
     read as untrusted input, its graph checked as runnable at the batch it will run, and an
     onnxruntime session on ``device``'s provider (``onnx.load.providers_for``: CUDA where
@@ -159,7 +161,7 @@ def open_exported(path: Path, batch_size: int, device: str = "cpu", model: Any =
     )
     static = dims[0].HasField("dim_value")
     batch = dims[0].dim_value if static else batch_size
-    session = ort_session(model, path, providers_for(device), batch=batch)  # sized and held to memory
+    session = ort_session(model, path, providers_for(device), threads, batch=batch)  # sized, held to memory
     return ExportedOnnx(path, pre, batch, static, session, inp.name, model.graph.output[0].name, props)
 
 

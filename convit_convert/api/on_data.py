@@ -25,7 +25,7 @@ from ..labels import name_of
 from ..loaders import build_loader, build_transform, default_workers, image_mode
 from ..options.operations import AttentionOptions, CalibrationSource, EvalOptions
 from ..options.values import EVAL_CROP_PCT
-from .common import amp_dtype, autocast, load_checkpoint, pick_device
+from .common import amp_dtype, autocast, cpu_threads, load_checkpoint, pick_device
 
 
 @dataclass
@@ -251,6 +251,13 @@ def evaluate_checkpoint(
     a timm folder cmhsa wrote, or an ONNX file: one cmhsa exported runs as shipped (onnxruntime, the
     preprocessing it records: :func:`evaluate_exported`), any other is read as a conv-phase graph.
     ``counting``, given the number of batches, returns what each batch done is counted with."""
+    with cpu_threads(options.threads) as threads:
+        return _evaluate_checkpoint(path, options, threads, counting)
+
+
+def _evaluate_checkpoint(
+    path: str | Path, options: EvalOptions, threads: int, counting: Counting | None = None
+) -> EvalReport:
     o = options
     onnx_model = None
     if Path(path).suffix.lower() == ".onnx":  # read once: run as shipped, or imported as a conv graph
@@ -259,7 +266,7 @@ def evaluate_checkpoint(
 
         onnx_model = load_onnx(path)
         if is_exported(onnx_model):
-            return evaluate_exported(Path(path), o, onnx_model, counting)
+            return evaluate_exported(Path(path), o, onnx_model, counting, threads)
     ckpt = load_checkpoint(path, onnx_model=onnx_model)
     workers = default_workers() if o.workers is None else o.workers
     dev = pick_device(o.device)
@@ -338,7 +345,7 @@ def calibration_from_data(
 
 
 def evaluate_exported(
-    path: Path, options: EvalOptions, model: Any = None, counting: Counting | None = None
+    path: Path, options: EvalOptions, model: Any = None, counting: Counting | None = None, threads: int = 0
 ) -> EvalReport:
     """An ONNX file ``cmhsa export`` wrote (``model``: as ``load_onnx`` already read it), measured as
     shipped: onnxruntime on ``options.device``'s provider, each validation image prepared as its
@@ -356,7 +363,7 @@ def evaluate_exported(
             "checkpoints and timm folders",
             path,
         )
-    exported = open_exported(path, o.batch_size, o.device, model)
+    exported = open_exported(path, o.batch_size, o.device, model, threads)
     pre = exported.pre
     n_classes, channels = _onnx_classes(exported), pre["c"]
     spec = _fitting_data(

@@ -28,7 +28,7 @@ from ..options.operations import PredictOptions
 from ..options.values import EVAL_CROP_PCT
 from ..resources import sized_by
 from ..text import csv_text, json_text
-from .common import load_checkpoint, pick_device
+from .common import cpu_threads, load_checkpoint, pick_device
 
 MAX_IMAGES = 10**6  # images one predict reads (a folder's walk stops there, with an error)
 MAX_FOLDERS = 10**5
@@ -115,11 +115,17 @@ def predict_images(
     its config.json checked as cmhsa writes it) or an ONNX file. ``progress(n)`` is told of each
     batch of n images done."""
     o = options or PredictOptions()
-    path = Path(model)
+    with cpu_threads(o.threads) as threads:
+        return _predict(Path(model), files, o, threads, progress)
+
+
+def _predict(
+    path: Path, files: list[Path], o: PredictOptions, threads: int, progress: Callable[[int], None] | None
+) -> PredictReport:
     if path.is_dir():  # a timm folder cmhsa wrote, checked as it writes one
         return _with_torch(load_checkpoint(path), files, o, progress, str(path), "timm folder")
     if path.suffix.lower() == ".onnx":
-        return _with_onnxruntime(path, files, o, progress)
+        return _with_onnxruntime(path, files, o, progress, threads)
     return _with_torch(load_checkpoint(path), files, o, progress, str(path), "checkpoint")
 
 
@@ -171,10 +177,12 @@ def finite_outputs(logits: np.ndarray, chunk: list[Path], where: object) -> None
         raise CmhsaError(f"the model's outputs for {image} are not finite (NaN or infinity)", where)
 
 
-def _with_onnxruntime(path: Path, files: list[Path], o: PredictOptions, progress: Any) -> PredictReport:
+def _with_onnxruntime(
+    path: Path, files: list[Path], o: PredictOptions, progress: Any, threads: int = 0
+) -> PredictReport:
     from .exported_onnx import onnx_input, open_exported
 
-    exported = open_exported(path, o.batch_size, o.device)
+    exported = open_exported(path, o.batch_size, o.device, threads=threads)
     pre = exported.pre
     report = PredictReport(str(path), "onnx", "numbers", o.top_k)
     for chunk in _batches(files, exported.batch):

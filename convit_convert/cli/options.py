@@ -19,6 +19,10 @@ DEVICE_HELP = "Where to run: auto (CUDA when there is one), cpu, cuda or cuda:N.
 WORKERS_HELP = (
     f"Data-loading worker processes (workers loader) \\[default: min({MAX_DEFAULT_WORKERS}, CPUs)]."
 )
+THREADS_HELP = (
+    "torch CPU threads (results depend on it on a CPU) \\[default: OMP_NUM_THREADS where set, else the CPUs "
+    "this process may use that no other work at its priority keeps busy]."
+)
 DATA_HELP = (
     "Dataset: " + ", ".join(f"{d} ({DATASET_NOTES[d]})" if d in DATASET_NOTES else d for d in DATASETS) + "."
 )
@@ -70,6 +74,10 @@ def device_option() -> Any:
 
 def workers_option() -> Any:
     return typer.Option("--workers", help=WORKERS_HELP, show_default=False)
+
+
+def threads_option() -> Any:
+    return typer.Option("--threads", help=THREADS_HELP, show_default=False)
 
 
 def data_option() -> Any:

@@ -11,7 +11,7 @@ from rich.table import Table
 
 from ..options.operations import PredictOptions
 from .common import console, path_opt, safe
-from .options import device_option
+from .options import device_option, threads_option
 from .progress import counted
 
 app = typer.Typer()
@@ -45,6 +45,7 @@ def predict_command(
     ] = None,
     batch_size: Annotated[int, typer.Option(help="Images per forward pass.")] = PredictOptions.batch_size,
     device: Annotated[str, device_option()] = PredictOptions.device,
+    threads: Annotated[Optional[int], threads_option()] = PredictOptions.threads,  # noqa: UP045
 ) -> None:
     """The most probable classes of each image, by the names the model records.
 
@@ -53,7 +54,7 @@ def predict_command(
     from ..api.predict import check_predictions_path, image_files, predict_images, write_predictions
     from ..io.outputs import held_outputs
 
-    options = PredictOptions(top_k, batch_size, device)
+    options = PredictOptions(top_k, batch_size, device, threads)
     with contextlib.ExitStack() as held:
         target = None
         if output is not None:  # before the images are read: a bad output never costs the predictions

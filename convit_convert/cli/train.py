@@ -41,6 +41,7 @@ from .options import (
     device_option,
     missing_data,
     output_option,
+    threads_option,
     use_alias,
     workers_option,
 )
@@ -470,6 +471,7 @@ def eval_command(
     workers: Annotated[Optional[int], workers_option()] = EvalOptions.workers,  # noqa: UP045
     crop_pct: Annotated[float, typer.Option(help="Eval centre-crop fraction.")] = EvalOptions.crop_pct,
     seed: SyntheticSeed = EvalOptions.seed,
+    threads: Annotated[Optional[int], threads_option()] = EvalOptions.threads,  # noqa: UP045
 ) -> None:
     """Top-1 / top-5 and loss of a checkpoint, timm folder or ONNX file on a dataset's validation split."""
     from rich.table import Table
@@ -479,7 +481,7 @@ def eval_command(
 
     if data is None:
         raise CmhsaError(missing_data("eval"))
-    options = EvalOptions(data, data_dir, download, batch_size, device, amp, workers, crop_pct, seed)
+    options = EvalOptions(data, data_dir, download, batch_size, device, amp, workers, crop_pct, seed, threads)
     with contextlib.ExitStack() as bars:
 
         def counting(batches: int) -> Callable[[int], None]:

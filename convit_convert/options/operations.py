@@ -54,11 +54,13 @@ class Verification(Checked):
 @dataclass(frozen=True)
 class PredictOptions(Checked):
     """``cmhsa predict``: each image's ``top_k`` classes and probabilities, in batches of
-    ``batch_size``, preprocessed as ``cmhsa eval`` does (an ONNX file: as its metadata_props say)."""
+    ``batch_size``, preprocessed as ``cmhsa eval`` does (an ONNX file: as its metadata_props say);
+    ``threads`` None: loaders.default_threads()."""
 
     top_k: int = 5
     batch_size: int = 64
     device: str = "auto"
+    threads: int | None = None
 
 
 @dataclass(frozen=True)
@@ -100,7 +102,8 @@ class HeadsQuery(Checked):
 @dataclass(frozen=True)
 class EvalOptions(Checked):
     """``cmhsa eval``: ``data``'s validation split in batches of ``batch_size``, preprocessed as the
-    model's evaluation transform (``crop_pct``); ``workers`` None: loaders.default_workers()."""
+    model's evaluation transform (``crop_pct``); ``workers`` None: loaders.default_workers();
+    ``threads`` None: loaders.default_threads()."""
 
     CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"data": DATASETS, "amp": AMPS}
 
@@ -113,6 +116,7 @@ class EvalOptions(Checked):
     workers: int | None = None
     crop_pct: float = EVAL_CROP_PCT
     seed: int = 0
+    threads: int | None = None
 
 
 @dataclass(frozen=True)
