@@ -32,8 +32,8 @@ from .augment import augment_spec, check_supported
 from .distributed import Context, barrier
 from .held import HeldEvalLoader, HeldLoader, eval_view, hold, holdable
 from .loop import Loop, seed_everything
-from .phases import PhaseModel, build_phase_model, check_trainable, freeze_attention
-from .progress import Progress
+from .phases import PhaseModel, build_phase_model, check_trainable, freeze_attention, training_bytes
+from .progress import PROGRESS_SECONDS, Progress, duration
 from .recipe import (
     build_recipe,
     build_scheduler,
@@ -41,7 +41,7 @@ from .recipe import (
     scaled_lrs,
 )
 from .state import LAST, RunState, environment, environment_changes, plain_records
-from .step import CompiledStep, whole_step_refusal
+from .step import CompiledStep, probe_seconds, whole_step_refusal
 
 RESUMABLE = ("epochs", "lr")  # what a resume may change; the schedule is then rebuilt
 
@@ -173,6 +173,8 @@ def build(
         resume_state(state, saved, here, cfg, ctx, out, steps_per_epoch, reschedule, reporter)
     if ctx.is_main:
         describe_run(cfg, ctx, pm, dataset, dtype, steps_per_epoch, loader, reporter)
+        if device.type == "cpu" and not cfg.runtime.compile and state.step == 0 and saved is None:
+            said_slow(cfg, pm, steps_per_epoch, reporter)
     probe = next(iter(loaders[1]))[0][:64].to(device) if pm.config.kind == "attn" else None
     prepare = loaders[0].prepare if isinstance(loaders[0], HeldLoader) else None  # augments on the device
     compiled = None
@@ -327,6 +329,23 @@ def describe_run(
             "model sees each one three "
             "times over (--in-chans 1: the same information, a third of the input)"
         )
+
+
+def said_slow(cfg: TrainConfig, pm: PhaseModel, steps_per_epoch: int, reporter: Progress) -> None:
+    """On a CPU, before the first step: a step that would outlast PROGRESS_SECONDS (the paper's model
+    takes about a minute at its batch) is said, with the run's time and memory and what to do."""
+    mcfg, batch, epochs = pm.config, cfg.recipe.batch_size, cfg.recipe.epochs
+    step = probe_seconds(pm.model, (mcfg.in_chans, *mcfg.img_size), batch)
+    if step <= PROGRESS_SECONDS:
+        return
+    memory = training_bytes(cfg, mcfg)[0]
+    reporter.log(
+        f"note: on this CPU a step of this model ({mcfg.num_params() / 1e6:.1f} M parameters, batch {batch}) "
+        f"takes about {duration(step)}: an epoch of {steps_per_epoch} steps about "
+        f"{duration(step * steps_per_epoch)}, the run's {epochs} epochs about "
+        f"{duration(step * steps_per_epoch * epochs)}, in about {memory / 2**30:.1f} GiB; `preset` cpu "
+        "trains a model sized for a CPU (28 px, d 48, 2 blocks: docs/training.md), a GPU this one"
+    )
 
 
 def threads_said(cfg: TrainConfig) -> str:

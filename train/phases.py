@@ -173,10 +173,10 @@ def freeze_attention(model: VisionTransformer) -> None:
             p.requires_grad_(False)
 
 
-def check_trainable(cfg: TrainConfig, mcfg: ViTConfig) -> None:
-    """Refuse, with the estimate, a model whose training cannot fit in memory: float32 weights,
-    gradients and two AdamW moments, and (on CPU) a batch's activations kept for the backward; all
-    of it once per seed of a `seeds` stack, which holds and steps every seed at once."""
+def training_bytes(cfg: TrainConfig, mcfg: ViTConfig) -> tuple[int, str]:
+    """The memory a run of ``cfg`` training a model of ``mcfg`` holds, and what that is: float32
+    weights, gradients and two AdamW moments, and (on CPU) a batch's activations kept for the
+    backward; all of it once per seed of a `seeds` stack, which holds and steps every seed at once."""
     on_cpu = cfg.runtime.device == "cpu" or not torch.cuda.is_available()
     batch, stack = cfg.recipe.batch_size, max(1, len(cfg.runtime.seeds))
     need = 16 * mcfg.num_params() + (mcfg.activation_bytes(batch, training=True) if on_cpu else 0)
@@ -188,7 +188,12 @@ def check_trainable(cfg: TrainConfig, mcfg: ViTConfig) -> None:
     what = f"training a {mcfg.kind} model of {mcfg.num_params():,} parameters at batch {batch}"
     if stack > 1:
         what = f"{what}, {stack} seeds stacked (`seeds`: each seed's weights, moments and batch at once)"
-    check_fits(stack * need, what + (" in the token form (`conv_form` tokens)" if tokens else ""))
+    return stack * need, what + (" in the token form (`conv_form` tokens)" if tokens else "")
+
+
+def check_trainable(cfg: TrainConfig, mcfg: ViTConfig) -> None:
+    """Refuse, with the estimate, a model whose training cannot fit in memory (:func:`training_bytes`)."""
+    check_fits(*training_bytes(cfg, mcfg))
 
 
 def build_phase_model(
