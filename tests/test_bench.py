@@ -69,7 +69,10 @@ CASES = {
     "gpu_suite.py": (["{tmp}/gpu", "--dry-run"], "train"),
     "ops_per_step.py": (["--batch", "2", "--repeats", "1", "--data-dir", "{data}"], "host reads per step"),
     "attention_cost.py": (["--tiny", "--batches", "1"], "attention_stats"),
-    "threads.py": (["--tiny", "--busy", "1", "--threads", "default", "--sizes", "cpu", "--out", "{tmp}"], "| cpu | 2 | 1 |"),
+    "threads.py": (
+        ["--tiny", "--busy", "1", "--threads", "default", "--sizes", "cpu", "--out", "{tmp}"],
+        "| cpu | 2 | 1 |",
+    ),
     "investigations/stacked_kernels.py": (
         ["--phases", "phase1", "--stacks", "0", "1", "--batch", "2", "--data-dir", "{data}"],
         "| phase",

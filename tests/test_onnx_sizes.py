@@ -209,8 +209,7 @@ def exported_with_ballast(tmp_path: Path, tensors: int) -> Path:
 def test_predict_and_eval_hold_an_onnx_file_to_the_memory_its_graph_needs(
     tmp_path: Path, monkeypatch
 ) -> None:
-    """Was (5c13d3f): predict and eval on such a file ran until killed (open_exported dropped the
-    total check_runnable returned), where inspect, convert and verify refused it. Every onnxruntime
+    """predict and eval refuse such a file, as inspect, convert and verify do: every onnxruntime
     session is made by load.ort_session, which sizes the graph and holds the total to memory."""
     from conftest import FIXTURE
     from convit_convert import resources
@@ -222,16 +221,20 @@ def test_predict_and_eval_hold_an_onnx_file_to_the_memory_its_graph_needs(
     one_error_line(invoke("eval", path, "--data", "digits"), 2, str(path), "would need about", "GiB")
 
 
-def test_no_onnx_run_without_the_total_size_check() -> None:
-    """The mechanism: onnxruntime's InferenceSession is made in one place, load.ort_session, whose
-    body sizes the graph (check_runnable, from the graph with its declared shapes removed) and holds
-    the total to memory (check_fits) before it; its batch is a required keyword, so no caller can
-    skip saying what it runs. And shapes.at_batch, where every size is inferred from, drops the
-    declared shapes."""
-    import ast
+def test_no_onnx_run_without_the_total_size_check(tmp_path: Path, monkeypatch) -> None:
+    """The mechanism: onnxruntime's InferenceSession is made in one place, load.ort_session (no
+    other module of the package names it), which holds the graph's total to memory before it makes
+    one: refused, no session is made; allowed, one is. Its batch is a required keyword, so no
+    caller can skip saying what it runs. And shapes.at_batch, where every size is inferred from,
+    drops the declared shapes (value_info, the outputs')."""
     import inspect
 
+    import onnx
+    import onnxruntime
+
     from conftest import ROOT
+    from convit_convert import resources
+    from convit_convert.errors import CmhsaError
     from convit_convert.onnx import load, shapes
 
     made = [
@@ -240,11 +243,23 @@ def test_no_onnx_run_without_the_total_size_check() -> None:
         if "InferenceSession(" in p.read_text()
     ]
     assert made == ["convit_convert/onnx/load.py"], made
-    body = ast.parse(inspect.getsource(load.ort_session))
-    calls = [n.func.id for n in ast.walk(body) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)]
-    assert calls.index("check_runnable") < len(calls) and "check_fits" in calls
+    model = onnx.load(exported_with_ballast(tmp_path, 3))
+    sessions = []
+    real = onnxruntime.InferenceSession
+    monkeypatch.setattr(onnxruntime, "InferenceSession", lambda *a, **k: sessions.append(1) or real(*a, **k))
+    monkeypatch.setattr(resources, "available_memory", lambda: 2 * 2**30)
+    with pytest.raises(CmhsaError, match="would need about"):
+        load.ort_session(model, tmp_path / "ballast.onnx", batch=1)
+    assert sessions == []
+    monkeypatch.setattr(resources, "available_memory", lambda: 2**40)
+    load.ort_session(model, tmp_path / "ballast.onnx", batch=1)
+    assert sessions == [1]
     assert inspect.signature(load.ort_session).parameters["batch"].default is inspect.Parameter.empty
-    assert "del fixed.graph.value_info[:]" in inspect.getsource(shapes.at_batch)
+    declared = onnx.helper.make_tensor_value_info("a0", onnx.TensorProto.FLOAT, [1])
+    model.graph.value_info.append(declared)
+    fixed = shapes.at_batch(model, 1)
+    assert len(fixed.graph.value_info) == 0
+    assert all(not o.type.tensor_type.HasField("shape") for o in fixed.graph.output)
 
 
 def test_an_export_checked_in_memory_is_sized_too() -> None:
