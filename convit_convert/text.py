@@ -74,7 +74,7 @@ def escape(ch: str) -> str:
     return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
 
 
-def shown(text: str, keep: str = "", as_: Callable[[str], str] = escape) -> str:
+def escaped(text: str, keep: str = "", as_: Callable[[str], str] = escape) -> str:
     """``text`` with every :func:`hidden` character (but those in ``keep``) replaced by ``as_(ch)``."""
     return _hidden().sub(lambda m: m.group() if m.group() in keep else as_(m.group()), text)
 
@@ -84,14 +84,14 @@ def terminal_safe(text: str) -> str:
     overrides, zero-width and blank characters, undecodable bytes) shown as an escape: a string
     cannot move the cursor, set the title, hide text, pass for another or start a line of its own
     that looks like cmhsa's (``error: ...``)."""
-    return shown(text)
+    return escaped(text)
 
 
 def printed_safe(text: str) -> str:
     """What a console writes, made terminal-safe at the last step: every hidden character but the
     newlines of its own layout shown as an escape (the console's guard behind :func:`terminal_safe`,
     for a value a caller forgot to escape)."""
-    return shown(text, keep="\n")
+    return escaped(text, keep="\n")
 
 
 def lines_safe(text: str) -> str:
@@ -172,7 +172,7 @@ def json_text(doc: Any, indent: int | None = 2, compact: bool = False, sort_keys
         sort_keys=sort_keys,
         default=str,
     )
-    return shown(text, keep="\n", as_=_json_escape)
+    return escaped(text, keep="\n", as_=_json_escape)
 
 
 def yaml_text(doc: dict[str, Any]) -> str:
@@ -183,7 +183,7 @@ def yaml_text(doc: dict[str, Any]) -> str:
 
     def clean(v: Any) -> Any:
         if isinstance(v, str):
-            return shown(v)
+            return escaped(v)
         if isinstance(v, dict):
             return {clean(k): clean(x) for k, x in v.items()}
         if isinstance(v, list | tuple):

@@ -101,7 +101,7 @@ def spread(values: list[float]) -> tuple[float, float]:
     return statistics.mean(values), (max(values) - min(values)) / 2
 
 
-def shown(values: list[float] | None, sign: bool = False) -> str:
+def spread_text(values: list[float] | None, sign: bool = False) -> str:
     if not values:
         return "–"
     mean, half = spread(values)
@@ -122,7 +122,7 @@ def main() -> None:
     print("| start | " + " | ".join(header(label, e, t) for label, _, e, t in scales) + " |")
     print("|---|" + "---:|" * len(scales))
     for start in STARTS:
-        print(f"| {start} | " + " | ".join(shown(t.get(start)) for *_, t in scales) + " |")
+        print(f"| {start} | " + " | ".join(spread_text(t.get(start)) for *_, t in scales) + " |")
     print()
     print("| step of two-phase's gain | " + " | ".join(label for label, *_ in scales) + " |")
     print("|---|" + "---:|" * len(scales))
@@ -130,7 +130,7 @@ def main() -> None:
         cells = []
         for *_, t in scales:
             pair = [y - x for x, y in zip(t[a], t[b], strict=True)] if a in t and b in t else None
-            cells.append(shown(pair, sign=True))
+            cells.append(spread_text(pair, sign=True))
         print(f"| {step} ({b} − {a}) | " + " | ".join(cells) + " |")
 
     # how near its plateau each arm ended: top-1 at its last epoch against at four fifths and at
@@ -152,7 +152,8 @@ def main() -> None:
                     fifth.append(top1[last] - top1[last - e // 5])
                     tenth.append(top1[last] - top1[last - e // 10])
             whole = folders and len(fifth) == len(folders)
-            cells.append(f"{shown(fifth, sign=True)} / {shown(tenth, sign=True)}" if whole else "–")
+            both = f"{spread_text(fifth, sign=True)} / {spread_text(tenth, sign=True)}"
+            cells.append(both if whole else "–")
         print(f"| {start} | " + " | ".join(cells) + " |")
 
     points = {

@@ -778,8 +778,8 @@ def test_a_resize_to_the_model_s_input_is_sized_before_it_is_allocated() -> None
 
 @pytest.mark.slow  # a whole command in a subprocess, or a signal or a budget: the full tier
 def test_an_image_of_a_format_no_classifier_takes_is_never_decoded(tmp_path: Path) -> None:
-    """An EPS file named .png: PIL would run Ghostscript (`gs` from PATH) to decode it.
-    Failed on 81f8851: the fake `gs` below ran."""
+    """An EPS file named .png: PIL would run Ghostscript (`gs` from PATH) to decode it;
+    the fake `gs` below never runs."""
     bin_dir, ran = tmp_path / "bin", tmp_path / "gs-ran"
     bin_dir.mkdir()
     (bin_dir / "gs").write_text(f"#!/bin/sh\necho ran > {ran}\nexit 1\n")
@@ -793,8 +793,8 @@ def test_an_image_of_a_format_no_classifier_takes_is_never_decoded(tmp_path: Pat
 
 
 def test_a_sixteen_bit_image_is_scaled_not_clipped(tmp_path: Path) -> None:
-    """A 16-bit grey PNG of value 32,896 is the 8-bit image of 128 (32,896 / 257), not white.
-    Failed on 81f8851: PIL's conversion clipped it to 255."""
+    """A 16-bit grey PNG of value 32,896 is the 8-bit image of 128 (32,896 / 257), not white
+    (PIL's own conversion clips it to 255)."""
     import numpy as np
     from PIL import Image
 
@@ -864,8 +864,8 @@ def test_outputs_that_are_not_numbers_are_an_error_not_nan(tmp_path: Path, conv_
 
 
 def test_json_from_a_file_is_read_by_one_bounded_parser(tmp_path: Path) -> None:
-    """A checkpoint's cmhsa.result nested 5,000 deep: one line where it is read.
-    Failed on 81f8851: `export --format timm` ended in RecursionError (exit 3), an empty folder left."""
+    """A checkpoint's cmhsa.result nested 5,000 deep: one line where it is read, never
+    a RecursionError in `export --format timm`, and no folder left."""
     from safetensors import safe_open
 
     from convit_convert.api import load_checkpoint, save_checkpoint
@@ -886,8 +886,7 @@ def test_json_from_a_file_is_read_by_one_bounded_parser(tmp_path: Path) -> None:
 
 def test_a_timm_folder_whose_label_names_are_not_its_weights_is_refused(tmp_path: Path) -> None:
     """One source of the names: config.json's label_names (what timm and transformers' pipeline
-    show) must be those model.safetensors records (what predict shows).
-    Failed on 81f8851: accepted; predict showed one set of names and timm the other."""
+    show) must be those model.safetensors records (what predict shows), or the folder is refused."""
     import timm
 
     import convit_convert.timm  # noqa: F401  (registers cmhsa's architectures)

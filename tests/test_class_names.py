@@ -120,7 +120,7 @@ UNREADABLE_NAMES = {
     "a newline": ("x\nerror: fake", "U+000A, a control character"),
     "a no-break space": ("one\u00a0two", "a space other than U+0020"),
     "a Hangul filler": ("\u3164", "an invisible character"),
-    # was (5c13d3f): accepted beside "one", as a second class that reads as the first
+    # each reads as "one": accepted beside it, a second class would look like the first
     "a blank Braille pattern": ("one\u2800", "U+2800, an invisible character"),
     "a Khitan filler": ("one\U00016fe4", "U+16FE4, an invisible character"),
     "a tag character": ("one\U000e0041", "U+E0041, a format character"),
@@ -137,9 +137,8 @@ def test_a_name_no_file_holds_or_no_reader_tells_apart_is_refused_where_read(
     tmp_path: Path, digits_run: Path, case: str
 ) -> None:
     """Refused in one line naming the file and the class's index, by every command that reads it,
-    and nothing written. Failed on 81f8851: `convert` wrote a safetensors file nothing could read
-    from a name holding a lone surrogate (exit 0), `export` crashed with UnicodeEncodeError (exit 3,
-    an empty folder left), and `one` and `one\\u200b` passed as two classes everywhere."""
+    and nothing written: no file nothing can read (a lone surrogate), no UnicodeEncodeError in
+    `export`, no `one` and `one\\u200b` as two classes."""
     name, words = UNREADABLE_NAMES[case]
     names = [name, *DIGITS[1:]]
     with pytest.raises(CmhsaError, match=f"class name 0 .*{re.escape(words.split(',')[0])}"):

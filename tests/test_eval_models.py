@@ -1,8 +1,6 @@
 """`cmhsa eval` measures every model `predict` takes: a checkpoint, a timm folder cmhsa wrote and an
 ONNX file cmhsa exported (run in onnxruntime as shipped, with the preprocessing its metadata_props
-record). The reference is the checkpoint's own evaluation (torch, timm's evaluation transform);
-each test here failed on 81f8851, where eval refused an exported ONNX file and called a timm folder
-"a directory".
+record). The reference is the checkpoint's own evaluation (torch, timm's evaluation transform).
 
 Tolerance: the timm folder holds the checkpoint's tensors, so its figures are equal. The ONNX
 file's logits agree with torch's to export's check (relative 1e-5 of the largest logit), so a

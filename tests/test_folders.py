@@ -3,8 +3,7 @@ hold symbolic links, folders, hard links and other users' files where cmhsa's ou
 list of names that points out of it. Every create, replace, rename and remove below an output folder
 goes through io/folder.py, by name in the folder held open; anything that is not what cmhsa writes
 there is refused in one line naming it, before anything is removed, and nothing outside the folder
-changes. Each case here failed on main 8bdbcb2 (removed or replaced a file outside the run, or
-stopped a run after its old model was gone)."""
+changes: no file outside the run removed or replaced, no run stopped after its old model was gone."""
 
 from __future__ import annotations
 
@@ -347,9 +346,8 @@ def test_a_seed_folder_swapped_for_a_link_mid_run_is_never_written_through(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A `--seeds` run holds each seed's folder from the start: one swapped for a link while it
-    trains still gets its model, EMA and exports, and the link's target gets nothing.
-    Failed on 81f8851: seed1's conv.safetensors, conv-ema, conv.onnx and its report were written
-    into the link's target (RunFiles.finished saved by path), exit 0."""
+    trains still gets its model, EMA and exports, and the link's target gets nothing (a save by path
+    would write seed1's model, EMA and exports there)."""
     from convit_convert.train.run import RunFiles
 
     out, elsewhere = tmp_path / "out", tmp_path / "elsewhere"

@@ -1,8 +1,8 @@
 """A string that came from a file (a path, checkpoint metadata, a config field, a class name) is
 shown through one function per sink: the terminal (`text.terminal_safe`, and `cli.common.safe` for
 rich), training's log lines, matplotlib labels (`text.label_safe`), the model card
-(`text.markdown_safe`, `text.card_number`). One corpus of hostile strings goes to every sink. Each
-case marked "was" failed on main 8bdbcb2."""
+(`text.markdown_safe`, `text.card_number`). One corpus of hostile strings goes to every sink; a
+case's comment says what it would do raw."""
 
 from __future__ import annotations
 
@@ -179,8 +179,7 @@ def test_an_output_folder_named_like_an_error_line_prints_no_error_line(tmp_path
 def test_predict_s_csv_and_json_are_sinks_too(tmp_path: Path) -> None:
     """Class names that start like a formula and image file names that hold escape sequences, bidi
     overrides and C1 controls: the CSV shows them as text (a leading ``'``), the raw files hold no
-    control character, and both read back as the names.
-    Failed on 81f8851: `=` cells and raw ESC, BEL, OSC 8, C1 and U+202E in both files."""
+    control character, and both read back as the names."""
     from PIL import Image
 
     from convit_convert.api import load_checkpoint, save_checkpoint
@@ -308,7 +307,7 @@ def test_the_mechanism_tests_find_what_they_forbid() -> None:
 
 
 def test_a_class_named_like_an_error_line_begins_no_line_of_eval_s_report(monkeypatch) -> None:
-    """Failed on 81f8851: eval's "most confused" list printed `  error: fake -> x: 3`."""
+    """eval's "most confused" list never prints a line that reads `  error: fake -> x: 3`."""
     from convit_convert.api.on_data import ClassRow, Confusion, EvalReport
     from convit_convert.cli import common
     from convit_convert.cli import train as cli_train
@@ -328,9 +327,8 @@ def test_a_class_named_like_an_error_line_begins_no_line_of_eval_s_report(monkey
 
 # one classification, by Unicode property --------------------------------------------------------
 
-# a sample of each kind text.hidden classifies, by property (was, on 5c13d3f: every one but the
-# controls and bidi marks reached the CSV, JSON and console raw, and U+2800 and U+16FE4 passed the
-# class-name check)
+# a sample of each kind text.hidden classifies, by property: none may reach the CSV, JSON or
+# console raw, nor pass the class-name check
 HIDDEN_KINDS = {
     "zero-width space (Cf)": "\u200b",
     "left-to-right mark (Cf)": "\u200e",
@@ -373,8 +371,8 @@ def test_the_classification_keeps_what_readers_see() -> None:
 
 def test_image_names_that_are_not_utf8_or_hold_invisible_characters(tmp_path: Path) -> None:
     """predict's CSV, JSON and console show each name with its invisible characters and undecodable
-    bytes escaped, so `a\\u200bb.png` never reads as `ab.png`. Was (5c13d3f): exit 3 on a
-    non-UTF-8 name (the CSV), and U+200B, U+200E, U+200F, U+061C, U+FEFF, U+E0041, U+00AD raw."""
+    bytes escaped, so `a\\u200bb.png` never reads as `ab.png`; a name that is not UTF-8 is
+    shown, never an internal error."""
     import os
 
     from PIL import Image
@@ -398,7 +396,8 @@ def test_image_names_that_are_not_utf8_or_hold_invisible_characters(tmp_path: Pa
 
 @pytest.mark.parametrize("fmt", ["png", "svg", "pdf"])
 def test_plot_of_a_run_folder_whose_name_is_not_utf8(tmp_path: Path, tiny_run: Path, fmt: str) -> None:
-    """Was (5c13d3f): exit 3 for png, svg and pdf (matplotlib's set_text on a surrogate)."""
+    """Drawn in each format, the name's undecodable bytes escaped (matplotlib's text takes no
+    surrogate)."""
     import os
     import shutil
 

@@ -60,8 +60,7 @@ def eval_rows(output: str) -> list[str]:
 def test_what_transformers_saves_cmhsa_reads(tmp_path: Path) -> None:
     """The shipped classes' save_pretrained (model and processor) on a cmhsa folder: predict and
     eval give the original folder's numbers, export makes ONNX of it, train --init continues it
-    and the new card names it as the start (on 82c50c3: refused, "config.json holds
-    'architectures', which cmhsa never writes")."""
+    and the new card names it as the start."""
     share = gated_folder(tmp_path)
     saved = tmp_path / "saved"
     hub.CmhsaForImageClassification.from_pretrained(share).save_pretrained(saved)
@@ -90,7 +89,7 @@ def test_what_transformers_saves_cmhsa_reads(tmp_path: Path) -> None:
 def test_a_folder_whose_model_code_is_not_cmhsas_is_said_so(tmp_path: Path, monkeypatch) -> None:
     """inspect, predict, eval and train --init each say, in one note, that the folder's
     modeling_cmhsa.py is not the file this cmhsa ships (which release shipped it, where one did):
-    transformers runs it; cmhsa never does (on 82c50c3: nothing said)."""
+    transformers runs it; cmhsa never does."""
     from convit_convert.io import timm_folder
 
     share = tmp_path / "share"
@@ -278,8 +277,8 @@ json.dump({"said": said, "grew_kib": grew}, open(sys.argv[2], "w"))
 @pytest.mark.slow
 def test_a_config_that_does_not_describe_the_weights_fails_before_allocating(tmp_path: Path) -> None:
     """mlp_hidden_dim 4,000,000 in the config.json of a 2-block model: 3 GB of MLP weights the file
-    does not hold. from_pretrained refuses it, and the process grows by less than 100 MiB (on
-    82c50c3 the depth-4 digits model's grew by 6.4 GB before transformers' own refusal)."""
+    does not hold. from_pretrained refuses it before filling any of it: the process grows by less
+    than 100 MiB (transformers alone initialises the 3 GB, then refuses)."""
     cfg = ViTConfig.build(img_size=16, patch_size=4, in_chans=1, depth=2, num_classes=3).with_attention(9)
     model = VisionTransformer(cfg)
     save_checkpoint(tmp_path / "m.safetensors", cfg, model.state_dict())

@@ -1,8 +1,7 @@
 """`--init CHECKPOINT` in both phases: a fresh run from trained weights (the file's tensors, a new
 optimizer and a new schedule with its warm-up), the model's shape the file's, and fine-tuning on
 data of other classes (a new head, said in one line; every other tensor the file's; the new data's
-class names recorded). The checkpoint may be a cmhsa file or a timm folder cmhsa wrote. Each test
-here failed on 81f8851, where phase 1 had no `--init` and phase 2 refused data of other classes.
+class names recorded). The checkpoint may be a cmhsa file or a timm folder cmhsa wrote.
 
 The references are the files themselves (safetensors' own reader) and a fresh run's schedule."""
 

@@ -2,9 +2,8 @@
 shape (onnx/shapes.py folds what is computed from shapes and constants; shape inference does the
 rest): decided by the graph, not by a list of ops. Each op below makes a tensor sized by the input's
 *values* (a pixel scaled by 10^5); every one is refused before onnxruntime sees the graph, naming
-its node. HannWindow, HammingWindow, BlackmanWindow, MelWeightMatrix, DFT, STFT, Squeeze,
-Unsqueeze and ReduceSum with computed axes were not on main 8bdbcb2's list: a 219-byte HannWindow
-reached 3.86 GB in `cmhsa inspect`."""
+its node: HannWindow, HammingWindow, BlackmanWindow, MelWeightMatrix, DFT, STFT, Squeeze,
+Unsqueeze and ReduceSum with computed axes among them (a 219-byte HannWindow can claim 3.86 GB)."""
 
 from __future__ import annotations
 
@@ -155,9 +154,9 @@ def test_a_window_sized_by_a_pixel_is_refused_by_inspect_before_it_runs(tmp_path
 
 
 def test_a_declared_shape_is_a_claim_not_a_fact(tmp_path: Path) -> None:
-    """Was (5c13d3f): a graph whose value_info and output declare small fixed shapes while a
-    HannWindow and a OneHot inside take their size from a pixel passed check_runnable (inspect and
-    convert reached 3.86 GB). Every declared shape but the input's is removed before inference."""
+    """A graph whose value_info and output declare small fixed shapes while a HannWindow and a OneHot
+    inside take their size from a pixel is refused by check_runnable: every declared shape but the
+    input's is removed before inference, so the declared sizes cannot hide the real ones."""
     import onnx
 
     for op, declared in (("HannWindow", [4]), ("OneHot", [2, 4])):

@@ -431,8 +431,8 @@ def _predict_inputs(tmp_path: Path) -> tuple[Path, Path]:
 def test_predict_never_writes_over_or_into_what_it_reads(
     tmp_path: Path, downloads: Path, monkeypatch: pytest.MonkeyPatch, case: str, words: str
 ) -> None:
-    """Refused in one line before any image is predicted, every input as it was.
-    Failed on 81f8851: `-o pic.json` replaced the input image pic.json with the predictions."""
+    """Refused in one line before any image is predicted, every input as it was (`-o pic.json` never
+    replaces the input image pic.json)."""
     import convit_convert.api.predict as api
 
     imgs, pic = _predict_inputs(tmp_path)
@@ -472,8 +472,8 @@ def test_export_and_attention_refuse_an_output_among_their_inputs(tmp_path: Path
 def test_a_timm_folder_or_a_model_never_replaces_what_it_is_made_from(
     tmp_path: Path, conv_onnx_external: Path
 ) -> None:
-    """Cases beyond the issue's: `export --format timm -o DIR` where the input is DIR/model.safetensors
-    (was: replaced its input with exit 0), and `convert` onto an ONNX file's external data."""
+    """Cases beyond the issue's: `export --format timm -o DIR` where the input is DIR/model.safetensors,
+    and `convert` onto an ONNX file's external data."""
     folder = tmp_path / "d"
     folder.mkdir()
     shutil.copy(FIXTURE, folder / "model.safetensors")

@@ -232,9 +232,9 @@ def test_resume_marks_from_a_config_anyone_wrote_are_bounded(tmp_path: Path) -> 
 
 
 def test_a_chain_of_a_thousand_runs_is_followed_in_linear_time(tmp_path: Path) -> None:
-    """Was (5c13d3f): `cmhsa plot r0 ... r999`, each run's config.json naming the previous run's
-    model as its start, ended in RecursionError (exit 3) after about 90 s. Now one stat per model
-    file and start, each chain followed iteratively: run i is drawn after the i runs before it."""
+    """`cmhsa plot r0 ... r999`, each run's config.json naming the previous run's model as its start:
+    one stat per model file and start, each chain followed iteratively (no recursion), run i drawn
+    after the i runs before it."""
     import time
 
     from convit_convert.train.plot import epoch_offsets
@@ -262,9 +262,9 @@ def test_a_chain_of_a_thousand_runs_is_followed_in_linear_time(tmp_path: Path) -
 
 
 def test_metrics_files_are_read_within_one_budget_for_the_whole_plot(tmp_path: Path) -> None:
-    """Was (5c13d3f): a 128 MiB metrics.csv (within the per-file limit) took 3.3 GB and 57 s, and
-    two seeds passed 4 GB. Rows are read one at a time, their known columns only, against one
-    budget for every run of the plot: past it, one line naming the file."""
+    """A 128 MiB metrics.csv (within the per-file limit), and two of them: rows are read one at a
+    time, their known columns only, against one budget for every run of the plot: past it, one line
+    naming the file."""
     from conftest import one_error_line
     from convit_convert.train import plot
 

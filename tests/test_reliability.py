@@ -507,8 +507,7 @@ def test_a_file_claiming_a_huge_model_is_refused_before_it_is_built(tmp_path: Pa
 
 def test_the_memory_check_covers_a_stack_of_seeds(monkeypatch: pytest.MonkeyPatch) -> None:
     """A `--seeds` stack holds every seed's weights, moments and batch at once: checked as that,
-    refused where one seed fits. Failed on 81f8851: the check was each seed's alone, so 64 seeds
-    passed it and were killed at the address-space limit."""
+    refused where one seed fits (a check of each seed's alone would pass 64 seeds)."""
     from convit_convert.train.phases import check_trainable
 
     flags = dict(phase="phase1", data="synthetic", img_size=32, patch_size=4, depth=2, batch_size=64)
@@ -524,9 +523,7 @@ def test_the_memory_check_covers_a_stack_of_seeds(monkeypatch: pytest.MonkeyPatc
 
 def test_out_of_memory_names_what_made_the_size(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Where the user gave no size (an image, an ONNX file's preprocessing, a stack of seeds), a
-    failed allocation is said as that thing's, not as "reduce the sizes given".
-    Failed on 81f8851: "out of memory: an allocation failed; reduce the sizes given (image size,
-    batch, heads, qk-dim, depth)" for an image."""
+    failed allocation is said as that thing's, not as "reduce the sizes given"."""
     from PIL import Image
 
     import convit_convert.api.predict as api

@@ -398,7 +398,7 @@ def test_seeds_of_different_architectures_are_refused_naming_both(tmp_path: Path
 def test_a_stacked_run_reads_as_one_result(tmp_path: Path) -> None:
     """A finished stack ends with one line and seeds.json: each seed's final and best top-1 (as its
     own metrics.csv has them) and their mean ± half-range; `cmhsa plot` on its folder draws every
-    seed and their mean. Failed on 81f8851: no seeds.json, and plot refused the folder."""
+    seed and their mean."""
     import csv
 
     said: list[str] = []
@@ -454,7 +454,7 @@ def test_a_seed_folder_name_taken_by_a_link_or_file_is_refused_untouched(
 
 
 def test_a_seeds_value_no_seed_can_be_is_one_line_before_it_is_read_as_a_number() -> None:
-    """Failed on 81f8851: a 5,000-digit value ended in ValueError (exit 3, an internal error)."""
+    """A 5,000-digit value is one line, never a ValueError (an internal error)."""
     huge = "9" * 5000
     one_error_line(
         invoke("train", "phase1", *TINY_FLAGS, "--seeds", f"0,{huge}", "-o", "x"), 2, "--seeds must"
@@ -690,8 +690,8 @@ def test_a_stacked_steps_gradients_leave_its_graph_in_their_weights_layout(
 
 @pytest.mark.parametrize("kind", ["folder", "FIFO", "link"])
 def test_a_seeds_json_cmhsa_cannot_write_is_refused_before_the_first_step(tmp_path: Path, kind: str) -> None:
-    """Was (5c13d3f): RUN/seeds.json a folder or a FIFO was found only after every seed had trained
-    (exit 2 at the end). A stack checks all of its outputs before its first step, as a run does."""
+    """RUN/seeds.json a folder, a FIFO or a link: a stack checks all of its outputs before its first
+    step, as a run does, not after every seed has trained."""
     import os
 
     out = tmp_path / "s"

@@ -209,7 +209,7 @@ def test_the_cards_licence_is_the_training_datas(
     tmp_path: Path, trained: str | None, license_id: str, named: str
 ) -> None:
     """The licence the card's front matter and pretrained_cfg declare is the training data's, by the
-    data the weights record; the card names the data (failed on 81f8851: always `license: mit`)."""
+    data the weights record; the card names the data."""
     import json
 
     from huggingface_hub import ModelCard
@@ -238,8 +238,7 @@ def test_export_license_sets_both_places_and_is_checked(tmp_path: Path) -> None:
     pcfg = json.loads((tmp_path / "f" / "config.json").read_text())["pretrained_cfg"]
     assert pcfg["license"] == "apache-2.0"
     assert "by the data it would be `cc-by-4.0`" in (tmp_path / "f" / CARD).read_text()
-    # was (5c13d3f): null, no, off, yes, true, 0x1f, 123, 1.5 accepted and written unquoted, so
-    # the front matter read None, False, True, 31, 123, 1.5 where config.json said the string
+    # each would read back from unquoted YAML as None, False, True, 31, 123 or 1.5, not the string
     bads = ("MIT", "mit\nlicense: other", "", "x" * 65, "null", "no", "off", "yes", "true", "0x1f", "123")
     for bad in (*bads, "1.5", "mit OR apache-2.0", "licenseref-mine"):
         r = invoke("export", FIXTURE, "--format", "timm", "--license", bad, "-o", tmp_path / "g")
@@ -257,8 +256,7 @@ def test_the_card_installs_cmhsa_from_its_source_never_by_a_bare_name(
     route installs from the source URL in the installed metadata ([project.urls] Source) where there
     is one; without one it says so, with no command (`pip install -e .` failed where the card is
     read). Before that code block it says to install cmhsa and import convit_convert.timm, and it
-    names the ONNX route (failed on 81f8851: "pip install cmhsa" in the code block, no word on the
-    import)."""
+    names the ONNX route."""
     from convit_convert.io import model_card
 
     for url in (None, "https://example.org/cmhsa"):
@@ -317,7 +315,7 @@ def test_a_fine_tuned_models_card_says_what_it_started_from(tmp_path: Path, monk
     (file, sha256, the Hub id as front matter's base_model) and its data with that data's licence,
     declares `unknown` (what the image folder's licence leaves), and calls the validation images
     the folder's own val/, never "held out". The same folder copied elsewhere under a Hub-like path
-    is a local start: no base_model (on 82c50c3 a path named models--openai--... made one)."""
+    is a local start: no base_model, whatever its path's name says."""
     import hashlib
 
     from huggingface_hub import ModelCard, constants
@@ -404,9 +402,9 @@ def test_metadata_of_the_wrong_type_or_text_reaches_no_sink_raw(tmp_path: Path, 
 def test_a_config_json_that_disagrees_with_its_weights_is_refused_naming_both(
     tmp_path: Path, field_name: str, value: int
 ) -> None:
-    """Was (5c13d3f): a self-consistent config.json saying num_classes 5 (or depth 1000) beside
-    weights of 10 classes and depth 4 was accepted by predict, eval and train phase1 --init (which
-    used the weights' config), where timm refused it. One source of truth: one line naming both."""
+    """A self-consistent config.json saying num_classes 5 (or depth 1000) beside weights of 10
+    classes and depth 4 is refused by predict, eval and train phase1 --init, as timm refuses it:
+    one source of truth, one line naming both files."""
     import json
 
     folder = tmp_path / "t"

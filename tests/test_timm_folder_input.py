@@ -1,9 +1,8 @@
 """A timm folder loaded from Python (``timm.create_model("local-dir:D", pretrained=True)`` after
 ``import convit_convert.timm``, or ``hf-hub:``) is read as untrusted input, as cmhsa reads every
 file: its config.json is checked field by field before timm parses it or builds anything, and each
-hostile value ends in one CmhsaError naming the field, or in a model whose logits equal the file's.
-Cases marked "was" loaded a different model, or raised a raw TypeError/AttributeError, on main
-8bdbcb2."""
+hostile value ends in one CmhsaError naming the field, or in a model whose logits equal the file's;
+a case's comment says what timm would do with it unchecked."""
 
 from __future__ import annotations
 
@@ -56,7 +55,7 @@ CASES: dict[str, tuple[tuple[str, ...], Any]] = {
     "num_features a string": (("num_features",), "x"),
     "an unknown top-level key": (("evil",), 1),
     "license 1000 characters": (("pretrained_cfg", "license"), "x" * 1000),
-    # the same tensor shapes, another model: refused by the weights' own config (loaded on 82c50c3)
+    # the same tensor shapes, another model: refused by the weights' own config
     "norm_eps": ((*CC, "norm_eps"), 1e-5),
     "dilation": ((*CC, "dilation"), 2),
     "img_size": ((*CC, "img_size"), [64, 64]),

@@ -2,8 +2,7 @@
 ``import convit_convert.timm``, with the class names the folder records, and says what cmhsa
 predict says about the same images. The pipeline builds the model without its non-persistent
 buffers and calls ``init_non_persistent_buffers`` (timm's convention); it makes every image RGB,
-which a grey model takes as its luma (PIL's "L"). Each failed on main 8bdbcb2 (INDICES element is
-out of DATA bounds; expected images of shape (B, 1, ...))."""
+which a grey model takes as its luma (PIL's "L")."""
 
 from __future__ import annotations
 

@@ -159,7 +159,7 @@ def _plain(v: Any) -> Any:
     return [_plain(x) for x in v] if isinstance(v, list | tuple) else v
 
 
-def _shown(v: Any) -> str:
+def _quoted(v: Any) -> str:
     """A value from a file in a message: its repr, cut at 60 characters."""
     text = repr(v)
     return text if len(text) <= 60 else text[:57] + "..."
@@ -183,7 +183,7 @@ def check_folder_config(doc: Any, where: object, added: tuple[str, ...] = ()) ->
         return None
     args = doc.get("model_args")
     if not isinstance(args, dict) or set(args) != {CONFIG_ARG}:
-        what = _shown(sorted(args)) if isinstance(args, dict) else type(args).__name__
+        what = _quoted(sorted(args)) if isinstance(args, dict) else type(args).__name__
         raise CmhsaError(
             f"config.json's model_args must hold {CONFIG_ARG!r} alone, not {what}: timm passes each to the "
             "model's factory; not a folder cmhsa wrote",
@@ -194,14 +194,14 @@ def check_folder_config(doc: Any, where: object, added: tuple[str, ...] = ()) ->
     unknown = sorted(set(doc) - top - {"auto_map"} - set(TRANSFORMERS_KEYS))
     if unknown:
         raise CmhsaError(
-            f"config.json holds {_shown(unknown[0])}, which neither cmhsa nor transformers' save_pretrained "
+            f"config.json holds {_quoted(unknown[0])}, which neither cmhsa nor transformers' save_pretrained "
             "writes",
             where,
         )
     auto_map = doc.get("auto_map", {})  # older folders have none
     if not isinstance(auto_map, dict) or not auto_map.items() <= AUTO_MAP.items():
         raise CmhsaError(
-            f"config.json's auto_map is not the one cmhsa writes ({_shown(auto_map)}): transformers "
+            f"config.json's auto_map is not the one cmhsa writes ({_quoted(auto_map)}): transformers "
             "would run other code than the folder's model; not a folder cmhsa wrote",
             where,
         )
@@ -212,7 +212,7 @@ def check_folder_config(doc: Any, where: object, added: tuple[str, ...] = ()) ->
     for key in ("num_classes", "num_features"):
         if key in doc and _plain(doc[key]) != _plain(written[key]):
             raise CmhsaError(
-                f"config.json says {key} {_shown(doc[key])} but its model_args' {CONFIG_ARG} makes "
+                f"config.json says {key} {_quoted(doc[key])} but its model_args' {CONFIG_ARG} makes "
                 f"{written[key]!r}; timm would load a different model than the one saved",
                 where,
             )
@@ -225,7 +225,7 @@ def check_folder_config(doc: Any, where: object, added: tuple[str, ...] = ()) ->
             continue
         if key not in expected and key != "label_names":
             raise CmhsaError(
-                f"config.json's pretrained_cfg holds {_shown(key)}, which cmhsa never writes", where
+                f"config.json's pretrained_cfg holds {_quoted(key)}, which cmhsa never writes", where
             )
         if key == "label_names":
             check_class_names(value, cfg.num_classes, where)
@@ -234,8 +234,8 @@ def check_folder_config(doc: Any, where: object, added: tuple[str, ...] = ()) ->
                 raise CmhsaError("config.json's pretrained_cfg license is not a short text", where)
         elif _plain(value) != _plain(expected[key]):
             raise CmhsaError(
-                f"config.json's pretrained_cfg says {key} {_shown(value)} but its model_args' "
-                f"{CONFIG_ARG} makes {_shown(expected[key])}; timm would load or feed a different "
+                f"config.json's pretrained_cfg says {key} {_quoted(value)} but its model_args' "
+                f"{CONFIG_ARG} makes {_quoted(expected[key])}; timm would load or feed a different "
                 "model than the one saved",
                 where,
             )
@@ -249,7 +249,7 @@ def check_transformers_keys(doc: dict[str, Any], cfg: ViTConfig, where: object) 
     for key, allowed in TRANSFORMERS_KEYS.items():
         if key in doc and not allowed(doc[key]):
             raise CmhsaError(
-                f"config.json's {key} is {_shown(doc[key])}, not what the shipped model writes", where
+                f"config.json's {key} is {_quoted(doc[key])}, not what the shipped model writes", where
             )
     id2label = doc.get("id2label")
     if id2label is not None:
