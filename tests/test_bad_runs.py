@@ -157,7 +157,8 @@ def test_a_pending_removal_list_is_checked_before_anything_is_removed(tmp_path: 
 
 def test_a_stacked_resume_checks_each_seed_folder_as_its_own_resume_would(tmp_path: Path) -> None:
     """`--seeds 0,1,2 --resume` on a folder whose seed2 holds a copy of seed 0's run is refused,
-    naming seed2, as `--seed 2 --resume` on that folder alone is; nothing is trained or written (seed 2 never continues seed 0's run)."""
+    naming seed2, as `--seed 2 --resume` on that folder alone is; nothing is trained or written
+    (seed 2 never continues seed 0's run)."""
     import shutil
 
     out = tmp_path / "s"
