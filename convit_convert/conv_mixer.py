@@ -173,14 +173,17 @@ class ConvMixer(nn.Conv2d):
     def _index_buffers(self) -> dict[str, torch.Tensor]:
         """The token form's tap selectors (on the CPU), from the conv's own sizes: no file holds them."""
         c, k, p, d = self.in_channels, self.kernel_size[0], self.patch_size, self.dilation[0]
+        # on the CPU whatever the default device: a model built on the meta device for its shapes
+        # alone would otherwise index meta tensors, which imports torch's symbolic shapes (a second)
         with torch.device("cpu"):
             plan = token_plan(c, k, p, d)
             ey, ex = tap_selectors(plan.offsets, p, k, d)  # (N_Δ, P, P, K)
+            r, y, x = torch.tensor(plan.pixels()).unbind(1)
+            selectors = {"select_y": ey[r, y], "select_x": ex[r, x]}  # (M, P, K): W^O's column groups
         self.offsets, self.boxes = plan.offsets, plan.boxes
         self.first_is_the_patch = plan.first_is_the_patch(p)
         self.centre, _ = plan.sizes(c)  # features offsets[0] reads: d where it is (0, 0) (D ≤ P)
-        r, y, x = torch.tensor(plan.pixels()).unbind(1)
-        return {"select_y": ey[r, y], "select_x": ex[r, x]}  # (M, P, K): W^O's column groups
+        return selectors
 
     def init_non_persistent_buffers(self) -> None:
         """Rebuild the index buffers where the weights live (timm's convention: transformers'

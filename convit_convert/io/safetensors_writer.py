@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 import struct
 import sys
 from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, BinaryIO
 
 import torch
@@ -74,11 +76,18 @@ def write_safetensors(
     head = json_text(header, compact=True).encode()
     head += b" " * (-len(head) % 8)
     digest = hashlib.sha256()
-    for block in (struct.pack("<Q", len(head)), head):
-        file.write(block)
-        digest.update(block)
-    for name in names:
-        for block in _tensor_chunks(tensors[name]):
+    blocks = itertools.chain(
+        (struct.pack("<Q", len(head)), head), *(_tensor_chunks(tensors[n]) for n in names)
+    )
+    # each block hashed in a thread while the next is written (hashlib and the write both release
+    # the GIL): the hash costs no time of its own beside a write of the same bytes
+    with ThreadPoolExecutor(1) as hasher:
+        hashed = None
+        for block in blocks:
             file.write(block)
-            digest.update(block)
+            if hashed is not None:
+                hashed.result()
+            hashed = hasher.submit(digest.update, block)
+        if hashed is not None:
+            hashed.result()
     return digest.hexdigest()
