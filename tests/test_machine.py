@@ -66,3 +66,28 @@ def test_eval_and_predict_take_threads(monkeypatch) -> None:
     assert seen == [1, before, 1, before] and torch.get_num_threads() == before
     r = invoke("predict", FIXTURE, FIXTURE.parent / "digits" / "3.png", "--threads", "0")
     assert r.exit_code == 2 and "--threads" in r.output
+
+
+def test_a_resume_keeps_its_runs_threads_and_says_another_processor(tmp_path: Path, monkeypatch) -> None:
+    """A run of 2 threads resumed where the default would be 1 keeps its 2 (results depend on the
+    count; config.json's environments say so), unless `--threads` is given; a resume on another
+    processor model says so, as one on another CPU code path does."""
+    import json
+
+    from convit_convert.train import run as run_module
+    from convit_convert.train import state
+
+    run(tiny_config(tmp_path / "r", **FLAGS, threads=2), progress=Progress(None), stop_after_steps=2)
+    monkeypatch.setattr(run_module, "default_threads", lambda: 1)
+    monkeypatch.setattr(state, "cpu_name", lambda: "Another CPU(R) 9000")
+    lines: list[str] = []
+    run(tiny_config(tmp_path / "r", **FLAGS, resume=True), progress=Progress(lines.append))
+    environments = json.loads((tmp_path / "r" / "config.json").read_text())["environments"]
+    assert [e["threads"] for e in environments] == [2, 2]
+    moved = [line for line in lines if line.startswith("resuming in another environment")]
+    assert len(moved) == 1 and "cpu " in moved[0] and "-> Another CPU(R) 9000" in moved[0], lines
+    assert "threads" not in moved[0]
+    run(tiny_config(tmp_path / "r2", **FLAGS), progress=Progress(None), stop_after_steps=2)
+    run(tiny_config(tmp_path / "r2", **FLAGS, resume=True, threads=1), progress=Progress(None))
+    environments = json.loads((tmp_path / "r2" / "config.json").read_text())["environments"]
+    assert environments[-1]["threads"] == 1

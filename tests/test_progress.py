@@ -95,17 +95,26 @@ def test_a_glance_reads_the_device_once_and_changes_nothing(tmp_path: Path, monk
 
 
 def test_a_stack_glances_once_for_all_its_seeds(tmp_path: Path, monkeypatch) -> None:
-    """`--seeds`: one step line per glance or read-out (the lead seed's), never one per seed: with a
-    glance after every step, one line per step of the 16."""
+    """`--seeds`: one step line and one device read per glance (the lead seed's), never one per
+    seed: with a glance after every step, one line per step of the 16, and 15 reads more than
+    with none."""
     from convit_convert.train.stacked import run_seeds
 
-    ticking(monkeypatch, PROGRESS_SECONDS)
-    lines: list[str] = []
-    run_seeds(
-        tiny_config(tmp_path / "s", seeds=(0, 1, 2), **quiet_run(tmp_path)), progress=Progress(lines.append)
-    )
-    step_lines = [line for line in lines if re.search(r"\bstep \d+/16\b", line)]
+    reads, lines = [], []
+    for seconds in (None, PROGRESS_SECONDS):
+        if seconds is None:
+            monkeypatch.setattr(progress_module, "clock", lambda: 0.0)
+        else:
+            ticking(monkeypatch, seconds)
+        said: list[str] = []
+        cfg = tiny_config(tmp_path / f"s{seconds}", seeds=(0, 1, 2), **quiet_run(tmp_path))
+        with OpCounter() as counter:
+            run_seeds(cfg, progress=Progress(said.append))
+        reads.append(counter.ops[HOST_READ])
+        lines.append(said)
+    step_lines = [line for line in lines[1] if re.search(r"\bstep \d+/16\b", line)]
     assert [int(re.search(r"step (\d+)/", line).group(1)) for line in step_lines] == list(range(1, 17)), lines
+    assert reads[1] - reads[0] == 15, reads
 
 
 def test_a_step_line_says_the_rest_of_the_epoch_and_of_the_run_validations_included(monkeypatch) -> None:

@@ -69,13 +69,11 @@ def hub_id_of(path: Path) -> str | None:
     itself resolves (offline, from the cache) to this folder; else None. Never fetched."""
     try:
         import huggingface_hub
-        from huggingface_hub import constants
     except ImportError:
         return None
     path = Path(path).resolve()
-    cache = Path(constants.HF_HUB_CACHE).resolve()
     parts = path.parts
-    if len(parts) < 3 or not path.is_relative_to(cache) or parts[-2] != "snapshots":
+    if len(parts) < 3 or parts[-2] != "snapshots":
         return None
     repo = parts[-3]
     if not repo.startswith("models--") or repo.count("--") != 2:
