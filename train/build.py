@@ -151,7 +151,7 @@ def build(
     if why:
         reporter.log(f"loader workers: {why}")
     loaders = build_loaders(cfg, dataset, pm.config, ctx, loader)
-    steps_per_epoch = len(loaders[0].sampler) // cfg.recipe.batch_size
+    steps_per_epoch = len(loaders[0].sampler) // cfg.update_batch  # optimizer updates
     fwd: nn.Module = model
     if ctx.distributed:
         from torch.nn.parallel import DistributedDataParallel
@@ -179,7 +179,7 @@ def build(
     prepare = loaders[0].prepare if isinstance(loaders[0], HeldLoader) else None  # augments on the device
     compiled = None
     if cfg.runtime.compile:
-        why_not = whole_step_refusal(ctx, scaler.is_enabled())
+        why_not = whole_step_refusal(ctx, scaler.is_enabled(), cfg.recipe.grad_accum_steps > 1)
         if why_not is None:
             compiled = CompiledStep(
                 model=fwd, criterion=criterion, dtype=dtype, ctx=ctx, prepare=prepare, mixup=mixup
@@ -406,7 +406,7 @@ def build_loaders(
                 split,
                 build_transform(img, training, cfg.recipe, chans),
                 training=training,
-                batch_size=cfg.recipe.batch_size,
+                batch_size=cfg.update_batch if training else cfg.recipe.batch_size,
                 seed=cfg.seed,
                 rank=ctx.rank,
                 world=ctx.world,
@@ -420,7 +420,7 @@ def build_loaders(
     sampler = epoch_sampler(
         len(dataset.train),
         training=True,
-        batch_size=cfg.recipe.batch_size,
+        batch_size=cfg.update_batch,  # an update's images; the step splits them into micro-batches
         seed=cfg.seed,  # type: ignore[arg-type]
         rank=ctx.rank,
         world=ctx.world,

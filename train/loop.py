@@ -50,7 +50,7 @@ from . import progress
 from .distributed import Context, all_reduce_sum
 from .progress import Progress
 from .state import LAST, RunState, set_rng_state
-from .step import CompiledStep, Tally, backward, update
+from .step import CompiledStep, Tally, backward, micro_batch, update
 
 
 @dataclass(frozen=True)
@@ -160,12 +160,20 @@ def train_one_step(loop: Loop, inputs: Any, labels: torch.Tensor) -> None:
         loop.compiled(inputs, labels, tally)
     else:
         images = loop.prepare(inputs) if loop.prepare is not None else inputs.to(device, non_blocking=True)
-        if loop.mixup is not None:
+        if loop.mixup is not None:  # over the update's whole batch, as one batch of its size mixes
             images, labels = loop.mixup(images, labels)
-        with autocast(device, loop.dtype):
-            loss = loop.criterion(loop.forward(images), labels)
+        # `grad_accum_steps` micro-batches, each's gradient of its share of the batch's mean loss
+        # added to the last's: one update of the batch's images, a micro-batch's memory
+        n = loop.cfg.recipe.grad_accum_steps
+        pieces = zip(images.chunk(n), labels.chunk(n), strict=True) if n > 1 else [(images, labels)]
+        loss = None
+        for i, (x, y) in enumerate(pieces):
+            with autocast(device, loop.dtype):
+                part = loop.criterion(loop.forward(x), y) / n
+            with micro_batch(loop.forward, last=i == n - 1):  # DDP: all-reduce once, at the last
+                backward(scaler.scale(part), loop.params, loop.ctx, add=i > 0)  # fp16 scales the loss
+            loss = part.detach() if loss is None else loss + part.detach()
         tally.add(loss)  # on the device: the sum, and whether every loss since the last read-out was finite
-        backward(scaler.scale(loss), loop.params, loop.ctx)  # fp16 scales the loss; else it is as is
     clip = loop.cfg.recipe.clip_grad
     if clip is not None:
         scaler.unscale_(optimizer)  # a no-op unless fp16's scaler is on
@@ -297,7 +305,7 @@ def step_line(loop: Loop, since: int, t_last: float, now: float, loss_sum: float
     ``loss_sum``, timed from ``t_last`` to ``now``): what a read-out and a glance both show."""
     st = loop.state
     steps = max(st.step - since, 1)
-    images = steps * loop.cfg.recipe.batch_size * loop.ctx.world
+    images = steps * loop.cfg.update_batch * loop.ctx.world
     lr = float(st.optimizer.param_groups[0]["lr"])
     return progress.StepLine(
         st.epoch,
@@ -323,7 +331,7 @@ def read_out(loop: Loop, stop: Any, since: int, t_last: float, now: float) -> bo
     line = step_line(loop, since, t_last, now, totals.loss_sum)
     st.partial["loss_sum"] += totals.loss_sum
     st.partial["seconds"] += now - t_last
-    st.partial["images"] += steps * loop.cfg.recipe.batch_size * ctx.world
+    st.partial["images"] += steps * loop.cfg.update_batch * ctx.world
     loop.reporter.step(line)
     if not ctx.distributed:
         return stop.signal is not None

@@ -18,8 +18,9 @@ from .step import fusable
 
 
 def scaled_lrs(cfg: TrainConfig, world: int) -> tuple[float, float, float]:
-    """DeiT's linear scaling: every learning rate × global batch / lr_base_batch."""
-    scale = cfg.recipe.batch_size * world / cfg.recipe.lr_base_batch
+    """DeiT's linear scaling: every learning rate × global batch / lr_base_batch (the batch of an
+    update: `grad_accum_steps` micro-batches of `batch_size` on each process)."""
+    scale = cfg.update_batch * world / cfg.recipe.lr_base_batch
     return cfg.peak_lr * scale, cfg.recipe.min_lr * scale, cfg.recipe.warmup_lr * scale
 
 
@@ -35,8 +36,9 @@ def check_recipe(cfg: TrainConfig) -> None:
         check_supported(r.aa, r.interpolation, r.remode)
     if cfg.phase == "phase2" and cfg.start.init in INIT_STARTS:
         check_start(cfg.start.init, cfg.conversion.pinning, cfg.start.impulse_offsets)
-    if (r.mixup > 0 or r.cutmix > 0) and r.batch_size % 2:
-        raise CmhsaError(f"Mixup/CutMix need an even `batch_size`, got {r.batch_size}")
+    if (r.mixup > 0 or r.cutmix > 0) and cfg.update_batch % 2:
+        what = "`batch_size`" if r.grad_accum_steps == 1 else "batch (`batch_size` × `grad_accum_steps`)"
+        raise CmhsaError(f"Mixup/CutMix need an even {what}, got {cfg.update_batch}")
     known = list_optimizers()
     if r.opt.lower() not in known:
         raise CmhsaError(

@@ -25,9 +25,10 @@ import torch
 from .. import signals
 from ..api.export import ExportReport, export_checkpoint
 from ..data import validation_split
-from ..io.checkpoint import Checkpoint, save_model
+from ..io.checkpoint import Checkpoint, save_model, write_checkpoint
 from ..io.folder import Folder
 from ..io.outputs import Target
+from ..io.paths import parse_json
 from ..labels import to_metadata
 from ..loaders import cpus, default_threads
 from ..options.training import TrainConfig
@@ -39,6 +40,7 @@ from .held import HeldEvalLoader
 from .loop import Loop, Stepper, train_one_epoch
 from .progress import EMA_METRICS, METRICS, Progress
 from .run_folder import (
+    BEST,
     OUTPUT,
     PENDING_REMOVAL,
     TIMM_FOLDER,
@@ -287,8 +289,16 @@ class RunFiles:
 
     def save(self) -> None:
         loop, st, ctx = self.loop, self.loop.state, self.loop.ctx
-        if ctx.is_main:  # checkpoint, metrics and config land together or not at all (state.save)
-            also = {"metrics.csv": metrics_text(st.metrics), "config.json": loop.config_json}
+        if ctx.is_main:  # checkpoint, metrics, config (and a new best) land together or not at all
+            best = best_epoch(st.metrics)
+            also: dict[str, Any] = {
+                "metrics.csv": metrics_text(st.metrics),
+                "config.json": with_best(loop.config_json, best),
+            }
+            if best is not None and best is st.metrics[-1] and st.step == 0:  # this epoch is the best
+                also[BEST] = lambda tmp: write_checkpoint(
+                    tmp, st.model_config, st.model.state_dict(), self.metadata(best), self.folder.show(BEST)
+                )
             if (
                 self.pending
             ):  # what is still to remove lands with them: `resume` finishes an interrupted removal
@@ -303,6 +313,22 @@ class RunFiles:
 
             st.save(self.folder, loop.cfg.runtime.keep, also, committed)
         barrier(ctx)
+
+    def metadata(self, row: dict[str, Any]) -> dict[str, str]:
+        """A model file's metadata: how it was trained, its start, and the figures of ``row`` (the
+        epoch it holds: the last, or the best) with where they were measured (the model card's)."""
+        cfg, st = self.loop.cfg, self.loop.state
+        figures = {k: row[k] for k in ("epoch", "top1", "top5", "val_loss") if k in row}
+        split = (cfg.data.name, cfg.data.holdout, cfg.data.val_samples)
+        subset = {"train_samples": cfg.data.train_samples} if cfg.data.train_samples else {}
+        return {
+            "cmhsa.trained": f"{cfg.phase} {cfg.data.name}, {cfg.recipe.epochs} epochs",
+            "cmhsa.init": json_text(st.init, indent=None),
+            "cmhsa.result": json_text(
+                {"data": cfg.data.name, "split": validation_split(*split), **subset, **figures}, indent=None
+            ),
+            **to_metadata(self.loop.classes),
+        }
 
     def stopped(self, how: str) -> RunResult:
         """The run stopped early (a signal, or the step limit): saved where it is, to resume."""
@@ -322,19 +348,7 @@ class RunFiles:
         cfg, ctx, st = loop.cfg, loop.ctx, loop.state
         if ctx.is_main:
             result.model_path = loop.out / OUTPUT[cfg.phase]
-            last = st.metrics[-1] if st.metrics else {}
-            figures = {k: last[k] for k in ("epoch", "top1", "top5", "val_loss") if k in last}
-            split = (cfg.data.name, cfg.data.holdout, cfg.data.val_samples)
-            subset = {"train_samples": cfg.data.train_samples} if cfg.data.train_samples else {}
-            meta = {
-                "cmhsa.trained": f"{cfg.phase} {cfg.data.name}, {cfg.recipe.epochs} epochs",
-                "cmhsa.init": json_text(st.init, indent=None),
-                "cmhsa.result": json_text(  # the model card's figures, and where they were measured
-                    {"data": cfg.data.name, "split": validation_split(*split), **subset, **figures},
-                    indent=None,
-                ),
-                **to_metadata(loop.classes),
-            }
+            meta = self.metadata(st.metrics[-1] if st.metrics else {})
             # into the folder this run holds, by name: never through a path its tree could redirect
             model = Target(self.folder, OUTPUT[cfg.phase])
             sha = save_model(model, st.model_config, st.model.state_dict(), meta)
@@ -343,7 +357,13 @@ class RunFiles:
             if st.ema is not None:
                 ema = Target(self.folder, Path(model.name).stem + "-ema.safetensors")
                 save_model(ema, st.model_config, st.ema.module.state_dict(), meta)
-            loop.reporter.log(f"wrote {result.model_path}, metrics.csv, config.json")
+            best = best_epoch(st.metrics)
+            kept = (
+                ""
+                if best is None
+                else f"; {loop.out / BEST}: epoch {best['epoch']}, top-1 {best['top1']:.2f}, the best"
+            )
+            loop.reporter.log(f"wrote {result.model_path}, metrics.csv, config.json{kept}")
             if isinstance(
                 loop.val_loader, HeldEvalLoader
             ):  # measured: digits demo, 84.40 here, 84.68 in eval
@@ -397,6 +417,23 @@ def train_epochs(
                 with stepper.stream(i):
                     f.save()
         return [f.finished(stop) for f in files]
+
+
+def best_epoch(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The metrics row of the evaluated epoch with the best validation top-1 (the first of equals),
+    or None before any evaluation."""
+    evaluated = [r for r in rows if r.get("top1") is not None]
+    return max(evaluated, key=lambda r: r["top1"]) if evaluated else None
+
+
+def with_best(config_json: str, best: dict[str, Any] | None) -> str:
+    """config.json's text with the best epoch named (``best``: its file, epoch and top-1, and that
+    the file holds the model's weights, not the EMA's)."""
+    if best is None:
+        return config_json
+    doc = parse_json(config_json, None, "config.json")
+    doc["best"] = {"file": BEST, "epoch": best["epoch"], "top1": best["top1"], "weights": "model"}
+    return json_text(doc) + "\n"
 
 
 def abandoned(files: list[RunFiles]) -> str:

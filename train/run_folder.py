@@ -20,6 +20,7 @@ from .state import LAST, NUMBERED
 
 OUTPUT = {"phase1": "conv.safetensors", "phase2": "vit.safetensors"}
 TIMM_FOLDER = "timm"  # `export_timm`'s folder in the run's
+BEST = "best.safetensors"  # the model at the epoch of the best validation top-1
 # `overwrite`: the previous run's files still to remove, committed with the new run's first
 # checkpoint and removed once they are gone; `resume` finishes an interrupted removal
 PENDING_REMOVAL = "overwrite-pending.json"
@@ -72,7 +73,7 @@ def run_folder(
 def run_files(phases: tuple[str, ...] = tuple(OUTPUT)) -> list[str]:
     """The names a run of ``phases`` writes in its folder (relative; numbered checkpoints apart)."""
     models = [OUTPUT[p] for p in phases]
-    names = [LAST, "metrics.csv", "config.json", PENDING_REMOVAL, *models]
+    names = [LAST, "metrics.csv", "config.json", PENDING_REMOVAL, BEST, *models]
     names += [n.replace(".safetensors", s) for n in models for s in ("-ema.safetensors", ".onnx")]
     names += [n.replace(".safetensors", ".onnx.report.json") for n in models]
     return names + [f"{TIMM_FOLDER}/{n}" for n in FILES]

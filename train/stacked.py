@@ -273,6 +273,11 @@ def stack_refusal(loops: list[Loop], batched: bool = True) -> str | None:
             f"`opt` {lead.cfg.recipe.opt}: one optimizer steps the stacked weights, so its step must be "
             "elementwise; use adamw, adam, sgd or momentum (or `seeds_step` interleaved)"
         )
+    if batched and lead.cfg.recipe.grad_accum_steps > 1:
+        return (
+            "`grad_accum_steps`: a stack steps every seed at once, one batch each; use `seeds_step` "
+            "interleaved"
+        )
     if batched and lead.state.scaler.is_enabled():
         return (
             "fp16's GradScaler keeps one loss scale per run; use `amp` bf16 or none (or `seeds_step` "

@@ -386,17 +386,21 @@ class RunState:
             set_rng_state(current)
 
     def save(
-        self, run_dir: Folder, keep: int, also: dict[str, str] | None = None, committed: Any = None
+        self, run_dir: Folder, keep: int, also: dict[str, Any] | None = None, committed: Any = None
     ) -> Path:
-        """Write ``checkpoint-last.pt`` and the text files ``also`` (name -> text) in the held run
-        folder, all or none (:func:`atomic_names` commits them together); then call ``committed()``;
-        at an epoch's end with ``keep`` > 0 also a numbered copy, pruning all but the newest ``keep``."""
+        """Write ``checkpoint-last.pt`` and the files ``also`` (name -> its text, or what writes it
+        given a path) in the held run folder, all or none (:func:`atomic_names` commits them
+        together); then call ``committed()``; at an epoch's end with ``keep`` > 0 also a numbered
+        copy, pruning all but the newest ``keep``."""
         state = self.to_dict()
         also = also or {}
         with atomic_names((run_dir, LAST), *((run_dir, name) for name in also)) as tmps:
             torch.save(state, tmps[0])
-            for tmp, text in zip(tmps[1:], also.values(), strict=True):
-                tmp.write_text(text, encoding="utf-8")
+            for tmp, content in zip(tmps[1:], also.values(), strict=True):
+                if callable(content):
+                    content(tmp)
+                else:
+                    tmp.write_text(content, encoding="utf-8")
         if committed is not None:
             committed()
         if keep > 0 and self.step == 0:

@@ -27,6 +27,7 @@ loop can skip: the step computes the same without them, only slower or with a ho
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -91,16 +92,31 @@ class Tally:
         return Totals(loss_sum, None if finite == steps else int(finite))
 
 
-def backward(loss: torch.Tensor, params: list[torch.Tensor], ctx: Context) -> None:
-    """``loss.backward()`` for ``params``, with ``.grad`` empty before: under DDP exactly that (its
-    hooks all-reduce the gradients in backward()); otherwise the same gradients from
+def backward(loss: torch.Tensor, params: list[torch.Tensor], ctx: Context, add: bool = False) -> None:
+    """``loss.backward()`` for ``params``, with ``.grad`` empty before unless ``add`` (a later
+    micro-batch of a gradient accumulation: its gradients added to those there): under DDP exactly
+    that (its hooks all-reduce the gradients in backward()); otherwise the same gradients from
     ``torch.autograd.grad``, handed to ``.grad`` as backward() leaves them, without its
     per-parameter accumulation (fewer aten ops a step: BENCHMARKS.md, "Host work per training
     step")."""
     if ctx.distributed:
         loss.backward()
-    else:
-        assign_gradients(params, list(torch.autograd.grad(loss, params, allow_unused=True)))
+        return
+    grads = list(torch.autograd.grad(loss, params, allow_unused=True))
+    if add:
+        grads = [
+            g if p.grad is None else p.grad if g is None else p.grad + g
+            for p, g in zip(params, grads, strict=True)
+        ]
+    assign_gradients(params, grads)
+
+
+def micro_batch(model: Any, last: bool) -> Any:
+    """A gradient accumulation's micro-batch under DDP: its gradients all-reduced only with the
+    last's (DDP's ``no_sync`` before); nothing otherwise."""
+    if last or not hasattr(model, "no_sync"):
+        return contextlib.nullcontext()
+    return model.no_sync()
 
 
 def laid_out(params: list[torch.Tensor], grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
@@ -135,12 +151,14 @@ def update(optimizer: Any, scaler: Any, skip: torch.Tensor) -> None:
         optimizer.step()
 
 
-def whole_step_refusal(ctx: Context, scaling: bool) -> str | None:
+def whole_step_refusal(ctx: Context, scaling: bool, accumulating: bool = False) -> str | None:
     """Why ``--compile`` compiles the model's forward only, or None when it compiles the step."""
     if ctx.distributed:
         return "several processes: DDP's gradient hooks run in backward()"
     if scaling:
         return "fp16's GradScaler"
+    if accumulating:
+        return "`grad_accum_steps`: a graph of one micro-batch's step, not of the update"
     return None
 
 

@@ -26,7 +26,7 @@ from ..options.operations import AttentionOptions, EvalOptions
 from ..options.training import DEFAULT_RULES, PEAK_LR, PRESETS, WARMUP_FRACTION, ModelFlags, TrainConfig
 from ..options.values import AMPS
 from ..text import json_text
-from .common import EXIT_FAIL, console, print_titled, safe
+from .common import EXIT_FAIL, console, path_opt, print_titled, safe
 from .options import (
     CONVERSION_HELP,
     DATA_DIR_HELP,
@@ -206,7 +206,14 @@ OPTION_ROWS: list[Flag] = [
     Flag("margin", float, PHASE2, CONVERSION_HELP["margin"], phases=("phase2",)),
     Flag("verify_tol", float, PHASE2, CONVERSION_HELP["tol"], phases=("phase2",)),
     Flag("epochs", int, RECIPE, "Epochs."),
-    Flag("batch_size", int, RECIPE, "Batch per process."),
+    Flag("batch_size", int, RECIPE, "Batch per process (a micro-batch with --grad-accum-steps)."),
+    Flag(
+        "grad_accum_steps",
+        int,
+        RECIPE,
+        "Micro-batches of --batch-size per optimizer update (timm's name): each update sees N x "
+        "--batch-size images, the learning rate scaled for that batch; progress and metrics count updates.",
+    ),
     Flag(
         "lr",
         float,
@@ -324,6 +331,14 @@ OPTION_ROWS: list[Flag] = [
         "others empty): long runs of small models spend much of their time evaluating.",
     ),
     Flag(
+        "report_to",
+        str,
+        RUN,
+        "none, or tensorboard: TensorBoard event files in -o/--output's tensorboard/ (losses, learning "
+        "rate, images/s, validation, each block's gates and attention distance, the config; pip "
+        "install tensorboard, or cmhsa's `tensorboard` extra). `tensorboard --logdir RUN` shows them.",
+    ),
+    Flag(
         "export_onnx",
         bool,
         RUN,
@@ -366,12 +381,23 @@ def _train_command(phase: str) -> Any:
 
     def command(**kwargs: Any) -> None:
         out = use_alias(kwargs.pop("output"), kwargs.pop("out"), "--out", "-o/--output")
-        if out is None:
+        config_file, print_config = kwargs.pop("config"), kwargs.pop("print_config")
+        if out is None and not print_config:
             raise CmhsaError("-o/--output is missing: give the run folder to write (created)")
         given = {k: v for k, v in kwargs.items() if v is not None}
         if "seeds" in given:
             given["seeds"] = seed_list(given["seeds"])
-        _run_training(TrainConfig.from_flags(phase=phase, out=str(out), given=frozenset(given), **given))
+        flags, on_purpose = given, frozenset(given)
+        if config_file is not None:  # the file's flags, then the ones typed beside it
+            from_file, said = read_run_config(config_file, phase)
+            flags, on_purpose = {**from_file, **given}, said | on_purpose
+        cfg = TrainConfig.from_flags(phase=phase, out=str(out or "-"), given=on_purpose, **flags)
+        if print_config:
+            console.print(
+                config_text(cfg, config_file), markup=False, highlight=False, soft_wrap=True, end=""
+            )
+            return
+        _run_training(cfg)
 
     output = inspect.Parameter(
         "output",
@@ -385,7 +411,19 @@ def _train_command(phase: str) -> Any:
         default=None,
         annotation=Annotated[Optional[Path], alias_option("--out", "-o/--output")],  # noqa: UP045
     )
-    params = [output, old_out] + [
+    from_file = inspect.Parameter(
+        "config",
+        inspect.Parameter.KEYWORD_ONLY,
+        default=None,
+        annotation=Annotated[Optional[Path], path_opt(CONFIG_HELP, "--config")],  # noqa: UP045
+    )
+    printed = inspect.Parameter(
+        "print_config",
+        inspect.Parameter.KEYWORD_ONLY,
+        default=False,
+        annotation=Annotated[bool, typer.Option("--print-config", help=PRINT_CONFIG_HELP)],
+    )
+    params = [output, old_out, from_file, printed] + [
         _option(name, typ, help_text, panel, defaults[name])
         for name, typ, panel, help_text, phases in OPTION_ROWS
         if phase in phases
@@ -400,6 +438,45 @@ def _train_command(phase: str) -> Any:
         "the paper's) or without one (--init impulse, the default; mimetic; random).",
     }[phase]
     return command
+
+
+CONFIG_HELP = (
+    "Flags from a file: a run's config.json (cmhsa train repeats that run), or a JSON or YAML file of "
+    "flags by their names (lr: 7e-4); a flag typed beside it wins. -o/--output, --resume and "
+    "--overwrite come from the command line, never the file, and what a run records of itself "
+    "(environments, model, classes, best, ...) is ignored; any other key is refused."
+)
+PRINT_CONFIG_HELP = (
+    "Print the resolved flags (the file's and the typed ones merged) in the file's format (JSON, or "
+    "YAML for a .yaml/.yml --config) and exit: a file to edit and give to --config."
+)
+CONFIG_SUFFIXES = (".yaml", ".yml")
+MAX_CONFIG_BYTES = 2**20
+
+
+def read_run_config(path: Path, phase: str) -> tuple[dict[str, Any], frozenset[str]]:
+    """--config's flags and those it gave on purpose (options.training.flags_from_file)."""
+    from ..io.paths import parse_json, parse_yaml, read_text
+    from ..options.training import flags_from_file
+
+    text = read_text(path, MAX_CONFIG_BYTES, "config file")
+    doc = (
+        parse_yaml(text, path, "--config")
+        if path.suffix.lower() in CONFIG_SUFFIXES
+        else parse_json(text, path, "--config")
+    )
+    return flags_from_file(doc, phase, path)
+
+
+def config_text(cfg: TrainConfig, like: Path | None) -> str:
+    """The run's flags as --config reads them, in ``like``'s format (YAML for .yaml/.yml, else
+    JSON): what the run would record in config.json, less this invocation's own."""
+    from ..options.training import INVOCATION_FLAGS
+    from ..text import yaml_text
+
+    flags = {k: v for k, v in cfg.to_dict().items() if k not in INVOCATION_FLAGS}
+    yaml = like is not None and like.suffix.lower() in CONFIG_SUFFIXES
+    return yaml_text(flags) if yaml else json_text(flags) + "\n"
 
 
 SEED_DIGITS = len(str(2**32 - 1))  # a seed's longest spelling: SEED's upper bound

@@ -187,6 +187,30 @@ def parse_json(
         raise CmhsaError(f"{what} is not valid JSON ({str(e).split(';')[0]})", path) from None
 
 
+def parse_yaml(text: str, path: object = None, what: str = "YAML") -> Any:
+    """``text`` parsed as YAML by PyYAML's safe loader (plain data: no tag makes an object, no code
+    runs), refusing in one line what no config file needs and a hostile one uses: more than
+    MAX_JSON_BYTES, anchors and aliases (a few lines that expand to gigabytes), nesting deeper than
+    MAX_JSON_DEPTH. The one parser of YAML from a file."""
+    import yaml
+
+    if len(text) > MAX_JSON_BYTES:
+        raise CmhsaError(
+            f"{what} is {len(text):,} characters, more than cmhsa reads ({MAX_JSON_BYTES:,})", path
+        )
+    try:
+        depth = 0
+        for event in yaml.parse(text, Loader=yaml.SafeLoader):
+            if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None):
+                raise CmhsaError(f"{what} uses an anchor or alias (&, *), which cmhsa does not read", path)
+            depth += isinstance(event, yaml.CollectionStartEvent) - isinstance(event, yaml.CollectionEndEvent)
+            if depth > MAX_JSON_DEPTH:
+                raise CmhsaError(f"{what} nests deeper than {MAX_JSON_DEPTH} levels", path)
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise CmhsaError(f"{what} is not valid YAML ({' '.join(str(e).split())[:200]})", path) from None
+
+
 def _bounded_int(digits: str) -> int:
     """An integer of JSON text, refused (ValueError) past MAX_INT_DIGITS digits before it is made."""
     if len(digits.lstrip("-")) > MAX_INT_DIGITS:

@@ -25,6 +25,7 @@ from .values import (
     EVAL_CROP_PCT,
     EVAL_INTERPOLATION,
     IMPULSE_OFFSETS,
+    REPORT_TO,
     SEEDS_STEPS,
 )
 
@@ -159,6 +160,7 @@ class RecipeConfig(Checked):
 
     epochs: int = 200
     batch_size: int = 128  # per process
+    grad_accum_steps: int = 1  # micro-batches of batch_size per optimizer update (timm's name)
     lr: float | None = None  # peak lr at a global batch of lr_base_batch; default: PEAK_LR
     lr_base_batch: int = 512  # DeiT: lr scales with global batch / 512
     min_lr: float = 1e-5
@@ -201,7 +203,11 @@ class RecipeConfig(Checked):
 class RuntimeConfig(Checked):
     """How the run executes, not what it computes: a resumed run may change any of these."""
 
-    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"conv_form": CONV_FORMS, "seeds_step": SEEDS_STEPS}
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {
+        "conv_form": CONV_FORMS,
+        "seeds_step": SEEDS_STEPS,
+        "report_to": REPORT_TO,
+    }
 
     out: str = "runs/run"
     device: str = "auto"
@@ -217,6 +223,7 @@ class RuntimeConfig(Checked):
     eval_every: int = 1  # epochs between evaluations (the last epoch is always evaluated)
     export_onnx: bool = False
     export_timm: bool = False  # timm's pretrained folder, out/timm/
+    report_to: str = "none"  # "tensorboard": event files in out/tensorboard/ (train/tensorboard.py)
     # several seeds of this run trained together in one process, each in out/seed{N} (train/stacked.py);
     # in a seed's own config.json, the seeds it was trained beside
     seeds: tuple[int, ...] = ()
@@ -355,6 +362,12 @@ class TrainConfig(Checked):
         return starts_from_checkpoint(self.phase, self.start.init)
 
     @property
+    def update_batch(self) -> int:
+        """The images of one optimizer update on each process: `grad_accum_steps` micro-batches of
+        `batch_size`."""
+        return self.recipe.batch_size * self.recipe.grad_accum_steps
+
+    @property
     def attn_lr_scale(self) -> float:
         mult = self.recipe.attn_lr_mult
         return mult if mult is not None else (CHECKPOINT_ATTN_LR_MULT if self.from_checkpoint else 1.0)
@@ -404,3 +417,52 @@ class TrainConfig(Checked):
         a, b = self.to_dict(), other.to_dict()
         names = [k for k in a if k not in RUNTIME_FIELDS and a[k] != b[k]]
         return [k for k in names if k in other.given] if other.given else names
+
+
+# --config FILE: what a run's config.json holds beyond its flags (what the run recorded of itself,
+# ignored), and the flags of this invocation's own (the run folder and how it treats one: ignored,
+# the command line decides)
+RECORDED_KEYS = (
+    "model",
+    "kind",
+    "init_info",
+    "classes",
+    "world_size",
+    "backend",
+    "loader_used",
+    "threads_used",
+    "environments",
+    "scaled_lr",
+    "best",
+)
+INVOCATION_FLAGS = ("out", "resume", "overwrite")
+
+
+def flags_from_file(doc: Any, phase: str, where: object) -> tuple[dict[str, Any], frozenset[str]]:
+    """The flags a config file holds (a run's config.json, or a JSON or YAML file of flags) for a
+    run of ``phase``, and those it gave on purpose (a config.json's own ``given``; a file of flags:
+    every one). What a run records of itself (:data:`RECORDED_KEYS`) and this invocation's own flags
+    (:data:`INVOCATION_FLAGS`) are left out; a key that is none of these, or another phase's
+    config, is refused in one line naming it. The values are checked as the CLI's are, when the
+    config is made (:meth:`TrainConfig.from_flags`)."""
+    if not isinstance(doc, dict) or not all(isinstance(k, str) for k in doc):
+        raise CmhsaError("is not a mapping of flags to values (a run's config.json, or one like it)", where)
+    unknown = [k for k in doc if k not in FLAG_FIELDS and k not in RECORDED_KEYS]
+    if unknown:
+        shown = unknown[0] if len(unknown[0]) <= 60 else unknown[0][:57] + "..."
+        raise CmhsaError(f"holds {shown!r}, which is no flag of `cmhsa train {phase}`", where)
+    other = doc.get("phase", phase)
+    if other not in PHASES:
+        raise CmhsaError(f"holds phase {str(other)[:20]!r}, not one of {', '.join(PHASES)}", where)
+    if other != phase:
+        raise CmhsaError(f"is a {other} run's config; give it to `cmhsa train {other}`", where)
+    left = (*INVOCATION_FLAGS, "given", "phase")
+    flags = {k: v for k, v in doc.items() if k in FLAG_FIELDS and k not in left}
+    said = doc.get("given")
+    if said is None:
+        given = frozenset(flags)
+    elif isinstance(said, list) and all(isinstance(k, str) and k in FLAG_FIELDS for k in said):
+        given = frozenset(said) - set(INVOCATION_FLAGS)
+    else:
+        raise CmhsaError("holds a `given` that is not a list of flags", where)
+    return flags, given

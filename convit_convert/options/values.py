@@ -30,6 +30,7 @@ MAX_DEFAULT_WORKERS = 4  # loaders.default_workers: at most this many, and never
 EVAL_INTERPOLATION = "bicubic"  # the resize of `cmhsa eval`, of training's evaluation, of the exports
 EVAL_CROP_PCT = 0.875  # timm's default crop: a 224 px crop of a 256 px resize
 CONV_FORMS = ("auto", "pixels", "tokens")  # how phase 1's convolution computes (conv_mixer.py)
+REPORT_TO = ("none", "tensorboard")  # where a run reports besides its own files (HF's report_to)
 SEEDS_STEPS = ("auto", "batched", "interleaved")  # how a `seeds` run steps its seeds (train/stacked.py)
 IMPULSE_OFFSETS = ("conversion", "random")  # --init impulse: the offsets its heads are pinned to (starts.py)
 # The largest relative error a verification or an import check accepts. float32 rounding of the
@@ -141,6 +142,7 @@ BOUNDS: dict[str, Bound] = {
     "model_ema_decay": Bound(0, 1, hi_open=True),
     "drop_path": Bound(0, 1, hi_open=True),
     "attn_lr_mult": Bound(0, 1e4, lo_open=True),
+    "grad_accum_steps": Bound(1, 1024),
     # running
     "seed": SEED,
     "seeds": SEED,  # each of them
