@@ -114,7 +114,7 @@ def ceilings(args: argparse.Namespace) -> list[str]:
             f"{name}: bare training step {train:.0f} images/s, forward {fwd:.0f} images/s (batch 128)"
         )
     spec = build_data("fashion-mnist", args.data_dir, (28, 28), train_samples=args.train_samples)
-    images, labels = hold(spec.train, 1, torch.device(args.device))
+    images, labels = hold(spec.train, 1, torch.device(args.device), 64)
     mean, std = channel_stats(1)
     for recipe in ("deit", "experiments"):
         sampler = EpochSampler(len(labels), rank=0, world=1, batch_size=128, seed=0, shuffle=True)

@@ -316,7 +316,7 @@ def test_augmented_images_match_timms_in_distribution(aa: str) -> None:
     cfg = TrainConfig.from_flags(aa=aa, mixup=0.0, cutmix=0.0, reprob=0.0, scale=(0.5, 1.0))
     timm_path = Seeded(spec.train, build_transform((28, 28), True, cfg.recipe, 1), 0, "L")
     ref = torch.stack([timm_path[(0, i)][0] for i in range(1000)])
-    x, _ = hold(spec.train, 1, torch.device("cpu"))
+    x, _ = hold(spec.train, 1, torch.device("cpu"), 64)
     aug = spec_for(cfg, (28, 28), chans=1)
     ours = A.augment(
         x[:1000], A.sample_params(aug, 1000, (8, 8), torch.Generator().manual_seed(0)), aug, None
@@ -343,14 +343,16 @@ def test_auto_loader_holds_what_fits_and_says_why_not(tmp_path) -> None:
                     tmp_path / split / c / f"{i}.png"
                 )
     spec = build_data("imagefolder", tmp_path, (16, 16))
-    assert choose_loader(TrainConfig.from_flags(), spec, 3) == ("device", "")
-    x, y = hold(spec.train, 1, torch.device("cpu"))
+    assert choose_loader(TrainConfig.from_flags(), spec, 3, (16, 16)) == ("device", "")
+    x, y = hold(spec.train, 1, torch.device("cpu"), 64)
     path, label = spec.train.samples[0]
     assert x.shape == (4, 1, 10, 12) and y[0] == label
     assert torch.equal(x[0, 0], torch.from_numpy(np.array(Image.open(path).convert("L"))))
-    assert choose_loader(TrainConfig.from_flags(aa="original"), spec, 3)[0] == "workers"
+    assert choose_loader(TrainConfig.from_flags(aa="original"), spec, 3, (16, 16))[0] == "workers"
     Image.fromarray(np.zeros((5, 5, 3), dtype=np.uint8)).save(tmp_path / "train" / "a" / "small.png")
-    loader, why = choose_loader(TrainConfig.from_flags(), build_data("imagefolder", tmp_path, (16, 16)), 3)
+    loader, why = choose_loader(
+        TrainConfig.from_flags(), build_data("imagefolder", tmp_path, (16, 16)), 3, (16, 16)
+    )
     assert loader == "workers" and "not all one size" in why
 
 

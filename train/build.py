@@ -30,7 +30,7 @@ from ..options.values import DATASETS
 from ..text import json_text
 from .augment import augment_spec, check_supported
 from .distributed import Context, barrier
-from .held import HeldEvalLoader, HeldLoader, eval_view, hold, holdable
+from .held import HeldEvalLoader, HeldLoader, eval_view, held_side, hold, holdable
 from .loop import Loop, seed_everything
 from .phases import PhaseModel, build_phase_model, check_trainable, freeze_attention, training_bytes
 from .progress import PROGRESS_SECONDS, Progress, duration
@@ -58,6 +58,10 @@ def resolved_config(cfg: TrainConfig) -> TrainConfig:
         raise CmhsaError("`out` is empty: give the run folder")
     out = Path(cfg.runtime.out).expanduser()
     check_recipe(cfg)
+    if cfg.runtime.report_to == "tensorboard":
+        from .tensorboard import check_installed
+
+        check_installed()
     try:
         if out.exists() and not out.is_dir():
             raise CmhsaError("`out` names an existing file; give a folder for the run", out)
@@ -147,10 +151,10 @@ def build(
     if cfg.recipe.freeze_attention:
         freeze_attention(pm.model)
     model = pm.model.to(device).train()
-    loader, why = choose_loader(cfg, dataset, pm.config.in_chans)
+    loader, why = choose_loader(cfg, dataset, pm.config.in_chans, pm.config.img_size)
     if why:
         reporter.log(f"loader workers: {why}")
-    loaders = build_loaders(cfg, dataset, pm.config, ctx, loader)
+    loaders = build_loaders(cfg, dataset, pm.config, ctx, loader, reporter)
     steps_per_epoch = len(loaders[0].sampler) // cfg.update_batch  # optimizer updates
     fwd: nn.Module = model
     if ctx.distributed:
@@ -377,7 +381,9 @@ def config_doc(
     return json_text(doc) + "\n"
 
 
-def choose_loader(cfg: TrainConfig, dataset: DataSpec, in_chans: int) -> tuple[str, str]:
+def choose_loader(
+    cfg: TrainConfig, dataset: DataSpec, in_chans: int, img_size: tuple[int, int]
+) -> tuple[str, str]:
     """The loader ``cfg.data.loader`` resolves to, and why ``auto`` fell back to workers ('' if not).
     The one place that asks whether the data can be held: ``loader`` device is refused here when not."""
     if cfg.data.loader == "workers":
@@ -388,14 +394,15 @@ def choose_loader(cfg: TrainConfig, dataset: DataSpec, in_chans: int) -> tuple[s
         if cfg.data.loader == "device":
             raise
         return "workers", str(e).split(";")[0]
-    why = holdable(dataset.train, in_chans) or holdable(dataset.val, in_chans)
+    side = held_side(img_size, cfg.recipe.crop_pct, cfg.recipe.scale[0])
+    why = holdable(dataset.train, in_chans, side) or holdable(dataset.val, in_chans, side)
     if why and cfg.data.loader == "device":
         raise CmhsaError(f"cannot hold the data on the device: {why}; use `loader` workers")
     return ("workers", why) if why else ("device", "")
 
 
 def build_loaders(
-    cfg: TrainConfig, dataset: DataSpec, mcfg: ViTConfig, ctx: Context, loader: str
+    cfg: TrainConfig, dataset: DataSpec, mcfg: ViTConfig, ctx: Context, loader: str, reporter: Progress
 ) -> list[Any]:
     """Training and validation loaders of ``loader`` kind for a model of ``mcfg``."""
     img, chans, device = mcfg.img_size, mcfg.in_chans, ctx.device
@@ -425,8 +432,13 @@ def build_loaders(
         rank=ctx.rank,
         world=ctx.world,
     )
-    x, y = hold(dataset.train, chans, device)
-    vx, vy = hold(dataset.val, chans, device)
+    side = held_side(img, cfg.recipe.crop_pct, cfg.recipe.scale[0])
+    counts = [
+        reporter.counting(f"loading the {what} images", len(split), "images")
+        for what, split in (("training", dataset.train), ("validation", dataset.val))
+    ]
+    x, y = hold(dataset.train, chans, device, side, counts[0])
+    vx, vy = hold(dataset.val, chans, device, side, counts[1])
     vx = eval_view(vx, img, cfg.recipe.crop_pct, cfg.recipe.interpolation)
     return [
         HeldLoader(x, y, sampler, augment_spec(cfg.recipe, img, mean, std), cfg.seed),

@@ -24,6 +24,7 @@ from ..data import ArrayImages
 from ..errors import CmhsaError
 from ..io.images import open_image, read_image
 from ..loaders import EpochSampler, sample_seed
+from ..resources import available_memory
 from .augment import PARAM_FIELDS, AugmentSpec, Params, augment, grey, normalise, sample_params
 
 MAX_BYTES = 2 << 30  # hold at most 2 GiB of decoded images; larger sets use the workers loader
@@ -75,8 +76,25 @@ def _folder_size(paths: list[str], indices: list[int]) -> tuple[int, int] | None
     return sizes.pop()
 
 
-def holdable(ds: Dataset, in_chans: int) -> str | None:
-    """Why ``ds`` cannot be held as one tensor (None if it can)."""
+def held_side(img_size: tuple[int, int], crop_pct: float, scale_min: float) -> int:
+    """The shorter side an image folder's images are held at: what neither the evaluation view
+    (the shorter side resized to floor(size / crop_pct)) nor the smallest training crop (an area
+    ``scale_min`` of the image, resized to the model's size) would need to enlarge."""
+    size = max(img_size)
+    return max(math.floor(size / crop_pct), math.ceil(size / math.sqrt(scale_min)))
+
+
+def held_size(hw: tuple[int, int], side: int) -> tuple[int, int]:
+    """(H, W) of an image of ``hw`` held with its shorter side at most ``side``, its ratio kept."""
+    h, w = hw
+    if min(h, w) <= side:
+        return h, w
+    return (side, max(1, round(w * side / h))) if h <= w else (max(1, round(h * side / w)), side)
+
+
+def holdable(ds: Dataset, in_chans: int, side: int) -> str | None:
+    """Why ``ds`` cannot be held as one tensor (None if it can): an image folder's images are
+    sized as held (:func:`held_size`, ``side``), not as their files are."""
     src = _array_source(ds)
     if src is None:
         return "the dataset is not an in-memory array or an image folder"
@@ -85,21 +103,28 @@ def holdable(ds: Dataset, in_chans: int) -> str | None:
         hw = imgs.shape[1:3]
     else:
         with open_image(imgs[idx[0]]) as im:  # a first estimate, before reading every header
-            if len(idx) * im.height * im.width * in_chans > MAX_BYTES:
-                return f"its {len(idx)} images need more than {MAX_BYTES / 2**30:.0f} GiB decoded"
+            h, w = held_size((im.height, im.width), side)
+            if len(idx) * h * w * in_chans > MAX_BYTES:
+                return f"its {len(idx)} images need more than {MAX_BYTES / 2**30:.0f} GiB as held"
         size = _folder_size(imgs, idx)
         if size is None:
             return "its images are not all one size"
-        hw = size
+        hw = held_size(size, side)
     need = len(idx) * hw[0] * hw[1] * in_chans
     if need > MAX_BYTES:
-        return f"its images need {need / 2**30:.1f} GiB decoded (more than {MAX_BYTES / 2**30:.0f} GiB)"
+        return f"its images need {need / 2**30:.1f} GiB as held (more than {MAX_BYTES / 2**30:.0f} GiB)"
+    if need > available_memory() // 4:  # the split, its augmented batches and the run beside it
+        return f"its images need {need / 2**30:.1f} GiB as held, more than a quarter of the memory free now"
     return None
 
 
-def hold(ds: Dataset, in_chans: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(N, C, H, W) uint8 images converted to ``in_chans`` as PIL converts them, and (N,) int64
-    labels, on ``device``. The caller has asked :func:`holdable` (``build.choose_loader`` does)."""
+def hold(
+    ds: Dataset, in_chans: int, device: torch.device, side: int, count: Any = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, C, H, W) uint8 images converted to ``in_chans`` as PIL converts them (an image folder's
+    decoded straight to their held size, :func:`held_size`), and (N,) int64 labels, on ``device``;
+    ``count(n)`` told of each image decoded. The caller has asked :func:`holdable`
+    (``build.choose_loader`` does)."""
     src = _array_source(ds)
     if src is None:
         raise CmhsaError(
@@ -109,9 +134,13 @@ def hold(ds: Dataset, in_chans: int, device: torch.device) -> tuple[torch.Tensor
     if isinstance(imgs, np.ndarray):
         x = torch.from_numpy(np.ascontiguousarray(imgs[idx]))
     else:
-        arrays = []
+        mode, arrays = "RGB" if in_chans == 3 else "L", []
+        with open_image(imgs[idx[0]]) as im:
+            h, w = held_size((im.height, im.width), side)
         for i in idx:
-            arrays.append(np.asarray(read_image(imgs[i], "RGB" if in_chans == 3 else "L")))
+            arrays.append(np.asarray(read_image(imgs[i], mode, size=(w, h))))
+            if count is not None:
+                count(1)
         x = torch.from_numpy(np.stack(arrays))
     x = x[..., None] if x.ndim == 3 else x  # grey (N, H, W) -> (N, H, W, 1)
     x = x.permute(0, 3, 1, 2).to(device)

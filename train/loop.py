@@ -83,6 +83,7 @@ class Loop:
     probe: torch.Tensor | None = None  # attn models: fixed val images for the per-epoch attention metrics
     config_json: str = ""  # config.json's text, written with every checkpoint
     classes: tuple[str, ...] | None = None  # the outputs' names, where the data names them (labels.py)
+    board: Any = None  # `report_to` tensorboard: the run's event file (train/tensorboard.py)
     tally: Tally = field(init=False)  # the losses since the last read-out, on the device
     params: list[torch.Tensor] = field(init=False)  # what the optimizer updates
     pace: progress.Pace = field(init=False)  # the run's time, for every progress line's estimate
@@ -329,6 +330,9 @@ def read_out(loop: Loop, stop: Any, since: int, t_last: float, now: float) -> bo
     if totals.bad_step is not None:
         raise CheckFailed(non_finite_message(totals.loss_sum, st.epoch, since + totals.bad_step, loop.out))
     line = step_line(loop, since, t_last, now, totals.loss_sum)
+    if loop.board is not None:
+        figures = {"step/loss": line.loss, "step/lr": line.lr, "step/images_per_s": line.images_per_s}
+        loop.board.scalars(st.global_step, figures)
     st.partial["loss_sum"] += totals.loss_sum
     st.partial["seconds"] += now - t_last
     st.partial["images"] += steps * loop.cfg.update_batch * ctx.world

@@ -208,7 +208,13 @@ def prepared(cfg: TrainConfig, ctx: Context, folder: Folder, reporter: Progress)
     reporter.open(cfg.recipe.epochs, cfg.runtime.log_every)
     for line in [] if saved else unmeant_choices(cfg):
         reporter.log(line)
-    return build(cfg, ctx, out, saved, reschedule, reporter), replaces
+    loop = build(cfg, ctx, out, saved, reschedule, reporter)
+    if cfg.runtime.report_to == "tensorboard" and ctx.is_main:
+        from .tensorboard import Board
+
+        # a session start after the saved step: what an earlier file holds beyond it is dropped
+        loop.board = Board(folder, loop.state.global_step + (saved is not None), loop.config_json)
+    return loop, replaces
 
 
 def run_threads(cfg: TrainConfig, saved: dict[str, Any] | None) -> int:
@@ -303,6 +309,10 @@ class RunFiles:
                 self.pending
             ):  # what is still to remove lands with them: `resume` finishes an interrupted removal
                 also[PENDING_REMOVAL] = json_text(self.pending, indent=None) + "\n"
+
+            if loop.board is not None and st.step == 0 and st.metrics:  # an epoch's end: its row
+                row = st.metrics[-1]
+                loop.board.scalars(st.global_step, {f"epoch/{k}": v for k, v in row.items() if k != "epoch"})
 
             def committed() -> None:
                 self.wrote.append(loop.out / LAST)
@@ -402,7 +412,7 @@ def train_epochs(
     checkpoint keeps); then every seed's trained model. At a stop, each seed saved where it is."""
     lead = stepper.loops[0]
     stop = StopRequest(lambda: abandoned(files))
-    with stop.installed(), worker_deaths_at_fetch():
+    with stop.installed(), worker_deaths_at_fetch(), boards_closed(stepper.loops):
         while lead.state.epoch < lead.cfg.recipe.epochs:
             finished = train_one_epoch(stepper, stop, stop_after_steps)
             stepper.settle()
@@ -417,6 +427,17 @@ def train_epochs(
                 with stepper.stream(i):
                     f.save()
         return [f.finished(stop) for f in files]
+
+
+@contextlib.contextmanager
+def boards_closed(loops: list[Loop]) -> Iterator[None]:
+    """Every seed's TensorBoard file closed when the run ends, however it ends."""
+    try:
+        yield
+    finally:
+        for loop in loops:
+            if loop.board is not None:
+                loop.board.close()
 
 
 def best_epoch(rows: list[dict[str, Any]]) -> dict[str, Any] | None:

@@ -17,6 +17,8 @@ from ..io.timm_folder import FILES, WEIGHTS
 from ..options.training import TrainConfig
 from .distributed import Context, barrier
 from .state import LAST, NUMBERED
+from .tensorboard import EVENTS
+from .tensorboard import NAME as EVENT_FILE
 
 OUTPUT = {"phase1": "conv.safetensors", "phase2": "vit.safetensors"}
 TIMM_FOLDER = "timm"  # `export_timm`'s folder in the run's
@@ -80,10 +82,14 @@ def run_files(phases: tuple[str, ...] = tuple(OUTPUT)) -> list[str]:
 
 
 def run_outputs(folder: Folder) -> list[str]:
-    """What a run writes into its folder (any phase), as far as it is there: exact names, never a
-    pattern a user's file could match."""
+    """What a run writes into its folder (any phase), as far as it is there: exact names, and the
+    numbered checkpoints and TensorBoard files by the forms only cmhsa writes."""
     found = [n for n in run_files() if folder.lstat_below(n) is not None]
-    return found + [n for n in folder.names() if NUMBERED.fullmatch(n)]
+    found += [n for n in folder.names() if NUMBERED.fullmatch(n)]
+    if folder.lstat(EVENTS) is not None:  # entered by name, never through a link (refused in one line)
+        with folder.enter(EVENTS) as events:
+            found += [f"{EVENTS}/{n}" for n in events.names() if EVENT_FILE.fullmatch(n)]
+    return found
 
 
 def check_run_names(folder: Folder) -> None:

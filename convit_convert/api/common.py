@@ -33,7 +33,12 @@ def load_checkpoint(
     ``img_size`` and ``patch_size``), a conv-phase ONNX graph, read by its structure and checked
     against onnxruntime within ``onnx_tol`` (:mod:`convit_convert.onnx.importer`; ``onnx_model``: that
     file as ``onnx.load.load_onnx`` already read it), or a timm folder cmhsa wrote (its config.json
-    checked as cmhsa writes it, then its model.safetensors)."""
+    checked as cmhsa writes it, then its model.safetensors), local or a Hub model's
+    (``hf-hub:ORG/NAME[@REVISION]``, through huggingface_hub's cache: io/hub.py)."""
+    from ..io.hub import hub_folder, is_hub_name
+
+    if is_hub_name(str(path)):  # timm's name for a Hub model: its folder in huggingface_hub's cache
+        path = hub_folder(str(path))[0]
     path = Path(path)
     if path.is_dir():
         from ..io.timm_folder import CONFIG, WEIGHTS, read_folder
