@@ -464,5 +464,5 @@ def flags_from_file(doc: Any, phase: str, where: object) -> tuple[dict[str, Any]
     elif isinstance(said, list) and all(isinstance(k, str) and k in FLAG_FIELDS for k in said):
         given = frozenset(said) - set(INVOCATION_FLAGS)
     else:
-        raise CmhsaError("holds a `given` that is not a list of flags", where)
+        raise CmhsaError("holds a 'given' that is not a list of flags", where)
     return flags, given
