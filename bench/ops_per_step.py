@@ -32,7 +32,9 @@ from convit_convert.train.progress import Progress
 from convit_convert.train.run import run
 
 
-def config(phase: str, steps: int, batch: int, out: Path, data_dir: str | None) -> TrainConfig:
+def config(
+    phase: str, steps: int, batch: int, out: Path, data_dir: str | None, report_to: str = "none"
+) -> TrainConfig:
     extra = dict(init="impulse", pinning="gated") if phase == "phase2" else {}
     return TrainConfig.from_flags(
         phase=phase,
@@ -48,6 +50,7 @@ def config(phase: str, steps: int, batch: int, out: Path, data_dir: str | None) 
         val_samples=64,
         epochs=1,
         log_every=50,  # the default: 16 and 48 steps read out once, at the epoch's end
+        report_to=report_to,
         out=str(out),
         **extra,
     )
@@ -135,9 +138,11 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--data-dir", default=None, help="Fashion-MNIST's four IDX .gz files (default: Debian's)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--report-to", default="none", help="none or tensorboard, as cmhsa train's flag")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    print(f"torch {torch.__version__}, CPU, 1 thread, batch {args.batch}, device loader\n")
+    said = f"torch {torch.__version__}, CPU, 1 thread, batch {args.batch}, device loader"
+    print(f"{said}, --report-to {args.report_to}\n")
     print(
         "| phase | aten ops per step | of which the model's forward + gradients | host reads per step "
         f"| CPU steps/s (median of {args.repeats}) |"
@@ -147,7 +152,9 @@ def main() -> None:
         for phase in ("phase1", "phase2"):
             counts, parts = {}, {}
             for steps in (16, 48):
-                cfg = config(phase, steps, args.batch, Path(tmp) / f"{phase}-{steps}", args.data_dir)
+                cfg = config(
+                    phase, steps, args.batch, Path(tmp) / f"{phase}-{steps}", args.data_dir, args.report_to
+                )
                 counts[steps], _ = one_run(cfg, count="ops")
                 cfg = config(phase, steps, args.batch, Path(tmp) / f"{phase}-{steps}-parts", args.data_dir)
                 parts[steps], _ = one_run(cfg, count="parts")

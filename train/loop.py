@@ -166,14 +166,12 @@ def train_one_step(loop: Loop, inputs: Any, labels: torch.Tensor) -> None:
         # `grad_accum_steps` micro-batches, each's gradient of its share of the batch's mean loss
         # added to the last's: one update of the batch's images, a micro-batch's memory
         n = loop.cfg.recipe.grad_accum_steps
-        pieces = zip(images.chunk(n), labels.chunk(n), strict=True) if n > 1 else [(images, labels)]
-        loss = None
-        for i, (x, y) in enumerate(pieces):
+        if n == 1:
             with autocast(device, loop.dtype):
-                part = loop.criterion(loop.forward(x), y) / n
-            with micro_batch(loop.forward, last=i == n - 1):  # DDP: all-reduce once, at the last
-                backward(scaler.scale(part), loop.params, loop.ctx, add=i > 0)  # fp16 scales the loss
-            loss = part.detach() if loss is None else loss + part.detach()
+                loss = loop.criterion(loop.forward(images), labels)
+            backward(scaler.scale(loss), loop.params, loop.ctx)  # fp16 scales the loss; else it is as is
+        else:
+            loss = accumulated(loop, images.chunk(n), labels.chunk(n))
         tally.add(loss)  # on the device: the sum, and whether every loss since the last read-out was finite
     clip = loop.cfg.recipe.clip_grad
     if clip is not None:
@@ -190,6 +188,22 @@ def train_one_step(loop: Loop, inputs: Any, labels: torch.Tensor) -> None:
 class ValidationCut(Exception):
     """A stop request arrived during a validation: the epoch's steps are done and saved, its
     validation is redone when the run resumes."""
+
+
+def accumulated(
+    loop: Loop, images: tuple[torch.Tensor, ...], labels: tuple[torch.Tensor, ...]
+) -> torch.Tensor:
+    """`grad_accum_steps` micro-batches of one update: each's gradient of its share of the batch's
+    mean loss added to the last's (one update of the batch's images in a micro-batch's memory;
+    under DDP all-reduced once, with the last); the batch's mean loss."""
+    n, total = len(images), None
+    for i, (x, y) in enumerate(zip(images, labels, strict=True)):
+        with autocast(loop.ctx.device, loop.dtype):
+            part = loop.criterion(loop.forward(x), y) / n
+        with micro_batch(loop.forward, last=i == n - 1):
+            backward(loop.state.scaler.scale(part), loop.params, loop.ctx, add=i > 0)
+        total = part.detach() if total is None else total + part.detach()
+    return total  # type: ignore[return-value]
 
 
 def train_one_epoch(stepper: Stepper, stop: Any, stop_after_steps: int | None = None) -> bool:

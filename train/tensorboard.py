@@ -52,7 +52,9 @@ class Board:
             raise CmhsaError(INSTALL) from None
         self.event_pb2, self.summary_pb2 = event_pb2, summary_pb2
         with folder.enter(EVENTS, create=True) as events:
-            name = f"events.out.tfevents.{time.time_ns() // 1000}.cmhsa.{os.getpid()}"  # microseconds: in order
+            name = (
+                f"events.out.tfevents.{time.time_ns() // 1000}.cmhsa.{os.getpid()}"  # microseconds: in order
+            )
             self.records = RecordWriter(events.open_append(name))
         self.write(event_pb2.Event(file_version="brain.Event:2"))
         if step > 0:
