@@ -58,8 +58,9 @@ CLI_ONLY = {
     "plot": {"output"},
     # seeds: comma-separated text, parsed to RuntimeConfig.seeds' tuple (cli/train.seed_list; the
     # library's range of each seed: tests/test_stacked.py)
-    "train phase1": {"output", "out", "seeds"},
-    "train phase2": {"output", "out", "seeds"},
+    # config, print_config: the flags read from a file, and printed (cli/train.read_run_config)
+    "train phase1": {"output", "out", "seeds", "config", "print_config"},
+    "train phase2": {"output", "out", "seeds", "config", "print_config"},
 }
 REQUIRED = {"data": "digits"}  # what objects with a required field are made with here
 
