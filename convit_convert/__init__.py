@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -59,3 +61,22 @@ def _checkout_train() -> None:
 
 
 _checkout_train()
+
+# onnxruntime's telemetry (its Linux and macOS builds keep a device id and an event database under
+# ~/.cache/Microsoft and upload them) is off unless the user set the variable: onnxruntime reads it
+# once, when it is first imported, which cmhsa does only after this package.
+os.environ.setdefault("ORT_DISABLE_TELEMETRY", "1")
+
+
+def _stopped_early(signum: int, frame: object) -> None:
+    os._exit(128 + signum)  # nothing is written yet: nothing to unwind, and no traceback
+
+
+def main() -> None:
+    """The ``cmhsa`` program. SIGINT or SIGTERM while it starts (its imports, before the CLI's error
+    boundary takes the signals over) ends it at once with 130 / 143 and nothing printed."""
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, _stopped_early)
+    from .cli import main as run
+
+    run()

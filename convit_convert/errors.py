@@ -6,7 +6,17 @@ spelled in Python, in backquotes (`img_size`); the CLI shows them as its flags (
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
+
+_ASCII_SPACE = re.compile(r"[ \t\n\r\f\v]+")
+
+
+def one_line(text: str) -> str:
+    """``text`` on one line: each run of ASCII whitespace (a library's newlines and indents) one
+    space. Nothing else is touched: a no-break or ideographic space is a character a sink shows as
+    an escape (text.py), never folded into the space it looks like."""
+    return _ASCII_SPACE.sub(" ", text).strip(" ")
 
 
 class CmhsaError(Exception):
@@ -15,7 +25,7 @@ class CmhsaError(Exception):
 
     def __init__(self, message: str, path: str | Path | None = None) -> None:
         self.path = None if path is None else str(path)
-        self.message = " ".join(str(message).split())  # one line, whatever the source said
+        self.message = one_line(str(message))  # whatever the source said
         super().__init__(f"{self.path}: {self.message}" if self.path else self.message)
 
 

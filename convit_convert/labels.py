@@ -4,12 +4,15 @@ config.json, an ONNX file's ``metadata_props``, a timm folder's ``pretrained_cfg
 model card). A name may come from anyone's folder, so names are checked where they enter: one
 string each, at most MAX_NAME_CHARS, valid text a file can hold (:func:`check_name`: NFC, no
 character ``text.hidden`` classifies as one a reader cannot see (controls, format, surrogate,
-private-use, unassigned, default-ignorable, blank glyphs), no space but U+0020 and none at
-either end), no two alike, one per class, at most MAX_NAMES_BYTES together as JSON.
+private-use, unassigned, default-ignorable, blank glyphs, spaces but U+0020), no space at either
+end, no combining mark first), one per class, and no two that read alike: equal skeletons by
+Unicode's confusables (UTS #39, :func:`skeleton`), at most MAX_NAMES_BYTES together as JSON.
 Shown through ``text.py`` like any foreign string. No torch."""
 
 from __future__ import annotations
 
+import functools
+import importlib.resources
 import unicodedata
 from collections.abc import Mapping, Sequence
 
@@ -45,19 +48,62 @@ CATEGORY_WORDS = {
     "Cn": "an unassigned character",
     "Zl": "a line separator",
     "Zp": "a paragraph separator",
+    "Zs": "a space other than U+0020",
 }
 
 
 def _refused(ch: str) -> str | None:
     """Why the character ``ch`` may not be in a class name (None: it may): one that no reader can
-    see for what it is (:func:`text.hidden`, the classification every sink shows escaped), or a
-    space other than U+0020."""
-    category = unicodedata.category(ch)
+    see for what it is (:func:`text.hidden`, the classification every sink shows escaped)."""
     if hidden(ch):
-        return CATEGORY_WORDS.get(category, "an invisible character (default-ignorable, or a blank glyph)")
-    if category == "Zs" and ch != " ":
-        return "a space other than U+0020"
+        return CATEGORY_WORDS.get(
+            unicodedata.category(ch), "an invisible character (default-ignorable, or a blank glyph)"
+        )
     return None
+
+
+@functools.lru_cache(maxsize=1)
+def _prototypes() -> dict[str, str]:
+    """Each character of Unicode's confusables.txt (UTS #39) with the prototype it reads as, from
+    the data the maintained ``confusable_homoglyphs`` package ships (Unicode's file as pairs, each
+    listed both ways). Every pair joins a source character to its prototype, and a prototype is
+    never a source, so the pairs form stars: a character with one partner is a source whose
+    prototype is that partner, unless the partner has no other source either (a pair of two: either
+    stands for both)."""
+    data = importlib.resources.files("confusable_homoglyphs").joinpath("confusables.json").read_text("utf-8")
+    pairs = parse_json(data, "confusable_homoglyphs/confusables.json", "Unicode's confusables")
+    out = {}
+    for ch, partners in pairs.items():
+        if len(ch) == 1 and len(partners) == 1:
+            to = partners[0]["c"]
+            out[ch] = to if len(to) > 1 or len(pairs.get(to, ())) > 1 else min(ch, to)
+    return out
+
+
+def skeleton(name: str) -> str:
+    """UTS #39's skeleton: NFD, each character replaced by its prototype, NFD again. Two names with
+    one skeleton read alike (Latin ``a``, Cyrillic ``а`` and mathematical sans-serif ``𝖺``; ``m``
+    and ``rn``)."""
+    table = _prototypes()
+    decomposed = unicodedata.normalize("NFD", name)
+    return unicodedata.normalize("NFD", "".join(table.get(ch, ch) for ch in decomposed))
+
+
+def _check_apart(names: Sequence[str], where: object) -> None:
+    """No two names that read alike (one :func:`skeleton`), naming both and the characters apart."""
+    seen: dict[str, int] = {}
+    for i, name in enumerate(names):
+        j = seen.setdefault(skeleton(name), i)
+        if j != i and names[j] == name:
+            raise CmhsaError(f"class name {name[:60]!r} is given twice (classes {j} and {i})", where)
+        if j != i:
+            apart = sorted(set(names[j]) ^ set(name))[:4]
+            said = ", ".join(f"U+{ord(c):04X} {unicodedata.name(c, '')}".strip() for c in apart)
+            raise CmhsaError(
+                f"class names {j} and {i} read alike ({names[j][:60]!r} and {name[:60]!r}: "
+                f"{said}; Unicode's confusables, UTS #39); rename one",
+                where,
+            )
 
 
 def check_name(name: object, index: int, where: object = None) -> str:
@@ -73,6 +119,12 @@ def check_name(name: object, index: int, where: object = None) -> str:
             raise CmhsaError(f"class name {index} holds U+{ord(ch):04X}, {why}; rename the class", where)
     if name != name.strip(" "):
         raise CmhsaError(f"class name {index} begins or ends with a space; rename the class", where)
+    if unicodedata.category(name[0]).startswith("M"):
+        raise CmhsaError(
+            f"class name {index} begins with U+{ord(name[0]):04X}, a combining mark (it joins what is "
+            "shown before it); rename the class",
+            where,
+        )
     if unicodedata.normalize("NFC", name) != name:
         raise CmhsaError(
             f"class name {index} is not in Unicode's NFC form (a decomposed accent, as some file systems "
@@ -91,9 +143,7 @@ def check_class_names(names: object, num_classes: int, where: object = None) -> 
         raise CmhsaError(f"{len(names):,} class names for a model of {num_classes:,} classes", where)
     for i, name in enumerate(names):
         check_name(name, i, where)
-    if len(set(names)) != len(names):
-        first = next(i for i, n in enumerate(names) if n in names[:i])
-        raise CmhsaError(f"class name {names[first][:60]!r} is given twice (class {first})", where)
+    _check_apart(names, where)
     if len(json_text(list(names), indent=None)) > MAX_NAMES_BYTES:
         raise CmhsaError(f"class names are more than {MAX_NAMES_BYTES:,} bytes together", where)
     return tuple(names)
@@ -107,9 +157,10 @@ def recordable(names: Sequence[str] | None, num_classes: int, where: object = No
         return None
     for i, name in enumerate(names):
         check_name(name, i, where)
+    _check_apart(names, where)
     try:
         return check_class_names(list(names), num_classes)
-    except CmhsaError:
+    except CmhsaError:  # more than a file's metadata holds
         return None
 
 

@@ -67,9 +67,14 @@ IMAGE_MODES = {3: "RGB", 1: "L"}  # the model's in_chans -> the PIL mode every i
 
 
 def image_mode(in_chans: int, path: object = None) -> str:
+    """The PIL mode of every image a model of ``in_chans`` takes: RGB or grey, the images cmhsa's
+    data, ``predict`` and an export's recorded preprocessing (ONNX metadata, timm's and
+    transformers' configs) know; any other count is refused, naming ``path``."""
     if in_chans not in IMAGE_MODES:
         raise CmhsaError(
-            f"takes {in_chans}-channel images; the data path gives RGB (3 channels) or grayscale (1)", path
+            f"takes {in_chans}-channel images; cmhsa's images (its data, predict, and the preprocessing an "
+            "export records for onnxruntime, timm and transformers) are RGB (3 channels) or grey (1)",
+            path,
         )
     return IMAGE_MODES[in_chans]
 

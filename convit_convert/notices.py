@@ -6,6 +6,8 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 
+from .errors import one_line
+
 _SAID: set[str] = set()
 _SINK: list[Callable[[str], None]] = []
 
@@ -16,7 +18,7 @@ class CmhsaNotice(UserWarning):
 
 def notice(message: str) -> None:
     """Tell the user ``message`` (one line), unless it was said already in this process."""
-    message = " ".join(message.split())
+    message = one_line(message)
     if message in _SAID:
         return
     _SAID.add(message)

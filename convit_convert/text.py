@@ -1,12 +1,14 @@
 """Text from outside (a path, a file's contents, a run folder's name, a class name) made safe for
 where it is shown. One classification decides what a reader could not see or that would act on
 the reader's screen (:func:`hidden`, by Unicode property: the general categories Cc, Cf, Cs, Co,
-Cn, Zl and Zp, every ``Default_Ignorable_Code_Point``, and the characters the Unicode Character
-Database names as blank glyphs); every sink shows those characters as escapes (:func:`shown`),
-each sink through one function: a terminal (:func:`terminal_safe`), a matplotlib label
-(:func:`label_safe`), a Markdown model card (:func:`markdown_safe`, :func:`card_number` for a
-figure read from a file, :func:`yaml_text` for its front matter), a CSV file (:func:`csv_text`: a
-spreadsheet runs no cell as a formula) and a JSON file (:func:`json_text`: `cat` of it moves no
+Cn, Zl and Zp, every space separator (Zs) but U+0020, every ``Default_Ignorable_Code_Point``, and
+the characters the Unicode Character Database names as blank glyphs); every sink shows those
+characters as escapes and each backslash of the text doubled (so an escape never reads as text a
+name could hold: typed out, its characters show with two backslashes), each sink through one
+function: a terminal (:func:`terminal_safe`), a matplotlib label (:func:`label_safe`), a Markdown
+model card (:func:`markdown_safe`, :func:`card_number` for a figure read from a file,
+:func:`yaml_text` for its front matter), a CSV file (:func:`csv_text`: a spreadsheet runs no cell
+as a formula) and a JSON file (:func:`json_text`: JSON's own escapes; `cat` of it moves no
 cursor). Class names are checked by the same classification (labels.py).
 ``tests/test_foreign_text.py`` fails if a module writes CSV, JSON or YAML text any other way."""
 
@@ -14,7 +16,6 @@ from __future__ import annotations
 
 import csv
 import functools
-import html
 import io
 import json
 import math
@@ -25,17 +26,16 @@ from typing import Any
 
 import regex
 
+from .errors import one_line
+
 # What a reader cannot see, or what acts on a terminal, by property (the `regex` package's Unicode
 # tables, kept current with Unicode): controls (newline and tab included: a foreign string is one
 # line wherever it is shown), format characters (zero-width, bidi, tags, the soft hyphen), lone
 # surrogates (what undecodable bytes in a file name become), private use, unassigned, the line
 # and paragraph separators, and every default-ignorable code point (Hangul fillers, variation
-# selectors, the combining grapheme joiner); and the blank glyphs (_blank_glyphs).
+# selectors, the combining grapheme joiner); every space but U+0020 (a no-break, figure or
+# ideographic space reads as it); and the blank glyphs (_blank_glyphs).
 _PROPERTIES = r"\p{Cc}\p{Cf}\p{Cs}\p{Co}\p{Cn}\p{Zl}\p{Zp}\p{Default_Ignorable_Code_Point}"
-
-
-# what would start a link, image, code, emphasis or table cell (a value is never at a line's start)
-_MARKDOWN = re.compile(r"([\\`*_\[\]()|~])")
 
 
 @functools.lru_cache(maxsize=1)
@@ -56,7 +56,7 @@ def _blank_glyphs() -> str:
 
 @functools.lru_cache(maxsize=1)
 def _hidden() -> Any:
-    return regex.compile(f"[{_PROPERTIES}{regex.escape(_blank_glyphs())}]")
+    return regex.compile(f"[{_PROPERTIES}{regex.escape(_blank_glyphs())}]|(?! )\\p{{Zs}}")
 
 
 def hidden(ch: str) -> bool:
@@ -81,10 +81,12 @@ def escaped(text: str, keep: str = "", as_: Callable[[str], str] = escape) -> st
 
 def terminal_safe(text: str) -> str:
     """``text`` on one line with every hidden character (escape sequences, newlines, tabs, bidi
-    overrides, zero-width and blank characters, undecodable bytes) shown as an escape: a string
-    cannot move the cursor, set the title, hide text, pass for another or start a line of its own
-    that looks like cmhsa's (``error: ...``)."""
-    return escaped(text)
+    overrides, zero-width and blank characters, spaces other than U+0020, undecodable bytes) shown
+    as an escape and each backslash of its own doubled: a string cannot move the cursor, set the
+    title, hide text, pass for another (an escape is never text that reads like one) or start a
+    line of its own that looks like cmhsa's (``error: ...``). Every first-level sink (console
+    lines, logs, CSV, plot labels, the model card) shows foreign text through it, once."""
+    return escaped(text.replace("\\", "\\\\"))
 
 
 def printed_safe(text: str) -> str:
@@ -102,16 +104,19 @@ def lines_safe(text: str) -> str:
 def label_safe(text: str) -> str:
     """``text`` for a matplotlib label: terminal-safe, on one line, and with ``$`` escaped (matplotlib
     would parse the text between two as mathtext, and fail on what it cannot parse)."""
-    return terminal_safe(" ".join(text.split())).replace("$", r"\$")
+    return terminal_safe(one_line(text)).replace("$", r"\$")
 
 
 def markdown_safe(value: object, limit: int = 200) -> str:
-    """A value from a file as inert text in Markdown (a model card the Hub renders as HTML): one
-    line, terminal-safe, at most ``limit`` characters, HTML's special characters as entities (no
-    tag, comment or autolink can open) and Markdown's link, image, code and emphasis characters
-    backslash-escaped (no ``[x](javascript:...)`` link)."""
-    text = terminal_safe(" ".join(str(value).split()))[:limit]
-    return _MARKDOWN.sub(r"\\\1", html.escape(text, quote=False))
+    """A value from a file in Markdown (a model card the Hub renders as HTML) as a code span: shown
+    as it is, never read as Markdown or HTML, whatever the renderer's extensions (no link, image,
+    tag, comment, and no autolink of a URL, ``www.`` name or e-mail address, which GitHub-flavoured
+    Markdown makes in text but never in code). One line, terminal-safe, at most ``limit``
+    characters, fenced by one backtick more than its longest run of them."""
+    text = terminal_safe(one_line(str(value)))[:limit] or " "
+    fence = "`" * (max(map(len, re.findall("`+", text)), default=0) + 1)
+    pad = " " if text[0] == "`" or text[-1] == "`" or (text[0] == text[-1] == " " and text.strip()) else ""
+    return f"{fence}{pad}{text}{pad}{fence}"
 
 
 def card_number(value: object, low: float, high: float, digits: int = 2) -> str | None:
@@ -183,7 +188,7 @@ def yaml_text(doc: dict[str, Any]) -> str:
 
     def clean(v: Any) -> Any:
         if isinstance(v, str):
-            return escaped(v)
+            return terminal_safe(v)
         if isinstance(v, dict):
             return {clean(k): clean(x) for k, x in v.items()}
         if isinstance(v, list | tuple):

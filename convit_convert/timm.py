@@ -354,18 +354,25 @@ def export_timm_folder(
                 for name in FILES:  # never over the model it exports (DIR/model.safetensors)
                     check_apart(Target(held, name), reads)
                 return export_timm_folder(checkpoint, held, seed, license_id)
-        except BaseException:
-            remove_made(made)
+        except BaseException:  # a folder this call made goes, with what it wrote there
+            remove_made(made, keep=FILES)
             raise
     import timm
 
+    from .loaders import image_mode
+
     ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else load_checkpoint(checkpoint)
+    image_mode(ckpt.config.in_chans, ckpt.path)  # what timm's and transformers' preprocessing describe
     model = ckpt.model(torch.float32)
     meta = {k: ckpt.metadata[k] for k in CARD_KEYS if k in ckpt.metadata}  # what the model card tells
     written = write_timm_folder(folder, ckpt.config, model.state_dict(), meta, license_id)
     # timm reads the folder back through the one held (a link put in its place cannot answer)
     held_path = folder.writer_path(WEIGHTS).parent
-    loaded = timm.create_model(f"local-dir:{held_path}", pretrained=True).eval()
+    try:
+        loaded = timm.create_model(f"local-dir:{held_path}", pretrained=True).eval()
+    except CmhsaError as e:  # named as the user named the folder, not by the descriptor it is read through
+        where = e.path.replace(str(held_path), str(folder.path), 1) if e.path else folder.path
+        raise CmhsaError(e.message, where) from None
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(4, ckpt.config.in_chans, *ckpt.config.img_size, generator=g)
     with torch.inference_mode():

@@ -63,6 +63,66 @@ def pack(header: object, body: bytes, pad: bool = True) -> bytes:
     return struct.pack("<Q", len(text)) + text + body
 
 
+@pytest.mark.parametrize("command", ["predict", "inspect", "convert", "export", "export-timm"])
+def test_a_safetensors_header_over_the_one_bound_is_refused_by_every_reader(
+    tmp_path: Path, command: str
+) -> None:
+    """17 MiB of metadata (the safetensors library itself takes headers to 100 MB): every command
+    refuses it in one line naming the file, before it reads a tensor, and writes nothing."""
+    from convit_convert.io.safetensors_writer import HEADER_BYTES
+
+    header, body = fixture_parts()
+    header["__metadata__"]["cmhsa.trained"] = "x" * (HEADER_BYTES + 2**20)
+    path = tmp_path / "big.safetensors"
+    path.write_bytes(pack(header, body))
+    out = tmp_path / "out"
+    args = {
+        "predict": ["predict", path, FIXTURE.parent / "digits" / "3.png"],
+        "inspect": ["inspect", path],
+        "convert": ["convert", path, "-o", tmp_path / "v.safetensors"],
+        "export": ["export", path, "-o", tmp_path / "v.onnx"],
+        "export-timm": ["export", path, "--format", "timm", "-o", out],
+    }[command]
+    one_error_line(invoke(*args), 2, str(path), f"at most {HEADER_BYTES:,} bytes")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["big.safetensors"]
+
+
+def test_the_writer_refuses_a_header_its_readers_would_refuse_before_writing(tmp_path: Path) -> None:
+    """The same bound for the writer: metadata that would make a header over it is refused naming
+    the file it would become, with nothing written."""
+    import io
+
+    import torch
+
+    from convit_convert.io.safetensors_writer import HEADER_BYTES, write_safetensors
+
+    sink = io.BytesIO()
+    with pytest.raises(
+        CmhsaError, match=r"^out.safetensors: its safetensors header .* more than cmhsa reads"
+    ):
+        write_safetensors(sink, {"w": torch.zeros(2)}, {"m": "x" * HEADER_BYTES}, "out.safetensors")
+    assert sink.getvalue() == b""
+
+
+def test_a_timm_folder_refused_on_reading_back_names_the_user_s_folder_and_goes(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """Had the export's read-back and its writer disagreed (a reader's bound below the writer's),
+    the refusal names the folder the user gave, not the descriptor it is read through
+    (/proc/self/fd/N), and the folder the export made is gone with the files written into it."""
+    from convit_convert.api import load_checkpoint
+    from convit_convert.io import checkpoint
+    from convit_convert.timm import export_timm_folder
+
+    ckpt = load_checkpoint(FIXTURE)
+    monkeypatch.setattr(checkpoint, "HEADER_BYTES", 64)
+    out = tmp_path / "made" / "timm"
+    with pytest.raises(CmhsaError) as e:
+        export_timm_folder(ckpt, out)
+    assert e.value.path == str(out / "model.safetensors"), e.value
+    assert not (tmp_path / "made").exists()
+
+
 WEIRD = st.one_of(
     st.integers(min_value=-(2**70), max_value=2**70),
     st.floats(allow_nan=True, allow_infinity=True),
@@ -735,17 +795,6 @@ def test_an_onnx_shape_that_depends_on_the_input_s_values_is_refused_before_onnx
         one_error_line(invoke(*args), 2, "node 'grow' (Expand)", "depends on the input's values")
 
 
-def test_onnx_metadata_props_are_bounded(tmp_path: Path, conv_onnx: Path) -> None:
-    # catches: 210 MB of metadata_props accepted
-    import onnx
-
-    model = onnx.load(conv_onnx)
-    entry = model.metadata_props.add()
-    entry.key, entry.value = "note", "x" * (2 * 2**20)
-    onnx.save(model, tmp_path / "meta.onnx")
-    one_error_line(invoke("inspect", tmp_path / "meta.onnx"), 2, "metadata_props entry 'note'")
-
-
 # foreign values, each through its one reader --------------------------------------------------------
 
 
@@ -911,3 +960,51 @@ def test_a_timm_folder_whose_label_names_are_not_its_weights_is_refused(tmp_path
         one_error_line(r, 2, str(config), "are not the class names model.safetensors records")
         with pytest.raises(CmhsaError, match=r"are not the class names model\.safetensors records"):
             timm.create_model(f"local-dir:{tmp_path / 't'}", pretrained=True)
+
+
+@pytest.mark.parametrize("in_chans", [2, 4])
+@pytest.mark.parametrize("fmt", ["onnx", "timm"])
+def test_a_model_of_other_than_grey_or_rgb_images_is_refused_by_export(
+    tmp_path: Path, in_chans: int, fmt: str
+) -> None:
+    """A valid config of 2 or 4 input channels converts and verifies, but no preprocessing an export
+    records (ONNX metadata's channels, timm's and transformers' mean and std) describes its images:
+    export refuses it in one line naming the file, and writes nothing."""
+    import torch
+
+    from conftest import conv_model
+    from convit_convert.api import save_checkpoint
+
+    model = conv_model(dtype=torch.float32, in_chans=in_chans)
+    path = tmp_path / "four.safetensors"
+    save_checkpoint(path, model.cfg, model.state_dict())
+    out = tmp_path / ("m.onnx" if fmt == "onnx" else "timm")
+    r = invoke("export", path, "--format", fmt, "-o", out)
+    one_error_line(r, 2, str(path), f"takes {in_chans}-channel images", "RGB (3 channels) or grey (1)")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["four.safetensors"]
+
+
+def test_a_tensor_file_is_held_to_memory_by_what_it_holds_before_it_is_read(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """A torch.save zip rewritten with compressed entries (4 MB of zeros in a few KB: what it would
+    take is not its size) is refused unread; a safetensors file and a .pt with less memory than
+    twice their tensors' bytes are refused before a tensor is read."""
+    import zipfile
+
+    import torch
+
+    from convit_convert import resources
+
+    plain = tmp_path / "plain.pt"
+    torch.save({"w": torch.zeros(2**20)}, plain)
+    packed = tmp_path / "packed.pt"
+    with zipfile.ZipFile(plain) as src, zipfile.ZipFile(packed, "w", zipfile.ZIP_DEFLATED) as dst:
+        for entry in src.infolist():
+            dst.writestr(entry.filename, src.read(entry.filename))
+    assert packed.stat().st_size < 2**16
+    one_error_line(invoke("inspect", packed), 2, str(packed), "holds compressed entries")
+    monkeypatch.setattr(resources, "available_memory", lambda: 2**16)
+    for path in (FIXTURE, plain):
+        r = invoke("convert", path, "-o", tmp_path / "v.safetensors", "--img-size", "8", "--patch-size", "4")
+        one_error_line(r, 2, str(path), "reading its tensors", "would need about")

@@ -63,7 +63,7 @@ def test_the_names_travel_through_every_artefact(tmp_path: Path, digits_run: Pat
     model = timm.create_model(f"local-dir:{tmp_path / 'timm'}", pretrained=True)
     assert model.pretrained_cfg["label_names"] == list(DIGITS)
     assert (
-        "## Classes\n\nOutput 0 first: 0, 1, 2, 3, 4, 5, 6, 7, 8, 9."
+        "## Classes\n\nOutput 0 first: `0`, `1`, `2`, `3`, `4`, `5`, `6`, `7`, `8`, `9`."
         in (tmp_path / "timm" / "README.md").read_text()
     )
     assert "0, 1, 2, 3, 4, 5, 6, 7, 8, 9" in invoke("inspect", vit).output
@@ -119,6 +119,9 @@ UNREADABLE_NAMES = {
     "a C1 control": ("x\x9b", "U+009B, a control character"),
     "a newline": ("x\nerror: fake", "U+000A, a control character"),
     "a no-break space": ("one\u00a0two", "a space other than U+0020"),
+    "a figure space": ("one\u2007two", "a space other than U+0020"),
+    "an ideographic space": ("one\u3000two", "a space other than U+0020"),
+    "a combining mark first": ("\u0301one", "U+0301, a combining mark"),
     "a Hangul filler": ("\u3164", "an invisible character"),
     # each reads as "one": accepted beside it, a second class would look like the first
     "a blank Braille pattern": ("one\u2800", "U+2800, an invisible character"),
@@ -166,6 +169,30 @@ def test_an_image_folder_with_a_name_that_reads_as_another_is_refused_naming_it(
     assert not (tmp_path / "run").exists()
 
 
+# pairs Unicode's confusables (UTS #39) give one skeleton: different text, the same reading
+READ_ALIKE = {
+    "Latin and Cyrillic a": ("a", "\u0430"),
+    "a and mathematical sans-serif a": ("a", "\U0001d5ba"),
+    "Coat with a Cyrillic o": ("Coat", "C\u043eat"),
+    "m and rn": ("arm", "arrn"),
+    "a full-width letter": ("Bag", "B\uff41g"),
+}
+
+
+@pytest.mark.parametrize("case", READ_ALIKE)
+def test_names_that_read_alike_are_refused_naming_both(tmp_path: Path, case: str) -> None:
+    """Refused as a file's names and as an image folder's (train writes nothing), naming both
+    classes and the characters that differ; names that merely share letters are not."""
+    first, second = READ_ALIKE[case]
+    with pytest.raises(CmhsaError, match=r"class names 1 and 2 read alike .*UTS #39"):
+        check_class_names(["dog", first, second], 3)
+    image_folder(tmp_path, [first, second, "dog"])
+    args = [*TINY.split(), "--data", "imagefolder", "--data-dir", tmp_path, "--batch-size", "2"]
+    one_error_line(invoke("train", "phase1", *args, "-o", tmp_path / "run"), 2, "read alike", "U+")
+    assert not (tmp_path / "run").exists()
+    assert check_class_names([first, "dog", "cat"], 3) == (first, "dog", "cat")
+
+
 @pytest.mark.parametrize(
     "names, fragment",
     [
@@ -208,9 +235,10 @@ def test_the_card_lists_names_as_inert_text_and_at_most_twenty() -> None:
     cfg = ViTConfig.build(img_size=8, patch_size=4, in_chans=1, depth=1, kernel_size=3, num_classes=25)
     names = ["<img src=x onerror=alert(1)>", "[a](javascript:b)"] + [f"c{i}" for i in range(23)]
     card = model_card(cfg, {KEY: json.dumps(names)}, cfg.num_params(), preprocessing(cfg))
-    listed = card.split("## Classes", 1)[1]
-    assert "<img" not in listed and "](javascript" not in listed and "&lt;img" in listed
-    assert "c17, and 5 more (config.json's `label_names`)." in listed
+    listed = card.split("## Classes", 1)[1].split("##", 1)[0]
+    # each name a code span: shown as it is, nothing a renderer reads as a tag or a link
+    assert "`<img src=x onerror=alert(1)>`, `[a](javascript:b)`, `c0`" in listed
+    assert "`c17`, and 5 more (config.json's `label_names`)." in listed
 
 
 def test_a_timm_folder_s_label_names_are_checked(tmp_path: Path, digits_run: Path) -> None:

@@ -66,6 +66,18 @@ def rich_printed(markup: str) -> str:
 CARD_CFG = ViTConfig.build(img_size=8, patch_size=4, in_chans=1, depth=1, kernel_size=3, num_classes=10)
 
 
+def card_tokens(markdown: str) -> list[tuple[str, str]]:
+    """The Markdown as CommonMark parses it (markdown-it, rich's own dependency; a card's front
+    matter left out): each token's type and text, a code span's text left out."""
+    from markdown_it import MarkdownIt
+
+    out = []
+    for token in MarkdownIt("commonmark").parse(markdown.split("---\n", 2)[-1]):
+        for t in token.children or [token]:
+            out.append((t.type, "" if t.type == "code_inline" else t.content))
+    return out
+
+
 def card(metadata: dict[str, str]) -> str:
     pre = dict(channels="L", input_size="(1, 8, 8)", resize_shorter_to="9", interpolation="bicubic")
     pre |= dict(mean="(0.5,)", std="(0.5,)", num_classes="10")
@@ -90,12 +102,10 @@ def test_every_sink_shows_a_hostile_string_as_inert_text(s: str) -> None:
     label = label_safe(s)
     one_clean_line(label)
     assert "$" not in label.replace("\\$", "")
-    # the model card: the value is text, never markup
+    # the model card: the value is one code span, shown as it is, never markup
     md = markdown_safe(s)
     one_clean_line(md)
-    for opened in ("<", "](", "<!--"):
-        assert opened not in md
-    assert not re.search(r"(?<!\\)[`\[\]*_]", md)  # each Markdown character escaped (CommonMark: \`)
+    assert card_tokens(md) == [("paragraph_open", ""), ("code_inline", ""), ("paragraph_close", "")]
     meta = {
         "cmhsa.trained": s,
         "cmhsa.init": json.dumps({"init": s, "init_sha256": s}),
@@ -114,11 +124,7 @@ def test_every_sink_shows_a_hostile_string_as_inert_text(s: str) -> None:
     # (its newlines are its layout's: keeping a value on one line is terminal_safe's, above)
     one_clean_line(rich_console_printed(s).replace("\n", ""))
     text, plain = card(meta), card({k: v.replace(s, "plain") for k, v in meta.items()})
-    assert text.count("\n") == plain.count("\n")  # nothing starts a line, a heading or a block
-    body = text.split("---", 2)[2]
-    for opened in ("<img", "<!--", "](javascript", "<javascript"):
-        assert opened not in body
-    assert text.rstrip().endswith(plain.rstrip().splitlines()[-1]) and "## Use" in text
+    assert card_tokens(text) == card_tokens(plain)  # the value only ever inside code spans
 
 
 @pytest.mark.parametrize(
@@ -161,9 +167,24 @@ def test_the_card_names_a_start_by_its_file_name_never_a_local_path() -> None:
         )
     }
     text = card(meta)
-    assert "/home/someone" not in text and f"conv.safetensors (sha256 {'ab' * 32})" in text.replace(
-        "\\_", "_"
-    )
+    assert "/home/someone" not in text and f"`conv.safetensors` (sha256 `{'ab' * 32}`)" in text
+
+
+def test_the_card_shows_addresses_as_code_never_as_links() -> None:
+    """A URL, a `www.` name and an e-mail address in class names or metadata: each inside a code
+    span, where GitHub-flavoured Markdown (the Hub's renderer) makes no autolink, and in no text."""
+    from convit_convert.labels import KEY
+
+    links = ["https://evil.example/x", "www.evil.example", "someone@evil.example", "mailto:x@evil.example"]
+    names = [*links, *(str(i) for i in range(6))]
+    meta = {"cmhsa.trained": " ".join(links), KEY: json.dumps(names)}
+    body = card(meta)
+    tokens = card_tokens(body)
+    text = " ".join(content for kind, content in tokens if kind != "code_inline")
+    assert not [link for link in links if link.split("/")[0] in text]
+    plain = {"cmhsa.trained": "plain", KEY: json.dumps([f"n{i}" for i in range(10)])}
+    assert tokens == card_tokens(card(plain))  # the card's own links only: none from the values
+    assert all(f"`{link}`" in body for link in links)
 
 
 def test_an_output_folder_named_like_an_error_line_prints_no_error_line(tmp_path: Path) -> None:
@@ -220,15 +241,21 @@ def test_predict_s_csv_and_json_are_sinks_too(tmp_path: Path) -> None:
 
 
 def calls(source: str, owner: str, names: set[str]) -> list[str]:
-    """Calls ``owner.NAME(...)`` (``owner`` a module or class name) in ``source``, with their lines."""
-    return [
-        f"{owner}.{n.func.attr} (line {n.lineno})"
-        for n in ast.walk(ast.parse(source))
-        if isinstance(n, ast.Call)
-        and isinstance(n.func, ast.Attribute)
-        and n.func.attr in names
-        and getattr(n.func.value, "id", None) == owner
-    ]
+    """Calls ``owner.NAME(...)`` (``owner`` a module or class name; "": a bare ``NAME(...)``) in
+    ``source``, with their lines."""
+    found = []
+    for n in ast.walk(ast.parse(source)):
+        if not isinstance(n, ast.Call):
+            continue
+        if owner and isinstance(n.func, ast.Attribute) and getattr(n.func.value, "id", None) == owner:
+            name = n.func.attr
+        elif not owner and isinstance(n.func, ast.Name):
+            name = n.func.id
+        else:
+            continue
+        if name in names:
+            found.append(f"{owner}.{name} (line {n.lineno})")
+    return found
 
 
 def package() -> dict[str, str]:
@@ -252,6 +279,10 @@ ONE_WAY = {
     "a foreign character's kind": ("convit_convert/text.py", [("regex", {"compile", "sub", "match"})]),
     "JSON from a file": ("convit_convert/io/paths.py", [("json", {"load", "loads"})]),
     "an image file": ("convit_convert/io/images.py", [("Image", {"open"})]),
+    # the tensor files: held to memory by what they hold before a tensor is read
+    "a safetensors file": ("convit_convert/io/checkpoint.py", [("", {"safe_open", "load_file"})]),
+    "a PyTorch file (a model, a run's state)": ("convit_convert/io/checkpoint.py", [("torch", {"load"})]),
+    "an ONNX file": ("convit_convert/onnx/load.py", [("onnx", {"load", "load_model"})]),
 }
 
 
@@ -345,6 +376,11 @@ HIDDEN_KINDS = {
     "blank Braille pattern (blank glyph)": "\u2800",
     "Khitan filler (blank glyph)": "\U00016fe4",
     "undecodable byte (surrogate escape)": "\udcff",
+    "no-break space (Zs)": "\u00a0",
+    "figure space (Zs)": "\u2007",
+    "narrow no-break space (Zs)": "\u202f",
+    "em space (Zs)": "\u2003",
+    "ideographic space (Zs)": "\u3000",
 }
 
 
@@ -392,6 +428,33 @@ def test_image_names_that_are_not_utf8_or_hold_invisible_characters(tmp_path: Pa
     assert "a\\u200bb.png" in r.output and "\\xff\\xfebad.png" in r.output
     doc = json.loads((tmp_path / "p.json").read_text())
     assert {Path(p["image"]).name for p in doc["predictions"]} >= {"a\u200bb.png", "\udcff\udcfebad.png"}
+
+
+def test_names_that_print_alike_are_printed_apart(tmp_path: Path) -> None:
+    """Four images whose names read alike raw: with a space and with a no-break space, and with a
+    zero-width space and with the six characters of its escape typed out (and the same for an
+    undecodable byte): predict's console and CSV show six different names, each backslash of a
+    name's own text doubled, and its JSON gives each name back."""
+    import os
+
+    from PIL import Image
+
+    images = tmp_path / "images"
+    images.mkdir()
+    names = ["a b.png", "a\u00a0b.png", "c\u200bd.png", "c\\u200bd.png", "e\\xffg.png"]
+    for i, name in enumerate(names):
+        Image.new("L", (8, 8), 20 * i).save(images / name)
+    Image.new("L", (8, 8), 200).save(os.fsdecode(os.path.join(os.fsencode(images), b"e\xffg.png")))
+    shown = ["a b.png", "a\\xa0b.png", "c\\u200bd.png", "c\\\\u200bd.png", "e\\\\xffg.png", "e\\xffg.png"]
+    r = invoke("predict", FIXTURE, images, "-o", tmp_path / "p.csv")
+    assert r.exit_code == 0, r.output
+    cells = [row[0] for row in csv.reader(io.StringIO((tmp_path / "p.csv").read_text("utf-8")))][1:]
+    assert sorted({Path(c).name for c in cells}) == sorted(shown), cells
+    for name in shown:
+        assert f"{images}/{name}" in r.output.replace("\n", ""), name
+    assert invoke("predict", FIXTURE, images, "-o", tmp_path / "p.json").exit_code == 0
+    doc = json.loads((tmp_path / "p.json").read_text("utf-8"))
+    assert len({Path(p["image"]).name for p in doc["predictions"]}) == 6
 
 
 @pytest.mark.parametrize("fmt", ["png", "svg", "pdf"])

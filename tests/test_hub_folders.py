@@ -83,7 +83,7 @@ def test_what_transformers_saves_cmhsa_reads(tmp_path: Path) -> None:
     r = invoke("export", tmp_path / "again" / "vit.safetensors", "--format", "timm", "-o", tmp_path / "t")
     assert r.exit_code == 0, r.output
     made = (tmp_path / "t" / "README.md").read_text().split("## How it was made", 1)[1].split("##")[0]
-    assert f"- Start: saved (sha256 {sha256_file(saved / 'model.safetensors')})" in made
+    assert f"- Start: `saved` (sha256 `{sha256_file(saved / 'model.safetensors')}`)" in made
 
 
 def test_a_folder_whose_model_code_is_not_cmhsas_is_said_so(tmp_path: Path, monkeypatch) -> None:

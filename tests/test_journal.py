@@ -181,7 +181,14 @@ JOURNAL_COMMANDS: dict[str, tuple[list[str], tuple[str, ...]]] = {
         ["train", "phase1", *TINY_FLAGS, "--epochs", "2", "--resume", "-o", "dl/run"],
         tuple(
             f"dl/run/{n}"
-            for n in ("checkpoint-last.pt", "metrics.csv", "config.json", "conv.safetensors", ".cmhsa.lock")
+            for n in (
+                "checkpoint-last.pt",
+                "metrics.csv",
+                "config.json",
+                "conv.safetensors",
+                "best.safetensors",
+                ".cmhsa.lock",
+            )
         ),
     ),
     "init": (["train", "phase2", *TINY_FLAGS, "--init", "dl/m.safetensors", "-o", "out/run"], ("out/run",)),

@@ -118,7 +118,7 @@ def test_import_erf_gelu_from_opset_17(exported) -> None:
 @pytest.mark.parametrize("exporter", ["dynamo", "legacy"])
 def test_round_trip_of_a_cmhsa_conv_model_is_bit_exact(tmp_path: Path, exporter: str) -> None:
     """cmhsa conv -> ONNX (cmhsa export) -> cmhsa conv: the same float32 numbers, same layout."""
-    model = conv_model(dtype=torch.float32, img_size=(8, 12), in_chans=2, hidden_chans=3, kernel_size=4)
+    model = conv_model(dtype=torch.float32, img_size=(8, 12), in_chans=1, hidden_chans=3, kernel_size=4)
     src = tmp_path / "conv.safetensors"
     save_checkpoint(src, model.cfg, model.state_dict())
     r = invoke("export", src, "-o", tmp_path / "conv.onnx", "--exporter", exporter)

@@ -271,3 +271,74 @@ def test_an_export_checked_in_memory_is_sized_too() -> None:
 
     ex = export_and_check(conv_model(dtype=torch.float32), exporter="legacy")
     assert ex.check.passed, ex.check
+
+
+def with_weights(tmp_path: Path, elements: int, external: bool) -> tuple[Path, Path | None]:
+    """The digits fixture's export with one more float32 initializer of ``elements`` kept alive by
+    the output: inline, or in a sparse file of its own beside the model (nothing written: its bytes
+    read as zeros). Returns the model and its data file."""
+    import onnx
+
+    from conftest import FIXTURE
+
+    assert invoke("export", FIXTURE, "-o", tmp_path / "m.onnx").exit_code == 0
+    model = onnx.load(tmp_path / "m.onnx")
+    g = model.graph
+    weights = TensorProto(name="weights", data_type=F, dims=[elements])
+    data = None
+    if external:
+        data = tmp_path / "weights.bin"
+        with open(data, "wb") as f:
+            f.truncate(4 * elements)
+        weights.data_location = TensorProto.EXTERNAL
+        for key, value in (("location", data.name), ("offset", "0"), ("length", str(4 * elements))):
+            entry = weights.external_data.add()
+            entry.key, entry.value = key, value
+    else:
+        weights.raw_data = bytes(4 * elements)
+    g.initializer.append(weights)
+    logits = g.output[0].name
+    g.node.append(helper.make_node("ReduceMax", ["weights"], ["w_max"], keepdims=0))
+    g.node.append(helper.make_node("Add", [logits, "w_max"], ["kept"]))
+    g.output[0].name = "kept"
+    path = tmp_path / "weights.onnx"
+    path.write_bytes(model.SerializeToString())
+    return path, data
+
+
+@pytest.mark.parametrize("external", [False, True], ids=["inline", "external"])
+@pytest.mark.parametrize("command", ["predict", "inspect"])
+def test_an_onnx_file_s_weights_are_held_to_memory_before_they_are_read(
+    tmp_path: Path, monkeypatch, external: bool, command: str
+) -> None:
+    """4 MiB of weights, inline or external, with 16 MiB of memory: the file's total (its size and
+    every external tensor's length, times the copies checking and running it holds) is refused
+    before the protobuf is parsed or the external file opened."""
+    import sys
+
+    import onnx
+
+    from conftest import FIXTURE
+    from convit_convert import resources
+
+    path, data = with_weights(tmp_path, 2**20, external)
+    opened: list[str] = []
+    watching = [True]  # an audit hook stays for the session: it records only during this test
+    sys.addaudithook(lambda event, args: event == "open" and watching[0] and opened.append(str(args[0])))
+    monkeypatch.setattr(resources, "available_memory", lambda: 16 * 2**20)
+    if not external:
+        monkeypatch.setattr(onnx, "load_model", lambda *a, **k: pytest.fail("parsed before the check"))
+    args = [path, FIXTURE.parent / "digits" / "3.png"] if command == "predict" else [path]
+    opened.clear()
+    try:
+        one_error_line(invoke(command, *args), 2, str(path), "reading the ONNX file", "would need about")
+    finally:
+        watching[0] = False
+    assert str(data) not in opened
+
+
+def test_an_onnx_tensor_is_bounded_by_its_claim_before_it_is_read(tmp_path: Path) -> None:
+    """A 2 GiB initializer in a sparse file of its own (2^29 elements): refused from its dims,
+    as any tensor the graph computes is, before a byte of it is read."""
+    path, _ = with_weights(tmp_path, 2**29, external=True)
+    one_error_line(invoke("inspect", path), 2, str(path), "tensor 'weights' holds 536,870,912 elements")

@@ -115,6 +115,21 @@ def test_two_runs_of_one_name_are_told_apart(tmp_path: Path) -> None:
     assert labels == [str(runs[0]), str(runs[1])]
 
 
+def test_a_run_whose_name_starts_with_an_underscore_is_in_every_legend(tmp_path: Path) -> None:
+    """matplotlib leaves out of a legend a label that starts with "_" (its "no legend" mark): a run
+    folder named so is named in each panel's legend all the same, and its learning rate drawn."""
+    runs = [tmp_path / "_scratch", tmp_path / "__"]
+    for run in runs:
+        run.mkdir()
+        rows = [f"{e},{1.0 / e},{1.1 / e},{50 + e},{1e-3 / e}" for e in (1, 2, 3)]
+        (run / "metrics.csv").write_text("\n".join(["epoch,train_loss,val_loss,top1,lr", *rows]) + "\n")
+    fig, _ = curves_figure(runs)
+    for ax in fig.axes[:3]:
+        shown = [t.get_text() for t in ax.get_legend().get_texts()]
+        assert shown[0].startswith("_scratch") and "__" in shown, shown
+    assert not [t for t in fig.axes[2].texts if "no learning rate" in t.get_text()]
+
+
 @pytest.mark.parametrize("grid", [(3, 3), (14, 14), (7, 4), (16, 2)])
 def test_attention_ticks_mark_offset_zero(grid: tuple[int, int]) -> None:
     r = report()

@@ -82,7 +82,7 @@ def tiny_loop(model: nn.Module, opt: str, clip_grad: float | None = None) -> Sim
         global_step=0,
     )
     return SimpleNamespace(
-        cfg=SimpleNamespace(recipe=SimpleNamespace(clip_grad=clip_grad)),
+        cfg=SimpleNamespace(recipe=SimpleNamespace(clip_grad=clip_grad, grad_accum_steps=1)),
         ctx=ctx,
         state=state,
         forward=model,

@@ -345,7 +345,7 @@ def test_a_fine_tuned_models_card_says_what_it_started_from(tmp_path: Path, monk
     assert meta["license"] == "unknown" and meta["base_model"] == "alice/cmhsa-digits"
     made = card.text.split("## How it was made", 1)[1].split("##", 1)[0]
     sha = hashlib.sha256((snapshot / WEIGHTS).read_bytes()).hexdigest()
-    assert f"sha256 {sha}" in made and "`alice/cmhsa-digits`" in made
+    assert f"sha256 `{sha}`" in made and "`alice/cmhsa-digits`" in made
     assert "a model trained on scikit-learn's digits" in made and "CC BY 4.0" in made
     assert "the image folder's own val/" in made and "held out" not in made
     licence = card.text.split("## Training data and licence", 1)[1].split("##", 1)[0]

@@ -12,7 +12,8 @@
 - `state.py`: what a checkpoint holds; `distributed.py`: torchrun's processes, or one;
 - `progress.py`: a run's progress, its numbers computed once and its events written by a display;
   `profiling.py`: what counts a step's work; `arms.py`: an experiment's runs in parallel;
-- `plot.py`: ``cmhsa plot``'s curves and ``cmhsa attention``'s heat maps.
+- `plot.py`: ``cmhsa plot``'s curves and ``cmhsa attention``'s heat maps; `tensorboard.py`:
+  ``--report-to tensorboard``'s event files.
 
 The data sources are :mod:`convit_convert.data`'s (evaluation: :mod:`convit_convert.api.on_data`).
 

@@ -336,6 +336,13 @@ def curves_figure(runs: list[Path]) -> tuple[Any, list[str]]:
     offsets = {run: member_offsets[ms[0]] for run, ms in members.items()}
     marks = {run: resumed_at(members[run][0]) for run in runs}
     dot = dict(marker="o", markersize=3)
+    # each axis's named lines, kept here: matplotlib leaves a label that starts with "_" out of a
+    # legend, which a run folder named "_x" would be
+    named: dict[Any, list[Any]] = {ax: [] for ax in axes}
+
+    def plot(ax: Any, *args: Any, label: str, **kw: Any) -> None:
+        named[ax] += ax.plot(*args, label=label, **kw)
+
     for n, (run, rows, name) in enumerate(zip(runs, data.values(), labels, strict=True)):
         shift, before = offsets[run]
         colour, epochs = f"C{n % 10}", [shift + r["epoch"] for r in rows]
@@ -355,22 +362,20 @@ def curves_figure(runs: list[Path]) -> tuple[Any, list[str]]:
             for ax in axes:
                 ax.axvline(shift + at, color=colour, linestyle="-.", linewidth=1, alpha=0.7)
         evaluated = [(e, r) for e, r in zip(epochs, rows, strict=True) if "top1" in r]  # `eval_every`
-        ax_loss.plot(
-            [e for e, _ in evaluated], [r["val_loss"] for _, r in evaluated], color=colour, label=name, **dot
-        )
+        xs = [e for e, _ in evaluated]
+        plot(ax_loss, xs, [r["val_loss"] for _, r in evaluated], color=colour, label=name, **dot)
         if all("train_loss" in r for r in rows):
             train = [r["train_loss"] for r in rows]
-            ax_loss.plot(epochs, train, "--", color=colour, label=f"{name} (train)", **dot)
-        ax_acc.plot(
-            [e for e, _ in evaluated], [r["top1"] for _, r in evaluated], color=colour, label=name, **dot
-        )
+            plot(ax_loss, epochs, train, "--", color=colour, label=f"{name} (train)", **dot)
+        plot(ax_acc, xs, [r["top1"] for _, r in evaluated], color=colour, label=name, **dot)
         if all("lr" in r and r["lr"] > 0 for r in rows):
-            ax_lr.plot(epochs, [r["lr"] for r in rows], color=colour, label=name, **dot)
+            plot(ax_lr, epochs, [r["lr"] for r in rows], color=colour, label=name, **dot)
         for key in attn:
             if all(key in r for r in rows):
                 block, what = _series(key)
                 run_name = f"{name}: " if len(data) > 1 else ""
-                axes[3].plot(
+                plot(
+                    axes[3],
                     epochs,
                     [r[key] for r in rows],
                     "--" if what == "gate" else "-",
@@ -383,7 +388,7 @@ def curves_figure(runs: list[Path]) -> tuple[Any, list[str]]:
     ax_loss.set(xlabel="epoch", ylabel="loss", title="Loss: validation (solid), training (dashed)")
     ax_acc.set(xlabel="epoch", ylabel="top-1 (%)", title="Validation top-1")
     ax_lr.set(xlabel="epoch", ylabel="learning rate", title="Learning rate (at each epoch's start)")
-    if any(not line.get_label().startswith("_") for line in ax_lr.lines):
+    if named[ax_lr]:
         ax_lr.set_yscale("log")
     else:
         ax_lr.text(0.5, 0.5, "no learning rate in metrics.csv", ha="center", transform=ax_lr.transAxes)
@@ -394,8 +399,8 @@ def curves_figure(runs: list[Path]) -> tuple[Any, list[str]]:
     for ax in axes:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
-        if any(not line.get_label().startswith("_") for line in ax.lines):
-            ax.legend(fontsize=7)
+        if named[ax]:
+            ax.legend(named[ax], [line.get_label() for line in named[ax]], fontsize=7)
     notes = []
     datasets = {run: dataset_of(run) for run in runs}
     if len({d for d in datasets.values() if d is not None}) > 1:

@@ -23,6 +23,7 @@ from torch import nn
 from ..config import ViTConfig
 from ..errors import CmhsaError, first_line
 from ..io.atomic import atomic_names, recover
+from ..io.checkpoint import load_pickled
 from ..io.folder import Folder
 from ..options.training import TrainConfig
 
@@ -151,7 +152,9 @@ def read_checkpoint(folder: Folder) -> dict[str, Any]:
         raise CmhsaError("no checkpoint to resume from (run without `resume` first)", path)
     try:
         with folder.open_read(LAST) as f:
-            saved = torch.load(f, map_location="cpu", weights_only=True)
+            saved = load_pickled(f, path)
+    except CmhsaError:
+        raise
     except pickle.UnpicklingError:
         raise CmhsaError(
             "holds objects other than tensors and plain values, so cmhsa will not "

@@ -101,10 +101,12 @@ def _export(
     timings: dict[str, float],
     input_facts: dict[str, Any] | None = None,
 ) -> ExportReport:
+    from ..loaders import image_mode
     from ..onnx.export import export_and_check
     from ..onnx.load import providers_for
 
     o = options
+    image_mode(ckpt.config.in_chans, ckpt.path)  # what the recorded preprocessing can describe
     ex = export_and_check(
         ckpt.model(),
         exporter=o.exporter,

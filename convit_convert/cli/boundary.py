@@ -26,7 +26,7 @@ from typing import Any
 from typer.core import TyperGroup
 
 from .. import notices, signals
-from ..errors import CheckFailed, CmhsaError, first_line
+from ..errors import CheckFailed, CmhsaError, first_line, one_line
 from ..resources import SIZED_BY
 from ..text import lines_safe
 from .common import EXIT_BAD_INPUT, EXIT_FAIL, as_flags, terminal_safe
@@ -46,7 +46,7 @@ def debug_enabled() -> bool:
 
 
 def _say(message: str) -> None:
-    print(f"error: {terminal_safe(' '.join(message.split()))}", file=sys.stderr)
+    print(f"error: {terminal_safe(one_line(message))}", file=sys.stderr)
 
 
 def _allocation_failure(e: BaseException) -> str | None:

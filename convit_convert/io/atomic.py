@@ -34,7 +34,7 @@ from pathlib import Path
 
 from ..errors import CmhsaError, first_line
 from ..notices import notice
-from ..text import json_text, terminal_safe
+from ..text import json_text
 from .folder import Folder
 from .journal import JOURNAL_PREFIX, Scan, alive, name_max, scan, temp_pid, temp_stem
 from .outputs import Target
@@ -66,10 +66,9 @@ def recover(folder: Folder, found: Scan | None = None) -> list[str]:
             continue
         finally:
             if replaced:
-                names = ", ".join(terminal_safe(n) for n in replaced)
                 notice(
-                    f"{terminal_safe(str(folder.path))}: finished the commit process {journal.pid} "
-                    f"began and did not end ({terminal_safe(journal.name)}): replaced {names}"
+                    f"{folder.path}: finished the commit process {journal.pid} began and did not end "
+                    f"({journal.name}): replaced {', '.join(replaced)}"
                 )
         done += replaced
     return done

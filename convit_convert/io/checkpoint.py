@@ -21,12 +21,13 @@ from ..errors import CmhsaError, article
 from ..labels import from_metadata
 from ..model import VisionTransformer
 from ..options.operations import Geometry
+from ..resources import check_fits
 from ..version import __version__
 from .atomic import atomic_names
 from .journal import check_settled
 from .outputs import Target
 from .paths import check_input_file, open_regular, parse_json
-from .safetensors_writer import write_safetensors
+from .safetensors_writer import HEADER_BYTES, write_safetensors
 
 KIND_KEY = "cmhsa.kind"
 JSON_KEYS = ("cmhsa.result", "cmhsa.init")  # metadata cmhsa train writes as JSON objects (the model card's)
@@ -129,19 +130,70 @@ def read_tensors(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, s
     path = Path(path)
     check_input_file(path, "model file")
     check_settled(path)
-    try:
-        with open(path, "rb") as f:
-            head = f.read(9)
-    except OSError as e:
-        raise CmhsaError(f"cannot read ({e.strerror})", path) from None
     if path.suffix.lower() == ".onnx":
         raise CmhsaError(
             "is an ONNX model, not a tensor file; read it with convit_convert.api.load_checkpoint", path
         )
-    # by content, not by name: a renamed file is read as what it is
-    if head.startswith(b"PK") or (path.suffix in (".pt", ".pth", ".bin") and head[8:9] != b"{"):
+    try:
+        with open(path, "rb") as f:
+            head = f.read(9)
+            # by content, not by name: a renamed file is read as what it is
+            pickled = head.startswith(b"PK") or (path.suffix in (".pt", ".pth", ".bin") and head[8:9] != b"{")
+            check_tensor_bytes(f, path)
+    except OSError as e:
+        raise CmhsaError(f"cannot read ({e.strerror})", path) from None
+    if pickled:
         return _read_torch(path), {}
+    _check_header_size(head, path)
     return _read_safetensors(path)
+
+
+def load_pickled(f: Any, path: object) -> Any:
+    """A PyTorch file (torch.save's zip or a legacy pickle) from ``f``, the one reader of them (a
+    model's state dict, a run's ``checkpoint-last.pt``): held to memory by what it holds
+    (:func:`check_tensor_bytes`), then read with ``weights_only=True`` (tensors and plain values,
+    never an object that runs code). torch's errors are the caller's to word."""
+    check_tensor_bytes(f, path)
+    return torch.load(f, map_location="cpu", weights_only=True)
+
+
+def check_tensor_bytes(f: Any, path: object) -> None:
+    """A tensor file's bytes (``f``, open at any offset), held twice (its tensors and the model built
+    from them) to the memory available before any is read: a safetensors file or a legacy pickle
+    holds what its size says; torch.save's zip, what its entries say they hold, each stored, as
+    torch.save writes them (a compressed entry could expand without bound, so none is read)."""
+    import zipfile
+
+    size = f.seek(0, 2)
+    f.seek(0)
+    if zipfile.is_zipfile(f):
+        try:
+            entries = zipfile.ZipFile(f).infolist()
+        except (zipfile.BadZipFile, ValueError, OSError) as e:
+            raise CmhsaError(f"not a readable PyTorch file ({e})", path) from None
+        packed = [e.filename for e in entries if e.compress_type != zipfile.ZIP_STORED]
+        if packed:
+            raise CmhsaError(
+                f"holds compressed entries ({packed[0][:60]!r}); torch.save writes none, and a "
+                "compressed entry can expand without bound, so cmhsa reads none",
+                path,
+            )
+        size = sum(e.file_size for e in entries)
+    f.seek(0)
+    check_fits(2 * size, f"reading its tensors ({size:,} bytes, held twice: the tensors and the model)", path)
+
+
+def _check_header_size(head: bytes, path: Path) -> None:
+    """The safetensors header's length, from the file's first 8 bytes, within HEADER_BYTES (the
+    bound of every reader and of the writer) before anything of it is read."""
+    size = int.from_bytes(head[:8], "little") if len(head) >= 8 else -1
+    if not 0 < size <= HEADER_BYTES:
+        shown = f"claims {size:,} bytes" if size > 0 else "has no length"
+        raise CmhsaError(
+            f"not a readable safetensors file (its header {shown}; cmhsa reads headers of at most "
+            f"{HEADER_BYTES:,} bytes)",
+            path,
+        )
 
 
 def _read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -156,19 +208,14 @@ def _read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, st
     return tensors, metadata
 
 
-MAX_HEADER_BYTES = 100 * 2**20  # the safetensors library's own limit on a header
-
-
 def read_metadata(path: str | Path) -> dict[str, str]:
     """A safetensors file's string metadata, from its header alone (bounded, parsed by the one JSON
     reader), without reading a tensor: what a timm folder's check compares its config.json with."""
     path = Path(path)
     with open_regular(path, what="model file") as f:
         head = f.read(8)
-        size = int.from_bytes(head, "little") if len(head) == 8 else -1
-        if not 0 < size <= MAX_HEADER_BYTES:
-            raise CmhsaError("is not a safetensors file (its header's length is not one)", path)
-        header = parse_json(f.read(size), path, "the safetensors header")
+        _check_header_size(head, path)
+        header = parse_json(f.read(int.from_bytes(head, "little")), path, "the safetensors header")
     meta = header.get("__metadata__", {}) if isinstance(header, dict) else None
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise CmhsaError("is not a safetensors file (its header's metadata is not text)", path)
@@ -190,7 +237,7 @@ def _read_torch(path: Path) -> dict[str, torch.Tensor]:
 
     try:
         with open(path, "rb") as f:  # a file object: torch.load dispatches a .safetensors *name* elsewhere
-            obj = torch.load(f, map_location="cpu", weights_only=True)
+            obj = load_pickled(f, path)
     except pickle.UnpicklingError as e:
         raise CmhsaError(
             f"refused by weights_only=True loading: {_blocked(str(e))}; cmhsa never "
@@ -386,4 +433,4 @@ def write_checkpoint(
     metadata.update(extra_metadata or {})
     tensors = {k: v.detach().to("cpu") for k, v in tensors.items()}
     with open(tmp, "wb") as f:
-        return write_safetensors(f, tensors, metadata)
+        return write_safetensors(f, tensors, metadata, path or tmp)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..errors import CmhsaError
+from ..errors import CmhsaError, one_line
 from .model_card import HUB_ID
 
 PREFIX = "hf-hub:"
@@ -59,7 +59,7 @@ def hub_folder(name: str) -> tuple[Path, str]:
     try:
         path = hf.snapshot_download(repo, revision=revision, allow_patterns=FILES)
     except Exception as e:  # huggingface_hub's: not in the cache offline, no such repository, no network
-        why = " ".join(str(e).split())[:200]
+        why = one_line(str(e))[:200]
         raise CmhsaError(f"huggingface_hub could not provide {name} ({type(e).__name__}: {why})") from None
     return Path(path), repo
 

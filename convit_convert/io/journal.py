@@ -38,7 +38,6 @@ from pathlib import Path
 
 from ..errors import CmhsaError
 from ..notices import notice
-from ..text import terminal_safe
 from .folder import Folder, bare, refusal
 from .paths import parse_json
 
@@ -256,15 +255,15 @@ def scan(where: Folder | Path) -> Scan:
         named.update(tmp for tmp, _ in journal.pairs)
     for name, why in foreign:
         notice(
-            f"{terminal_safe(str(folder.path))}: ignoring {terminal_safe(name)}, which is not a commit cmhsa "
-            f"began here ({terminal_safe(why)}); nothing was renamed"
+            f"{folder.path}: ignoring {name}, which is not a commit cmhsa began here ({why}); "
+            "nothing was renamed"
         )
     return Scan(tuple(pending), tuple(foreign), frozenset(named))
 
 
 def finish_hint(journal: Journal) -> str:
     """Which command finishes ``journal``'s commit (any command writing into its folder does)."""
-    folder = terminal_safe(str(journal.folder))
+    folder = journal.folder
     if "checkpoint-last.pt" in journal.targets:
         return f"`cmhsa train phase1|phase2 --resume -o {folder}` finishes it"
     return f"running again the cmhsa command that wrote it into {folder} finishes it"

@@ -13,7 +13,6 @@ import os
 from collections.abc import Iterator
 
 from ..errors import CmhsaError
-from ..text import terminal_safe
 from .folder import Folder
 
 LOCK_NAME = ".cmhsa.lock"
@@ -31,7 +30,7 @@ def locked_folder(folder: Folder) -> Iterator[None]:
         except BlockingIOError:
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
             raise CmhsaError(
-                f"is in use by another cmhsa process (PID {terminal_safe(holder[:20])}); wait for it to end "
+                f"is in use by another cmhsa process (PID {holder[:20]}); wait for it to end "
                 "or choose another `out`",
                 folder.path,
             ) from None

@@ -12,7 +12,14 @@ from typing import Any, BinaryIO
 
 import torch
 
+from ..errors import CmhsaError
 from ..text import json_text
+from .paths import MAX_JSON_BYTES
+
+# A safetensors header is JSON, read by the one JSON reader (io/paths.parse_json): its bound is the
+# bound of every reader (io/checkpoint.py) and of this writer, so cmhsa never writes a file it
+# would refuse to read back.
+HEADER_BYTES = MAX_JSON_BYTES
 
 # safetensors' dtype names (https://github.com/huggingface/safetensors, format section)
 _ST_DTYPES = {
@@ -44,10 +51,11 @@ def _tensor_chunks(t: torch.Tensor) -> Iterator[memoryview]:
 
 
 def write_safetensors(
-    file: BinaryIO, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]
+    file: BinaryIO, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str], path: object = None
 ) -> str:
     """Write ``tensors`` to ``file`` in the safetensors format, in one streaming pass, and return
-    the sha256 of the bytes written.
+    the sha256 of the bytes written; a header over HEADER_BYTES is refused (naming ``path``, the
+    file it becomes) before a byte is written.
 
     The layout is safetensors' own (8-byte little-endian header length, JSON header padded with
     spaces to 8 bytes, then the tensors back to back in header order), read back by
@@ -75,6 +83,12 @@ def write_safetensors(
         offset += size
     head = json_text(header, compact=True).encode()
     head += b" " * (-len(head) % 8)
+    if len(head) > HEADER_BYTES:
+        raise CmhsaError(
+            f"its safetensors header (names, shapes and metadata) would be {len(head):,} bytes, more "
+            f"than cmhsa reads ({HEADER_BYTES:,}); shorten the metadata",
+            path,
+        )
     digest = hashlib.sha256()
     blocks = itertools.chain(
         (struct.pack("<Q", len(head)), head), *(_tensor_chunks(tensors[n]) for n in names)

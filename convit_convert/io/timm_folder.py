@@ -84,12 +84,15 @@ def pretrained_cfg(cfg: ViTConfig, file: str | None = None, license_id: str = "m
 def preprocessing(cfg: ViTConfig) -> dict[str, str]:
     """How a model of ``cfg`` wants an image, as strings (an ONNX file's ``metadata_props``):
     ``cmhsa eval``'s transform, timm's eval one, step by step (resize the shorter side to
-    floor(size / crop_pct), centre crop, scale to 0..1, normalise)."""
+    floor(size / crop_pct), centre crop, scale to 0..1, normalise); only for RGB or grey images
+    (``loaders.image_mode``: an export refuses a model of other channels before it writes)."""
+    from ..loaders import image_mode
+
     pcfg = pretrained_cfg(cfg)
     c, h, w = pcfg["input_size"]
     return {
         "input_size": json_text([c, h, w], indent=None),
-        "channels": "L" if c == 1 else "RGB",
+        "channels": image_mode(c),
         "resize_shorter_to": str(math.floor(min(h, w) / pcfg["crop_pct"])),
         "interpolation": pcfg["interpolation"],
         "crop": "center",

@@ -67,7 +67,7 @@ def import_onnx(path: str | Path, tol: float = DEFAULT_TOL, seed: int = 0, model
     structure = read_structure(model, path, seed)
     cfg, tensors, layout = to_checkpoint(structure, path)
     validate_tensors(cfg, tensors, path)
-    props = {p.key: p.value for p in model.metadata_props}  # bounded by load_onnx
+    props = {p.key: p.value for p in model.metadata_props}  # held to memory with the file by load_onnx
     named = {KEY: props["classes"]} if "classes" in props else {}  # cmhsa export's record of the names
     from_metadata(named, cfg.num_classes, path)
     ckpt = Checkpoint(path, cfg, tensors, named, "onnx")

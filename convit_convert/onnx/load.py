@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from ..errors import CmhsaError, first_line
+from ..errors import CmhsaError, first_line, one_line
 from ..io.journal import check_settled
 from ..io.paths import check_input_file
 from ..resources import check_fits
@@ -88,18 +88,26 @@ def _external_file(location: str, folder: Path, path: Path) -> Path:
     return real
 
 
-def _load_external_data(model: Any, path: Path) -> None:
-    """Read every external tensor's bytes into the model, checking where each comes from."""
+def _external_parts(model: Any, path: Path) -> list[tuple[Any, Path, int, int]]:
+    """Every external tensor with the file, offset and length it names, each checked against the
+    file it names (inside the model's folder, within its end, the length its shape needs) without
+    reading any of it; every tensor, inline or not, at most MAX_TENSOR_ELEMENTS."""
     from onnx import TensorProto, helper
     from onnx.external_data_helper import ExternalDataInfo
 
-    folder = path.parent
+    parts = []
     for tensor in model_tensors(model):
+        if math.prod(tensor.dims) > MAX_TENSOR_ELEMENTS:
+            raise CmhsaError(
+                f"tensor {tensor.name!r} holds {math.prod(tensor.dims):,} elements, more than cmhsa "
+                f"runs ({MAX_TENSOR_ELEMENTS:,})",
+                path,
+            )
         if tensor.data_location != TensorProto.EXTERNAL:
             continue
         try:  # the entries are untrusted strings: offset "x", length "-1", data type 999
             info = ExternalDataInfo(tensor)
-            file = _external_file(info.location, folder, path)
+            file = _external_file(info.location, path.parent, path)
             size = file.stat().st_size
             offset = int(info.offset or 0)
             itemsize = helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
@@ -121,6 +129,45 @@ def _load_external_data(model: Any, path: Path) -> None:
                 f"needs {expected}",
                 path,
             )
+        parts.append((tensor, file, offset, length))
+    return parts
+
+
+# The most copies of an ONNX file's bytes held at once while cmhsa checks and runs it: the parsed
+# proto, onnx's checker and shape inference (each a serialized copy and its C++ parse), the copies
+# a conv graph's import makes, onnxruntime's, and the model rebuilt from it. Measured on this
+# project's exports: `inspect` of a 113 MB conv graph peaked 0.91 GB above a small one's (8.0x);
+# `predict` of a graph holding 512 MiB of weights, inline or external, 3.0 GiB above (6.0x).
+HELD_COPIES = 8
+
+
+def _check_held(path: Path, nbytes: int) -> None:
+    """The memory checking and running ``nbytes`` of ONNX file takes, held to what is available
+    before any of it is read."""
+    check_fits(
+        HELD_COPIES * nbytes,
+        f"reading the ONNX file ({nbytes:,} bytes of graph and weights, held about "
+        f"{HELD_COPIES} times while it is checked and run)",
+        path,
+    )
+
+
+def _parse(path: Path) -> Any:
+    """The ONNX file's protobuf without its external data, its size held to memory first."""
+    import onnx
+
+    _check_held(path, path.stat().st_size)
+    return onnx.load_model(str(path), load_external_data=False)
+
+
+def _load_external_data(model: Any, path: Path) -> None:
+    """Read every external tensor's bytes into the model, checking where each comes from, and
+    holding the file and all its external data to the memory available before any is read."""
+    from onnx import TensorProto
+
+    parts = _external_parts(model, path)
+    _check_held(path, path.stat().st_size + sum(length for *_, length in parts))
+    for tensor, file, offset, length in parts:
         with open(file, "rb") as f:
             f.seek(offset)
             tensor.raw_data = f.read(length)
@@ -131,13 +178,12 @@ def _load_external_data(model: Any, path: Path) -> None:
 def data_files(path: str | Path) -> list[Path]:
     """The external data files an ONNX file names inside its folder (what reading it reads besides
     the file itself), from the proto alone; [] for anything unreadable (the reader says what)."""
-    import onnx
     from onnx import TensorProto
     from onnx.external_data_helper import ExternalDataInfo
 
     path = Path(path)
     try:
-        model = onnx.load_model(str(path), load_external_data=False)
+        model = _parse(path)
         locations = {
             ExternalDataInfo(t).location
             for t in model_tensors(model)
@@ -164,14 +210,13 @@ def load_onnx(path: str | Path) -> Any:
     check_input_file(path, "model file")
     check_settled(path)
     try:
-        model = onnx.load_model(str(path), load_external_data=False)
+        model = _parse(path)
     except (DecodeError, ValueError, RuntimeWarning) as e:
         raise CmhsaError(f"not a readable ONNX file (truncated or not ONNX: {e})", path) from None
     except OSError as e:
         raise CmhsaError(f"cannot read ({e.strerror})", path) from None
     if not model.HasField("graph") or not model.graph.node:
         raise CmhsaError("not an ONNX model (no graph; truncated or another kind of file?)", path)
-    _check_metadata(model, path)
     _load_external_data(model, path)
     try:
         onnx.checker.check_model(model, full_check=True)
@@ -180,35 +225,9 @@ def load_onnx(path: str | Path) -> Any:
     return model
 
 
-# metadata_props: what cmhsa writes (the preprocessing, a few hundred bytes) with room to spare
-MAX_METADATA_ENTRIES = 256
-MAX_METADATA_BYTES = 64 * 2**10  # one key or value
-MAX_METADATA_TOTAL = 1 * 2**20
-
-
-def _check_metadata(model: Any, path: Path) -> None:
-    """``metadata_props`` bounded: at most MAX_METADATA_ENTRIES entries, each key and value at most
-    MAX_METADATA_BYTES, all together at most MAX_METADATA_TOTAL (a model's weights are not there)."""
-    props = model.metadata_props
-    if len(props) > MAX_METADATA_ENTRIES:
-        raise CmhsaError(
-            f"has {len(props):,} metadata_props entries, more than cmhsa reads ({MAX_METADATA_ENTRIES})", path
-        )
-    total = 0
-    for p in props:
-        size = max(len(p.key.encode()), len(p.value.encode()))
-        total += len(p.key.encode()) + len(p.value.encode())
-        if size > MAX_METADATA_BYTES or total > MAX_METADATA_TOTAL:
-            raise CmhsaError(
-                f"metadata_props entry {p.key[:40]!r} makes them more than cmhsa reads "
-                f"({MAX_METADATA_BYTES:,} bytes an entry, {MAX_METADATA_TOTAL:,} in all)",
-                path,
-            )
-
-
-# What onnxruntime may be asked to run. A conv-phase ViT export has no control flow, sequences,
-# local functions or other domains' ops, so none is run: a Loop of 10^12 trips would run for ever.
-CONTROL_FLOW = ("Loop", "Scan", "If", "SequenceMap")
+# What onnxruntime may be asked to run. A conv-phase ViT export has no control flow (every control
+# flow op holds a subgraph), local functions or other domains' ops, so none is run: a Loop of 10^12
+# trips would run for ever.
 MAX_TENSOR_ELEMENTS = 2**28  # any one tensor of the graph at the batch it is run at (1 GiB of float32)
 RUN_SECONDS = 600.0  # one onnxruntime run of a graph; a ViT within the flags' limits takes seconds
 
@@ -233,7 +252,7 @@ def check_runnable(model: Any, path: Path, batch: int) -> int:
             raise CmhsaError(
                 f"node {node.name!r} is a {node.domain}.{node.op_type}, not a standard ONNX op", path
             )
-        if node.op_type in CONTROL_FLOW or any(a.HasField("g") or len(a.graphs) for a in node.attribute):
+        if any(a.HasField("g") or len(a.graphs) for a in node.attribute):
             raise CmhsaError(
                 f"node {node.name!r} is a {node.op_type} with a subgraph; a ViT's graph has no control flow",
                 path,
@@ -291,7 +310,7 @@ def _first_line(e: BaseException) -> str:
 
 def _ort_message(e: BaseException) -> str:
     """onnxruntime's errors carry C++ source locations; keep the part a user can act on."""
-    msg = " ".join(str(e).split())
+    msg = one_line(str(e))
     for marker in ("Unsupported", "ONNX Runtime only", "Load model", "This is an invalid model"):
         i = msg.find(marker)
         if i >= 0:
