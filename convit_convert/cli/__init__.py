@@ -1,8 +1,8 @@
 """The ``cmhsa`` command line: one thin module per command group, rendering the library's reports
-(`convert.py`: convert, verify, inspect, heads; `export.py`; `train.py`: train, eval, attention,
-plot; `predict.py`), with the one error boundary (`boundary.py`), the numeric flags' checks (`bounds.py`), the
-console and renderers (`common.py`), the shared options (`options.py`) and the progress bars
-(`progress.py`).
+(`convert.py`: convert, verify, inspect, heads; `export.py`; `train.py`: train; `evaluate.py`:
+eval, attention, plot; `predict.py`), with the one error boundary (`boundary.py`), the numeric
+flags' checks (`bounds.py`), the console and renderers (`common.py`), the shared options
+(`options.py`) and the progress bars (`progress.py`).
 
 Start-up matters: nothing here imports torch or timm at import time, so ``cmhsa --help`` and
 ``cmhsa heads`` stay fast; each command imports what it needs when it runs.
@@ -16,7 +16,7 @@ from typing import Annotated
 import typer
 
 from ..version import __version__
-from . import convert, export, predict, train
+from . import convert, evaluate, export, predict, train
 from .boundary import BoundaryGroup, set_debug
 from .bounds import bound_all
 from .common import console
@@ -29,7 +29,7 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-for group in (convert, export, train, predict):
+for group in (convert, export, train, evaluate, predict):
     app.registered_commands += group.app.registered_commands
     app.registered_groups += group.app.registered_groups
 bound_all(app)  # every numeric flag checked against its declared range (cli/bounds.py)
