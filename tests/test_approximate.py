@@ -96,6 +96,7 @@ def test_a_refit_that_does_not_generalise_is_not_kept() -> None:
     assert worse > b.heldout.logits_error * 1.03  # what the guard prevented, on the report's images
 
 
+@pytest.mark.slow  # the full tier's: the default tier's time (3 minutes on 2 cores)
 def test_a_refit_that_generalises_is_kept() -> None:
     """The trained fixture: blocks 1-3 keep their refit, which lowers their held-out mixer error by
     about a third against plain dropping; the report says which blocks kept it."""
@@ -114,6 +115,7 @@ def test_a_refit_that_generalises_is_kept() -> None:
     assert all(blk["guard_refit_error"] < blk["guard_drop_error"] for blk in blocks if blk["refit_kept"])
 
 
+@pytest.mark.slow  # the full tier's: the default tier's time (3 minutes on 2 cores)
 def test_the_sweep_serves_every_head_count_from_one_drop_sequence() -> None:
     """heads_sweep runs the calibration images through the conv model once and drops offsets once
     per block; each N must still be what `convert --approximate --heads N` builds on its own."""

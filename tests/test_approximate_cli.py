@@ -106,6 +106,7 @@ def test_refit_beats_corner_rule_on_calibration_set() -> None:
             assert m.refit_error <= m.drop_error + 1e-12
 
 
+@pytest.mark.slow  # the full tier's: the default tier's time (3 minutes on 2 cores)
 def test_labelled_calibration_matches_cmhsa_eval(tmp_path: Path) -> None:
     out = tmp_path / "v.safetensors"
     r = invoke(
@@ -124,6 +125,7 @@ def test_labelled_calibration_matches_cmhsa_eval(tmp_path: Path) -> None:
         assert abs(top1 - h[key]) <= 100 / 359 + 1e-6  # float32 eval against the report: one image at most
 
 
+@pytest.mark.slow  # the full tier's: the default tier's time (3 minutes on 2 cores)
 def test_heads_checkpoint_sweep(tmp_path: Path) -> None:
     r = invoke("heads", "--checkpoint", FIXTURE, *SMALL)
     assert r.exit_code == 0, r.output

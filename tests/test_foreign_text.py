@@ -341,7 +341,7 @@ def test_a_class_named_like_an_error_line_begins_no_line_of_eval_s_report(monkey
     """eval's "most confused" list never prints a line that reads `  error: fake -> x: 3`."""
     from convit_convert.api.on_data import ClassRow, Confusion, EvalReport
     from convit_convert.cli import common
-    from convit_convert.cli import train as cli_train
+    from convit_convert.cli import evaluate as cli_eval
 
     report = EvalReport("conv", 6, 50.0, 100.0, 0.7, "conv", names_from="model")
     report.classes = [ClassRow("error: fake", 3, 0.0), ClassRow("x", 3, 100.0)]
@@ -349,8 +349,8 @@ def test_a_class_named_like_an_error_line_begins_no_line_of_eval_s_report(monkey
     buf = io.StringIO()
     console = common._Console(file=buf, width=200, color_system=None, highlight=False)
     monkeypatch.setattr(common, "console", console)  # print_titled's
-    monkeypatch.setattr(cli_train, "console", console)
-    cli_train.print_per_class(report)
+    monkeypatch.setattr(cli_eval, "console", console)
+    cli_eval.print_per_class(report)
     lines = buf.getvalue().splitlines()
     assert "error: fake" in buf.getvalue()
     assert not [line for line in lines if line.lstrip().startswith("error")]

@@ -57,6 +57,7 @@ def eval_rows(output: str) -> list[str]:
     return [line for line in output.splitlines() if line.startswith("│")]
 
 
+@pytest.mark.slow  # the full tier's: the default tier's time (3 minutes on 2 cores)
 def test_what_transformers_saves_cmhsa_reads(tmp_path: Path) -> None:
     """The shipped classes' save_pretrained (model and processor) on a cmhsa folder: predict and
     eval give the original folder's numbers, export makes ONNX of it, train --init continues it

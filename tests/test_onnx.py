@@ -72,8 +72,19 @@ def exported(tmp_path_factory: pytest.TempPathFactory):
 # ---- import -------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("exporter", ["dynamo", "legacy"])
-@pytest.mark.parametrize("variant", list(VARIANTS))
+# the dynamo exporter takes seconds a graph: the default tier runs it on one variant, the full
+# tier on every one (the legacy exporter, a tenth of a second, on every one in both)
+def dynamo_in_full(combos: list[tuple], quick: tuple) -> list:
+    return [
+        pytest.param(*c, marks=pytest.mark.slow) if "dynamo" in c and c != quick else pytest.param(*c)
+        for c in combos
+    ]
+
+
+@pytest.mark.parametrize(
+    "variant, exporter",
+    dynamo_in_full([(v, e) for v in VARIANTS for e in ("dynamo", "legacy")], ("identity", "dynamo")),
+)
 def test_import_reads_third_party_exports(exported, variant: str, exporter: str) -> None:
     their, path = exported(variant, exporter)
     ckpt = load_checkpoint(path)
@@ -404,9 +415,13 @@ def attn_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[bool, Pat
     return paths
 
 
-@pytest.mark.parametrize("form", ["fused", "trained"])
-@pytest.mark.parametrize("exporter", ["dynamo", "legacy"])
-@pytest.mark.parametrize("sink", [True, False])
+@pytest.mark.parametrize(
+    "sink, exporter, form",
+    dynamo_in_full(
+        [(s, e, f) for s in (True, False) for e in ("dynamo", "legacy") for f in ("fused", "trained")],
+        (True, "dynamo", "fused"),
+    ),
+)
 def test_export_attention(attn_checkpoints, tmp_path: Path, sink: bool, exporter: str, form: str) -> None:
     """Both forms against the checkpoint's PyTorch model in onnxruntime; fused is the default."""
     src = attn_checkpoints[sink]

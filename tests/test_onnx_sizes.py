@@ -171,16 +171,22 @@ def test_a_declared_shape_is_a_claim_not_a_fact(tmp_path: Path) -> None:
         assert r.exit_code == 2 and f"node 'op' ({op})" in r.stderr, r.output[-500:]
 
 
-def exported_with_ballast(tmp_path: Path, tensors: int) -> Path:
-    """The digits fixture exported by cmhsa (so predict and eval run it as shipped), with
+@pytest.fixture(scope="module")
+def digits_onnx(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from conftest import FIXTURE
+
+    path = tmp_path_factory.mktemp("export") / "m.onnx"
+    assert invoke("export", FIXTURE, "-o", path).exit_code == 0
+    return path
+
+
+def exported_with_ballast(source: Path, tmp_path: Path, tensors: int) -> Path:
+    """``source``, the digits fixture exported by cmhsa (so predict and eval run it as shipped), with
     ``tensors`` float64 ConstantOfShape nodes of 2^27 elements each (1 GiB, within the per-tensor
     bound) kept alive by the output: a few hundred bytes that need ``tensors`` GiB to run."""
     import onnx
 
-    from conftest import FIXTURE
-
-    assert invoke("export", FIXTURE, "-o", tmp_path / "m.onnx").exit_code == 0
-    model = onnx.load(tmp_path / "m.onnx")
+    model = onnx.load(source)
     g = model.graph
     logits = g.output[0].name
     g.initializer.append(helper.make_tensor("ballast_shape", I64, [1], [2**27]))
@@ -206,21 +212,21 @@ def exported_with_ballast(tmp_path: Path, tensors: int) -> Path:
 
 
 def test_predict_and_eval_hold_an_onnx_file_to_the_memory_its_graph_needs(
-    tmp_path: Path, monkeypatch
+    tmp_path: Path, digits_onnx: Path, monkeypatch
 ) -> None:
     """predict and eval refuse such a file, as inspect, convert and verify do: every onnxruntime
     session is made by load.ort_session, which sizes the graph and holds the total to memory."""
     from conftest import FIXTURE
     from convit_convert import resources
 
-    path = exported_with_ballast(tmp_path, 3)
+    path = exported_with_ballast(digits_onnx, tmp_path, 3)
     monkeypatch.setattr(resources, "available_memory", lambda: 2 * 2**30)
     digit = FIXTURE.parent / "digits" / "3.png"
     one_error_line(invoke("predict", path, digit), 2, str(path), "would need about", "GiB")
     one_error_line(invoke("eval", path, "--data", "digits"), 2, str(path), "would need about", "GiB")
 
 
-def test_no_onnx_run_without_the_total_size_check(tmp_path: Path, monkeypatch) -> None:
+def test_no_onnx_run_without_the_total_size_check(tmp_path: Path, digits_onnx: Path, monkeypatch) -> None:
     """The mechanism: onnxruntime's InferenceSession is made in one place, load.ort_session (no
     other module of the package names it), which holds the graph's total to memory before it makes
     one: refused, no session is made; allowed, one is. Its batch is a required keyword, so no
@@ -242,7 +248,7 @@ def test_no_onnx_run_without_the_total_size_check(tmp_path: Path, monkeypatch) -
         if "InferenceSession(" in p.read_text()
     ]
     assert made == ["convit_convert/onnx/load.py"], made
-    model = onnx.load(exported_with_ballast(tmp_path, 3))
+    model = onnx.load(exported_with_ballast(digits_onnx, tmp_path, 3))
     sessions = []
     real = onnxruntime.InferenceSession
     monkeypatch.setattr(onnxruntime, "InferenceSession", lambda *a, **k: sessions.append(1) or real(*a, **k))
@@ -273,16 +279,13 @@ def test_an_export_checked_in_memory_is_sized_too() -> None:
     assert ex.check.passed, ex.check
 
 
-def with_weights(tmp_path: Path, elements: int, external: bool) -> tuple[Path, Path | None]:
-    """The digits fixture's export with one more float32 initializer of ``elements`` kept alive by
-    the output: inline, or in a sparse file of its own beside the model (nothing written: its bytes
-    read as zeros). Returns the model and its data file."""
+def with_weights(source: Path, tmp_path: Path, elements: int, external: bool) -> tuple[Path, Path | None]:
+    """``source`` (the digits fixture's export) with one more float32 initializer of ``elements``
+    kept alive by the output: inline, or in a sparse file of its own beside the model (nothing
+    written: its bytes read as zeros). Returns the model and its data file."""
     import onnx
 
-    from conftest import FIXTURE
-
-    assert invoke("export", FIXTURE, "-o", tmp_path / "m.onnx").exit_code == 0
-    model = onnx.load(tmp_path / "m.onnx")
+    model = onnx.load(source)
     g = model.graph
     weights = TensorProto(name="weights", data_type=F, dims=[elements])
     data = None
@@ -309,7 +312,7 @@ def with_weights(tmp_path: Path, elements: int, external: bool) -> tuple[Path, P
 @pytest.mark.parametrize("external", [False, True], ids=["inline", "external"])
 @pytest.mark.parametrize("command", ["predict", "inspect"])
 def test_an_onnx_file_s_weights_are_held_to_memory_before_they_are_read(
-    tmp_path: Path, monkeypatch, external: bool, command: str
+    tmp_path: Path, digits_onnx: Path, monkeypatch, external: bool, command: str
 ) -> None:
     """4 MiB of weights, inline or external, with 16 MiB of memory: the file's total (its size and
     every external tensor's length, times the copies checking and running it holds) is refused
@@ -321,7 +324,7 @@ def test_an_onnx_file_s_weights_are_held_to_memory_before_they_are_read(
     from conftest import FIXTURE
     from convit_convert import resources
 
-    path, data = with_weights(tmp_path, 2**20, external)
+    path, data = with_weights(digits_onnx, tmp_path, 2**20, external)
     opened: list[str] = []
     watching = [True]  # an audit hook stays for the session: it records only during this test
     sys.addaudithook(lambda event, args: event == "open" and watching[0] and opened.append(str(args[0])))
@@ -337,8 +340,22 @@ def test_an_onnx_file_s_weights_are_held_to_memory_before_they_are_read(
     assert str(data) not in opened
 
 
-def test_an_onnx_tensor_is_bounded_by_its_claim_before_it_is_read(tmp_path: Path) -> None:
+def test_an_onnx_tensor_is_bounded_by_its_claim_before_it_is_read(tmp_path: Path, digits_onnx: Path) -> None:
     """A 2 GiB initializer in a sparse file of its own (2^29 elements): refused from its dims,
     as any tensor the graph computes is, before a byte of it is read."""
-    path, _ = with_weights(tmp_path, 2**29, external=True)
+    path, _ = with_weights(digits_onnx, tmp_path, 2**29, external=True)
     one_error_line(invoke("inspect", path), 2, str(path), "tensor 'weights' holds 536,870,912 elements")
+
+
+def test_a_sparse_initializer_is_bounded_by_its_dense_shape(tmp_path: Path, digits_onnx: Path) -> None:
+    """Three bytes of values claiming 2^30 elements dense (what onnxruntime makes of them): refused
+    from its shape, before onnxruntime sees the graph."""
+    import onnx
+
+    model = onnx.load(digits_onnx)
+    values = helper.make_tensor("sparse_values", F, [1], [1.0])
+    indices = helper.make_tensor("sparse_indices", I64, [1], [0])
+    model.graph.sparse_initializer.append(helper.make_sparse_tensor(values, indices, [2**30]))
+    path = tmp_path / "sparse.onnx"
+    path.write_bytes(model.SerializeToString())
+    one_error_line(invoke("inspect", path), 2, str(path), "sparse tensor 'sparse_values' is 1,073,741,824")

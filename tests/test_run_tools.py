@@ -228,6 +228,7 @@ def test_a_yaml_config_with_anchors_is_refused(tmp_path: Path) -> None:
 # a start from the Hub -----------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # the full tier's: the default tier's time (3 minutes on 2 cores)
 def test_a_hub_model_name_is_a_start_and_a_model_offline(tmp_path: Path, monkeypatch) -> None:
     """`hf-hub:ORG/NAME` through huggingface_hub's cache (offline: nothing downloads) for inspect,
     predict, eval, export and train --init; the fine-tuned model's card names `base_model`; a name

@@ -255,6 +255,7 @@ def test_resume_mid_epoch_equals_uninterrupted(tmp_path: Path, loader: str) -> N
     assert [r["epoch"] for r in metrics(tmp_path / "b")] == [1, 2, 3, 4]
 
 
+@pytest.mark.slow  # the full tier's: the default tier's time (3 minutes on 2 cores)
 def test_workers_do_not_change_the_result(tmp_path: Path) -> None:
     """0 vs 2 data-loading workers (persistent), full recipe with drop path: the same weights."""
     kw = dict(epochs=2, depth=2, drop_path=0.1, loader="workers")
@@ -433,6 +434,7 @@ CLI_TINY = (
 ).split()
 
 
+@pytest.mark.slow  # the full tier's: the default tier's time (3 minutes on 2 cores)
 def test_cli_phase1_phase2_eval_plot(tmp_path: Path) -> None:
     r = invoke("train", "phase1", *CLI_TINY, "-o", tmp_path / "p1", "--export-timm")
     assert r.exit_code == 0, r.output

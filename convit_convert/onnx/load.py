@@ -152,6 +152,27 @@ def _check_held(path: Path, nbytes: int) -> None:
     )
 
 
+def _densified(model: Any, path: Path) -> int:
+    """The bytes onnxruntime makes of the graph's sparse initializers, each made dense (a few bytes
+    of values can claim any shape): each at most MAX_TENSOR_ELEMENTS."""
+    from onnx import helper
+
+    total = 0
+    for sparse in model.graph.sparse_initializer:
+        n = math.prod(sparse.dims)
+        if n > MAX_TENSOR_ELEMENTS:
+            raise CmhsaError(
+                f"sparse tensor {sparse.values.name!r} is {n:,} elements dense, more than cmhsa runs "
+                f"({MAX_TENSOR_ELEMENTS:,})",
+                path,
+            )
+        try:
+            total += n * helper.tensor_dtype_to_np_dtype(sparse.values.data_type).itemsize
+        except (KeyError, TypeError, ValueError):
+            total += 8 * n
+    return total
+
+
 def _parse(path: Path) -> Any:
     """The ONNX file's protobuf without its external data, its size held to memory first."""
     import onnx
@@ -166,7 +187,7 @@ def _load_external_data(model: Any, path: Path) -> None:
     from onnx import TensorProto
 
     parts = _external_parts(model, path)
-    _check_held(path, path.stat().st_size + sum(length for *_, length in parts))
+    _check_held(path, path.stat().st_size + sum(length for *_, length in parts) + _densified(model, path))
     for tensor, file, offset, length in parts:
         with open(file, "rb") as f:
             f.seek(offset)
