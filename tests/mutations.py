@@ -151,6 +151,41 @@ MUTATIONS = [
         "",
         ("tests/test_onnx_sizes.py::test_no_onnx_run_without_the_total_size_check",),
     ),
+    Mutation(
+        "an ONNX file read before its size is held to memory",
+        "convit_convert/onnx/load.py",
+        "    _check_held(path, path.stat().st_size)\n",
+        "",
+        ("tests/test_onnx_sizes.py::test_an_onnx_file_s_weights_are_held_to_memory_before_they_are_read",),
+    ),
+    Mutation(
+        "a text's own backslash shown as it is (an escape and a typed name read alike)",
+        "convit_convert/text.py",
+        '    return escaped(text.replace("\\\\", "\\\\\\\\"))',
+        "    return escaped(text)",
+        ("tests/test_foreign_text.py::test_names_that_print_alike_are_printed_apart",),
+    ),
+    Mutation(
+        "class names that read alike accepted",
+        "convit_convert/labels.py",
+        "    _check_apart(names, where)\n    if len(json_text(",
+        "    if len(json_text(",
+        ("tests/test_class_names.py::test_names_that_read_alike_are_refused_naming_both",),
+    ),
+    Mutation(
+        "the model card's values as plain text (a URL autolinks)",
+        "convit_convert/text.py",
+        '    return f"{fence}{pad}{text}{pad}{fence}"',
+        "    return text",
+        ("tests/test_foreign_text.py::test_the_card_shows_addresses_as_code_never_as_links",),
+    ),
+    Mutation(
+        "onnxruntime's telemetry left on",
+        "convit_convert/__init__.py",
+        'os.environ.setdefault("ORT_DISABLE_TELEMETRY", "1")',
+        "pass",
+        ("tests/test_threat_model.py::test_onnxruntime_s_telemetry_is_off_unless_the_user_turned_it_on",),
+    ),
 ]
 
 
