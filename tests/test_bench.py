@@ -46,7 +46,7 @@ def run(script: str, *args: object, cwd: Path = ROOT, timeout: int = 300) -> str
 # script -> (arguments, with {data} and {tmp} filled in; what its output must hold)
 CASES = {
     "convert.py": (["--tiny", "--repeats", "1", "--out", "{tmp}"], "| sink | dtype |"),
-    "approximate.py": (["--rounds", "1"], "heads --checkpoint sweep"),
+    "approximate.py": (["--rounds", "1", "--images", "16", "--heldout", "16"], "heads --checkpoint sweep"),
     "train_small.py": (
         ["--data-dir", "{data}", "--train-samples", "256", "--epochs", "1", "--recipe", "experiments"],
         "| device",
@@ -74,7 +74,7 @@ CASES = {
         "| cpu | 2 | 1 |",
     ),
     "investigations/stacked_kernels.py": (
-        ["--phases", "phase1", "--stacks", "0", "1", "--batch", "2", "--data-dir", "{data}"],
+        ["--phases", "phase1", "--stacks", "1", "--batch", "2", "--data-dir", "{data}"],
         "| phase",
     ),
     "investigations/stacked_eval.py": (

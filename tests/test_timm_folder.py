@@ -162,14 +162,16 @@ def test_a_trained_models_folder_has_a_model_card_the_hub_reads(tmp_path: Path) 
     assert r.exit_code == 0, r.output
     card = ModelCard.load(run / "timm" / CARD)
     meta = card.data.to_dict()
-    assert meta["library_name"] == "timm" and meta["pipeline_tag"] == "image-classification"
-    assert {"timm", "cmhsa", "cmhsa_attn"} <= set(meta["tags"]) and meta["metrics"] == ["accuracy"]
+    # the Hub's convention for a model whose code travels with it: transformers runs it alone
+    assert meta["library_name"] == "transformers" and meta["pipeline_tag"] == "image-classification"
+    assert {"timm", "custom_code", "cmhsa", "cmhsa_attn"} <= set(meta["tags"])
+    assert meta["metrics"] == ["accuracy"]
     assert "datasets" not in meta  # digits: no Hub dataset id, so none is claimed
     top1 = float(list(csv.DictReader((run / "metrics.csv").open()))[-1]["top1"])
     text = card.text
-    assert "Trained by `cmhsa train`: phase2 digits, 1 epochs." in text
-    assert "Start: impulse." in text
-    held_out = "on cmhsa's fixed 20% of the digits, held out of training (the run's metrics.csv)"
+    assert "Trained by `cmhsa train`: `phase2 digits, 1 epochs`." in text  # from metadata: code
+    assert "Start: `impulse`." in text
+    held_out = "on `cmhsa's fixed 20% of the digits, held out of training` (the run's metrics.csv)"
     assert f"Validation top-1 {top1:.2f}% after epoch 1, {held_out}" in text
     assert "Grey (PIL mode L) images, [1, 16, 16]" in text
     # every code block runs as written: transformers' (no cmhsa), then timm's

@@ -54,10 +54,10 @@ def measured(phase: str, seeds: int, args: argparse.Namespace, out: Path) -> tup
     the two) of one stack's evaluation."""
     got: list[tuple[float, float, float]] = []
 
-    def both(stack: stacked.Stack) -> list:
+    def both(stack: stacked.Stack, checked: object) -> list:
         device = stack.ctx.device
         stack.batched_validation = True  # as on a device of BATCHED_EVALUATION
-        batched, scores = seconds(lambda: validation(stack), device)
+        batched, scores = seconds(lambda: validation(stack, checked), device)
 
         def one_by_one() -> list[dict[str, float]]:
             return [evaluate(loop.state.model, loop.val_loader, device, stack.dtype) for loop in stack.loops]
