@@ -1,5 +1,5 @@
 """A model as timm's pretrained folder: what ``timm.create_model("local-dir:DIR", pretrained=True)``
-reads (timm >= 1.0.16, after ``import convit_convert.timm``) and the Hugging Face Hub hosts
+reads (timm >= 1.0.31, after ``import convit_convert.timm``) and the Hugging Face Hub hosts
 (``hf-hub:user/name``, once ``huggingface_hub.upload_folder`` has put the folder there):
 
     DIR/model.safetensors   the weights, in cmhsa's checkpoint format (cmhsa reads the file too)
