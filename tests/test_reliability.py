@@ -393,8 +393,8 @@ def test_phase2_on_cpu_is_bit_identical_run_to_run_and_across_a_resume(tmp_path:
         phase="phase2",
         data="digits",
         init=str(FIXTURE),
-        train_samples=256,
-        val_samples=64,
+        train_samples=128,
+        val_samples=32,
         epochs=2,
         batch_size=32,
         warmup_epochs=0,
@@ -412,7 +412,7 @@ def test_phase2_on_cpu_is_bit_identical_run_to_run_and_across_a_resume(tmp_path:
 
     run(cfg("a"))
     run(cfg("b"))
-    first = run(cfg("c"), stop_after_steps=11)  # 8 steps per epoch: mid epoch 2
+    first = run(cfg("c"), stop_after_steps=6)  # 4 steps per epoch: mid epoch 2
     assert first.stopped == "limit"
     run(cfg("c", resume=True))
     a, b, c = (load_file(str(tmp_path / n / "vit.safetensors")) for n in "abc")
