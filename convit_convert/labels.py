@@ -144,9 +144,14 @@ def check_class_names(names: object, num_classes: int, where: object = None) -> 
     for i, name in enumerate(names):
         check_name(name, i, where)
     _check_apart(names, where)
-    if len(json_text(list(names), indent=None)) > MAX_NAMES_BYTES:
+    if _too_many_bytes(names):
         raise CmhsaError(f"class names are more than {MAX_NAMES_BYTES:,} bytes together", where)
     return tuple(names)
+
+
+def _too_many_bytes(names: Sequence[str]) -> bool:
+    """More than MAX_NAMES_BYTES together as JSON (what a file's metadata holds)."""
+    return len(json_text(list(names), indent=None)) > MAX_NAMES_BYTES
 
 
 def recordable(names: Sequence[str] | None, num_classes: int, where: object = None) -> tuple[str, ...] | None:
@@ -158,10 +163,9 @@ def recordable(names: Sequence[str] | None, num_classes: int, where: object = No
     for i, name in enumerate(names):
         check_name(name, i, where)
     _check_apart(names, where)
-    try:
-        return check_class_names(list(names), num_classes)
-    except CmhsaError:  # more than a file's metadata holds
+    if len(names) != num_classes or _too_many_bytes(names):  # more than a file's metadata holds
         return None
+    return tuple(names)
 
 
 def from_metadata(

@@ -139,7 +139,8 @@ def read_tensors(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, s
             head = f.read(9)
             # by content, not by name: a renamed file is read as what it is
             pickled = head.startswith(b"PK") or (path.suffix in (".pt", ".pth", ".bin") and head[8:9] != b"{")
-            check_tensor_bytes(f, path)
+            if not pickled:  # a PyTorch file is held to memory by its one reader, load_pickled
+                check_tensor_bytes(f, path)
     except OSError as e:
         raise CmhsaError(f"cannot read ({e.strerror})", path) from None
     if pickled:
@@ -238,6 +239,8 @@ def _read_torch(path: Path) -> dict[str, torch.Tensor]:
     try:
         with open(path, "rb") as f:  # a file object: torch.load dispatches a .safetensors *name* elsewhere
             obj = load_pickled(f, path)
+    except CmhsaError:  # load_pickled's own refusal, already one line
+        raise
     except pickle.UnpicklingError as e:
         raise CmhsaError(
             f"refused by weights_only=True loading: {_blocked(str(e))}; cmhsa never "

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
-from ..errors import CmhsaError, article
+from ..errors import CmhsaError, article, one_line
 
 # the largest text files cmhsa reads whole: a run's metrics.csv and config.json, a model's JSON
 # metadata (1,000,000 epochs of metrics are about 100 MB; a config is a few KB)
@@ -208,7 +208,7 @@ def parse_yaml(text: str, path: object = None, what: str = "YAML") -> Any:
                 raise CmhsaError(f"{what} nests deeper than {MAX_JSON_DEPTH} levels", path)
         return yaml.safe_load(text)
     except yaml.YAMLError as e:
-        raise CmhsaError(f"{what} is not valid YAML ({' '.join(str(e).split())[:200]})", path) from None
+        raise CmhsaError(f"{what} is not valid YAML ({one_line(str(e))[:200]})", path) from None
 
 
 def _bounded_int(digits: str) -> int:
