@@ -25,17 +25,31 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+from sizes import TINY
 
 from convit_convert.options.training import TrainConfig
 from convit_convert.train.profiling import HOST_READ, OpCounter
 from convit_convert.train.progress import Progress
 from convit_convert.train.run import run
 
+# bench/sizes.py's tiny model as training flags (its class count is the data's)
+TINY_RUN = {k: v for k, v in TINY.items() if k != "num_classes"}
+
 
 def config(
-    phase: str, steps: int, batch: int, out: Path, data_dir: str | None, report_to: str = "none"
+    phase: str,
+    steps: int,
+    batch: int,
+    out: Path,
+    data_dir: str | None,
+    report_to: str = "none",
+    tiny: bool = False,
 ) -> TrainConfig:
+    """The run measured: ``--preset cpu`` on Fashion-MNIST, phase 2 from impulse init, gated; with
+    ``tiny``, bench/sizes.py's tiny model (one block of a 16-pixel input) for tests/test_bench.py."""
     extra = dict(init="impulse", pinning="gated") if phase == "phase2" else {}
+    if tiny:
+        extra.update(TINY_RUN)
     return TrainConfig.from_flags(
         phase=phase,
         preset="cpu",

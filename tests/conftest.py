@@ -12,6 +12,7 @@ import stat
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -419,10 +420,32 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def attn_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("attn") / "vit.safetensors"
-    assert invoke("convert", FIXTURE, "-o", out).exit_code == 0
-    return out
+def shipped(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """The digits fixture as a user ships it, each file made by cmhsa's CLI on its first use in a
+    test session and shared after (read it, never change it): ``shipped(name)`` for ``attn`` (the
+    attention conversion), ``conv.onnx``, ``attn.onnx``, ``conv-timm``, ``attn-timm`` (folders)."""
+    root = tmp_path_factory.mktemp("shipped")
+    made = {"conv": FIXTURE}
+
+    def get(name: str) -> Path:
+        if name not in made:
+            if name == "attn":
+                out, args = root / "vit.safetensors", ["convert", FIXTURE]
+            else:
+                kind, form = name.replace("-", ".").split(".")
+                timm = ["--format", "timm"] if form == "timm" else []
+                out, args = root / name, ["export", get(kind), *timm]
+            r = invoke(*args, "-o", out)
+            assert r.exit_code == 0, r.output
+            made[name] = out
+        return made[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def attn_model(shipped: Callable[[str], Path]) -> Path:
+    return shipped("attn")
 
 
 @pytest.fixture(scope="session")

@@ -15,6 +15,7 @@ import os
 import shutil
 import struct
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -233,12 +234,9 @@ def test_renamed_and_foreign_files_through_every_reader(tmp_path: Path) -> None:
 # mutated ONNX ------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def conv_onnx(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("onnx") / "conv.onnx"
-    r = invoke("export", FIXTURE, "-o", path)
-    assert r.exit_code == 0, r.output
-    return path
+@pytest.fixture
+def conv_onnx(shipped: Callable[[str], Path]) -> Path:
+    return shipped("conv.onnx")
 
 
 ONNX_MUTATIONS = ["dims", "data_type", "raw_data", "drop_node", "op_type", "opset", "external", "input_shape"]
@@ -798,6 +796,28 @@ def test_an_onnx_shape_that_depends_on_the_input_s_values_is_refused_before_onnx
 # foreign values, each through its one reader --------------------------------------------------------
 
 
+def blank_png(path: Path, width: int, height: int) -> Path:
+    """A valid bilevel PNG of ``width`` x ``height`` black pixels, a few KB to a few hundred (PIL's
+    own encoder takes seconds for 80 million rows; zlib streams them in a fraction of one)."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    row = b"\0" * (1 + (width + 7) // 8)  # filter type 0, then the row's bits
+    z = zlib.compressobj(9)
+    block = row * max(1, 2**20 // len(row))
+    rows_per_block = len(block) // len(row)
+    idat = [z.compress(block) for _ in range(height // rows_per_block)]
+    idat += [z.compress(row * (height % rows_per_block)), z.flush()]
+    ihdr = struct.pack(">IIBBBBB", width, height, 1, 0, 0, 0, 0)  # 1 bit, grey
+    path.write_bytes(
+        b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", b"".join(idat)) + chunk(b"IEND", b"")
+    )
+    return path
+
+
 @pytest.mark.parametrize(
     ("size", "words"),
     [
@@ -809,10 +829,7 @@ def test_an_onnx_shape_that_depends_on_the_input_s_values_is_refused_before_onnx
 def test_an_image_is_sized_from_its_header_before_it_is_decoded(
     tmp_path: Path, conv_onnx: Path, size: tuple[int, int], words: str
 ) -> None:
-    from PIL import Image
-
-    image = tmp_path / "strip.png"
-    Image.new("1", size).save(image)  # a few KB: bilevel, one colour
+    image = blank_png(tmp_path / "strip.png", *size)
     for model in (FIXTURE, conv_onnx):
         one_error_line(invoke("predict", model, image), 2, str(image), words)
 

@@ -74,7 +74,7 @@ CASES = {
         "| cpu | 2 | 1 |",
     ),
     "investigations/stacked_kernels.py": (
-        ["--phases", "phase1", "--stacks", "1", "--batch", "2", "--data-dir", "{data}"],
+        ["--tiny", "--phases", "phase1", "--stacks", "1", "--batch", "2", "--data-dir", "{data}"],
         "| phase",
     ),
     "investigations/stacked_eval.py": (

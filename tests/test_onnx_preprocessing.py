@@ -4,10 +4,10 @@ deployer would (no torch in it), reproduces `cmhsa eval`'s top-1 from the file's
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 from conftest import ROOT
-from convit_convert.api import export_file
 from convit_convert.api.on_data import evaluate_checkpoint
 from convit_convert.data import build_data
 from convit_convert.options.operations import EvalOptions
@@ -22,12 +22,11 @@ def readme_snippet(name: str) -> str:
     return m.group(1)
 
 
-def test_readmes_onnxruntime_block_reproduces_cmhsa_evals_top1(tmp_path: Path) -> None:
+def test_readmes_onnxruntime_block_reproduces_cmhsa_evals_top1(shipped: Callable[[str], Path]) -> None:
     """The digits fixture (1 channel, 32 px) exported, then README's block on every validation
     image (8×8 RGB PIL images, as scikit-learn's digits load): the same top-1 as `cmhsa eval`,
     to the image (both resize with PIL's bicubic and crop alike)."""
-    onnx_path = tmp_path / "digits.onnx"
-    assert export_file(FIXTURE, onnx_path).passed
+    onnx_path = shipped("conv.onnx")
     scope: dict = {}
     exec(readme_snippet("onnx-preprocess").replace('"vit.onnx"', repr(str(onnx_path))), scope)
     val = build_data("digits", None, (32, 32)).val

@@ -7,6 +7,7 @@ Unsqueeze and ReduceSum with computed axes among them (a 219-byte HannWindow can
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -171,13 +172,9 @@ def test_a_declared_shape_is_a_claim_not_a_fact(tmp_path: Path) -> None:
         assert r.exit_code == 2 and f"node 'op' ({op})" in r.stderr, r.output[-500:]
 
 
-@pytest.fixture(scope="module")
-def digits_onnx(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from conftest import FIXTURE
-
-    path = tmp_path_factory.mktemp("export") / "m.onnx"
-    assert invoke("export", FIXTURE, "-o", path).exit_code == 0
-    return path
+@pytest.fixture
+def digits_onnx(shipped: Callable[[str], Path]) -> Path:
+    return shipped("conv.onnx")
 
 
 def exported_with_ballast(source: Path, tmp_path: Path, tensors: int) -> Path:

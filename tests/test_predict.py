@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -37,17 +38,15 @@ def top1(report) -> float:
 
 
 def test_predict_s_top1_is_eval_s_for_a_checkpoint_an_onnx_file_and_a_timm_folder(
-    tmp_path: Path, digit_files: Path
+    digit_files: Path, shipped: Callable[[str], Path]
 ) -> None:
     expected = evaluate_checkpoint(FIXTURE, EvalOptions("digits", device="cpu", workers=0)).top1
     options = PredictOptions(top_k=1, device="cpu")
     ckpt = predict_files(FIXTURE, [digit_files], options)
     assert len(ckpt.predictions) == 359 and top1(ckpt) == pytest.approx(expected, abs=1e-9)
-    assert invoke("export", FIXTURE, "-o", tmp_path / "conv.onnx").exit_code == 0
-    onnx = predict_files(tmp_path / "conv.onnx", [digit_files], options)
+    onnx = predict_files(shipped("conv.onnx"), [digit_files], options)
     assert [p.top[0][1] for p in onnx.predictions] == [p.top[0][1] for p in ckpt.predictions]
-    assert invoke("export", FIXTURE, "--format", "timm", "-o", tmp_path / "timm").exit_code == 0
-    folder = predict_files(tmp_path / "timm", [digit_files], options)
+    folder = predict_files(shipped("conv-timm"), [digit_files], options)
     assert [p.top[0] for p in folder.predictions] == [p.top[0] for p in ckpt.predictions]
 
 

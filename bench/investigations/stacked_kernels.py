@@ -2,7 +2,7 @@
 by torch's profiler ("kernels per compiled step"): what a GPU pays a launch for.
 
     python bench/investigations/stacked_kernels.py [--device cpu] [--stacks 0 1 6] [--batch 8] [--conv-form F]
-                                    [--data-dir DIR]
+                                    [--data-dir DIR] [--tiny]
     python bench/investigations/stacked_kernels.py --device cuda --batch 256 ...
 
 bench/stacked_host.py's model and recipe (``--preset cpu``, drop path 0.1; phase 2 from impulse
@@ -55,6 +55,7 @@ import torch._inductor.metrics as inductor_metrics
 
 sys.path.insert(0, str(_Path(__file__).resolve().parent.parent))  # bench/: the benchmarks these read
 from ops_per_step import config
+from sizes import add_size_flag
 from torch._dynamo.utils import counters
 
 from convit_convert.train.profiling import GRAPH_CALL, NOT_KERNELS, STEP, eager_step, steps_recorded
@@ -90,7 +91,7 @@ def eager_ops_per_step(events: list) -> tuple[int, float]:
 
 def counted(phase: str, seeds: int, steps: int, args: argparse.Namespace, out: Path) -> Counted:
     """One compiled run of ``seeds`` stacked seeds (0: a plain run) for ``steps`` steps, profiled."""
-    cfg = config(phase, steps, args.batch, out, args.data_dir)
+    cfg = config(phase, steps, args.batch, out, args.data_dir, tiny=args.tiny)
     cfg = cfg.replace(device=args.device, compile=True, amp="auto")
     cfg = cfg.replace(conv_form=args.conv_form) if args.conv_form else cfg
     activities = [torch.profiler.ProfilerActivity.CPU]
@@ -137,6 +138,7 @@ def main() -> None:
         "--conv-form", default=None, help="phase 1's conv form for every case (default: each one's own)"
     )
     ap.add_argument("--data-dir", default=None, help="Fashion-MNIST's four IDX .gz files (default: Debian's)")
+    add_size_flag(ap)
     args = ap.parse_args()
     inductor_config.cpp.enable_kernel_profile = True  # the CPU's generated kernels as profiler records
     # inductor counts a graph's bytes as it compiles it, where its metrics log is on (enabled here
