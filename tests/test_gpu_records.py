@@ -7,12 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from conftest import ROOT
 
 
-@pytest.mark.slow
 def test_the_60k_table_in_experiments_md_is_the_raw_runs(tmp_path: Path) -> None:
     """experiments/gpu_60k_report.py recomputes the H100 60k comparison from its raw JSON files:
     every table row it prints stands in EXPERIMENTS.md as printed (the bold of the best start
@@ -63,7 +60,6 @@ def plateau_report(
     return {name.strip(): (seeds.strip(), mean.strip()) for name, _, seeds, mean in rows[1:] if mean.strip()}
 
 
-@pytest.mark.slow
 def test_the_plateau_table_in_experiments_md_is_the_raw_runs(tmp_path: Path) -> None:
     """Every setting of the H100 plateau run: its per-seed top-1 and its mean ± half-range, as the
     report recomputes them from the raw metrics.csv files, stand in EXPERIMENTS.md's table."""
@@ -87,7 +83,6 @@ def _raw_rows(md: str) -> dict[str, str]:
     return {name.strip(): top1.strip() for name, top1 in rows[1:]}
 
 
-@pytest.mark.slow
 def test_readmes_start_table_is_the_experiments_raw_results(tmp_path: Path) -> None:
     """README's "Which start should I use?" tables, cell for cell, are the raw results of every
     scale: the 1k depth-2 and depth-6 runs' result files, the CPU scales' and the 60k plateau's
@@ -213,7 +208,6 @@ def test_the_restart_sections_per_seed_numbers_and_shares_are_the_raw_runs() -> 
         assert want in section, (want, [ln for ln in section.splitlines() if ln.startswith(row)])
 
 
-@pytest.mark.slow  # a subprocess reading every scale's raw runs
 def test_the_crossover_tables_and_figure_are_the_raw_runs(tmp_path: Path) -> None:
     """experiments/crossover.py recomputes, from every scale's raw runs (experiments/results/), the
     table of starts, the table of two-phase's gain taken apart and the plateau check: each row it

@@ -2,7 +2,8 @@
 
 - the flags: ``TrainConfig`` (:mod:`convit_convert.options.training`), built from the flat flags;
 - `run.py`: a run, looped over epochs, its model written; `build.py`: a run built from its config
-  (data, model, recipe, resumed state); `run_folder.py`: the run's held folder and the names it writes;
+  (data, model, recipe, resumed state); `run_folder.py`: the run's held folder and the names it
+  checks; `names.py`: the names of what a run writes, free of torch;
 - `stacked.py`: ``--seeds``, several seeds of one run in one process, stepped batched or in turn;
 - `phases.py`: the model each phase trains; `recipe.py`: timm's optimizer, scheduler, Mixup, loss;
 - `augment.py`: timm's training augmentation on the device; `held.py`: datasets held on the device;

@@ -35,9 +35,7 @@ from ..io.paths import parse_json, read_text
 from ..options.training import TrainConfig
 from ..options.values import check
 from ..text import terminal_safe
-from .run_folder import OUTPUT
-from .stacked import seed_folder
-from .state import LAST
+from .names import LAST, OUTPUT, seed_folder
 
 CPU_SECONDS = "cpu_seconds.txt"  # an arm's CPU seconds, summed over the processes that trained it
 

@@ -32,6 +32,7 @@ from .augment import augment_spec, check_supported
 from .distributed import Context, barrier
 from .held import HeldEvalLoader, HeldLoader, eval_view, held_side, hold, holdable
 from .loop import Loop, seed_everything
+from .names import LAST
 from .phases import PhaseModel, build_phase_model, check_trainable, freeze_attention, training_bytes
 from .progress import PROGRESS_SECONDS, Progress, duration
 from .recipe import (
@@ -40,7 +41,7 @@ from .recipe import (
     check_recipe,
     scaled_lrs,
 )
-from .state import LAST, RunState, environment, environment_changes, plain_records
+from .state import RunState, environment, environment_changes, plain_records
 from .step import CompiledStep, probe_seconds, whole_step_refusal
 
 RESUMABLE = ("epochs", "lr")  # what a resume may change; the schedule is then rebuilt

@@ -48,8 +48,9 @@ from ..loaders import sample_seed
 from ..options.training import TrainConfig
 from . import progress
 from .distributed import Context, all_reduce_sum
+from .names import LAST
 from .progress import Progress
-from .state import LAST, RunState, set_rng_state
+from .state import RunState, set_rng_state
 from .step import CompiledStep, Tally, backward, micro_batch, update
 
 

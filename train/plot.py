@@ -32,7 +32,7 @@ def _column(name: str | None) -> bool:
     return name is not None and (name in METRICS + EMA_METRICS or _ATTN_COLUMN.match(name) is not None)
 
 
-SEED_FOLDER = re.compile(r"seed[0-9]{1,10}")  # train/stacked.py's seed_folder names
+SEED_FOLDER = re.compile(r"seed[0-9]{1,10}")  # train/names.py's seed_folder names
 
 
 def seed_folders(run: Path, look: int = 1000) -> list[str]:
@@ -53,7 +53,7 @@ MAX_SEED_RUNS = 64  # train/stacked.py's MAX_SEEDS: the seeds one stacked run ho
 
 def seed_runs(run: Path, look: int = 10_000) -> list[Path]:
     """A `seeds` run's seed folders in seed order (``run`` has no metrics.csv of its own), else []:
-    folders of stacked.seed_folder's exact names, never links, among the first ``look`` entries, at
+    folders of names.seed_folder's exact names, never links, among the first ``look`` entries, at
     most MAX_SEED_RUNS."""
     if os.path.lexists(run / "metrics.csv"):
         return []

@@ -38,12 +38,9 @@ from .build import build, resolved_config, resumed_config, unmeant_choices
 from .distributed import Context, barrier, setup, teardown
 from .held import HeldEvalLoader
 from .loop import Loop, Stepper, train_one_epoch
+from .names import BEST, LAST, OUTPUT, PENDING_REMOVAL, TIMM_FOLDER
 from .progress import EMA_METRICS, METRICS, Progress
 from .run_folder import (
-    BEST,
-    OUTPUT,
-    PENDING_REMOVAL,
-    TIMM_FOLDER,
     check_init_kept,
     check_run_names,
     finish_removal,
@@ -51,7 +48,7 @@ from .run_folder import (
     remove_replaced,
     run_folder,
 )
-from .state import LAST, plain_records, read_checkpoint
+from .state import plain_records, read_checkpoint
 
 if TYPE_CHECKING:
     from ..timm import TimmFolderReport

@@ -1,6 +1,6 @@
 """A run's folder: made, held open and locked while the run is in it (a failed start leaves it as
-it was), the names a run writes there, checked before anything is touched, and a previous run's
-files refused, kept or replaced (`resume`, `overwrite`, `init`)."""
+it was), the names a run writes there (train/names.py) checked before anything is touched, and a
+previous run's files refused, kept or replaced (`resume`, `overwrite`, `init`)."""
 
 from __future__ import annotations
 
@@ -16,16 +16,9 @@ from ..io.paths import parse_json
 from ..io.timm_folder import FILES, WEIGHTS
 from ..options.training import TrainConfig
 from .distributed import Context, barrier
-from .state import LAST, NUMBERED
+from .names import BEST, LAST, NUMBERED, OUTPUT, PENDING_REMOVAL, TIMM_FOLDER
 from .tensorboard import EVENTS
 from .tensorboard import NAME as EVENT_FILE
-
-OUTPUT = {"phase1": "conv.safetensors", "phase2": "vit.safetensors"}
-TIMM_FOLDER = "timm"  # `export_timm`'s folder in the run's
-BEST = "best.safetensors"  # the model at the epoch of the best validation top-1
-# `overwrite`: the previous run's files still to remove, committed with the new run's first
-# checkpoint and removed once they are gone; `resume` finishes an interrupted removal
-PENDING_REMOVAL = "overwrite-pending.json"
 
 
 @contextlib.contextmanager

@@ -72,6 +72,7 @@ from .build import resolved_config
 from .distributed import Context, setup, teardown
 from .held import HeldBatch, HeldEvalLoader
 from .loop import Loop, Scored
+from .names import seed_folder
 from .progress import Progress
 from .run import RunFiles, RunResult, deterministic_kernels, prepared, train_epochs
 from .run_folder import run_folder
@@ -96,11 +97,6 @@ BATCHED_EVALUATION = {"cuda"}
 # launches for all seeds
 BATCHED_STEP = {"cuda"}
 MAX_SEEDS = 64  # one process's stack: beyond this the batched kernels gain nothing and memory grows
-
-
-def seed_folder(out: str | Path, seed: int) -> Path:
-    """Seed ``seed``'s run folder in a stacked run's ``out``."""
-    return Path(out) / f"seed{seed}"
 
 
 def seed_configs(cfg: TrainConfig) -> list[TrainConfig]:

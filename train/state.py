@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import random
-import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,10 +25,9 @@ from ..io.atomic import atomic_names, recover
 from ..io.checkpoint import load_pickled
 from ..io.folder import Folder
 from ..options.training import TrainConfig
+from .names import LAST, NUMBERED
 
-LAST = "checkpoint-last.pt"
 # an end-of-epoch copy (`keep`): exactly the names numbered_name gives, never a user's look-alike
-NUMBERED = re.compile(r"checkpoint-epoch\d{4,9}\.pt")
 
 
 def numbered_name(epoch: int) -> str:
