@@ -8,6 +8,7 @@ changes: no file outside the run removed or replaced, no run stopped after its o
 from __future__ import annotations
 
 import ast
+import functools
 import hashlib
 import json
 import os
@@ -282,10 +283,17 @@ MUTATING_SHUTIL = {"rmtree", "move", "copy", "copy2", "copyfile", "copytree"}
 MUTATING_METHODS = {"unlink", "rmdir", "mkdir", "rename", "touch", "symlink_to", "hardlink_to", "chmod"}
 
 
+@functools.cache
+def parsed(source: str) -> ast.Module:
+    """``source``'s syntax tree, parsed once per process: the checks below walk every module, each
+    several times (never changing the tree)."""
+    return ast.parse(source)
+
+
 def mutations(source: str) -> list[str]:
     """Calls in `source` that create, rename or remove a file system entry."""
     found = []
-    for node in ast.walk(ast.parse(source)):
+    for node in ast.walk(parsed(source)):
         if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
             continue
         attr, owner = node.func.attr, node.func.value
@@ -401,7 +409,7 @@ def functions(tree: ast.AST) -> list[ast.FunctionDef | ast.AsyncFunctionDef]:
 def doors_opened(source: str) -> dict[str, list[str]]:
     """Per function, the calls in it that open a path as a folder (the innermost function's)."""
     found: dict[str, list[str]] = {}
-    tree = ast.parse(source)
+    tree = parsed(source)
     owner = {}
     for fn in functions(tree):
         for node in ast.walk(fn):
@@ -428,7 +436,7 @@ def unheld_writes(source: str) -> list[str]:
     atomic_names(...) as ...`` in the function, or a parameter named ``tmp``): ``open`` for writing,
     ``Path.write_text`` / ``write_bytes``, ``savefig``, ``torch.save``, and any ``os.open``."""
     found = []
-    for fn in functions(ast.parse(source)):
+    for fn in functions(parsed(source)):
         held = {a.arg for a in fn.args.args if a.arg == "tmp"}
         for node in ast.walk(fn):
             if isinstance(node, ast.With | ast.AsyncWith):
