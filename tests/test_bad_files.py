@@ -436,18 +436,24 @@ def fashion_folder(folder: Path, broken: str) -> Path:
         ),
         "t10k-labels-idx1-ubyte": idx_bytes([10], bytes(range(10))),
     }
-    bad = {
-        "rank": ("train-images-idx3-ubyte", idx_bytes([20 * 28 * 28], bytes(20 * 784))),
-        "overflowing dims": ("train-images-idx3-ubyte", idx_bytes([2**31, 2**31, 2**31], b"")),
-        "label shape": ("train-labels-idx1-ubyte", idx_bytes([20, 1], bytes(20))),
-        "label values": ("train-labels-idx1-ubyte", idx_bytes([20], bytes([200] * 20))),
-        "0x0 images": ("train-images-idx3-ubyte", idx_bytes([20, 0, 0], b"")),
-        "truncated": ("train-images-idx3-ubyte", good["train-images-idx3-ubyte"][:1000]),
-        "bomb": ("t10k-labels-idx1-ubyte", idx_bytes([10], bytes(range(10)) + bytes(300 * 2**20))),
+    bad = {  # each made only when asked for: the bomb is 300 MiB before compression
+        "rank": ("train-images-idx3-ubyte", lambda: idx_bytes([20 * 28 * 28], bytes(20 * 784))),
+        "overflowing dims": ("train-images-idx3-ubyte", lambda: idx_bytes([2**31, 2**31, 2**31], b"")),
+        "label shape": ("train-labels-idx1-ubyte", lambda: idx_bytes([20, 1], bytes(20))),
+        "label values": ("train-labels-idx1-ubyte", lambda: idx_bytes([20], bytes([200] * 20))),
+        "0x0 images": ("train-images-idx3-ubyte", lambda: idx_bytes([20, 0, 0], b"")),
+        "truncated": ("train-images-idx3-ubyte", lambda: good["train-images-idx3-ubyte"][:1000]),
+        "bomb": ("t10k-labels-idx1-ubyte", None),
     }
-    name, data = bad.get(broken, (None, b""))
+    name, make = bad.get(broken, (None, None))
     for n, content in good.items():
-        payload = gzip.compress(data if n == name else content, compresslevel=1)
+        if n == name and make is None:  # the bomb: 10 labels, then 300 MiB of zeros, streamed
+            with gzip.open(folder / (n + ".gz"), "wb", compresslevel=1) as f:
+                f.write(idx_bytes([10], bytes(range(10))))
+                for _ in range(300):
+                    f.write(bytes(2**20))
+            continue
+        payload = gzip.compress(make() if n == name else content, compresslevel=1)
         if broken == "truncated gzip" and n == "train-images-idx3-ubyte":
             payload = payload[: len(payload) // 2]
         (folder / (n + ".gz")).write_bytes(payload)
