@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from conftest import ROOT, invoke
+from conftest import ROOT, in_a_process, invoke
 from convit_convert.api import load_checkpoint
 from convit_convert.config import ViTConfig
 from convit_convert.errors import CmhsaError
@@ -138,6 +138,19 @@ def test_every_import_follows_the_documented_layers() -> None:
     assert not upward, upward
     used = {layer_of(m, layers) for m in graph}
     assert used == set(range(len(layers))), "a documented layer holds no module"
+
+
+def test_the_experiments_runner_and_reports_start_without_torch() -> None:
+    """train/arms.py (the launcher of an experiment's arms) and the experiments' report scripts import
+    no torch, timm or torchvision (train/names.py holds the run's file names they need): a report
+    reads its raw runs in a fraction of a second, where importing torch alone takes two."""
+    code = (
+        "import sys; sys.path.insert(0, 'experiments')\n"
+        "import convit_convert.train.arms, plateau_stacked, crossover, gpu_60k_report\n"
+        "print(sorted({'torch', 'timm', 'torchvision'} & set(sys.modules)))"
+    )
+    r = in_a_process("-c", code)
+    assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr[-2000:]
 
 
 def test_only_the_cli_imports_the_cli() -> None:
