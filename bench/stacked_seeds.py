@@ -25,6 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from convit_convert.train.names import seed_folder
+
 MODEL = ["--preset", "cpu", "--data", "fashion-mnist", "--in-chans", "1", "--batch-size", "256"]
 PHASE_FLAGS = {"phase1": [], "phase2": ["--init", "impulse"]}
 
@@ -81,7 +83,7 @@ def measure(args: argparse.Namespace, phase: str, stacked: int, separate: int, t
         done = subprocess.run(command(args, phase, out, flags), capture_output=True, text=True)
         if done.returncode:
             raise Failed(f"{phase}, {stacked} seeds stacked: exit {done.returncode}\n{done.stderr[-3000:]}")
-        folders = [out / f"seed{s}" for s in range(stacked)]
+        folders = [seed_folder(out, s) for s in range(stacked)]
         logs = [done.stderr]
     else:
         outs = [tmp / f"{phase}-sep{separate}-{s}" for s in range(separate)]

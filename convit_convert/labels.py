@@ -141,12 +141,17 @@ def check_class_names(names: object, num_classes: int, where: object = None) -> 
         raise CmhsaError(f"class names are {type(names).__name__}, not a list of strings", where)
     if len(names) != num_classes:
         raise CmhsaError(f"{len(names):,} class names for a model of {num_classes:,} classes", where)
-    for i, name in enumerate(names):
-        check_name(name, i, where)
-    _check_apart(names, where)
+    _check_each(names, where)
     if _too_many_bytes(names):
         raise CmhsaError(f"class names are more than {MAX_NAMES_BYTES:,} bytes together", where)
     return tuple(names)
+
+
+def _check_each(names: Sequence[str], where: object) -> None:
+    """Each name valid text (:func:`check_name`), and no two that read alike."""
+    for i, name in enumerate(names):
+        check_name(name, i, where)
+    _check_apart(names, where)
 
 
 def _too_many_bytes(names: Sequence[str]) -> bool:
@@ -160,9 +165,7 @@ def recordable(names: Sequence[str] | None, num_classes: int, where: object = No
     name that is not valid text (:func:`check_name`) is refused, naming the class."""
     if names is None:
         return None
-    for i, name in enumerate(names):
-        check_name(name, i, where)
-    _check_apart(names, where)
+    _check_each(names, where)
     if len(names) != num_classes or _too_many_bytes(names):  # more than a file's metadata holds
         return None
     return tuple(names)

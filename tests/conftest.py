@@ -8,6 +8,7 @@ import functools
 import gzip
 import hashlib
 import os
+import shutil
 import signal
 import stat
 import subprocess
@@ -459,13 +460,17 @@ def attn_model(shipped: Callable[[str], Path]) -> Path:
 
 
 @pytest.fixture(scope="session")
-def downloads(tmp_path_factory: pytest.TempPathFactory, tiny_run: Path) -> Path:
-    """What a researcher downloads: a conv checkpoint, its attention conversion, a timm folder and a
-    run folder, in one folder (copied per test)."""
+def downloads(
+    tmp_path_factory: pytest.TempPathFactory, tiny_run: Path, shipped: Callable[[str], Path]
+) -> Path:
+    """What a researcher downloads: a conv checkpoint, its attention conversion (with its report), a
+    timm folder and a run folder, in one folder (copied per test); the files are shipped()'s."""
     root = tmp_path_factory.mktemp("downloads")
     (root / "m.safetensors").write_bytes(FIXTURE.read_bytes())
-    assert invoke("convert", FIXTURE, "-o", root / "vit.safetensors").exit_code == 0
-    assert invoke("export", root / "vit.safetensors", "--format", "timm", "-o", root / "timm").exit_code == 0
+    attn = shipped("attn")
+    for name in (attn.name, attn.with_suffix(".report.json").name):
+        (root / name).write_bytes((attn.parent / name).read_bytes())
+    shutil.copytree(shipped("attn-timm"), root / "timm")
     copy_run(tiny_run, root / "run")
     return root
 

@@ -168,8 +168,8 @@ MUTATIONS = [
     Mutation(
         "class names that read alike accepted",
         "convit_convert/labels.py",
-        "    _check_apart(names, where)\n    if _too_many_bytes(names):",
-        "    if _too_many_bytes(names):",
+        "        check_name(name, i, where)\n    _check_apart(names, where)\n",
+        "        check_name(name, i, where)\n",
         ("tests/test_class_names.py::test_names_that_read_alike_are_refused_naming_both",),
     ),
     Mutation(

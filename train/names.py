@@ -18,6 +18,9 @@ BEST = "best.safetensors"  # the model at the epoch of the best validation top-1
 PENDING_REMOVAL = "overwrite-pending.json"
 
 
+SEED_FOLDER = re.compile(r"seed[0-9]{1,10}")  # what seed_folder names, as a reader matches it
+
+
 def seed_folder(out: str | Path, seed: int) -> Path:
     """Seed ``seed``'s run folder in a stacked run's ``out``."""
     return Path(out) / f"seed{seed}"

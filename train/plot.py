@@ -21,6 +21,7 @@ from ..io.paths import parse_json, read_text
 from ..notices import notice
 from ..options.training import starts_from_checkpoint
 from ..text import label_safe
+from .names import SEED_FOLDER
 from .progress import EMA_METRICS, METRICS
 
 _ATTN_COLUMN = re.compile(r"^attn(\d{1,4})_(share|gate|dist_px)$")
@@ -30,9 +31,6 @@ LARGEST = 1e12  # no metric cmhsa writes comes near; matplotlib's axes overflow 
 def _column(name: str | None) -> bool:
     """A column the plots read: the run's own metrics and ``attn{block}_{share|gate|dist_px}``."""
     return name is not None and (name in METRICS + EMA_METRICS or _ATTN_COLUMN.match(name) is not None)
-
-
-SEED_FOLDER = re.compile(r"seed[0-9]{1,10}")  # train/names.py's seed_folder names
 
 
 def seed_folders(run: Path, look: int = 1000) -> list[str]:
