@@ -196,9 +196,20 @@ JOURNAL_COMMANDS: dict[str, tuple[list[str], tuple[str, ...]]] = {
 }
 
 
-# the default tier meets every hostile journal through a reader, a writer into the journal's
-# folder, a resume and timm's loader; the full tier through every command
-QUICK_JOURNAL_COMMANDS = ("inspect", "convert into dl", "resume", "timm local-dir")
+# the default tier meets every hostile journal through each command that takes under 1.5 s on the
+# VM (readers, writers into the journal's folder, a resume, timm's loader); the full tier adds
+# export (ONNX), eval and attention, 2-5 s each
+QUICK_JOURNAL_COMMANDS = (
+    "inspect",
+    "convert into dl",
+    "resume",
+    "timm local-dir",
+    "init",
+    "verify",
+    "convert",
+    "export timm",
+    "plot",
+)
 
 
 @pytest.mark.parametrize(
