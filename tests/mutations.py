@@ -30,6 +30,13 @@ class Mutation(NamedTuple):
 
 MUTATIONS = [
     Mutation(
+        "the conversion path imports timm",
+        "convit_convert/api/__init__.py",
+        "from .verify import VerifyReport, verify_files\n",
+        "from .verify import VerifyReport, verify_files\nimport timm  # noqa: F401\n",
+        ("tests/test_cli.py::test_conversion_path_does_not_import_timm",),
+    ),
+    Mutation(
         "the glance made a no-op",
         "train/loop.py",
         "    loop.reporter.step(step_line(loop, since, t_last, now, loop.tally.peek()), glance=True)",

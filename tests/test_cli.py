@@ -340,7 +340,6 @@ def test_help_and_heads_do_not_import_torch() -> None:
         assert "torch" not in mods, args
 
 
-@pytest.mark.slow
 def test_conversion_path_does_not_import_timm(fixture_path: Path, tmp_path: Path) -> None:
     mods = imported_after(["convert", str(fixture_path), "-o", str(tmp_path / "v.safetensors")])
     assert "torch" in mods and not mods & {"timm", "torchvision"}
