@@ -72,7 +72,7 @@ def outputs_and_grads(m: ConvMixer, x: torch.Tensor, form: str | None):
 
 
 def scale(t: torch.Tensor) -> float:
-    return float(t.abs().max())
+    return float(t.detach().abs().max())
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"C{c[0]}-K{c[1]}-P{c[2]}-D{c[3]}-{c[4][0]}x{c[4][1]}")
