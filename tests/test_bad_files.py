@@ -223,7 +223,7 @@ def test_renamed_and_foreign_files_through_every_reader(tmp_path: Path) -> None:
             ["convert", f, "-o", out / "v.safetensors", "--no-verify"],
             ["verify", FIXTURE, f],
             ["export", f, "-o", out / "v.onnx"],
-            # the reader is under test, not the sweep: 8 images each, not 256 and 512 (21 s -> 1 s)
+            # the reader is under test, not the sweep: 8 images each, not the default 256 and 512
             ["heads", "--checkpoint", f, "--calib-images", "8", "--heldout-images", "8"],
             ["eval", f, "--data", "synthetic"],
         ):
