@@ -7,8 +7,8 @@ the 10k validation images at each run's last epoch):
 
 - 1,000 images, E = 200, 2 seeds, CPU, batch 64 (experiments/init_comparison.py's restart run:
   results/init_comparison_cpu_e200_n1000_restart.json, each final model evaluated on the 10k);
-- 4,000 images, E = 200, 2 seeds, CPU, and 16,000 images, E = 100, 2 seeds, CPU, batch 256
-  (experiments/plateau_stacked.py: results/plateau_e200_n4000_cpu/, results/plateau_e100_n16000_cpu/);
+- 4,000 and 16,000 images, E = 200, 2 seeds, CPU, batch 256 (experiments/plateau_stacked.py:
+  results/plateau_e200_n4000_cpu/, results/plateau_e200_n16000_cpu/);
 - 60,000 images, E = 200, 3 seeds, an H100, batch 256 (plateau_stacked.py:
   results/plateau_e200_n60000_h100/).
 
@@ -18,8 +18,11 @@ pair: each seed's arms start from its own phase-1 half), mean ± half-range: the
 restarted at phase 2's rate and warm-up, no conversion, over the half), the reparameterisation
 (hard pinning, the same convolution in attention's parameters, over the restart), attention's
 freedom (gated over hard), and phase 1 alone over gated; then how far phase 1 alone and the
-two-phase arms still climbed over the last fifth and the last tenth of E. With --plot, top-1 against training
-images (log scale), one line per start with its seeds' range; --json writes the figure's points.
+two-phase arms still climbed over the last fifth and the last tenth of E; then each earlier run
+of a scale on a shorter schedule (16,000 images, E = 100: results/plateau_e100_n16000_cpu/) beside
+the scale's run, and what the longer schedule changed, seed by seed. With --plot, top-1 against
+training images (log scale), one line per start with its seeds' range; --json writes the figure's
+points.
 """
 
 from __future__ import annotations
@@ -45,9 +48,11 @@ STARTS = {
 SCALES = [
     ("1k", 1000, 200, "init_comparison_cpu_e200_n1000_restart.json"),
     ("4k", 4000, 200, "plateau_e200_n4000_cpu"),
-    ("16k", 16000, 100, "plateau_e100_n16000_cpu"),
+    ("16k", 16000, 200, "plateau_e200_n16000_cpu"),
     ("60k", 60000, 200, "plateau_e200_n60000_h100"),
 ]
+# earlier runs of a scale on a shorter schedule, shown beside it: (label, images, epochs, folder)
+EARLIER = [("16k", 16000, 100, "plateau_e100_n16000_cpu")]
 # two-phase's gain over its half, taken apart: (step, from, to)
 STEPS = [
     ("restart", "phase-1 half", "phase 1, restarted"),
@@ -96,6 +101,11 @@ def seeds_top1(source: str, epochs: int) -> dict[str, list[float]]:
     return out
 
 
+def paired(xs: list[float] | None, ys: list[float] | None) -> list[float] | None:
+    """ys − xs seed by seed (a seed's runs share its training subset); None unless both ran."""
+    return [y - x for x, y in zip(xs, ys, strict=True)] if xs and ys else None
+
+
 def spread(values: list[float]) -> tuple[float, float]:
     """(mean, half-range), as every table of EXPERIMENTS.md reports seeds."""
     return statistics.mean(values), (max(values) - min(values)) / 2
@@ -129,8 +139,7 @@ def main() -> None:
     for step, a, b in STEPS:
         cells = []
         for *_, t in scales:
-            pair = [y - x for x, y in zip(t[a], t[b], strict=True)] if a in t and b in t else None
-            cells.append(spread_text(pair, sign=True))
+            cells.append(spread_text(paired(t.get(a), t.get(b)), sign=True))
         print(f"| {step} ({b} − {a}) | " + " | ".join(cells) + " |")
 
     # how near its plateau each arm ended: top-1 at its last epoch against at four fifths and at
@@ -155,6 +164,22 @@ def main() -> None:
             both = f"{spread_text(fifth, sign=True)} / {spread_text(tenth, sign=True)}"
             cells.append(both if whole else "–")
         print(f"| {start} | " + " | ".join(cells) + " |")
+
+    # what a longer schedule changed at a scale: the same seeds, subsets and recipe, E doubled
+    now = {label: (e, t) for label, _, e, t in scales}
+    for label, _, e, src in EARLIER:
+        before, (e_now, after) = seeds_top1(src, e), now[label]
+        print()
+        print(f"| start at {label} | E {e} (earlier) | E {e_now} | E {e_now} − E {e}, seed by seed |")
+        print("|---|---:|---:|---:|")
+        rows = [(start, before.get(start), after.get(start)) for start in STARTS]
+        lead = "phase 1 alone − gated"  # its sign is the answer: above 0, phase 1 alone leads
+        gaps = (paired(t.get("two-phase, gated pinning"), t.get("phase 1 only")) for t in (before, after))
+        for start, was, got in [*rows, (lead, *gaps)]:
+            if was or got:
+                sign = start == lead
+                cells = (spread_text(was, sign), spread_text(got, sign), spread_text(paired(was, got), True))
+                print(f"| {start} | " + " | ".join(cells) + " |")
 
     points = {
         start: [
@@ -223,7 +248,7 @@ def plot(points: dict[str, list[dict]], path: Path) -> None:
     fig.text(
         0.01,
         0.01,
-        "E = 200 (16k: E = 100); 1k: batch 64, others 256; 1k-16k CPU, 60k an H100; two-phase: E/2 + E/2",
+        "E = 200; 1k: batch 64, others 256; 1k-16k CPU, 60k an H100; two-phase: E/2 + E/2",
         fontsize=7,
     )
     fig.tight_layout(rect=(0, 0.03, 1, 1))

@@ -35,7 +35,7 @@ PLATEAU = ROOT / "experiments" / "results" / "plateau_e200_n60000_h100"
 # the CPU scales between 1k and 60k (experiments/plateau_stacked.py): README column -> (raw runs, flags)
 CPU_SCALES = {
     "4k": ("plateau_e200_n4000_cpu", ("--epochs", "200", "--train-samples", "4000", "--seeds", "0", "1")),
-    "16k": ("plateau_e100_n16000_cpu", ("--epochs", "100", "--train-samples", "16000", "--seeds", "0", "1")),
+    "16k": ("plateau_e200_n16000_cpu", ("--epochs", "200", "--train-samples", "16000", "--seeds", "0", "1")),
 }
 
 
