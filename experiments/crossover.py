@@ -165,7 +165,7 @@ def main() -> None:
             cells.append(both if whole else "–")
         print(f"| {start} | " + " | ".join(cells) + " |")
 
-    # what a longer schedule changed at a scale: the same seeds, subsets and recipe, E doubled
+    # what a longer schedule changed at a scale: the same seeds, subsets and recipe, only E longer
     now = {label: (e, t) for label, _, e, t in scales}
     for label, _, e, src in EARLIER:
         before, (e_now, after) = seeds_top1(src, e), now[label]
