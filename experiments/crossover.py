@@ -173,8 +173,8 @@ def main() -> None:
         print(f"| start at {label} | E {e} (earlier) | E {e_now} | E {e_now} − E {e}, seed by seed |")
         print("|---|---:|---:|---:|")
         rows = [(start, before.get(start), after.get(start)) for start in STARTS]
-        lead = "phase 1 alone − gated"  # its sign is the answer: above 0, phase 1 alone leads
-        gaps = (paired(t.get("two-phase, gated pinning"), t.get("phase 1 only")) for t in (before, after))
+        lead, a, b = STEPS[-1]  # phase 1 alone − gated: its sign is the answer
+        gaps = (paired(t.get(a), t.get(b)) for t in (before, after))
         for start, was, got in [*rows, (lead, *gaps)]:
             if was or got:
                 sign = start == lead
